@@ -1,0 +1,27 @@
+"""loopkern: a loop's step function, in restricted Python, compiled into ONE GPU kernel.
+
+Example::
+
+    import loopkern as lk
+
+    @lk.megakernel(swap=[("u", "v")])
+    def heat(t, u, v, alpha):
+        n = u.shape[0]
+        for i in lk.range(1, n - 1):
+            v[i] = u[i] + alpha * (u[i - 1] - 2.0 * u[i] + u[i + 1])
+
+    run = heat(u, v, 0.25, steps=10_000)   # one launch; u holds the final state
+"""
+
+__version__ = "0.1.0"
+
+from .dsl import grid, max, min, num_threads, range, sum, sync, thread_id
+from .errors import (ArgumentError, BackendError, CompileError, LaunchError, LoopkernError,
+                     StepSyntaxError)
+from .api import MegaKernel, Run, megakernel
+
+__all__ = [
+    "megakernel", "MegaKernel", "Run",
+    "range", "grid", "sync", "sum", "max", "min", "thread_id", "num_threads",
+    "LoopkernError", "StepSyntaxError", "CompileError", "ArgumentError", "LaunchError", "BackendError",
+]

@@ -1,0 +1,241 @@
+"""The public entry point: ``@megakernel``, the :class:`MegaKernel` it returns, and :class:`Run`."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import numbers
+import threading
+from dataclasses import dataclass
+
+from . import codegen
+from .errors import ArgumentError
+from .interop.arrays import ArrayArg, ScalarArg, classify, overlaps
+from .spec import ARRAY, SCALAR
+from .validate import validate_step
+
+BACKENDS = ("auto", "cuda", "cpu")
+SCOPES = ("auto", "grid", "block")
+
+
+@dataclass(frozen=True)
+class Run:
+    """What one call of a megakernel did.
+
+    Attributes:
+        steps: steps executed.
+        stopped: ``"steps"`` (ran the full count) or ``"condition"`` (the step returned false).
+        backend: ``"cuda"`` or ``"cpu"``.
+        scope: ``"grid"``, ``"block"`` or ``"cpu"``.
+        blocks: blocks launched (1 on the CPU).
+        threads: threads per block (1 on the CPU).
+    """
+
+    steps: int
+    stopped: str
+    backend: str
+    scope: str
+    blocks: int
+    threads: int
+
+
+def _check_choice(name, value, allowed):
+    if value not in allowed:
+        raise ArgumentError(f"{name}={value!r}: expected one of {', '.join(repr(a) for a in allowed)}")
+    return value
+
+
+def _check_count(name, value, allow_none=True, minimum=0):
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ArgumentError(f"{name}={value!r}: expected an integer")
+    if int(value) < minimum:
+        raise ArgumentError(f"{name}={value!r}: must be >= {minimum}")
+    return int(value)
+
+
+class MegaKernel:
+    """A step function compiled into one kernel that runs the whole loop.
+
+    Create it with :func:`megakernel`. Call it like the step function without the step index,
+    plus ``steps=`` (or ``max_steps=`` for a step that returns a condition).
+    """
+
+    def __init__(self, fn, *, swap=(), backend="auto", scope="auto", threads=None, blocks=None):
+        self.spec = validate_step(fn, swap)
+        self.fn = fn
+        self._defaults = dict(backend=_check_choice("backend", backend, BACKENDS),
+                              scope=_check_choice("scope", scope, SCOPES),
+                              threads=_check_count("threads", threads, minimum=1),
+                              blocks=_check_count("blocks", blocks, minimum=1))
+        self._signature = inspect.Signature(
+            [inspect.Parameter(p.name, inspect.Parameter.POSITIONAL_OR_KEYWORD) for p in self.spec.params])
+        self._compiled: dict = {}
+        self._lock = threading.Lock()
+        self._scratch = None
+        functools.update_wrapper(self, fn)
+
+    def __repr__(self):
+        return f"<loopkern.MegaKernel {self.spec.name}{self._signature}>"
+
+    # -- inspection ------------------------------------------------------------------------
+    def source(self, backend: str = "cuda", scope: str = "grid") -> str:
+        """The generated kernel source for ``backend`` ("cuda" or "cpu") and ``scope``."""
+        _check_choice("backend", backend, ("cuda", "cpu"))
+        _check_choice("scope", scope, ("grid", "block"))
+        return codegen.render_kernel(self.spec, backend, scope, fingerprint="").text
+
+    # -- calling ---------------------------------------------------------------------------
+    def _bind(self, args, kwargs) -> list:
+        try:
+            bound = self._signature.bind(*args, **kwargs)
+        except TypeError as exc:
+            names = ", ".join(p.name for p in self.spec.params)
+            raise ArgumentError(f"{self.spec.name}(): {exc}; the step takes ({names}) after the step index "
+                                f"'{self.spec.index_param}', plus steps= or max_steps=") from None
+        out = []
+        for p in self.spec.params:
+            a = classify(p.name, bound.arguments[p.name])
+            if p.kind == ARRAY and isinstance(a, ScalarArg):
+                raise ArgumentError(f"argument '{p.name}': the step indexes it as an array, got a scalar "
+                                    f"{type(a.value).__name__}")
+            if p.kind == SCALAR and isinstance(a, ArrayArg):
+                raise ArgumentError(f"argument '{p.name}': the step uses it as a number, got an array of "
+                                    f"shape {a.shape}")
+            out.append(a)
+        for i, j in self.spec.swap:
+            a, b = out[i], out[j]
+            pair = f"swap pair ('{a.name}', '{b.name}')"
+            if not isinstance(a, ArrayArg) or not isinstance(b, ArrayArg):
+                raise ArgumentError(f"{pair}: both must be arrays")
+            if a.shape != b.shape or a.dtype != b.dtype:
+                raise ArgumentError(f"{pair}: arrays must have the same shape and dtype, got "
+                                    f"{a.shape} {a.dtype} and {b.shape} {b.dtype}")
+            if a.where != b.where:
+                raise ArgumentError(f"{pair}: one array is on the GPU and the other on the host")
+            if a.value is b.value or overlaps(a, b):
+                raise ArgumentError(f"{pair}: the two arrays share memory; pass two separate buffers")
+        return out
+
+    def __call__(self, *args, steps=None, max_steps=None, backend=None, scope=None, threads=None,
+                 blocks=None, **kwargs) -> Run:
+        """Run the loop; arrays are updated in place.
+
+        Args:
+            *args, **kwargs: the step's parameters after the step index.
+            steps: number of steps to run (an upper bound if the step returns a condition).
+            max_steps: upper bound on steps for a step that returns a condition.
+            backend: "auto", "cuda" or "cpu" (default: the decorator's).
+            scope: "auto", "grid" or "block" (CUDA only).
+            threads: threads per block (CUDA only; a multiple of 32).
+            blocks: blocks in the grid (CUDA grid scope; must all fit on the device at once).
+
+        Returns:
+            A :class:`Run`.
+
+        Raises:
+            ArgumentError: a bad argument; nothing was copied or launched.
+            LaunchError: the launch configuration cannot run.
+            CompileError: Numba could not compile the step.
+        """
+        if steps is not None and max_steps is not None:
+            raise ArgumentError("pass either steps= or max_steps=, not both")
+        if steps is None and max_steps is None:
+            raise ArgumentError(f"{self.spec.name}(): pass steps=N (or max_steps=N for a step that returns a "
+                                f"condition)")
+        label = "steps" if steps is not None else "max_steps"
+        nsteps = _check_count(label, steps if steps is not None else max_steps, allow_none=False)
+        backend = _check_choice("backend", backend if backend is not None else self._defaults["backend"], BACKENDS)
+        scope = _check_choice("scope", scope if scope is not None else self._defaults["scope"], SCOPES)
+        threads = _check_count("threads", threads if threads is not None else self._defaults["threads"], minimum=1)
+        blocks = _check_count("blocks", blocks if blocks is not None else self._defaults["blocks"], minimum=1)
+        argv = self._bind(args, kwargs)
+
+        from . import launch
+        backend = launch.choose_backend(backend)
+        if backend == "cpu":
+            return self._run_cpu(argv, nsteps)
+        return self._run_cuda(argv, nsteps, scope, threads, blocks)
+
+    def _kernel(self, backend, scope):
+        from .compile import compile_kernel, runtime_fingerprint, simulator_enabled
+        key = (backend, scope)
+        with self._lock:
+            k = self._compiled.get(key)
+            if k is None:
+                cache = not (backend == "cuda" and simulator_enabled())
+                src = codegen.render_kernel(self.spec, backend, scope, cache=cache,
+                                            fingerprint=f"runtime {runtime_fingerprint()}")
+                k = self._compiled[key] = compile_kernel(src)
+        return k
+
+    def _check_types(self, compiled, kargs):
+        for i, j in self.spec.swap:
+            ta, tb = (compiled.type_of(kargs[k]) for k in (i, j))
+            if ta != tb:
+                a, b = self.spec.params[i].name, self.spec.params[j].name
+                raise ArgumentError(f"swap pair ('{a}', '{b}'): the arrays must have the same type, got {ta} "
+                                    f"and {tb} (make both C-contiguous, e.g. with numpy.ascontiguousarray)")
+
+    def _run_cpu(self, argv, nsteps) -> Run:
+        import numpy as np
+        for a in argv:
+            if isinstance(a, ArrayArg) and a.where != "host":
+                raise ArgumentError(f"argument '{a.name}' is on the GPU, but backend='cpu' needs NumPy arrays; "
+                                    f"copy it to the host or use backend='cuda'")
+        compiled = self._kernel("cpu", "grid")
+        kargs = [a.value for a in argv]
+        self._check_types(compiled, kargs)
+        from . import launch
+        full = (np.int64(nsteps), *kargs, np.zeros(2, np.int64))
+        compiled.specialize(full)
+        ran, by_cond = launch.launch_cpu(compiled.dispatcher, nsteps, tuple(kargs))
+        return Run(ran, "condition" if by_cond else "steps", "cpu", "cpu", 1, 1)
+
+    def _run_cuda(self, argv, nsteps, scope, threads, blocks) -> Run:
+        import numpy as np
+        from . import launch
+        from .compile import simulator_enabled
+        from .interop.arrays import to_cuda
+
+        sim = simulator_enabled()
+        work = max([a.size for a in argv if isinstance(a, ArrayArg)] or [1])
+        scope = launch.resolve_scope(scope, work, sim)
+        compiled = self._kernel("cuda", scope)
+        if self._scratch is None:
+            self._scratch = launch.Scratch()
+        # Nothing the user owns is written before the launch: NumPy inputs are copied to new
+        # device buffers, GPU inputs only wrapped.
+        kargs, copy_back = to_cuda(argv)
+        self._check_types(compiled, kargs)
+        redf, redi, info = self._scratch.cuda(1)
+        kernel = compiled.specialize((np.int64(nsteps), *kargs, redf, redi, info))
+        plan = launch.plan_cuda(kernel, scope, work, threads, blocks, sim)
+        ran, by_cond = launch.launch_cuda(compiled.dispatcher, plan, nsteps, tuple(kargs), self._scratch)
+        copy_back()
+        return Run(ran, "condition" if by_cond else "steps", "cuda", plan.scope, plan.blocks, plan.threads)
+
+
+def megakernel(fn=None, *, swap=(), backend="auto", scope="auto", threads=None, blocks=None):
+    """Compile a step function into a megakernel that runs every step inside one launch.
+
+    Use as ``@lk.megakernel`` or ``@lk.megakernel(swap=[("u", "v")], ...)``. The step is
+    validated immediately (a :class:`~loopkern.errors.StepSyntaxError` lists every problem);
+    it is compiled on first call, once per argument-type signature, and cached on disk.
+
+    Args:
+        fn: the step function ``step(t, *params)``.
+        swap: pairs of array parameters whose buffers exchange roles after every step; after the
+            run the first of each pair holds the newest state.
+        backend: "auto" (CUDA if a GPU is usable, else CPU), "cuda" or "cpu".
+        scope: "auto", "grid" (every co-resident block, grid barrier) or "block" (one block).
+        threads: default threads per block.
+        blocks: default number of blocks.
+
+    Returns:
+        A :class:`MegaKernel`.
+    """
+    def wrap(f):
+        return MegaKernel(f, swap=swap, backend=backend, scope=scope, threads=threads, blocks=blocks)
+    return wrap(fn) if fn is not None else wrap

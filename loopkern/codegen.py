@@ -1,0 +1,344 @@
+"""Render a :class:`~loopkern.spec.StepSpec` into kernel source text for one backend.
+
+Pure text work: no numba, no jax. The normalized body is lowered per backend (in-step API
+markers become runtime calls or loops), each statement is printed with ``ast.unparse`` and
+ends with ``# line N``, and the pieces fill a template from ``templates/``. The returned
+:class:`KernelSource` maps every generated line back to the user's file and line, so compiler
+errors can point at the user's code.
+"""
+
+from __future__ import annotations
+
+import ast
+import copy
+import hashlib
+import string
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+
+from .spec import INTRINSIC_PREFIX, RESERVED_PREFIX, FunctionSpec, StepSpec
+
+BACKENDS = ("cuda", "cpu")
+SCOPES = ("grid", "block")
+_INDENT = "    "
+_P = RESERVED_PREFIX
+
+
+@dataclass(frozen=True)
+class KernelSource:
+    """Generated kernel source for one backend and scope.
+
+    Attributes:
+        text: the Python source of a module defining ``_lk_kernel``.
+        backend: ``"cuda"`` or ``"cpu"``.
+        scope: ``"grid"`` or ``"block"`` (``"grid"`` for the CPU backend).
+        line_map: generated line number -> (user file, user line, user column).
+        step_name: the user's step function name.
+    """
+
+    text: str
+    backend: str
+    scope: str
+    step_name: str
+    line_map: dict = field(repr=False, compare=False)
+
+    @property
+    def digest(self) -> str:
+        return hashlib.sha256(self.text.encode()).hexdigest()[:20]
+
+
+def load_template(name: str) -> string.Template:
+    """Read ``templates/<name>``: installed with the package, or beside it in a source checkout."""
+    try:
+        text = resources.files("loopkern.templates").joinpath(name).read_text()
+    except (ModuleNotFoundError, FileNotFoundError):
+        text = (Path(__file__).resolve().parent.parent / "templates" / name).read_text()
+    return string.Template(text)
+
+
+class _Lines:
+    """Collects generated lines, each tagged with the user's line it comes from."""
+
+    def __init__(self, filename: str, home: str):
+        self.filename = filename
+        self.tag = "line " if filename == home else f"{filename}:"
+        self.lines: list[str] = []
+
+    def add(self, depth: int, text: str, node: ast.AST | None = None):
+        if node is not None and getattr(node, "lineno", None):
+            self.lines.append(f"{_INDENT * depth}{text}  # {self.tag}{node.lineno}")
+        else:
+            self.lines.append(f"{_INDENT * depth}{text}")
+
+
+class _Lower(ast.NodeTransformer):
+    """Replace in-step API markers in expressions with backend code."""
+
+    def __init__(self, backend: str, scope: str):
+        self.backend = backend
+        self.scope = scope
+
+    def visit_Call(self, node):
+        self.generic_visit(node)
+        f = node.func
+        if isinstance(f, ast.Name) and f.id.startswith(INTRINSIC_PREFIX):
+            name = f.id[len(INTRINSIC_PREFIX):]
+            if name == "thread_id":
+                return ast.copy_location(ast.Name(id=f"{_P}tid", ctx=ast.Load()), node)
+            if name == "num_threads":
+                return ast.copy_location(ast.Name(id=f"{_P}nt", ctx=ast.Load()), node)
+            if name == "sync":
+                if self.backend == "cpu":
+                    return ast.copy_location(ast.Constant(None), node)
+                return _rt_call(f"{self.scope}_sync", [], node)
+            if name in ("sum", "max", "min"):
+                if self.backend == "cpu":
+                    return _rt_call(f"reduce_{name}", node.args, node)
+                extra = [ast.Name(id=f"{_P}{n}", ctx=ast.Load()) for n in ("redf", "redi", "st")]
+                return _rt_call(f"{self.scope}_{name}", node.args + extra, node)
+            raise AssertionError(f"unexpected marker {f.id}")  # validate only emits the ones above
+        if isinstance(f, ast.Name) and f.id.startswith(f"{_P}fn_"):
+            node.args = node.args + [ast.Name(id=f"{_P}tid", ctx=ast.Load()), ast.Name(id=f"{_P}nt", ctx=ast.Load())]
+        return node
+
+
+def _rt_call(fn: str, args, node):
+    func = ast.Attribute(value=ast.Name(id=f"{_P}rt", ctx=ast.Load()), attr=fn, ctx=ast.Load())
+    return ast.copy_location(ast.Call(func=func, args=list(args), keywords=[]), node)
+
+
+def _src(e: ast.AST) -> str:
+    return ast.unparse(e)
+
+
+class _BodyWriter:
+    """Prints a lowered body statement by statement, expanding parallel loops."""
+
+    def __init__(self, out: _Lines, backend: str, scope: str, is_step: bool):
+        self.out = out
+        self.backend = backend
+        self.lower = _Lower(backend, scope)
+        self.is_step = is_step
+        self.loop_id = 0
+
+    def body(self, stmts, depth):
+        for s in stmts:
+            self.stmt(s, depth)
+
+    def stmt(self, s, depth):
+        out = self.out
+        if isinstance(s, ast.If):
+            out.add(depth, f"if {_src(self.lower.visit(s.test))}:", s)
+            self.body(s.body, depth + 1)
+            if s.orelse:
+                out.add(depth, "else:", s.orelse[0])
+                self.body(s.orelse, depth + 1)
+        elif isinstance(s, ast.While):
+            out.add(depth, f"while {_src(self.lower.visit(s.test))}:", s)
+            self.body(s.body, depth + 1)
+        elif isinstance(s, ast.For):
+            self.for_loop(s, depth)
+        elif isinstance(s, ast.Return):
+            out.add(depth, self.return_text(s), s)
+        elif isinstance(s, ast.Expr) and isinstance(s.value, ast.Call):
+            v = self.lower.visit(s.value)
+            out.add(depth, "pass" if isinstance(v, ast.Constant) else _src(v), s)
+        else:
+            out.add(depth, _src(self.lower.visit(s)), s)
+
+    def return_text(self, s):
+        if not self.is_step:
+            return "return" if s.value is None else f"return {_src(self.lower.visit(s.value))}"
+        if s.value is None:
+            return "return True"
+        return f"return bool({_src(self.lower.visit(s.value))})"
+
+    def for_loop(self, s, depth):
+        it = s.iter
+        name = it.func.id
+        args = [self.lower.visit(a) for a in it.args]
+        if name == "range":
+            self.out.add(depth, f"for {_src(s.target)} in range({', '.join(_src(a) for a in args)}):", s)
+            self.body(s.body, depth + 1)
+        elif name == INTRINSIC_PREFIX + "range":
+            self.parallel_range(s, args, depth)
+        else:
+            self.parallel_grid(s, args, depth)
+
+    def _bind(self, depth, var, expr, node):
+        """Bind ``expr`` to ``var`` unless it is already a name or a constant; returns the text."""
+        if isinstance(expr, (ast.Name, ast.Constant)):
+            return _src(expr)
+        self.out.add(depth, f"{var} = {_src(expr)}", node)
+        return var
+
+    def parallel_range(self, s, args, depth):
+        k = self.loop_id = self.loop_id + 1
+        lo, hi, st = (ast.Constant(0), args[0], ast.Constant(1)) if len(args) == 1 else \
+            (args[0], args[1], args[2] if len(args) == 3 else ast.Constant(1))
+        target = _src(s.target)
+        if self.backend == "cpu":
+            rng = f"{_src(lo)}, {_src(hi)}" + ("" if _is_one(st) else f", {_src(st)}")
+            self.out.add(depth, f"for {target} in range({rng}):", s)
+        else:
+            lo_t = self._bind(depth, f"{_P}r{k}_lo", lo, s)
+            hi_t = self._bind(depth, f"{_P}r{k}_hi", hi, s)
+            if _is_one(st):
+                start = f"{_P}tid" if _is_zero(lo) else f"{lo_t} + {_P}tid"
+                self.out.add(depth, f"for {target} in range({start}, {hi_t}, {_P}nt):", s)
+            else:
+                st_t = self._bind(depth, f"{_P}r{k}_st", st, s)
+                self.out.add(depth, f"for {target} in range({lo_t} + {_P}tid * {st_t}, {hi_t}, {_P}nt * {st_t}):", s)
+        self.body(s.body, depth + 1)
+
+    def parallel_grid(self, s, args, depth):
+        k = self.loop_id = self.loop_id + 1
+        dims = [(a.elts[0], a.elts[1]) if isinstance(a, ast.Tuple) else (ast.Constant(0), a) for a in args]
+        nd = len(dims)
+        single = isinstance(s.target, ast.Name)
+        names = [f"{_P}g{k}_i{d}" for d in range(nd)] if single else [_src(e) for e in s.target.elts]
+        if self.backend == "cpu":
+            for d, (lo, hi) in enumerate(dims):
+                self.out.add(depth + d, f"for {names[d]} in range({_src(lo)}, {_src(hi)}):", s)
+            inner = depth + nd
+        else:
+            los, ns = [], []
+            for d, (lo, hi) in enumerate(dims):
+                lo_t = self._bind(depth, f"{_P}g{k}_lo{d}", lo, s)
+                span = f"({_src(hi)}) - {lo_t}" if not _is_zero(lo) else _src(hi)
+                self.out.add(depth, f"{_P}g{k}_n{d} = max({span}, 0)", s)
+                los.append(lo_t)
+                ns.append(f"{_P}g{k}_n{d}")
+            flat = f"{_P}g{k}"
+            self.out.add(depth, f"for {flat} in range({_P}tid, {' * '.join(ns)}, {_P}nt):", s)
+            inner = depth + 1
+            for d in range(nd):
+                rest = " * ".join(ns[d + 1:])
+                q = f"({flat} // ({rest}))" if rest else flat
+                idx = q if d == 0 else f"{q} % {ns[d]}"
+                lo_t = los[d]
+                self.out.add(inner, f"{names[d]} = {idx}" if lo_t == "0" else f"{names[d]} = {lo_t} + {idx}", s)
+        if single:
+            self.out.add(inner, f"{_src(s.target)} = ({', '.join(names)},)", s)
+        self.body(s.body, inner)
+
+
+def _is_one(e):
+    return isinstance(e, ast.Constant) and e.value == 1 and not isinstance(e.value, bool)
+
+
+def _is_zero(e):
+    return isinstance(e, ast.Constant) and e.value == 0 and not isinstance(e.value, bool)
+
+
+def _render_function(fs: FunctionSpec, home: str, backend: str, scope: str, is_step: bool,
+                     ctx_params: list[str], decorator: str) -> _Lines:
+    out = _Lines(fs.filename, home)
+    body = copy.deepcopy(list(fs.body))
+    params = list(fs.params) + ctx_params
+    out.add(0, decorator)
+    out.add(0, f"def {fs.symbol}({', '.join(params)}):", _Pos(fs.lineno))
+    w = _BodyWriter(out, backend, scope, is_step)
+    w.body(body, 1)
+    if is_step and not (body and isinstance(body[-1], ast.Return)):
+        out.add(1, "return True")
+    return out
+
+
+class _Pos:
+    def __init__(self, lineno):
+        self.lineno = lineno
+        self.col_offset = 0
+
+
+def _jit_options(backend: str, cache: bool) -> tuple[str, str]:
+    """(device function options, kernel options) as text inside the decorator's parentheses."""
+    if backend == "cuda":
+        return ("", "cache=True" if cache else "")
+    return (", ".join(["cache=True"] * cache), ", ".join(["cache=True"] * cache))
+
+
+def render_kernel(spec: StepSpec, backend: str, scope: str = "grid", *, cache: bool = True,
+                  fingerprint: str = "") -> KernelSource:
+    """Render the kernel module for ``spec``.
+
+    Args:
+        spec: the validated step.
+        backend: ``"cuda"`` or ``"cpu"``.
+        scope: ``"grid"`` (all blocks, grid barrier) or ``"block"`` (one block,
+            ``syncthreads``); ignored for the CPU backend.
+        cache: let Numba cache the compiled kernel on disk.
+        fingerprint: text mixed into the source (e.g. runtime version) so stale caches miss.
+
+    Returns:
+        The :class:`KernelSource`.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "cpu":
+        scope = "grid"
+    elif scope not in SCOPES:
+        raise ValueError(f"scope must be one of {SCOPES}, got {scope!r}")
+    dev_opts, ker_opts = _jit_options(backend, cache)
+    ctx_params = [f"{_P}tid", f"{_P}nt"] + ([f"{_P}redf", f"{_P}redi", f"{_P}st"] if backend == "cuda" else [])
+    helper_ctx = [f"{_P}tid", f"{_P}nt"]
+    device_deco = "@cuda.jit(device=True)" if backend == "cuda" else f"@numba.njit({dev_opts})"
+
+    pieces: list[_Lines] = []
+    for h in spec.helpers:
+        pieces.append(_render_function(h, spec.filename, backend, scope, False, helper_ctx, device_deco))
+    step_lines = _render_function(spec.step, spec.filename, backend, scope, True, ctx_params, "")
+
+    n = len(spec.params)
+    kparams = [f"{_P}a{i}" for i in range(n)]
+    swap_lines = [f"{_INDENT * 2}{kparams[a]}, {kparams[b]} = {kparams[b]}, {kparams[a]}" for a, b in spec.swap]
+    copy_lines = []
+    if spec.swap:
+        copy_lines.append(f"{_INDENT}if _lk_t % 2 == 1:")
+        for a, b in spec.swap:
+            copy_lines.append(f"{_INDENT * 2}for {_P}k in range({_P}tid, {kparams[a]}.size, {_P}nt):")
+            copy_lines.append(f"{_INDENT * 3}{kparams[b]}.flat[{_P}k] = {kparams[a]}.flat[{_P}k]")
+    if backend == "cuda":
+        thread_index = "cuda.grid(1)" if scope == "grid" else "cuda.threadIdx.x"
+        thread_count = "cuda.gridsize(1)" if scope == "grid" else "cuda.blockDim.x"
+        barrier = f"{_P}rt.{scope}_sync()"
+    else:
+        thread_index = thread_count = barrier = ""
+
+    helpers_text = []
+    for p in pieces:
+        helpers_text.extend(p.lines + [""])
+    # The step's decorator line is in the template; drop the empty one rendered above.
+    step_def, step_body = step_lines.lines[1], step_lines.lines[2:]
+    mapping = dict(
+        name=spec.name, filename=spec.filename, lineno=str(spec.lineno), scope=scope,
+        fingerprint=fingerprint, helpers="\n".join(helpers_text),
+        device_options=(", " + dev_opts if dev_opts and backend == "cuda" else dev_opts),
+        kernel_options=ker_opts,
+        step_params=step_def[step_def.index("(") + 1:step_def.rindex(")")],
+        step_body="\n".join(step_body), kernel_params="".join(f"{k}, " for k in kparams),
+        step_args="".join(f"{k}, " for k in kparams), thread_index=thread_index, thread_count=thread_count,
+        barrier=barrier or "pass", swap="\n".join(swap_lines) or f"{_INDENT * 2}pass",
+        copy_back="\n".join(copy_lines) or f"{_INDENT}pass",
+    )
+    template = load_template(f"{backend}_kernel.py.tmpl")
+    text = template.substitute(mapping)
+    line_map = _build_line_map(text, spec.filename)
+    return KernelSource(text, backend, scope, spec.name, line_map)
+
+
+def _build_line_map(text: str, filename: str) -> dict:
+    """Generated line -> (file, user line, col), read back from the '# line N' comments."""
+    out = {}
+    for i, line in enumerate(text.splitlines(), start=1):
+        pos = line.rfind("  # ")
+        if pos < 0 or line.lstrip().startswith("#"):
+            continue
+        tag = line[pos + 4:]
+        where, _, num = (filename, "", tag[5:]) if tag.startswith("line ") else tag.rpartition(":")
+        if not num.isdigit():
+            continue
+        code = line[:pos]
+        out[i] = (where, int(num), len(code) - len(code.lstrip()) + 1)
+    return out

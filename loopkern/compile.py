@@ -1,0 +1,195 @@
+"""Turn generated kernel source into a Numba dispatcher: the only module that imports numba
+for compiling.
+
+The source is written to a file in the cache directory named by its hash and imported from
+there, so that Numba's own on-disk cache (``cache=True``) can reuse the machine code in a new
+process, and so that tracebacks show real lines. Numba compiles once per argument-type
+signature. Errors from Numba are re-raised as :class:`~loopkern.errors.CompileError` pointing
+at the user's line.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import re
+import sys
+import tempfile
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .codegen import KernelSource
+from .errors import CompileError
+
+_LOCK = threading.Lock()
+_MODULES: dict[str, object] = {}
+
+
+def simulator_enabled() -> bool:
+    """True when Numba's CUDA simulator is on (``NUMBA_ENABLE_CUDASIM=1`` at import)."""
+    from numba import config
+    return bool(config.ENABLE_CUDASIM)
+
+
+def cache_dir() -> Path:
+    """Where generated sources (and Numba's cache beside them) live.
+
+    ``$LOOPKERN_CACHE_DIR`` if set, else ``~/.cache/loopkern``; a temporary directory if
+    neither is writable.
+    """
+    base = os.environ.get("LOOPKERN_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "loopkern")
+    path = Path(base) / "kernels"
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / f".probe-{os.getpid()}"
+        probe.write_text("")
+        probe.unlink()
+    except OSError:
+        path = Path(tempfile.gettempdir()) / f"loopkern-{os.getuid() if hasattr(os, 'getuid') else 'user'}" / "kernels"
+        path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def runtime_fingerprint() -> str:
+    """Hash of the runtime modules generated code imports: a change to them must miss the cache."""
+    import numba
+
+    from . import __version__
+    from .runtime import cpu_rt, cuda_rt  # noqa: F401  (their source is hashed below)
+
+    h = hashlib.sha256(f"{__version__} numba {numba.__version__}".encode())
+    here = Path(__file__).resolve().parent / "runtime"
+    for name in ("cpu_rt.py", "cuda_rt.py"):
+        h.update((here / name).read_bytes())
+    return h.hexdigest()[:16]
+
+
+@dataclass
+class CompiledKernel:
+    """A loaded kernel module and its dispatcher.
+
+    Attributes:
+        source: what was compiled.
+        dispatcher: the Numba dispatcher of ``_lk_kernel``.
+        path: the file the source was loaded from.
+    """
+
+    source: KernelSource
+    dispatcher: object
+    path: Path
+    _specialized: dict = field(default_factory=dict, repr=False)
+
+    def type_of(self, value):
+        """The Numba type the kernel will see for ``value``."""
+        typeof = getattr(self.dispatcher, "typeof_pyval", None)
+        if typeof is not None:
+            return typeof(value)
+        import numba
+        try:
+            return numba.typeof(value)
+        except Exception:   # the simulator's fake device arrays: describe them the same way
+            host = getattr(value, "_ary", None)
+            return numba.typeof(host) if host is not None else type(value)
+
+    def specialize(self, args: tuple):
+        """Compile for the types of ``args`` (once per signature); returns the compiled kernel."""
+        types = tuple(self.type_of(a) for a in args)
+        hit = self._specialized.get(types)
+        if hit is not None:
+            return hit
+        with _translate_errors(self):
+            if self.source.backend == "cpu":
+                self.dispatcher.compile(types)
+                kernel = self.dispatcher
+            elif simulator_enabled():
+                kernel = self.dispatcher   # the simulator runs Python: nothing to compile
+            else:
+                kernel = self.dispatcher.compile(types)
+        self._specialized[types] = kernel
+        return kernel
+
+
+def compile_kernel(source: KernelSource) -> CompiledKernel:
+    """Load ``source`` as a module from the cache directory and return its dispatcher.
+
+    Nothing is compiled to machine code until :meth:`CompiledKernel.specialize` or a call.
+    """
+    with _LOCK:
+        mod = _MODULES.get(source.digest)
+        path = cache_dir() / f"{_safe(source.step_name)}_{source.backend}_{source.scope}_{source.digest}.py"
+        if mod is None:
+            if not path.exists() or path.read_text() != source.text:
+                tmp = path.with_suffix(f".{os.getpid()}.tmp")
+                tmp.write_text(source.text)
+                os.replace(tmp, path)
+            name = f"loopkern_generated_{source.digest}"
+            spec = importlib.util.spec_from_file_location(name, path)
+            mod = importlib.util.module_from_spec(spec)
+            sys.modules[name] = mod
+            try:
+                spec.loader.exec_module(mod)
+            except Exception:
+                sys.modules.pop(name, None)
+                raise
+            _MODULES[source.digest] = mod
+    return CompiledKernel(source, mod._lk_kernel, path)
+
+
+def _safe(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_]", "_", name)[:40]
+
+
+class _translate_errors:
+    """Turn a Numba compile error into a CompileError at the user's line."""
+
+    def __init__(self, kernel: CompiledKernel):
+        self.kernel = kernel
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        if exc is None or not _is_numba_error(exc):
+            return False
+        raise CompileError(format_compile_error(self.kernel.source, self.kernel.path, str(exc))) from exc
+
+
+def _is_numba_error(exc) -> bool:
+    return any(c.__module__.startswith(("numba", "numba_cuda")) and c.__name__ != "CudaSupportError"
+               for c in type(exc).__mro__ if c is not Exception)
+
+
+_LOC = re.compile(r'File "([^"]+)", line (\d+)')
+
+
+def format_compile_error(source: KernelSource, path: Path, message: str) -> str:
+    """A ``file:line:col: in step 'name': ...`` message for a Numba error in generated code."""
+    where = None
+    for m in _LOC.finditer(message):
+        if os.path.basename(m.group(1)) == path.name:
+            hit = source.line_map.get(int(m.group(2)))
+            if hit is not None:
+                where = hit
+                break
+    text = _strip_ansi(message).strip()
+    first = text.splitlines()[0] if text else "compile error"
+    detail = "\n".join("    | " + ln for ln in text.splitlines()[:25])
+    if where is None:
+        return (f"{source.line_map and next(iter(source.line_map.values()))[0] or '<generated>'}: "
+                f"in step '{source.step_name}': Numba could not compile the generated {source.backend} kernel: "
+                f"{first}\n  generated source: {path}\n{detail}")
+    filename, line, _ = where
+    import linecache
+    src = linecache.getline(filename, line).rstrip("\n")
+    col = len(src) - len(src.lstrip()) + 1
+    return (f"{filename}:{line}:{col}: in step '{source.step_name}': Numba could not compile this line "
+            f"for the {source.backend} backend: {first}\n    {src}\n    {' ' * (col - 1)}^\n"
+            f"  check the types used on this line (e.g. mixing arrays and numbers, or an unsupported "
+            f"operation); Numba said:\n{detail}")
+
+
+def _strip_ansi(s: str) -> str:
+    return re.sub(r"\x1b\[[0-9;]*m", "", s)

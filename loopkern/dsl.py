@@ -1,0 +1,55 @@
+"""The in-step API: names a step function calls, such as ``lk.range`` and ``lk.sync``.
+
+These objects are markers. The front end recognises them by identity in the step's globals and
+the code generator replaces each call; calling one from ordinary Python is a mistake, so each
+raises a :class:`~loopkern.errors.LoopkernError` that says so.
+"""
+
+from __future__ import annotations
+
+from .errors import LoopkernError
+
+
+class Intrinsic:
+    """A function that only means something inside a step function."""
+
+    def __init__(self, name: str, doc: str):
+        self.name = name
+        self.__name__ = name
+        self.__qualname__ = name
+        self.__doc__ = doc
+
+    def __call__(self, *args, **kwargs):
+        raise LoopkernError(
+            f"lk.{self.name}() can only be used inside a step function decorated with "
+            f"@lk.megakernel; it was called from ordinary Python"
+        )
+
+    def __repr__(self) -> str:
+        return f"<loopkern in-step function lk.{self.name}>"
+
+
+range = Intrinsic("range", """This thread's share of a 1-D index range (grid-stride).
+
+Use as ``for i in lk.range(stop)`` or ``lk.range(start, stop[, step])``. Over all threads of the
+launch every index is visited exactly once.
+""")
+grid = Intrinsic("grid", """This thread's share of an n-D index space, yielding index tuples.
+
+Each argument is ``stop`` or ``(start, stop)``: ``for i, j in lk.grid(n, (1, m - 1))``.
+""")
+sync = Intrinsic("sync", """Barrier across every thread of the launch, inside a step.
+
+Must be reached by every thread: not under control flow that depends on thread-varying values.
+""")
+sum = Intrinsic("sum", """Grid-wide sum of each thread's value; every thread gets the result.
+
+Floats return the input's float type (accumulated in float64); integers and bools return int64.
+It is a barrier, with the same placement rules as :func:`sync`.
+""")
+max = Intrinsic("max", """Grid-wide maximum of each thread's value; every thread gets the result.""")
+min = Intrinsic("min", """Grid-wide minimum of each thread's value; every thread gets the result.""")
+thread_id = Intrinsic("thread_id", """This thread's index in ``0 .. lk.num_threads() - 1``.""")
+num_threads = Intrinsic("num_threads", """Number of threads that run the step (the same on every thread).""")
+
+INTRINSICS = {f.name: f for f in (range, grid, sync, sum, max, min, thread_id, num_threads)}

@@ -1,0 +1,150 @@
+"""Classify and check call arguments, and move them to where a backend needs them.
+
+Every check runs before anything is copied or launched; conversion to device arrays happens
+only after all arguments have passed.
+"""
+
+from __future__ import annotations
+
+import numbers
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..errors import ArgumentError
+
+HOST, DEVICE = "host", "device"
+_OK_KINDS = {"b", "i", "u", "f"}
+
+
+@dataclass
+class ArrayArg:
+    """An array argument as given, with what the checks need to know about it."""
+
+    name: str
+    value: object
+    where: str            # HOST (NumPy) or DEVICE (__cuda_array_interface__)
+    shape: tuple
+    dtype: np.dtype
+    strides: tuple | None
+    ptr: int
+
+    @property
+    def size(self) -> int:
+        return int(np.prod(self.shape)) if self.shape else 1
+
+
+@dataclass
+class ScalarArg:
+    name: str
+    value: object         # a NumPy scalar of the type the kernel sees
+
+
+def _is_jax_array(x) -> bool:
+    mod = type(x).__module__ or ""
+    return mod.startswith(("jax", "jaxlib"))
+
+
+def check_dtype(name: str, dtype: np.dtype, what: str = "array"):
+    """Raise ArgumentError unless ``dtype`` is bool, an integer, float32 or float64."""
+    dtype = np.dtype(dtype)
+    if dtype.kind == "c":
+        raise ArgumentError(f"argument '{name}': {what} has dtype {dtype}; complex numbers are not supported "
+                            f"yet (store real and imaginary parts in two float arrays)")
+    if dtype.kind not in _OK_KINDS or (dtype.kind == "f" and dtype.itemsize not in (4, 8)):
+        raise ArgumentError(f"argument '{name}': {what} has dtype {dtype}; expected bool, an integer type, "
+                            f"float32 or float64")
+
+
+def classify(name: str, value):
+    """Return an :class:`ArrayArg` or :class:`ScalarArg` for one argument, or raise ArgumentError."""
+    if _is_jax_array(value):
+        raise ArgumentError(f"argument '{name}' is a JAX array; JAX arrays are immutable, so kernel(...) cannot "
+                            f"update it in place. Call kernel.jax(...) instead, which returns new JAX arrays")
+    if isinstance(value, np.ndarray):
+        if value.ndim == 0:
+            raise ArgumentError(f"argument '{name}': got a 0-d array; pass a Python or NumPy scalar instead")
+        check_dtype(name, value.dtype)
+        return ArrayArg(name, value, HOST, value.shape, value.dtype, value.strides,
+                        value.__array_interface__["data"][0])
+    cai = getattr(value, "__cuda_array_interface__", None) if not isinstance(value, type) else None
+    if cai is not None:
+        shape = tuple(cai["shape"])
+        if not shape:
+            raise ArgumentError(f"argument '{name}': got a 0-d GPU array; pass a Python or NumPy scalar instead")
+        dtype = np.dtype(cai["typestr"])
+        check_dtype(name, dtype)
+        strides = tuple(cai["strides"]) if cai.get("strides") else None
+        return ArrayArg(name, value, DEVICE, shape, dtype, strides, int(cai["data"][0]))
+    if isinstance(value, (bool, np.bool_)):
+        return ScalarArg(name, np.bool_(value))
+    if isinstance(value, np.generic):
+        check_dtype(name, value.dtype, "scalar")
+        return ScalarArg(name, value)
+    if isinstance(value, numbers.Integral):
+        v = int(value)
+        if not -(2 ** 63) <= v < 2 ** 63:
+            raise ArgumentError(f"argument '{name}': integer {v} does not fit in int64")
+        return ScalarArg(name, np.int64(v))
+    if isinstance(value, numbers.Real):
+        return ScalarArg(name, np.float64(value))
+    if isinstance(value, numbers.Complex):
+        raise ArgumentError(f"argument '{name}': complex numbers are not supported yet")
+    if hasattr(value, "__dlpack__"):
+        raise ArgumentError(f"argument '{name}': {type(value).__name__} offers only __dlpack__; pass an array "
+                            f"with __cuda_array_interface__ (CuPy, PyTorch CUDA tensors, Numba device arrays) "
+                            f"or a NumPy array")
+    raise ArgumentError(f"argument '{name}': expected an array or a number, got {type(value).__name__}")
+
+
+def _extent(a: ArrayArg) -> tuple[int, int]:
+    """[lo, hi) byte range an array's elements occupy."""
+    if a.size == 0:
+        return a.ptr, a.ptr
+    strides = a.strides or tuple(int(np.prod(a.shape[i + 1:])) * a.dtype.itemsize for i in range(len(a.shape)))
+    lo = a.ptr + sum(min(0, (n - 1) * s) for n, s in zip(a.shape, strides))
+    hi = a.ptr + sum(max(0, (n - 1) * s) for n, s in zip(a.shape, strides)) + a.dtype.itemsize
+    return lo, hi
+
+
+def overlaps(a: ArrayArg, b: ArrayArg) -> bool:
+    """True if two arrays on the same side may share memory."""
+    if a.where != b.where:
+        return False
+    (alo, ahi), (blo, bhi) = _extent(a), _extent(b)
+    return alo < bhi and blo < ahi
+
+
+def to_cuda(args: list, stream=0):
+    """Device arrays for every array argument: NumPy ones copied in, GPU ones wrapped zero-copy.
+
+    Returns (kernel args, copy_back) where ``copy_back()`` writes results into NumPy inputs.
+    """
+    from numba import cuda
+
+    out, back, seen = [], [], {}
+    for a in args:
+        if isinstance(a, ScalarArg):
+            out.append(a.value)
+        elif a.where == DEVICE:
+            out.append(cuda.as_cuda_array(a.value))
+        else:
+            key = id(a.value)
+            if key not in seen:
+                host = a.value
+                dev = cuda.to_device(np.ascontiguousarray(host), stream=stream)
+                seen[key] = dev
+                if host.flags.writeable:
+                    back.append((host, dev))
+            out.append(seen[key])
+
+    def copy_back():
+        for host, dev in back:
+            if host.flags.c_contiguous:
+                dev.copy_to_host(host, stream=stream)
+            else:
+                host[...] = dev.copy_to_host(stream=stream)
+        if stream:
+            stream.synchronize()
+
+    return out, copy_back

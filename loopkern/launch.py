@@ -1,0 +1,171 @@
+"""Launch configuration and launching: backend choice, occupancy, grid size, scope, scratch.
+
+Grid scope runs every block the device can hold at once (never more: a grid barrier with a
+block that is not resident would wait forever), and no more than the problem needs. Block
+scope runs one block whose barrier is ``syncthreads``: far cheaper per step for small
+problems.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+from dataclasses import dataclass
+
+import numpy as np
+
+from .errors import BackendError, LaunchError
+
+log = logging.getLogger("loopkern")
+
+DEFAULT_THREADS = 256
+BLOCK_SCOPE_THREADS = 1024
+#: problems of at most this many elements default to one block (scope="auto")
+AUTO_BLOCK_SCOPE_MAX_ELEMENTS = 16384
+_auto_logged = False
+_lock = threading.Lock()
+
+
+def cuda_usable() -> bool:
+    """True if Numba can use a CUDA GPU here (or its simulator is on)."""
+    try:
+        from numba import cuda
+        return bool(cuda.is_available())
+    except Exception:  # no driver, broken install: the CPU backend still works
+        return False
+
+
+def choose_backend(backend: str) -> str:
+    """Resolve ``"auto"`` to ``"cuda"`` or ``"cpu"``; check that the named backend is usable."""
+    global _auto_logged
+    if backend == "auto":
+        chosen = "cuda" if cuda_usable() else "cpu"
+        with _lock:
+            if not _auto_logged:
+                _auto_logged = True
+                log.info("loopkern: backend='auto' chose '%s'%s", chosen,
+                         "" if chosen == "cuda" else " (no usable CUDA GPU)")
+        return chosen
+    if backend == "cuda" and not cuda_usable():
+        raise BackendError("backend='cuda' but no usable CUDA GPU was found (numba.cuda.is_available() is "
+                           "False); use backend='cpu' or backend='auto'")
+    return backend
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """How one run is launched.
+
+    Attributes:
+        scope: ``"grid"``, ``"block"`` or ``"cpu"``.
+        blocks: blocks in the grid (1 for block scope).
+        threads: threads per block.
+    """
+
+    scope: str
+    blocks: int
+    threads: int
+
+
+def resolve_scope(scope: str, work: int, simulator: bool) -> str:
+    """``"auto"`` -> ``"block"`` for small problems, else ``"grid"``."""
+    if scope != "auto":
+        return scope
+    return "block" if work <= AUTO_BLOCK_SCOPE_MAX_ELEMENTS else "grid"
+
+
+def plan_cuda(kernel, scope: str, work: int, threads: int | None, blocks: int | None,
+              simulator: bool) -> LaunchPlan:
+    """Pick blocks and threads for a CUDA launch and check that they can run.
+
+    Args:
+        kernel: the compiled kernel (for occupancy); unused under the simulator.
+        scope: ``"grid"`` or ``"block"``.
+        work: elements in the largest array argument (the problem size).
+        threads: threads per block asked for, or None.
+        blocks: blocks asked for, or None.
+        simulator: running under Numba's CUDA simulator (one block only).
+
+    Raises:
+        LaunchError: the request cannot be co-resident or is malformed.
+    """
+    max_tpb = 1024 if simulator else int(kernel.max_threads_per_block)
+    if threads is None:
+        want = BLOCK_SCOPE_THREADS if scope == "block" else DEFAULT_THREADS
+        if simulator:
+            want = 64
+        threads = min(want, max_tpb, max(32, -(-work // 32) * 32) if scope == "block" else want)
+        threads = max(32, threads // 32 * 32)
+    if threads % 32 or not 32 <= threads <= 1024:
+        raise LaunchError(f"threads={threads}: threads per block must be a multiple of 32 between 32 and 1024 "
+                          f"(reductions work warp by warp)")
+    if threads > max_tpb:
+        raise LaunchError(f"threads={threads}: this kernel can run at most {max_tpb} threads per block "
+                          f"(it uses {getattr(kernel, 'regs_per_thread', '?')} registers per thread); "
+                          f"pass threads<={max_tpb // 32 * 32}")
+    if scope == "block":
+        if blocks not in (None, 1):
+            raise LaunchError(f"blocks={blocks}: scope='block' runs exactly one block; use scope='grid' for more")
+        return LaunchPlan("block", 1, threads)
+    if simulator:
+        if blocks not in (None, 1):
+            raise LaunchError(f"blocks={blocks}: Numba's CUDA simulator can run only one cooperative block; "
+                              f"pass blocks=1 (or leave it out)")
+        return LaunchPlan("grid", 1, threads)
+    limit = int(kernel.max_cooperative_grid_blocks(threads))
+    if limit < 1:
+        raise LaunchError(f"threads={threads}: not even one block of this kernel fits on the device")
+    if blocks is None:
+        blocks = max(1, min(limit, math.ceil(work / threads)))
+    if blocks < 1:
+        raise LaunchError(f"blocks={blocks}: must be at least 1")
+    if blocks > limit:
+        raise LaunchError(f"blocks={blocks}: at most {limit} blocks of {threads} threads of this kernel can be "
+                          f"resident on the device at once, and a grid barrier needs every block resident; "
+                          f"pass blocks<={limit} (or fewer threads)")
+    return LaunchPlan("grid", blocks, threads)
+
+
+class Scratch:
+    """Per-device buffers a kernel needs besides the user's arrays, reused between runs."""
+
+    def __init__(self):
+        self._bufs: dict = {}
+
+    def cuda(self, blocks: int):
+        from numba import cuda
+        key = ("cuda", cuda.get_current_device().id if not _sim() else 0)
+        have = self._bufs.get(key)
+        if have is None or have[0].shape[1] < blocks:
+            n = max(blocks, 1)
+            have = (cuda.device_array((2, n), np.float64), cuda.device_array((2, n), np.int64),
+                    cuda.device_array(2, np.int64))
+            self._bufs[key] = have
+        return have
+
+
+def _sim() -> bool:
+    from numba import config
+    return bool(config.ENABLE_CUDASIM)
+
+
+def launch_cuda(kernel, plan: LaunchPlan, nsteps: int, args: tuple, scratch: Scratch, stream=0) -> tuple[int, bool]:
+    """Run the kernel to completion; returns (steps run, stopped by the step's condition)."""
+    from numba import cuda
+    redf, redi, info = scratch.cuda(plan.blocks)
+    launcher = kernel[plan.blocks, plan.threads, stream] if stream else kernel[plan.blocks, plan.threads]
+    launcher(np.int64(nsteps), *args, redf, redi, info)
+    if stream:
+        stream.synchronize()
+    else:
+        cuda.synchronize()
+    out = info.copy_to_host()
+    return int(out[0]), bool(out[1])
+
+
+def launch_cpu(kernel, nsteps: int, args: tuple) -> tuple[int, bool]:
+    """Run the CPU kernel; returns (steps run, stopped by the step's condition)."""
+    info = np.zeros(2, np.int64)
+    kernel(np.int64(nsteps), *args, info)
+    return int(info[0]), bool(info[1])

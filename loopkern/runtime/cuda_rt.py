@@ -1,0 +1,162 @@
+"""CUDA-backend runtime: barriers and reductions called by generated kernels.
+
+Reductions (``grid_sum`` ... ``block_min``) take the thread's value, the global partial-result
+slots ``redf`` (float64[2, blocks]) and ``redi`` (int64[2, blocks]), and ``st``, a per-thread
+counter of reductions so far. Floats are combined in float64 and returned in the input's type;
+integers and bools are combined and returned as int64.
+
+Why two slots: reduction *r* uses slot ``r % 2`` (in shared and global memory). A thread can
+only write slot ``r % 2`` again at reduction ``r + 2``, after passing the barrier inside
+reduction ``r + 1``, which every thread reaches only after reading reduction *r*'s slot. So
+back-to-back reductions need no reset and no extra barrier.
+
+Under Numba's CUDA simulator (``NUMBA_ENABLE_CUDASIM=1``) warp shuffles do not exist, so the
+same protocol is implemented with shared memory in plain Python.
+"""
+
+import math
+
+import numpy as np
+from numba import config, cuda
+
+SIMULATOR = bool(config.ENABLE_CUDASIM)
+_OPS = ("sum", "max", "min")
+_MAX_WARPS = 32
+_SHARED_SLOTS = 2 * _MAX_WARPS   # a literal for cuda.shared.array
+
+
+@cuda.jit(device=True)
+def grid_sync():
+    """Barrier across every thread of the (cooperatively launched) grid."""
+    cuda.cg.this_grid().sync()
+
+
+@cuda.jit(device=True)
+def block_sync():
+    """Barrier across the threads of this block."""
+    cuda.syncthreads()
+
+
+def _identity(op, is_float):
+    if op == "sum":
+        return 0.0 if is_float else 0
+    if is_float:
+        return -math.inf if op == "max" else math.inf
+    info = np.iinfo(np.int64)
+    return int(info.min) if op == "max" else int(info.max)
+
+
+if SIMULATOR:
+    def _combine(op, a, b):
+        return a + b if op == "sum" else (a if a >= b else b) if op == "max" else (a if a <= b else b)
+
+    def _make(op, grid):
+        @cuda.jit(device=True)
+        def reduce(x, redf, redi, st):
+            is_float = isinstance(x, (float, np.floating))
+            slot = st[0] & 1
+            st[0] += 1
+            tid, n = cuda.threadIdx.x, cuda.blockDim.x
+            if is_float:
+                sh = cuda.shared.array(2048, np.float64)
+                red = redf
+            else:
+                sh = cuda.shared.array(2048, np.int64)
+                red = redi
+            sh[slot * 1024 + tid] = x
+            cuda.syncthreads()
+            acc = _identity(op, is_float)
+            for k in range(n):
+                acc = _combine(op, acc, sh[slot * 1024 + k])
+            if grid:
+                if tid == 0:
+                    red[slot, cuda.blockIdx.x] = acc
+                cuda.cg.this_grid().sync()
+                acc = _identity(op, is_float)
+                for b in range(cuda.gridDim.x):
+                    acc = _combine(op, acc, red[slot, b])
+            if is_float:
+                return type(x)(acc) if isinstance(x, np.floating) else float(acc)
+            return np.int64(acc)
+        return reduce
+else:
+    from numba import float64, int64, types
+    from numba.cuda.extending import overload
+
+    @cuda.jit(device=True)
+    def _add(a, b):
+        return a + b
+
+    @cuda.jit(device=True)
+    def _max(a, b):
+        return a if a >= b else b
+
+    @cuda.jit(device=True)
+    def _min(a, b):
+        return a if a <= b else b
+
+    _COMBINE = {"sum": _add, "max": _max, "min": _min}
+
+    def _make_core(op, grid, dtype):
+        """Block (and grid) reduction of a float64 or int64 value; every thread gets the result."""
+        combine = _COMBINE[op]
+        ident = _identity(op, dtype == np.float64)
+        full = 0xFFFFFFFF
+
+        @cuda.jit(device=True)
+        def warp_all(v):
+            off = 16
+            while off > 0:
+                v = combine(v, cuda.shfl_xor_sync(full, v, off))
+                off >>= 1
+            return v
+
+        @cuda.jit(device=True)
+        def core(v, red, st):
+            slot = st[0] & 1
+            st[0] += 1
+            lane = cuda.threadIdx.x & 31
+            warp = cuda.threadIdx.x >> 5
+            sh = cuda.shared.array(_SHARED_SLOTS, dtype)
+            v = warp_all(v)
+            if lane == 0:
+                sh[slot * _MAX_WARPS + warp] = v
+            cuda.syncthreads()
+            w = sh[slot * _MAX_WARPS + lane] if lane < (cuda.blockDim.x >> 5) else dtype(ident)
+            w = warp_all(w)
+            if grid:
+                if cuda.threadIdx.x == 0:
+                    red[slot, cuda.blockIdx.x] = w
+                cuda.cg.this_grid().sync()
+                acc = dtype(ident)
+                for b in range(lane, cuda.gridDim.x, 32):
+                    acc = combine(acc, red[slot, b])
+                w = warp_all(acc)
+            return w
+        return core
+
+    def _make(op, grid):
+        core_f = _make_core(op, grid, np.float64)
+        core_i = _make_core(op, grid, np.int64)
+
+        def reduce(x, redf, redi, st):
+            raise NotImplementedError("only callable from a loopkern kernel")
+
+        @overload(reduce, target="cuda")
+        def _reduce_impl(x, redf, redi, st):
+            if isinstance(x, types.Float):
+                out = x
+
+                def impl(x, redf, redi, st):
+                    return out(core_f(float64(x), redf, st))
+                return impl
+            if isinstance(x, (types.Integer, types.Boolean)):
+                def impl(x, redf, redi, st):
+                    return core_i(int64(x), redi, st)
+                return impl
+            return None
+        return reduce
+
+
+grid_sum, grid_max, grid_min = (_make(op, True) for op in _OPS)
+block_sum, block_max, block_min = (_make(op, False) for op in _OPS)

@@ -1,0 +1,93 @@
+"""StepSpec: the frozen contract between the front end and the code generator.
+
+The bodies held here are *normalized* ASTs: every global name has been resolved, every call of
+the in-step API is a call of a marker name (``__lk_sync``, ``__lk_sum``, ``__lk_range``, ...),
+math functions read ``_lk_math.<name>``, NumPy casts ``_lk_np.<dtype>``, helper calls the
+helper's generated symbol, and global numbers are inlined. Line numbers are the user's.
+"""
+
+from __future__ import annotations
+
+import ast
+from dataclasses import dataclass
+
+#: marker-name prefix for in-step API calls in a normalized body
+INTRINSIC_PREFIX = "__lk_"
+#: prefix of every name the code generator introduces; user code may not use it
+RESERVED_PREFIX = "_lk_"
+
+ARRAY = "array"
+SCALAR = "scalar"
+ANY = "any"
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    """One parameter of the step after the step index.
+
+    Attributes:
+        name: the parameter's name.
+        kind: ``"array"``, ``"scalar"`` or ``"any"`` (never used, so anything valid goes).
+    """
+
+    name: str
+    kind: str
+
+
+@dataclass(frozen=True)
+class FunctionSpec:
+    """A validated function: the step itself or a helper it calls.
+
+    Attributes:
+        name: the user's name for it.
+        symbol: the name the generated code gives it.
+        params: parameter names, in order.
+        body: normalized statements (see module docstring).
+        filename: the user's file, for line comments.
+        lineno: the line of its ``def``.
+        thread_varying: its result can differ between threads for equal arguments
+            (it loads from arrays, or uses the thread index or a parallel loop).
+        array_params: indices of params it uses as arrays.
+    """
+
+    name: str
+    symbol: str
+    params: tuple[str, ...]
+    body: tuple[ast.stmt, ...]
+    filename: str
+    lineno: int
+    thread_varying: bool
+    array_params: frozenset[int]
+
+
+@dataclass(frozen=True)
+class StepSpec:
+    """Everything the code generator needs to know about one step function.
+
+    Attributes:
+        name: the step function's name.
+        filename: the file it was defined in.
+        lineno: the line of its ``def``.
+        index_param: name of the step-index parameter (``t``).
+        params: the other parameters, in call order.
+        step: the step body as a :class:`FunctionSpec`.
+        helpers: helper functions, callees before callers.
+        returns_condition: the step returns ``cond``: a device-side while loop.
+        swap: pairs of indices into ``params`` whose buffers exchange roles after each step.
+        uses_barrier: the body calls ``lk.sync`` or a reduction.
+    """
+
+    name: str
+    filename: str
+    lineno: int
+    index_param: str
+    params: tuple[ParamSpec, ...]
+    step: FunctionSpec
+    helpers: tuple[FunctionSpec, ...]
+    returns_condition: bool
+    swap: tuple[tuple[int, int], ...]
+    uses_barrier: bool
+
+    @property
+    def param_names(self) -> tuple[str, ...]:
+        return tuple(p.name for p in self.params)
