@@ -1,0 +1,151 @@
+"""GPU tests: multi-block correctness in grid and block scope, in-place device arrays, races.
+
+Run on a machine with a CUDA GPU: ``python -m pytest -m gpu``. Skipped elsewhere.
+"""
+
+import numpy as np
+import pytest
+
+import loopkern as lk
+import workloads as W
+
+pytestmark = pytest.mark.gpu
+
+
+def rel_err(a, ref):
+    return float(np.linalg.norm(np.asarray(a, np.float64) - ref) / max(np.linalg.norm(ref), 1e-300))
+
+
+@pytest.mark.parametrize("scope,n,steps", [("grid", 1 << 20, 51), ("grid", 4099, 333), ("block", 4096, 333),
+                                           ("auto", 65536, 101)])
+def test_heat_multiblock(scope, n, steps, rng):
+    u0 = rng.random(n).astype(np.float32)
+    u, v = u0.copy(), np.zeros_like(u0)
+    run = lk.megakernel(W.heat_step, swap=[("u", "v")])(u, v, np.float32(0.25), steps=steps, backend="cuda",
+                                                        scope=scope)
+    assert run.backend == "cuda" and run.steps == steps
+    if scope == "grid" and n > 1 << 16:
+        assert run.blocks > 1
+    assert rel_err(u, W.heat_ref(u0, steps, 0.25)) < 1e-5
+
+
+@pytest.mark.parametrize("scope", ["grid", "block"])
+def test_jacobi_multiblock(scope, rng):
+    n = 130 if scope == "grid" else 40
+    u0 = rng.random((n, n))
+    tol = 1e-4
+    ref, ref_steps = W.jacobi_ref(u0, tol, 20000)
+    u, v = u0.copy(), u0.copy()
+    run = lk.megakernel(W.jacobi_step, swap=[("u", "v")])(u, v, tol, max_steps=20000, backend="cuda",
+                                                          scope=scope)
+    assert (run.steps, run.stopped) == (ref_steps, "condition")
+    assert rel_err(u, ref) < 1e-12
+
+
+@pytest.mark.parametrize("scope", ["grid", "block"])
+def test_life_multiblock(scope, rng):
+    n = 512 if scope == "grid" else 64
+    a0 = (rng.random((n, n)) < 0.3).astype(np.int32)
+    a, b = a0.copy(), np.zeros_like(a0)
+    pop = np.zeros(60, np.int64)
+    run = lk.megakernel(W.life_step, swap=[("a", "b")])(a, b, pop, steps=60, backend="cuda", scope=scope)
+    ref, ref_pop = W.life_ref(a0, 60)
+    np.testing.assert_array_equal(a, ref)
+    np.testing.assert_array_equal(pop, ref_pop)
+    if scope == "grid":
+        assert run.blocks > 1
+
+
+@pytest.mark.parametrize("scope", ["grid", "block"])
+def test_two_phase_and_reductions_multiblock(scope, rng):
+    n = 300_001 if scope == "grid" else 3001
+    x0 = rng.standard_normal(n)
+    x, tmp, out = x0.copy(), np.zeros(n), np.zeros(n)
+    lk.megakernel(W.two_phase_step)(x, tmp, out, steps=15, backend="cuda", scope=scope)
+    rx, rout = W.two_phase_ref(x0, 15)
+    assert rel_err(x, rx) < 1e-12 and rel_err(out, rout) < 1e-12
+
+    x, stats = x0.copy(), np.zeros((12, 4))
+    lk.megakernel(W.normalize_step)(x, stats, steps=12, backend="cuda", scope=scope)
+    rx, rstats = W.normalize_ref(x0, 12)
+    assert rel_err(x, rx) < 1e-10
+    np.testing.assert_allclose(stats, rstats, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("scope", ["grid", "block"])
+def test_helpers_multiblock(scope, rng):
+    n = 200_000 if scope == "grid" else 2000
+    u0 = rng.random(n) * 3
+    u, v = u0.copy(), u0.copy()
+    lk.megakernel(W.helper_step, swap=[("u", "v")])(u, v, 0.3, steps=21, backend="cuda", scope=scope)
+    assert rel_err(u, W.helper_ref(u0, 21, 0.3)) < 1e-12
+
+
+def test_race_catcher_many_blocks_many_steps(rng):
+    """>= 5000 steps at >= 2 blocks per SM, integer workload compared exactly."""
+    from numba import cuda
+    sms = cuda.get_current_device().MULTIPROCESSOR_COUNT
+    k = lk.megakernel(W.counter_step, swap=[("a", "b")])
+    n = 2 * sms * 256 * 3 + 17
+    a0 = rng.integers(0, 1 << 20, n).astype(np.int64)
+    for trial in range(2):
+        a, b = a0.copy(), np.zeros_like(a0)
+        run = k(a, b, 1_000_003, steps=5001, backend="cuda", scope="grid", threads=256, blocks=2 * sms)
+        assert run.blocks >= 2 * sms
+        np.testing.assert_array_equal(a, W.counter_ref(a0, 5001, 1_000_003))
+
+
+def test_device_arrays_in_place_zero_copy(rng):
+    from numba import cuda
+    k = lk.megakernel(W.heat_step, swap=[("u", "v")])
+    u0 = rng.random(1 << 16).astype(np.float32)
+    du, dv = cuda.to_device(u0), cuda.to_device(u0)
+    ptr = du.device_ctypes_pointer.value
+    run = k(du, dv, np.float32(0.25), steps=11, backend="cuda")
+    assert du.device_ctypes_pointer.value == ptr
+    assert rel_err(du.copy_to_host(), W.heat_ref(u0, 11, 0.25)) < 1e-5
+    assert run.steps == 11
+
+
+@pytest.mark.parametrize("lib", ["cupy", "torch"])
+def test_cuda_array_interface_frameworks_in_place(lib, rng):
+    mod = pytest.importorskip(lib)
+    u0 = rng.random(50_000).astype(np.float32)
+    if lib == "cupy":
+        u, v = mod.asarray(u0), mod.asarray(u0)
+        to_host = mod.asnumpy
+        ptr = u.data.ptr
+        get_ptr = lambda x: x.data.ptr  # noqa: E731
+    else:
+        u, v = mod.tensor(u0, device="cuda"), mod.tensor(u0, device="cuda")
+        to_host = lambda x: x.cpu().numpy()  # noqa: E731
+        ptr = u.data_ptr()
+        get_ptr = lambda x: x.data_ptr()  # noqa: E731
+    lk.megakernel(W.heat_step, swap=[("u", "v")])(u, v, 0.25, steps=9, backend="cuda")
+    assert get_ptr(u) == ptr
+    assert rel_err(to_host(u), W.heat_ref(u0, 9, 0.25)) < 1e-5
+
+
+def test_too_many_blocks_is_a_clear_error_before_launch(rng):
+    from numba import cuda
+    sms = cuda.get_current_device().MULTIPROCESSOR_COUNT
+    u0 = rng.random(4096).astype(np.float32)
+    u, v = u0.copy(), u0.copy()
+    with pytest.raises(lk.LaunchError, match="blocks=.*resident"):
+        lk.megakernel(W.heat_step, swap=[("u", "v")])(u, v, 0.25, steps=3, backend="cuda", scope="grid",
+                                                      blocks=sms * 64, threads=1024)
+    np.testing.assert_array_equal(u, u0)
+
+
+def test_numpy_strided_view_and_device_scratch(rng):
+    from numba import cuda
+    base = rng.standard_normal(2000)
+    untouched = base[1::2].copy()
+    xs = base[::2]                       # a strided NumPy view, updated in place
+    x_init = xs.copy()
+    tmp = cuda.device_array(1000)        # device scratch mixed with host arrays
+    out = np.zeros(1000)
+    lk.megakernel(W.two_phase_step)(xs, tmp, out, steps=4, backend="cuda")
+    rx, rout = W.two_phase_ref(x_init, 4)
+    assert rel_err(base[::2], rx) < 1e-12 and rel_err(out, rout) < 1e-12
+    np.testing.assert_array_equal(base[1::2], untouched)

@@ -1,0 +1,244 @@
+"""The workloads on the CPU backend and on the CUDA path under Numba's simulator (one block),
+each against a float64 NumPy reference on random inputs."""
+
+import numpy as np
+import pytest
+
+import loopkern as lk
+import workloads as W
+
+BACKENDS = [pytest.param("cpu", id="cpu"), pytest.param("cuda", id="sim", marks=pytest.mark.sim)]
+SCOPES_FOR = {"cpu": [None], "cuda": ["grid", "block"]}
+
+
+def cases():
+    for b in BACKENDS:
+        for scope in SCOPES_FOR[b.values[0]]:
+            yield pytest.param(b.values[0], scope, marks=b.marks, id=f"{b.id}-{scope or 'cpu'}")
+
+
+def small(backend):
+    return backend == "cuda"   # the simulator runs Python threads: keep problems tiny
+
+
+def rel_err(a, ref):
+    return float(np.linalg.norm(np.asarray(a, np.float64) - ref) / max(np.linalg.norm(ref), 1e-300))
+
+
+@pytest.mark.parametrize("backend,scope", list(cases()))
+def test_heat_odd_steps_swap(backend, scope, rng):
+    n, steps = (70, 7) if small(backend) else (1000, 101)
+    u0 = rng.random(n).astype(np.float32)
+    u, v = u0.copy(), rng.random(n).astype(np.float32)
+    k = lk.megakernel(W.heat_step, swap=[("u", "v")])
+    run = k(u, v, 0.25, steps=steps, backend=backend, scope=scope)
+    assert (run.steps, run.stopped) == (steps, "steps")
+    ref = W.heat_ref(u0, steps, 0.25)
+    assert rel_err(u, ref) < 1e-5
+
+
+@pytest.mark.parametrize("backend,scope", list(cases()))
+def test_heat_even_and_zero_steps(backend, scope, rng):
+    n = 40 if small(backend) else 500
+    u0 = rng.random(n)
+    k = lk.megakernel(W.heat_step, swap=[("u", "v")])
+    for steps in (0, 4):
+        u, v = u0.copy(), np.empty_like(u0)
+        run = k(u, v, 0.2, steps=steps, backend=backend, scope=scope)
+        assert run.steps == steps
+        assert rel_err(u, W.heat_ref(u0, steps, 0.2)) < 1e-12
+
+
+@pytest.mark.parametrize("backend,scope", list(cases()))
+def test_jacobi_to_tolerance(backend, scope, rng):
+    n = 10 if small(backend) else 48
+    u0 = np.zeros((n, n))
+    u0[0, :], u0[-1, :], u0[:, 0], u0[:, -1] = rng.random(n), rng.random(n), rng.random(n), rng.random(n)
+    u0[1:-1, 1:-1] = rng.random((n - 2, n - 2))
+    tol, max_steps = 1e-3, 5000
+    ref, ref_steps = W.jacobi_ref(u0, tol, max_steps)
+    u, v = u0.copy(), u0.copy()
+    k = lk.megakernel(W.jacobi_step, swap=[("u", "v")])
+    run = k(u, v, tol, max_steps=max_steps, backend=backend, scope=scope)
+    assert run.stopped == "condition"
+    assert run.steps == ref_steps
+    assert rel_err(u, ref) < 1e-12
+
+
+@pytest.mark.parametrize("backend,scope", list(cases()))
+def test_jacobi_hits_max_steps(backend, scope, rng):
+    n = 10 if small(backend) else 32
+    u0 = rng.random((n, n))
+    u, v = u0.copy(), u0.copy()
+    k = lk.megakernel(W.jacobi_step, swap=[("u", "v")])
+    run = k(u, v, 1e-12, max_steps=5, backend=backend, scope=scope)
+    assert (run.steps, run.stopped) == (5, "steps")
+    assert rel_err(u, W.jacobi_ref(u0, 1e-12, 5)[0]) < 1e-12
+
+
+@pytest.mark.parametrize("backend,scope", list(cases()))
+def test_life_exact(backend, scope, rng):
+    n, m, steps = (8, 12, 5) if small(backend) else (64, 48, 40)
+    a0 = (rng.random((n, m)) < 0.35).astype(np.int32)
+    a, b = a0.copy(), np.zeros_like(a0)
+    pop = np.zeros(steps, np.int64)
+    k = lk.megakernel(W.life_step, swap=[("a", "b")])
+    run = k(a, b, pop, steps=steps, backend=backend, scope=scope)
+    ref, ref_pop = W.life_ref(a0, steps)
+    assert run.steps == steps
+    np.testing.assert_array_equal(a, ref)
+    np.testing.assert_array_equal(pop, ref_pop)
+
+
+@pytest.mark.parametrize("backend,scope", list(cases()))
+def test_two_phase_sync(backend, scope, rng):
+    n, steps = (50, 3) if small(backend) else (777, 20)
+    x0 = rng.standard_normal(n)
+    x, tmp, out = x0.copy(), np.zeros(n), np.zeros(n)
+    k = lk.megakernel(W.two_phase_step)
+    k(x, tmp, out, steps=steps, backend=backend, scope=scope)
+    rx, rout = W.two_phase_ref(x0, steps)
+    assert rel_err(x, rx) < 1e-12 and rel_err(out, rout) < 1e-12
+
+
+@pytest.mark.parametrize("backend,scope", list(cases()))
+def test_several_reductions_per_step(backend, scope, rng):
+    n, steps = (45, 3) if small(backend) else (1001, 25)
+    x0 = rng.standard_normal(n)
+    x, stats = x0.copy(), np.zeros((steps, 4))
+    lk.megakernel(W.normalize_step)(x, stats, steps=steps, backend=backend, scope=scope)
+    rx, rstats = W.normalize_ref(x0, steps)
+    assert rel_err(x, rx) < 1e-10
+    np.testing.assert_allclose(stats, rstats, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("backend,scope", list(cases()))
+def test_helper_functions(backend, scope, rng):
+    n, steps = (40, 5) if small(backend) else (600, 33)
+    u0 = (rng.random(n) * 3).astype(np.float64)
+    u, v = u0.copy(), u0.copy()
+    lk.megakernel(W.helper_step, swap=[("u", "v")])(u, v, 0.3, steps=steps, backend=backend, scope=scope)
+    assert rel_err(u, W.helper_ref(u0, steps, 0.3)) < 1e-12
+
+
+@pytest.mark.parametrize("backend,scope", list(cases()))
+def test_integer_counter_exact(backend, scope, rng):
+    n, steps = (64, 9) if small(backend) else (999, 301)
+    a0 = rng.integers(0, 1000, n).astype(np.int64)
+    a, b = a0.copy(), np.zeros_like(a0)
+    lk.megakernel(W.counter_step, swap=[("a", "b")])(a, b, 9973, steps=steps, backend=backend, scope=scope)
+    np.testing.assert_array_equal(a, W.counter_ref(a0, steps, 9973))
+
+
+@pytest.mark.parametrize("backend,scope", list(cases()))
+def test_thread_id_and_num_threads_cover_every_index(backend, scope, rng):
+    @lk.megakernel
+    def spmd(t, hits):
+        n = hits.shape[0]
+        i = lk.thread_id()
+        while i < n:
+            hits[i] += 1
+            i += lk.num_threads()
+
+    hits = np.zeros(100 if small(backend) else 5000, np.int64)
+    run = spmd(hits, steps=3, backend=backend, scope=scope)
+    assert np.all(hits == 3)
+    assert run.threads * run.blocks >= 1
+
+
+@pytest.mark.parametrize("backend,scope", list(cases()))
+def test_reduction_types(backend, scope, rng):
+    @lk.megakernel
+    def red(t, xf, xi, out):
+        a = 0.0
+        b = 0
+        for i in lk.range(xf.shape[0]):
+            a += xf[i]
+            b += xi[i]
+        s = lk.sum(a)
+        c = lk.sum(b)
+        hi = lk.max(b)
+        lo = lk.min(a)
+        if lk.thread_id() == 0:
+            out[0] = s
+            out[1] = c
+            out[2] = hi
+            out[3] = lo
+
+    n = 64 if small(backend) else 3000
+    xf = rng.random(n).astype(np.float32)
+    xi = rng.integers(-50, 50, n).astype(np.int32)
+    out = np.zeros(4)
+    run = red(xf, xi, out, steps=1, backend=backend, scope=scope)
+    threads = run.threads * run.blocks
+    # each thread's partial sums over its grid-stride share
+    parts_f = np.array([xf[k::threads].astype(np.float64).sum() for k in range(threads)])
+    parts_i = np.array([xi[k::threads].astype(np.int64).sum() for k in range(threads)])
+    np.testing.assert_allclose(out[0], xf.astype(np.float64).sum(), rtol=1e-5)
+    assert out[1] == xi.astype(np.int64).sum()
+    assert out[2] == parts_i.max()
+    np.testing.assert_allclose(out[3], parts_f.min(), rtol=1e-5)
+
+
+@pytest.mark.parametrize("backend,scope", list(cases()))
+def test_grid_3d_and_single_name_target(backend, scope, rng):
+    @lk.megakernel
+    def scale3(t, a, b):
+        for idx in lk.grid(a.shape[0], (1, a.shape[1]), a.shape[2]):
+            b[idx] = a[idx] * 2.0 + t
+
+    a = rng.random((3, 5, 4) if small(backend) else (9, 17, 11))
+    b = np.full_like(a, -1.0)
+    scale3(a, b, steps=2, backend=backend, scope=scope)
+    expect = np.full_like(a, -1.0)
+    expect[:, 1:, :] = a[:, 1:, :] * 2.0 + 1
+    np.testing.assert_array_equal(b, expect)
+
+
+@pytest.mark.parametrize("backend,scope", list(cases()))
+def test_lk_range_negative_step_and_strides(backend, scope, rng):
+    @lk.megakernel
+    def rev(t, src, dst):
+        n = src.shape[0]
+        for i in lk.range(n - 1, -1, -2):
+            dst[i] = src[n - 1 - i]
+
+    src = rng.random(33)
+    dst = np.zeros(33)
+    rev(src, dst, steps=1, backend=backend, scope=scope)
+    expect = np.zeros(33)
+    idx = np.arange(32, -1, -2)
+    expect[idx] = src[32 - idx]
+    np.testing.assert_array_equal(dst, expect)
+
+
+@pytest.mark.parametrize("backend,scope", list(cases()))
+def test_step_index_and_early_uniform_return(backend, scope, rng):
+    @lk.megakernel
+    def count(t, log, stop_at):
+        if lk.thread_id() == 0:
+            log[t] = t * 10
+        return t + 1 < stop_at
+
+    log = np.full(20, -1, np.int64)
+    run = count(log, 6, max_steps=20, backend=backend, scope=scope)
+    assert (run.steps, run.stopped) == (6, "condition")
+    np.testing.assert_array_equal(log[:6], np.arange(6) * 10)
+    assert np.all(log[6:] == -1)
+
+
+@pytest.mark.parametrize("backend,scope", list(cases()))
+def test_while_loop_swap_parity(backend, scope, rng):
+    # a while loop that stops after an odd number of steps: the first buffer must be newest
+    @lk.megakernel(swap=[("u", "v")])
+    def inc(t, u, v, limit):
+        for i in lk.range(u.shape[0]):
+            v[i] = u[i] + 1.0
+        return lk.max(v[0] if lk.thread_id() == 0 else -1.0) < limit
+
+    u0 = rng.random(37)
+    u0[0] = 0.0
+    u, v = u0.copy(), u0.copy()
+    run = inc(u, v, 5.0, max_steps=100, backend=backend, scope=scope)
+    assert (run.steps, run.stopped) == (5, "condition")
+    np.testing.assert_allclose(u, u0 + 5)

@@ -1,0 +1,189 @@
+"""Step functions used by the tests, each with a float64 (or exact integer) NumPy reference."""
+
+import math
+
+import numpy as np
+
+import loopkern as lk
+
+# ---------------------------------------------------------------- 1D heat with swap
+def heat_step(t, u, v, alpha):
+    n = u.shape[0]
+    for i in lk.range(1, n - 1):
+        v[i] = u[i] + alpha * (u[i - 1] - 2.0 * u[i] + u[i + 1])
+    for i in lk.range(0, n, n - 1):     # boundaries: copied so swap keeps them
+        v[i] = u[i]
+
+
+def heat_ref(u0, steps, alpha):
+    u = u0.astype(np.float64).copy()
+    for _ in range(steps):
+        v = u.copy()
+        v[1:-1] = u[1:-1] + alpha * (u[:-2] - 2 * u[1:-1] + u[2:])
+        u = v
+    return u
+
+
+# ---------------------------------------------------------------- 2D Jacobi to tolerance
+def jacobi_step(t, u, v, tol):
+    n = u.shape[0]
+    m = u.shape[1]
+    err = 0.0
+    for i, j in lk.grid((1, n - 1), (1, m - 1)):
+        new = 0.25 * (u[i - 1, j] + u[i + 1, j] + u[i, j - 1] + u[i, j + 1])
+        v[i, j] = new
+        err = max(err, abs(new - u[i, j]))
+    return lk.max(err) > tol
+
+
+def jacobi_ref(u0, tol, max_steps):
+    u = u0.astype(np.float64).copy()
+    steps = 0
+    while steps < max_steps:
+        v = u.copy()
+        v[1:-1, 1:-1] = 0.25 * (u[:-2, 1:-1] + u[2:, 1:-1] + u[1:-1, :-2] + u[1:-1, 2:])
+        err = np.abs(v - u).max()
+        u = v
+        steps += 1
+        if not err > tol:
+            break
+    return u, steps
+
+
+# ---------------------------------------------------------------- Game of Life (int, periodic)
+def life_step(t, a, b, pop):
+    n = a.shape[0]
+    m = a.shape[1]
+    alive = 0
+    for i, j in lk.grid(n, m):
+        s = 0
+        for di in range(-1, 2):
+            for dj in range(-1, 2):
+                if di != 0 or dj != 0:
+                    s += a[(i + di + n) % n, (j + dj + m) % m]
+        c = a[i, j]
+        nxt = 1 if (s == 3 or (c == 1 and s == 2)) else 0
+        b[i, j] = nxt
+        alive += nxt
+    total = lk.sum(alive)
+    if lk.thread_id() == 0:
+        pop[t] = total
+
+
+def life_ref(a0, steps):
+    a = a0.copy()
+    pops = []
+    for _ in range(steps):
+        s = sum(np.roll(np.roll(a, di, 0), dj, 1) for di in (-1, 0, 1) for dj in (-1, 0, 1) if di or dj)
+        a = ((s == 3) | ((a == 1) & (s == 2))).astype(a.dtype)
+        pops.append(int(a.sum()))
+    return a, np.array(pops, np.int64)
+
+
+# ---------------------------------------------------------------- multi-phase step with lk.sync
+def two_phase_step(t, x, tmp, out):
+    # phase 1: tmp = neighbour average of x; phase 2 (after the barrier): x += shifted tmp
+    n = x.shape[0]
+    for i in lk.range(n):
+        tmp[i] = 0.5 * (x[i] + x[(i + 1) % n])
+    lk.sync()
+    for i in lk.range(n):
+        x[i] = x[i] + 0.1 * tmp[(i + n - 1) % n]
+    lk.sync()
+    for i in lk.range(n):
+        out[i] = tmp[i] - x[i]
+
+
+def two_phase_ref(x0, steps):
+    x = x0.astype(np.float64).copy()
+    n = x.shape[0]
+    out = np.zeros_like(x)
+    for _ in range(steps):
+        tmp = 0.5 * (x + np.roll(x, -1))
+        x = x + 0.1 * np.roll(tmp, 1)
+        out = tmp - x
+    return x, out
+
+
+# ---------------------------------------------------------------- two reductions in one step
+def normalize_step(t, x, stats):
+    # center x by its mean and scale by its max |x|: two reductions each step, plus a count
+    n = x.shape[0]
+    s = 0.0
+    for i in lk.range(n):
+        s += x[i]
+    mean = lk.sum(s) / n
+    m = 0.0
+    for i in lk.range(n):
+        m = max(m, abs(x[i] - mean))
+    scale = lk.max(m)
+    for i in lk.range(n):
+        x[i] = (x[i] - mean) / scale * 0.5 + 0.01 * math.sin(float(i + t))
+    k = 0
+    for i in lk.range(n):
+        if x[i] > 0:
+            k += 1
+    positives = lk.sum(k)
+    smallest = lk.min(x[0] if lk.thread_id() == 0 else 1e30)
+    if lk.thread_id() == 0:
+        stats[t, 0] = mean
+        stats[t, 1] = scale
+        stats[t, 2] = positives
+        stats[t, 3] = smallest
+
+
+def normalize_ref(x0, steps):
+    x = x0.astype(np.float64).copy()
+    stats = np.zeros((steps, 4))
+    idx = np.arange(x.shape[0])
+    for t in range(steps):
+        mean = x.sum() / x.shape[0]
+        scale = np.abs(x - mean).max()
+        x = (x - mean) / scale * 0.5 + 0.01 * np.sin((idx + t).astype(np.float64))
+        stats[t] = (mean, scale, (x > 0).sum(), x[0])
+    return x, stats
+
+
+# ---------------------------------------------------------------- a helper function
+def damp(value, factor):
+    if value > 1.0:
+        return value * factor
+    return value
+
+
+def laplacian(u, i):
+    return u[i - 1] - 2.0 * u[i] + u[i + 1]
+
+
+def helper_step(t, u, v, alpha):
+    n = u.shape[0]
+    for i in lk.range(1, n - 1):
+        v[i] = damp(u[i] + alpha * laplacian(u, i), 0.5)
+    for i in lk.range(0, n, n - 1):
+        v[i] = u[i]
+
+
+def helper_ref(u0, steps, alpha):
+    u = u0.astype(np.float64).copy()
+    for _ in range(steps):
+        v = u.copy()
+        w = u[1:-1] + alpha * (u[:-2] - 2 * u[1:-1] + u[2:])
+        v[1:-1] = np.where(w > 1.0, w * 0.5, w)
+        u = v
+    return u
+
+
+# ---------------------------------------------------------------- integer counter (race catcher)
+def counter_step(t, a, b, mod):
+    # b[i] = (a[i-1] + a[i] + a[i+1] + t) % mod, periodic: any read of a stale or future value
+    # changes the result, so a missing or broken barrier shows up as a mismatch.
+    n = a.shape[0]
+    for i in lk.range(n):
+        b[i] = (a[(i + n - 1) % n] + a[i] + a[(i + 1) % n] + t) % mod
+
+
+def counter_ref(a0, steps, mod):
+    a = a0.astype(np.int64).copy()
+    for t in range(steps):
+        a = (np.roll(a, 1) + a + np.roll(a, -1) + t) % mod
+    return a
