@@ -193,9 +193,11 @@ class _Normalizer(ast.NodeTransformer):
             if isinstance(node, cls):
                 return self.reject(node, msg, hint)
         if isinstance(node, ast.stmt):
-            return self.reject(node, f"'{type(node).__name__}' statements are not supported in step code")
+            return self.reject(node, f"'{type(node).__name__}' statements are not supported in step code",
+                               "use assignments, if/for/while, and calls of lk.*, math.* or helper functions")
         if isinstance(node, ast.expr):
-            return self.reject(node, f"'{type(node).__name__}' expressions are not supported in step code")
+            return self.reject(node, f"'{type(node).__name__}' expressions are not supported in step code",
+                               "use arithmetic on numbers and array elements")
         return super().generic_visit(node)
 
     def visit_Pass(self, node):
@@ -233,7 +235,7 @@ class _Normalizer(ast.NodeTransformer):
             return target
         if isinstance(target, ast.Attribute):
             return self.reject(target, "attributes cannot be assigned in step code", "assign array elements instead")
-        return self.reject(target, "this cannot be assigned to in step code")
+        return self.reject(target, "this cannot be assigned to in step code", "assign to a name or an array element")
 
     def visit_Assign(self, node):
         node.targets = [self._check_store(t) for t in node.targets]
@@ -243,7 +245,7 @@ class _Normalizer(ast.NodeTransformer):
     def visit_AugAssign(self, node):
         node.target = self._check_store(node.target)
         if isinstance(node.op, ast.MatMult):
-            self.error(node, "'@=' is not supported in step code")
+            self.error(node, "'@=' is not supported in step code", "write the matrix product as loops")
         node.value = self.visit(node.value)
         return node
 
@@ -282,21 +284,21 @@ class _Normalizer(ast.NodeTransformer):
         if it.keywords:
             self.error(it, f"{kind}() takes no keyword arguments", "pass start, stop, step positionally")
         if kind in ("range", "lk.range") and not 1 <= n_args <= 3:
-            self.error(it, f"{kind}() takes 1 to 3 arguments (stop, or start, stop[, step]); got {n_args}")
+            self.error(it, f"{kind}() takes 1 to 3 arguments; got {n_args}", "write range(stop) or range(start, stop[, step])")
         if kind == "lk.grid":
             if n_args == 0:
-                self.error(it, "lk.grid() needs at least one dimension")
+                self.error(it, "lk.grid() needs at least one dimension", "write lk.grid(n) or lk.grid(n, (1, m - 1))")
             for a in it.args:
                 if isinstance(a, ast.Tuple) and len(a.elts) != 2:
-                    self.error(a, "each lk.grid() dimension is 'stop' or '(start, stop)'")
+                    self.error(a, "each lk.grid() dimension is 'stop' or '(start, stop)'", "write e.g. lk.grid((1, n - 1), m)")
             tgt = node.target
             if isinstance(tgt, ast.Tuple) and len(tgt.elts) != n_args:
                 self.error(tgt, f"lk.grid() over {n_args} dimension(s) yields {n_args} indices; "
-                                f"the loop unpacks {len(tgt.elts)}")
+                                f"the loop unpacks {len(tgt.elts)}", "unpack one name per dimension, or use a single name")
         if kind != "lk.grid" and not isinstance(node.target, ast.Name):
-            self.error(node.target, f"the loop variable of {kind}() must be a single name")
+            self.error(node.target, f"the loop variable of {kind}() must be a single name", "write 'for i in ...'")
         if isinstance(node.target, ast.Tuple) and not all(isinstance(e, ast.Name) for e in node.target.elts):
-            self.error(node.target, "loop variables must be plain names")
+            self.error(node.target, "loop variables must be plain names", "write 'for i, j in lk.grid(n, m)'")
         node.target = self._check_store(node.target)
         if kind in ("lk.range", "lk.grid"):
             self.thread_varying = True
@@ -353,7 +355,8 @@ class _Normalizer(ast.NodeTransformer):
 
     def visit_BinOp(self, node):
         if not isinstance(node.op, _BINOPS):
-            return self.reject(node, f"operator '{type(node.op).__name__}' is not supported in step code")
+            return self.reject(node, f"operator '{type(node.op).__name__}' is not supported in step code",
+                               "write it with loops over array elements")
         node.left, node.right = self._scalar(node.left), self._scalar(node.right)
         return node
 
@@ -385,7 +388,8 @@ class _Normalizer(ast.NodeTransformer):
         if node.value is None:
             return self.reject(node, "None is not a value in step code", "use a number")
         if isinstance(node.value, complex):
-            return self.reject(node, "complex numbers are not supported in step code")
+            return self.reject(node, "complex numbers are not supported in step code",
+                               "keep real and imaginary parts in separate variables")
         return self.reject(node, f"{type(node.value).__name__} constants are not supported in step code",
                            "step code works on numbers and arrays only; it cannot print or format text")
 
@@ -399,14 +403,14 @@ class _Normalizer(ast.NodeTransformer):
                        "rename the variable")
 
     def visit_Name(self, node):
-        self._check_name_allowed(node)
         if node.id in self.locals or node.id in _BUILTIN_CONSTS:
             if node.id == "None":
                 return self.reject(node, "None is not a value in step code", "use a number")
             return node
         found, value = self.parsed.lookup(node.id)
         if not found:
-            return self.reject(node, f"name '{node.id}' is not defined")
+            return self.reject(node, f"name '{node.id}' is not defined",
+                               "define it before the step, or pass it as an argument")
         const = _constant_node(value, node)
         if const is not None:
             return const
@@ -458,8 +462,10 @@ class _Normalizer(ast.NodeTransformer):
             const = _constant_node(value, node)
             if const is not None:
                 return const
-            return self.reject(node, f"'{ast.unparse(node)}' ({self._describe(value)}) cannot be used in step code")
-        return self.reject(node, f"'{ast.unparse(node)}' cannot be used in step code")
+            return self.reject(node, f"'{ast.unparse(node)}' ({self._describe(value)}) cannot be used in step code",
+                               "pass the value as an argument of the step")
+        return self.reject(node, f"'{ast.unparse(node)}' cannot be used in step code",
+                               "arrays support .shape, .size and .ndim; modules: math and numpy casts")
 
     def visit_Subscript(self, node):
         if isinstance(node.value, ast.Attribute) and node.value.attr == "shape":
@@ -467,7 +473,8 @@ class _Normalizer(ast.NodeTransformer):
             node.slice = self._index(node.slice)
             return node
         if not isinstance(node.value, ast.Name) or node.value.id not in self.locals:
-            return self.reject(node, "only arrays (arguments or local names) can be indexed in step code")
+            return self.reject(node, "only arrays (arguments or local names) can be indexed in step code",
+                               "pass the array as an argument of the step")
         self._use_array(node.value)
         self.thread_varying = True
         node.slice = self._index(node.slice)
@@ -489,15 +496,17 @@ class _Normalizer(ast.NodeTransformer):
                        if kw.arg else "'**' unpacking is not supported in step code", "pass arguments positionally")
         node.keywords = []
         if isinstance(node.func, ast.Name) and node.func.id in self.locals:
-            return self.reject(node, f"'{node.func.id}' is a local variable, not a function")
+            return self.reject(node, f"'{node.func.id}' is a local variable, not a function",
+                               "rename the variable or the function")
         if not isinstance(node.func, (ast.Name, ast.Attribute)):
-            return self.reject(node, "only named functions can be called in step code")
+            return self.reject(node, "only named functions can be called in step code", "call a module-level function")
         ok, target = self._resolve_path(node.func)
         label = ast.unparse(node.func)
         if not ok:
             if isinstance(node.func, ast.Attribute):
-                return self.reject(node, f"method calls such as '{label}(...)' are not supported in step code")
-            return self.reject(node, f"name '{label}' is not defined")
+                return self.reject(node, f"method calls such as '{label}(...)' are not supported in step code",
+                                   "use the allowed builtins, math.*, lk.* or a helper function")
+            return self.reject(node, f"name '{label}' is not defined", "define the function at module level")
         if isinstance(target, dsl.Intrinsic):
             return self._intrinsic_call(node, target, label)
         if target is print:
@@ -505,7 +514,8 @@ class _Normalizer(ast.NodeTransformer):
         if isinstance(target, types.BuiltinFunctionType) and getattr(target, "__module__", None) == "math" \
                 or (getattr(target, "__self__", None) is math):
             if target.__name__ not in _MATH_FUNCS:
-                return self.reject(node, f"math.{target.__name__} is not supported in step code")
+                return self.reject(node, f"math.{target.__name__} is not supported in step code",
+                                   f"supported: {', '.join(sorted(_MATH_FUNCS))}")
             node.func = _module_attr("math", target.__name__, node)
             node.args = [self._scalar(a) for a in node.args]
             return node
@@ -515,13 +525,13 @@ class _Normalizer(ast.NodeTransformer):
                 return self.reject(node, f"numpy.{name} is not supported in step code",
                                    f"use one of: {', '.join(sorted(_NUMPY_CASTS))}")
             if len(node.args) != 1:
-                return self.reject(node, f"numpy.{name}() takes one argument in step code")
+                return self.reject(node, f"numpy.{name}() takes one argument in step code", f"write numpy.{name}(x)")
             node.func = _module_attr("np", name, node)
             node.args = [self._scalar(a) for a in node.args]
             return node
         if isinstance(node.func, ast.Name) and node.func.id in _BUILTINS and target is getattr(builtins, node.func.id):
             if target is builtins.range:
-                return self.reject(node, "range() can only be the iterable of a for loop")
+                return self.reject(node, "range() can only be the iterable of a for loop", "write 'for k in range(...):'")
             node.args = [self._scalar(a) if target is not len else self.visit(a) for a in node.args]
             if target is len and node.args and isinstance(node.args[0], ast.Name):
                 self._use_array(node.args[0])
@@ -546,7 +556,7 @@ class _Normalizer(ast.NodeTransformer):
         expected = 1 if name in ("sum", "max", "min") else 0
         if len(node.args) != expected:
             return self.reject(node, f"lk.{name}() takes {expected} argument{'s' if expected != 1 else ''}, "
-                                     f"got {len(node.args)}")
+                                     f"got {len(node.args)}", f"write lk.{name}({'x' if expected else ''})")
         if name == "thread_id":
             self.thread_varying = True
         node.func = _marker(name, node)
@@ -559,7 +569,8 @@ class _Normalizer(ast.NodeTransformer):
         if spec is None:
             return node
         if len(node.args) != len(spec.params):
-            self.error(node, f"helper '{label}' takes {len(spec.params)} argument(s), got {len(node.args)}")
+            self.error(node, f"helper '{label}' takes {len(spec.params)} argument(s), got {len(node.args)}",
+                       f"pass {', '.join(spec.params)}")
         for i, a in enumerate(node.args):
             if isinstance(a, ast.Name) and i in spec.array_params:
                 self._use_array(a)
@@ -583,6 +594,10 @@ def _check_signature(parsed: ParsedFunction, ctx: _Context, is_step: bool):
                     "pass every argument at the call"))
     if a.posonlyargs:
         bad.append((a.posonlyargs[0], "positional-only parameters ('/') are not supported", "remove the '/'"))
+    for arg in a.args:
+        if arg.arg.startswith(RESERVED_PREFIX):
+            bad.append((arg, f"names starting with '{RESERVED_PREFIX}' are reserved for generated code",
+                        "rename the parameter"))
     for node, msg, hint in bad:
         ctx.diagnostics.append(parsed.diagnostic(node, ctx.step_name, msg, hint, where))
     if is_step and not a.args:
@@ -635,7 +650,7 @@ class _Uniformity:
         self.loops: list[dict] = []
 
     def error(self, node, message, hint):
-        key = (node.lineno, node.col_offset, message)
+        key = (node.lineno, node.col_offset)   # the first (most direct) reason wins
         if key not in self.seen:
             self.seen.add(key)
             self.ctx.diagnostics.append(self.parsed.diagnostic(node, self.ctx.step_name, message, hint))

@@ -60,13 +60,20 @@ def classify(name: str, value):
     """Return an :class:`ArrayArg` or :class:`ScalarArg` for one argument, or raise ArgumentError."""
     if _is_jax_array(value):
         raise ArgumentError(f"argument '{name}' is a JAX array; JAX arrays are immutable, so kernel(...) cannot "
-                            f"update it in place. Call kernel.jax(...) instead, which returns new JAX arrays")
+                            f"update it in place. Pass a NumPy array or a GPU array that allows writes (CuPy, PyTorch, Numba); "
+                            f"a functional kernel.jax(...) entry point is planned but not built yet")
     if isinstance(value, np.ndarray):
         if value.ndim == 0:
             raise ArgumentError(f"argument '{name}': got a 0-d array; pass a Python or NumPy scalar instead")
         check_dtype(name, value.dtype)
         return ArrayArg(name, value, HOST, value.shape, value.dtype, value.strides,
                         value.__array_interface__["data"][0])
+    if type(value).__name__ == "FakeCUDAArray" and hasattr(value, "_ary"):
+        # Numba's CUDA simulator: its "device" arrays wrap a NumPy array and have no CAI
+        host = value._ary
+        check_dtype(name, host.dtype)
+        return ArrayArg(name, value, DEVICE, host.shape, host.dtype, host.strides,
+                        host.__array_interface__["data"][0])
     cai = getattr(value, "__cuda_array_interface__", None) if not isinstance(value, type) else None
     if cai is not None:
         shape = tuple(cai["shape"])
@@ -127,7 +134,7 @@ def to_cuda(args: list, stream=0):
         if isinstance(a, ScalarArg):
             out.append(a.value)
         elif a.where == DEVICE:
-            out.append(cuda.as_cuda_array(a.value))
+            out.append(a.value if type(a.value).__name__ == "FakeCUDAArray" else cuda.as_cuda_array(a.value))
         else:
             key = id(a.value)
             if key not in seen:

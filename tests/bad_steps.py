@@ -1,0 +1,167 @@
+"""Step functions that break the rules; tests/test_validate.py checks each error's location.
+
+Each line that should be reported carries a marker comment: ``# ERR: <fragment of message>``.
+"""
+
+import numpy as np
+
+import loopkern as lk
+
+TABLE = [1, 2, 3]
+SCALE = 2.5
+
+
+def uses_list(t, u):
+    x = [1, 2]  # ERR: lists are not supported
+    u[0] = x
+
+
+def sync_in_parallel_loop(t, u):
+    for i in lk.range(u.shape[0]):
+        u[i] = 1.0
+        lk.sync()  # ERR: inside the parallel loop
+
+
+def reduction_under_varying_if(t, u, out):
+    for i in lk.range(u.shape[0]):
+        out[i] = u[i]
+    v = u[0]
+    if v > 0.5:
+        s = lk.sum(v)  # ERR: under an 'if'
+        out[0] = s
+
+
+def thread_id_while(t, u):
+    k = lk.thread_id()
+    while k < 3:
+        lk.sync()  # ERR: inside a while loop
+        k += 1
+
+
+def varying_return(t, u):
+    for i in lk.range(u.shape[0]):
+        u[i] += 1.0
+    return u[0] < 10.0  # ERR: return value can differ between threads
+
+
+def return_under_varying_if(t, u):
+    if lk.thread_id() == 0:
+        return False  # ERR: 'return' is under an 'if'
+    return True
+
+
+def many_problems(t, u):
+    print("step", t)  # ERR: print() is not supported
+    d = {"a": 1}  # ERR: dicts are not supported
+    f = lambda x: x  # ERR: lambda is not supported  # noqa: E731
+    try:  # ERR: exceptions are not supported
+        pass
+    except Exception:
+        pass
+    return TABLE  # ERR: closures over Python objects are not supported
+
+
+def break_in_parallel(t, u):
+    for i in lk.range(u.shape[0]):
+        if u[i] > 0:
+            break  # ERR: 'break' out of a lk.range() loop
+        u[i] = 0.0
+
+
+def reduction_in_helper_helper(x):
+    return lk.sum(x)  # ERR: can only be called in the step function itself
+
+
+def calls_bad_helper(t, u):
+    s = reduction_in_helper_helper(u[0])
+    u[0] = s
+
+
+def recursive(x):
+    return recursive(x - 1)  # ERR: recursive call
+
+
+def calls_recursive(t, u):
+    u[0] = recursive(3)
+
+
+def short_circuit(t, u):
+    for i in lk.range(u.shape[0]):
+        u[i] = 1.0
+    a = lk.thread_id() > 3 and lk.max(1.0) > 0.0  # ERR: short-circuit
+    u[0] = a
+
+
+def conditional_expression(t, u):
+    x = lk.sum(1.0) if lk.thread_id() == 0 else 0.0  # ERR: conditional expression
+
+
+def loop_with_varying_break(t, u):
+    k = 0
+    while k < 10:
+        if u[k] > 0.5:
+            break
+        lk.sync()  # ERR: leave early
+        k += 1
+
+
+def nested_def(t, u):
+    def inner(x):  # ERR: nested functions are not supported
+        return x
+    u[0] = 1.0
+
+
+def string_and_slice(t, u):
+    u[1:3] = 0.0  # ERR: slices are not supported
+    s = "text"  # ERR: str constants are not supported
+
+
+def undefined_name(t, u):
+    u[0] = undefined_thing  # ERR: name 'undefined_thing' is not defined  # noqa: F821
+
+
+def uses_numpy_function(t, u):
+    u[0] = np.sum(u)  # ERR: cannot be called in step code
+
+
+def reserved_name(t, u):
+    _lk_tid = 3  # ERR: reserved for generated code
+    u[0] = _lk_tid
+
+
+def keyword_call(t, u):
+    u[0] = max(1.0, 2.0, key=None)  # ERR: keyword arguments are not supported
+
+
+def array_as_number(t, u, v):
+    for i in lk.range(u.shape[0]):
+        v[i] = u[i]
+    v[0] = u * 2.0  # ERR: used as an array
+
+
+def mixed_returns(t, u):
+    if t > 3:
+        return  # ERR: has no value
+    return lk.max(1.0) > 0
+
+
+def varying_for_bounds(t, u):
+    n = int(u[0])
+    for k in range(n):
+        lk.sync()  # ERR: bounds differ between threads
+
+
+def reduction_after_loop_is_fine(t, u, out):
+    s = 0.0
+    for i in lk.range(u.shape[0]):
+        s += u[i]
+    total = lk.sum(s)
+    if total > 0:          # uniform: a reduction result
+        lk.sync()
+    k = 0
+    while k < 3:           # uniform loop with a barrier
+        lk.sync()
+        k += 1
+    if lk.thread_id() == 0:
+        out[0] = total * SCALE
+    return total > 1.0

@@ -1,0 +1,144 @@
+"""Bad calls raise a clear LoopkernError naming the argument, before anything is launched or
+written; the inputs stay untouched."""
+
+import numpy as np
+import pytest
+
+import loopkern as lk
+import workloads as W
+
+BACKENDS = [pytest.param("cpu", id="cpu"), pytest.param("cuda", id="sim", marks=pytest.mark.sim)]
+
+
+@pytest.fixture
+def heat():
+    return lk.megakernel(W.heat_step, swap=[("u", "v")])
+
+
+def arrays(rng, n=32, dtype=np.float32):
+    u = rng.random(n).astype(dtype)
+    return u, u.copy(), u.copy()   # u, v, pristine copy
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("call,fragment", [
+    (lambda k, u, v: k(u, v, steps=3), "missing a required argument: 'alpha'"),
+    (lambda k, u, v: k(u, v, 0.25, 1.0, steps=3), "too many positional arguments"),
+    (lambda k, u, v: k(u, v, 0.25), "pass steps=N"),
+    (lambda k, u, v: k(u, v, 0.25, steps=3, max_steps=4), "either steps= or max_steps="),
+    (lambda k, u, v: k(u, v, 0.25, steps=-1), "steps=-1: must be >= 0"),
+    (lambda k, u, v: k(u, v, 0.25, steps=2.5), "steps=2.5: expected an integer"),
+    (lambda k, u, v: k(u, v, 0.25, steps=True), "steps=True: expected an integer"),
+    (lambda k, u, v: k(u, 3.0, 0.25, steps=3), "argument 'v': the step indexes it as an array"),
+    (lambda k, u, v: k(u, v, u, steps=3), "argument 'alpha': the step uses it as a number"),
+    (lambda k, u, v: k(u, v, "0.25", steps=3), "argument 'alpha': expected an array or a number, got str"),
+    (lambda k, u, v: k(u, v, 1j, steps=3), "argument 'alpha': complex numbers are not supported"),
+    (lambda k, u, v: k(u.astype(object), v, 0.25, steps=3), "argument 'u': array has dtype object"),
+    (lambda k, u, v: k(u.astype(np.complex64), v.astype(np.complex64), 0.25, steps=3), "complex numbers"),
+    (lambda k, u, v: k(u.astype(np.float16), v.astype(np.float16), 0.25, steps=3), "dtype float16"),
+    (lambda k, u, v: k(u, v.astype(np.float64), 0.25, steps=3), "same shape and dtype"),
+    (lambda k, u, v: k(u, v[:-1], 0.25, steps=3), "same shape and dtype"),
+    (lambda k, u, v: k(u, u, 0.25, steps=3), "share memory"),
+    (lambda k, u, v: k(u[:20], u[10:30], 0.25, steps=3), "share memory"),
+    (lambda k, u, v: k(u, v, 0.25, steps=3, backend="gpu"), "backend='gpu'"),
+    (lambda k, u, v: k(u, v, 0.25, steps=3, scope="warp"), "scope='warp'"),
+    (lambda k, u, v: k(np.float32(1.0), v, 0.25, steps=3), "argument 'u': the step indexes it as an array"),
+    (lambda k, u, v: k(np.array(1.0, np.float32), v, 0.25, steps=3), "0-d array"),
+    (lambda k, u, v: k(u, v, 0.25, steps=3, threads=0), "threads=0: must be >= 1"),
+    (lambda k, u, v: k(u, v, 2 ** 70, steps=3), "does not fit in int64"),
+])
+def test_bad_call_is_rejected_before_anything_runs(heat, rng, backend, call, fragment):
+    u, v, pristine = arrays(rng)
+    v_before = v.copy()
+    with pytest.raises(lk.ArgumentError) as info:
+        call(lambda *a, **kw: heat(*a, backend=kw.pop("backend", backend), **kw), u, v)
+    assert fragment in str(info.value)
+    np.testing.assert_array_equal(u, pristine)
+    np.testing.assert_array_equal(v, v_before)
+
+
+def test_argument_errors_are_loopkern_and_type_errors():
+    assert issubclass(lk.ArgumentError, lk.LoopkernError)
+    assert issubclass(lk.ArgumentError, TypeError)
+
+
+def test_keyword_arguments_bind_by_name(heat, rng):
+    u, v, pristine = arrays(rng, 50, np.float64)
+    run = heat(alpha=0.25, v=v, u=u, steps=5, backend="cpu")
+    assert run.steps == 5
+    np.testing.assert_allclose(u, W.heat_ref(pristine, 5, 0.25), rtol=1e-12)
+
+
+def test_jax_array_points_to_kernel_jax(heat):
+    class FakeJax:   # what matters is the module JAX arrays come from
+        __module__ = "jaxlib.xla_extension"
+    with pytest.raises(lk.ArgumentError, match="JAX arrays are immutable"):
+        heat(FakeJax(), FakeJax(), 0.25, steps=1, backend="cpu")
+
+
+def test_gpu_array_on_cpu_backend(heat, rng):
+    class FakeDevice:
+        def __init__(self, a, ptr):
+            self.__cuda_array_interface__ = dict(shape=a.shape, typestr=a.dtype.str, data=(ptr, False),
+                                                 strides=None, version=3)
+    u, v, _ = arrays(rng)
+    with pytest.raises(lk.ArgumentError, match="argument 'u' is on the GPU, but backend='cpu'"):
+        heat(FakeDevice(u, 1 << 30), FakeDevice(v, 1 << 31), 0.25, steps=1, backend="cpu")
+
+
+def test_swap_pairs_must_have_same_layout_on_cpu(rng):
+    k = lk.megakernel(W.heat_step, swap=[("u", "v")])
+    u = rng.random(40)
+    v = rng.random(80)[::2]
+    with pytest.raises(lk.ArgumentError, match="same type"):
+        k(u, v, 0.25, steps=2, backend="cpu")
+
+
+@pytest.mark.sim
+def test_simulator_one_block_only(heat, rng):
+    u, v, pristine = arrays(rng)
+    with pytest.raises(lk.LaunchError, match="one cooperative block"):
+        heat(u, v, 0.25, steps=3, backend="cuda", scope="grid", blocks=2)
+    np.testing.assert_array_equal(u, pristine)
+
+
+@pytest.mark.sim
+@pytest.mark.parametrize("threads,fragment", [(48, "multiple of 32"), (2048, "multiple of 32 between")])
+def test_bad_threads(heat, rng, threads, fragment):
+    u, v, pristine = arrays(rng)
+    with pytest.raises(lk.LaunchError, match=fragment):
+        heat(u, v, 0.25, steps=3, backend="cuda", threads=threads)
+    np.testing.assert_array_equal(u, pristine)
+
+
+@pytest.mark.sim
+def test_block_scope_is_one_block(heat, rng):
+    u, v, _ = arrays(rng)
+    with pytest.raises(lk.LaunchError, match="exactly one block"):
+        heat(u, v, 0.25, steps=3, backend="cuda", scope="block", blocks=4)
+
+
+def test_cuda_backend_without_gpu_is_clear(monkeypatch, heat, rng):
+    from loopkern import launch
+    monkeypatch.setattr(launch, "cuda_usable", lambda: False)
+    u, v, pristine = arrays(rng)
+    with pytest.raises(lk.BackendError, match="no usable CUDA GPU"):
+        heat(u, v, 0.25, steps=2, backend="cuda")
+    np.testing.assert_array_equal(u, pristine)
+    assert launch.choose_backend("auto") == "cpu"
+
+
+def test_decorator_options_are_checked():
+    with pytest.raises(lk.ArgumentError, match="backend='tpu'"):
+        lk.megakernel(W.heat_step, backend="tpu")
+    with pytest.raises(lk.ArgumentError, match="threads=-3"):
+        lk.megakernel(W.heat_step, threads=-3)
+
+
+@pytest.mark.sim
+def test_simulator_device_arrays_in_place(heat, rng):
+    from numba import cuda
+    u0 = rng.random(48).astype(np.float32)
+    du, dv = cuda.to_device(u0), cuda.to_device(u0)
+    heat(du, dv, 0.25, steps=3, backend="cuda")
+    np.testing.assert_allclose(du.copy_to_host(), W.heat_ref(u0, 3, 0.25), rtol=1e-5)
