@@ -175,7 +175,8 @@ def format_compile_error(source: KernelSource, path: Path, message: str) -> str:
                 where = hit
                 break
     text = _strip_ansi(message).strip()
-    first = text.splitlines()[0] if text else "compile error"
+    useful = [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.startswith("Failed in ")]
+    first = useful[0] if useful else "compile error"
     detail = "\n".join("    | " + ln for ln in text.splitlines()[:25])
     if where is None:
         return (f"{source.line_map and next(iter(source.line_map.values()))[0] or '<generated>'}: "

@@ -1,0 +1,113 @@
+"""Code generation: golden sources, line tracing back to the user's file, compile errors at
+the user's line."""
+
+import inspect
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import loopkern as lk
+import workloads as W
+from loopkern import codegen
+
+GOLDEN = Path(__file__).parent / "golden"
+WORKLOADS_FILE = inspect.getsourcefile(W)
+CASES = [("heat", W.heat_step, [("u", "v")]), ("jacobi", W.jacobi_step, [("u", "v")]),
+         ("helper", W.helper_step, [("u", "v")])]
+
+
+def normalized(text):
+    return text.replace(WORKLOADS_FILE, "<workloads.py>")
+
+
+@pytest.mark.parametrize("backend,scope", [("cuda", "grid"), ("cuda", "block"), ("cpu", "grid")])
+@pytest.mark.parametrize("name,fn,swap", CASES, ids=[c[0] for c in CASES])
+def test_golden_source(name, fn, swap, backend, scope):
+    k = lk.megakernel(fn, swap=swap)
+    text = normalized(k.source(backend, scope))
+    path = GOLDEN / f"{name}_{backend}_{scope}.py"
+    if os.environ.get("LOOPKERN_UPDATE_GOLDEN"):
+        path.write_text(text)
+    assert text == path.read_text(), f"generated source changed; regenerate with LOOPKERN_UPDATE_GOLDEN=1 ({path})"
+    compile(text, str(path), "exec")   # valid Python
+
+
+@pytest.mark.parametrize("backend", ["cuda", "cpu"])
+def test_every_body_line_traces_to_the_users_line(backend):
+    k = lk.megakernel(W.helper_step, swap=[("u", "v")])
+    src = codegen.render_kernel(k.spec, backend, "grid")
+    user_lines = {}
+    for fn in (W.helper_step, W.damp, W.laplacian):
+        lines, first = inspect.getsourcelines(fn)
+        user_lines.update({first + i: ln for i, ln in enumerate(lines)})
+    mapped = 0
+    for gen_line, (filename, line, col) in src.line_map.items():
+        assert filename == WORKLOADS_FILE
+        assert line in user_lines
+        mapped += 1
+    body = [ln for ln in src.text.splitlines() if ln.startswith("    ") and "_lk_step" not in ln]
+    # every line of the step and helper bodies is mapped
+    assert mapped >= sum(1 for fn in (W.helper_step, W.damp, W.laplacian)
+                         for ln in inspect.getsource(fn).splitlines()[1:] if ln.strip())
+    assert len(body) > mapped
+
+
+def type_clash(t, u):
+    x = 1.0
+    for i in lk.range(u.shape[0]):
+        u[i] = x
+    x = u.shape
+    u[0] = x
+
+
+def test_numba_error_points_at_user_line():
+    k = lk.megakernel(type_clash)
+    with pytest.raises(lk.CompileError) as info:
+        k(np.zeros(8), steps=1, backend="cpu")
+    msg = str(info.value)
+    lines, first = inspect.getsourcelines(type_clash)
+    head = msg.splitlines()[0]
+    assert head.startswith(f"{__file__}:")
+    line = int(head.split(":")[1])
+    assert first < line < first + len(lines)
+    assert "in step 'type_clash'" in head
+    assert msg.splitlines()[1].strip() == lines[line - first].strip()
+    assert "^" in msg.splitlines()[2]
+
+
+def test_source_for_unknown_backend_is_an_error():
+    k = lk.megakernel(W.heat_step, swap=[("u", "v")])
+    with pytest.raises(lk.ArgumentError):
+        k.source("opencl")
+
+
+def test_templates_are_installed_and_have_no_logic():
+    from importlib import resources
+    names = [p.name for p in resources.files("loopkern.templates").iterdir() if p.name.endswith(".tmpl")]
+    assert {"cuda_kernel.py.tmpl", "cpu_kernel.py.tmpl"} <= set(names)
+
+
+def test_disk_cache_is_reused_by_a_new_process(tmp_path):
+    script = textwrap.dedent(f"""
+        import sys, numpy as np
+        sys.path.insert(0, {str(Path(__file__).parent)!r})
+        import loopkern as lk, workloads as W
+        k = lk.megakernel(W.heat_step, swap=[("u", "v")])
+        u = np.random.rand(64); v = u.copy()
+        k(u, v, 0.25, steps=3, backend="cpu")
+        d = k._compiled[("cpu", "grid")].dispatcher
+        print(sum(d.stats.cache_hits.values()), sum(d.stats.cache_misses.values()))
+    """)
+    env = dict(os.environ, LOOPKERN_CACHE_DIR=str(tmp_path), NUMBA_ENABLE_CUDASIM="0")
+    runs = [subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True)
+            for _ in range(2)]
+    first = [int(x) for x in runs[0].stdout.split()]
+    second = [int(x) for x in runs[1].stdout.split()]
+    assert first[0] == 0 and first[1] >= 1      # compiled and stored
+    assert second[0] >= 1 and second[1] == 0    # loaded from disk
+    assert list(tmp_path.glob("kernels/*.py"))
