@@ -209,10 +209,11 @@ class MegaKernel:
         # device buffers, GPU inputs only wrapped.
         kargs, copy_back = to_cuda(argv)
         self._check_types(compiled, kargs)
-        redf, redi, info = self._scratch.cuda(1)
-        kernel = compiled.specialize((np.int64(nsteps), *kargs, redf, redi, info))
+        kernel = compiled.specialize((np.int64(nsteps), *kargs, *self._scratch.cuda(1)))
         plan = launch.plan_cuda(kernel, scope, work, threads, blocks, sim)
-        ran, by_cond = launch.launch_cuda(compiled.dispatcher, plan, nsteps, tuple(kargs), self._scratch)
+        with self._lock:   # one run at a time per kernel: the scratch (barrier counter) is shared
+            ran, by_cond = launch.launch_cuda(compiled.dispatcher, kernel, plan, nsteps, tuple(kargs),
+                                              self._scratch)
         copy_back()
         return Run(ran, "condition" if by_cond else "steps", "cuda", plan.scope, plan.blocks, plan.threads)
 

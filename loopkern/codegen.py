@@ -91,11 +91,11 @@ class _Lower(ast.NodeTransformer):
             if name == "sync":
                 if self.backend == "cpu":
                     return ast.copy_location(ast.Constant(None), node)
-                return _rt_call(f"{self.scope}_sync", [], node)
+                return _rt_call(f"{self.scope}_sync", [ast.Name(id=f"{_P}bar", ctx=ast.Load())], node)
             if name in ("sum", "max", "min"):
                 if self.backend == "cpu":
                     return _rt_call(f"reduce_{name}", node.args, node)
-                extra = [ast.Name(id=f"{_P}{n}", ctx=ast.Load()) for n in ("redf", "redi", "st")]
+                extra = [ast.Name(id=f"{_P}{n}", ctx=ast.Load()) for n in ("redf", "redi", "st", "bar")]
                 return _rt_call(f"{self.scope}_{name}", node.args + extra, node)
             raise AssertionError(f"unexpected marker {f.id}")  # validate only emits the ones above
         if isinstance(f, ast.Name) and f.id.startswith(f"{_P}fn_"):
@@ -115,8 +115,9 @@ def _src(e: ast.AST) -> str:
 class _BodyWriter:
     """Prints a lowered body statement by statement, expanding parallel loops."""
 
-    def __init__(self, out: _Lines, backend: str, scope: str, is_step: bool):
+    def __init__(self, out: _Lines, backend: str, scope: str, is_step: bool, fn_body=()):
         self.out = out
+        self.fn_body = list(fn_body)
         self.backend = backend
         self.lower = _Lower(backend, scope)
         self.is_step = is_step
@@ -181,15 +182,16 @@ class _BodyWriter:
         if self.backend == "cpu":
             rng = f"{_src(lo)}, {_src(hi)}" + ("" if _is_one(st) else f", {_src(st)}")
             self.out.add(depth, f"for {target} in range({rng}):", s)
-        else:
-            lo_t = self._bind(depth, f"{_P}r{k}_lo", lo, s)
-            hi_t = self._bind(depth, f"{_P}r{k}_hi", hi, s)
-            if _is_one(st):
-                start = f"{_P}tid" if _is_zero(lo) else f"{lo_t} + {_P}tid"
-                self.out.add(depth, f"for {target} in range({start}, {hi_t}, {_P}nt):", s)
-            else:
-                st_t = self._bind(depth, f"{_P}r{k}_st", st, s)
-                self.out.add(depth, f"for {target} in range({lo_t} + {_P}tid * {st_t}, {hi_t}, {_P}nt * {st_t}):", s)
+            self.body(s.body, depth + 1)
+            return
+        lo_t = self._bind(depth, f"{_P}r{k}_lo", lo, s)
+        hi_t = self._bind(depth, f"{_P}r{k}_hi", hi, s)
+        if _is_one(st):
+            start = f"{_P}tid" if _is_zero(lo) else f"{lo_t} + {_P}tid"
+            self.strided_loop(s, s.target.id, [], s.body, start, hi_t, depth, k)
+            return
+        st_t = self._bind(depth, f"{_P}r{k}_st", st, s)
+        self.out.add(depth, f"for {target} in range({lo_t} + {_P}tid * {st_t}, {hi_t}, {_P}nt * {st_t}):", s)
         self.body(s.body, depth + 1)
 
     def parallel_grid(self, s, args, depth):
@@ -201,27 +203,145 @@ class _BodyWriter:
         if self.backend == "cpu":
             for d, (lo, hi) in enumerate(dims):
                 self.out.add(depth + d, f"for {names[d]} in range({_src(lo)}, {_src(hi)}):", s)
-            inner = depth + nd
-        else:
-            los, ns = [], []
-            for d, (lo, hi) in enumerate(dims):
-                lo_t = self._bind(depth, f"{_P}g{k}_lo{d}", lo, s)
-                span = f"({_src(hi)}) - {lo_t}" if not _is_zero(lo) else _src(hi)
-                self.out.add(depth, f"{_P}g{k}_n{d} = max({span}, 0)", s)
-                los.append(lo_t)
-                ns.append(f"{_P}g{k}_n{d}")
-            flat = f"{_P}g{k}"
-            self.out.add(depth, f"for {flat} in range({_P}tid, {' * '.join(ns)}, {_P}nt):", s)
-            inner = depth + 1
-            for d in range(nd):
-                rest = " * ".join(ns[d + 1:])
-                q = f"({flat} // ({rest}))" if rest else flat
-                idx = q if d == 0 else f"{q} % {ns[d]}"
-                lo_t = los[d]
-                self.out.add(inner, f"{names[d]} = {idx}" if lo_t == "0" else f"{names[d]} = {lo_t} + {idx}", s)
+            if single:
+                self.out.add(depth + nd, f"{_src(s.target)} = ({', '.join(names)},)", s)
+            self.body(s.body, depth + nd)
+            return
+        los, ns = [], []
+        for d, (lo, hi) in enumerate(dims):
+            lo_t = self._bind(depth, f"{_P}g{k}_lo{d}", lo, s)
+            span = f"({_src(hi)}) - {lo_t}" if not _is_zero(lo) else _src(hi)
+            self.out.add(depth, f"{_P}g{k}_n{d} = max({span}, 0)", s)
+            los.append(lo_t)
+            ns.append(f"{_P}g{k}_n{d}")
+        flat = f"{_P}g{k}"
+        index = []
+        for d in range(nd):
+            rest = " * ".join(ns[d + 1:])
+            q = f"({flat} // ({rest}))" if rest else flat
+            idx = q if d == 0 else f"{q} % {ns[d]}"
+            index.append(f"{names[d]} = {idx}" if los[d] == "0" else f"{names[d]} = {los[d]} + {idx}")
         if single:
-            self.out.add(inner, f"{_src(s.target)} = ({', '.join(names)},)", s)
-        self.body(s.body, inner)
+            index.append(f"{_src(s.target)} = ({', '.join(names)},)")
+        prologue = [ast.copy_location(ast.parse(line).body[0], s) for line in index]
+        for st_ in prologue:
+            for n in ast.walk(st_):
+                ast.copy_location(n, s)
+        self.out.add(depth, f"{_P}g{k}_total = {' * '.join(ns)}", s)
+        self.strided_loop(s, flat, prologue, s.body, f"{_P}tid", f"{_P}g{k}_total", depth, k)
+
+    def strided_loop(self, s, var, prologue, body, start, stop, depth, k):
+        """This thread's indices ``start, start + nt, ... < stop``: unrolled when it is safe.
+
+        Iterations of a parallel loop must be independent (threads run them concurrently), so
+        the loads of several iterations may be issued before their stores. The compiler cannot
+        prove that itself (arrays may alias), so for straight-line bodies the loop is unrolled
+        here with each statement interleaved across the copies and stores split from the
+        values they store: several loads in flight per thread instead of one.
+        """
+        full = list(prologue) + list(body)
+        plan = _unroll_plan(full, var, self.outside_names(s))
+        if plan is not None:
+            temps, split = plan
+            cur = f"{_P}u{k}"
+            self.out.add(depth, f"{cur} = {start}", s)
+            self.out.add(depth, f"while {cur} + {UNROLL - 1} * {_P}nt < {stop}:", s)
+            for c in range(UNROLL):
+                self.out.add(depth + 1, f"{_rename(var, c, k)} = {cur}" + (f" + {c} * {_P}nt" if c else ""), s)
+            for stmt in split:
+                for c in range(UNROLL):
+                    self.stmt(_Renamer({n: _rename(n, c, k) for n in temps}).visit(copy.deepcopy(stmt)), depth + 1)
+            self.out.add(depth + 1, f"{cur} += {UNROLL} * {_P}nt", s)
+            start = cur
+        self.out.add(depth, f"for {var} in range({start}, {stop}, {_P}nt):", s)
+        self.body(full, depth + 1)
+
+    def outside_names(self, loop):
+        """Names the function uses outside ``loop`` (those must keep their meaning after it)."""
+        inside = {id(n) for n in ast.walk(loop)}
+        return {n.id for n in ast.walk(ast.Module(body=self.fn_body, type_ignores=[]))
+                if isinstance(n, ast.Name) and id(n) not in inside}
+
+
+UNROLL = 4
+
+
+def _rename(name: str, copy_index: int, k: int) -> str:
+    return f"{_P}u{k}_{copy_index}_{name}"
+
+
+class _Renamer(ast.NodeTransformer):
+    def __init__(self, mapping):
+        self.mapping = mapping
+
+    def visit_Name(self, node):
+        if node.id in self.mapping:
+            return ast.copy_location(ast.Name(id=self.mapping[node.id], ctx=node.ctx), node)
+        return node
+
+
+def _loaded(e) -> set:
+    return {n.id for n in ast.walk(e) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
+
+
+def _unroll_plan(body, var, outside):
+    """For a straight-line body: (names private to one iteration, ``var`` included, and the
+    statements with stores split from their values).
+
+    Returns None when unrolling could change the result: control flow, a value carried from one
+    iteration to the next other than by a single self-update (``acc = max(acc, x)``), or a
+    per-iteration name that is used after the loop.
+    """
+    assigned = set()
+    for st in body:
+        if isinstance(st, ast.Assign) and len(st.targets) == 1 and isinstance(st.targets[0], (ast.Name, ast.Subscript)):
+            tgt = st.targets[0]
+        elif isinstance(st, ast.AugAssign) and isinstance(st.target, (ast.Name, ast.Subscript)):
+            tgt = st.target
+        else:
+            return None
+        if isinstance(tgt, ast.Subscript) and not isinstance(tgt.value, ast.Name):
+            return None
+        if isinstance(tgt, ast.Name):
+            assigned.add(tgt.id)
+    temps, carried, uses = {var}, set(), {}
+    for i, st in enumerate(body):
+        tgt = st.targets[0] if isinstance(st, ast.Assign) else st.target
+        reads = _loaded(st.value) | (_loaded(tgt.slice) | {tgt.value.id} if isinstance(tgt, ast.Subscript) else set())
+        if isinstance(st, ast.AugAssign) and isinstance(tgt, ast.Name):
+            reads.add(tgt.id)
+        for r in reads & assigned:
+            if r not in temps:
+                carried.add(r)
+            uses.setdefault(r, set()).add(i)
+        if isinstance(tgt, ast.Name):
+            uses.setdefault(tgt.id, set()).add(i)
+            if tgt.id not in carried:
+                temps.add(tgt.id)
+    for c in carried:
+        writes_in = {i for i, st in enumerate(body) if isinstance(st.targets[0] if isinstance(st, ast.Assign)
+                                                                 else st.target, ast.Name)
+                     and (st.targets[0] if isinstance(st, ast.Assign) else st.target).id == c}
+        if len(uses[c]) != 1 or uses[c] != writes_in:
+            return None
+    if (temps - {var}) & outside or temps & carried:
+        return None
+    split = []
+    for j, st in enumerate(body):
+        tgt = st.targets[0] if isinstance(st, ast.Assign) else st.target
+        if isinstance(tgt, ast.Subscript):
+            value = st.value if isinstance(st, ast.Assign) else ast.copy_location(
+                ast.BinOp(left=ast.Subscript(value=tgt.value, slice=tgt.slice, ctx=ast.Load()), op=st.op,
+                          right=st.value), st)
+            tmp = f"{_P}v{j}"
+            temps.add(tmp)
+            split.append(ast.copy_location(ast.Assign(targets=[ast.Name(id=tmp, ctx=ast.Store())], value=value), st))
+            split.append(ast.copy_location(ast.Assign(targets=[tgt], value=ast.Name(id=tmp, ctx=ast.Load())), st))
+        else:
+            split.append(st)
+    for st in split:
+        ast.fix_missing_locations(st)
+    return temps, split
 
 
 def _is_one(e):
@@ -239,7 +359,7 @@ def _render_function(fs: FunctionSpec, home: str, backend: str, scope: str, is_s
     params = list(fs.params) + ctx_params
     out.add(0, decorator)
     out.add(0, f"def {fs.symbol}({', '.join(params)}):", _Pos(fs.lineno))
-    w = _BodyWriter(out, backend, scope, is_step)
+    w = _BodyWriter(out, backend, scope, is_step, body)
     w.body(body, 1)
     if is_step and not (body and isinstance(body[-1], ast.Return)):
         out.add(1, "return True")
@@ -281,7 +401,7 @@ def render_kernel(spec: StepSpec, backend: str, scope: str = "grid", *, cache: b
     elif scope not in SCOPES:
         raise ValueError(f"scope must be one of {SCOPES}, got {scope!r}")
     dev_opts, ker_opts = _jit_options(backend, cache)
-    ctx_params = [f"{_P}tid", f"{_P}nt"] + ([f"{_P}redf", f"{_P}redi", f"{_P}st"] if backend == "cuda" else [])
+    ctx_params = [f"{_P}tid", f"{_P}nt"] + ([f"{_P}redf", f"{_P}redi", f"{_P}st", f"{_P}bar"] if backend == "cuda" else [])
     helper_ctx = [f"{_P}tid", f"{_P}nt"]
     device_deco = "@cuda.jit(device=True)" if backend == "cuda" else f"@numba.njit({dev_opts})"
 
@@ -302,7 +422,7 @@ def render_kernel(spec: StepSpec, backend: str, scope: str = "grid", *, cache: b
     if backend == "cuda":
         thread_index = "cuda.grid(1)" if scope == "grid" else "cuda.threadIdx.x"
         thread_count = "cuda.gridsize(1)" if scope == "grid" else "cuda.blockDim.x"
-        barrier = f"{_P}rt.{scope}_sync()"
+        barrier = f"{_P}rt.{scope}_sync({_P}bar)"
     else:
         thread_index = thread_count = barrier = ""
 

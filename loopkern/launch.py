@@ -22,7 +22,10 @@ log = logging.getLogger("loopkern")
 DEFAULT_THREADS = 256
 BLOCK_SCOPE_THREADS = 1024
 #: problems of at most this many elements default to one block (scope="auto")
-AUTO_BLOCK_SCOPE_MAX_ELEMENTS = 16384
+AUTO_BLOCK_SCOPE_MAX_ELEMENTS = 8192
+#: grid scope gives each thread about this many elements (the unroll factor of parallel loops):
+#: fewer blocks make the barrier cheaper, and unrolled loops keep the loads in flight
+ELEMENTS_PER_THREAD = 4
 _auto_logged = False
 _lock = threading.Lock()
 
@@ -117,7 +120,7 @@ def plan_cuda(kernel, scope: str, work: int, threads: int | None, blocks: int | 
     if limit < 1:
         raise LaunchError(f"threads={threads}: not even one block of this kernel fits on the device")
     if blocks is None:
-        blocks = max(1, min(limit, math.ceil(work / threads)))
+        blocks = max(1, min(limit, math.ceil(work / (threads * ELEMENTS_PER_THREAD))))
     if blocks < 1:
         raise LaunchError(f"blocks={blocks}: must be at least 1")
     if blocks > limit:
@@ -140,7 +143,7 @@ class Scratch:
         if have is None or have[0].shape[1] < blocks:
             n = max(blocks, 1)
             have = (cuda.device_array((2, n), np.float64), cuda.device_array((2, n), np.int64),
-                    cuda.device_array(2, np.int64))
+                    cuda.to_device(np.zeros(1, np.uint32)), cuda.device_array(2, np.int64))
             self._bufs[key] = have
         return have
 
@@ -150,12 +153,20 @@ def _sim() -> bool:
     return bool(config.ENABLE_CUDASIM)
 
 
-def launch_cuda(kernel, plan: LaunchPlan, nsteps: int, args: tuple, scratch: Scratch, stream=0) -> tuple[int, bool]:
-    """Run the kernel to completion; returns (steps run, stopped by the step's condition)."""
+def launch_cuda(dispatcher, kernel, plan: LaunchPlan, nsteps: int, args: tuple, scratch: Scratch,
+                stream=0) -> tuple[int, bool]:
+    """Run the kernel to completion; returns (steps run, stopped by the step's condition).
+
+    ``kernel`` is the compiled overload for these argument types: grid scope marks it for a
+    cooperative launch, so the driver refuses (rather than hangs on) a grid that cannot be
+    co-resident, even though the barrier is loopkern's own.
+    """
     from numba import cuda
-    redf, redi, info = scratch.cuda(plan.blocks)
-    launcher = kernel[plan.blocks, plan.threads, stream] if stream else kernel[plan.blocks, plan.threads]
-    launcher(np.int64(nsteps), *args, redf, redi, info)
+    redf, redi, bar, info = scratch.cuda(plan.blocks)
+    if plan.scope == "grid" and not _sim():
+        kernel.cooperative = True
+    launcher = dispatcher[plan.blocks, plan.threads, stream] if stream else dispatcher[plan.blocks, plan.threads]
+    launcher(np.int64(nsteps), *args, redf, redi, bar, info)
     if stream:
         stream.synchronize()
     else:

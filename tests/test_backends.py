@@ -242,3 +242,28 @@ def test_while_loop_swap_parity(backend, scope, rng):
     run = inc(u, v, 5.0, max_steps=100, backend=backend, scope=scope)
     assert (run.steps, run.stopped) == (5, "condition")
     np.testing.assert_allclose(u, u0 + 5)
+
+
+@pytest.mark.sim
+@pytest.mark.parametrize("scope", ["grid", "block"])
+def test_unrolled_loops_under_simulator(scope, rng):
+    # 32 threads and > 4 * 32 elements: the unrolled path and its remainder loop both run
+    n = 4 * 32 * 2 + 13
+    u0 = rng.random(n)
+    u, v = u0.copy(), u0.copy()
+    lk.megakernel(W.heat_step, swap=[("u", "v")])(u, v, 0.2, steps=3, backend="cuda", scope=scope, threads=32)
+    assert rel_err(u, W.heat_ref(u0, 3, 0.2)) < 1e-12
+    g0 = rng.random((19, 17))
+    g, h = g0.copy(), g0.copy()
+    run = lk.megakernel(W.jacobi_step, swap=[("u", "v")])(g, h, 1e-3, max_steps=7, backend="cuda", scope=scope,
+                                                          threads=32)
+    ref, ref_steps = W.jacobi_ref(g0, 1e-3, 7)
+    assert run.steps == ref_steps and rel_err(g, ref) < 1e-12
+
+    import test_codegen as C
+    x = rng.random(n)
+    y, acc = np.zeros(n), np.zeros(32)
+    lk.megakernel(C.unroll_ok)(x, y, acc, steps=1, backend="cuda", scope=scope, threads=32)
+    np.testing.assert_allclose(y, x * 2 + 1)
+    # each of the 32 threads: the sum over its grid-stride share, through the unrolled loop
+    np.testing.assert_allclose(acc, [(x[k::32] * 2).sum() for k in range(32)])

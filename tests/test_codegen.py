@@ -111,3 +111,44 @@ def test_disk_cache_is_reused_by_a_new_process(tmp_path):
     assert first[0] == 0 and first[1] >= 1      # compiled and stored
     assert second[0] >= 1 and second[1] == 0    # loaded from disk
     assert list(tmp_path.glob("kernels/*.py"))
+
+
+def _step_source(fn):
+    return lk.megakernel(fn).source("cuda").split("def _lk_step")[1].split("@cuda.jit")[0]
+
+
+def unroll_ok(t, u, v, acc):
+    s = 0.0
+    for i in lk.range(u.shape[0]):
+        w = u[i] * 2.0
+        v[i] = w + 1.0
+        s = s + w
+    acc[lk.thread_id()] = s
+
+
+def unroll_carried_twice(t, u, v):
+    s = 0.0
+    for i in lk.range(u.shape[0]):
+        a = s + u[i]
+        s = a
+        v[i] = a
+
+
+def unroll_control_flow(t, u, v):
+    for i in lk.range(u.shape[0]):
+        if u[i] > 0.5:
+            v[i] = 1.0
+
+
+def unroll_temp_used_after(t, u, v):
+    w = 0.0
+    for i in lk.range(u.shape[0]):
+        w = u[i]
+        v[i] = w
+    v[0] = w
+
+
+@pytest.mark.parametrize("fn,unrolled", [(unroll_ok, True), (unroll_carried_twice, False),
+                                         (unroll_control_flow, False), (unroll_temp_used_after, False)])
+def test_unrolling_only_when_it_cannot_change_the_result(fn, unrolled):
+    assert ("while _lk_u1 + 3 * _lk_nt" in _step_source(fn)) == unrolled

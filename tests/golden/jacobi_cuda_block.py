@@ -9,22 +9,54 @@ from loopkern.runtime import cuda_rt as _lk_rt
 
 
 @cuda.jit(device=True)
-def _lk_step(t, u, v, tol, _lk_tid, _lk_nt, _lk_redf, _lk_redi, _lk_st):
+def _lk_step(t, u, v, tol, _lk_tid, _lk_nt, _lk_redf, _lk_redi, _lk_st, _lk_bar):
     n = u.shape[0]  # line 29
     m = u.shape[1]  # line 30
     err = 0.0  # line 31
     _lk_g1_n0 = max((n - 1) - 1, 0)  # line 32
     _lk_g1_n1 = max((m - 1) - 1, 0)  # line 32
-    for _lk_g1 in range(_lk_tid, _lk_g1_n0 * _lk_g1_n1, _lk_nt):  # line 32
-        i = 1 + (_lk_g1 // (_lk_g1_n1))  # line 32
+    _lk_g1_total = _lk_g1_n0 * _lk_g1_n1  # line 32
+    _lk_u1 = _lk_tid  # line 32
+    while _lk_u1 + 3 * _lk_nt < _lk_g1_total:  # line 32
+        _lk_u1_0__lk_g1 = _lk_u1  # line 32
+        _lk_u1_1__lk_g1 = _lk_u1 + 1 * _lk_nt  # line 32
+        _lk_u1_2__lk_g1 = _lk_u1 + 2 * _lk_nt  # line 32
+        _lk_u1_3__lk_g1 = _lk_u1 + 3 * _lk_nt  # line 32
+        _lk_u1_0_i = 1 + _lk_u1_0__lk_g1 // _lk_g1_n1  # line 32
+        _lk_u1_1_i = 1 + _lk_u1_1__lk_g1 // _lk_g1_n1  # line 32
+        _lk_u1_2_i = 1 + _lk_u1_2__lk_g1 // _lk_g1_n1  # line 32
+        _lk_u1_3_i = 1 + _lk_u1_3__lk_g1 // _lk_g1_n1  # line 32
+        _lk_u1_0_j = 1 + _lk_u1_0__lk_g1 % _lk_g1_n1  # line 32
+        _lk_u1_1_j = 1 + _lk_u1_1__lk_g1 % _lk_g1_n1  # line 32
+        _lk_u1_2_j = 1 + _lk_u1_2__lk_g1 % _lk_g1_n1  # line 32
+        _lk_u1_3_j = 1 + _lk_u1_3__lk_g1 % _lk_g1_n1  # line 32
+        _lk_u1_0_new = 0.25 * (u[_lk_u1_0_i - 1, _lk_u1_0_j] + u[_lk_u1_0_i + 1, _lk_u1_0_j] + u[_lk_u1_0_i, _lk_u1_0_j - 1] + u[_lk_u1_0_i, _lk_u1_0_j + 1])  # line 33
+        _lk_u1_1_new = 0.25 * (u[_lk_u1_1_i - 1, _lk_u1_1_j] + u[_lk_u1_1_i + 1, _lk_u1_1_j] + u[_lk_u1_1_i, _lk_u1_1_j - 1] + u[_lk_u1_1_i, _lk_u1_1_j + 1])  # line 33
+        _lk_u1_2_new = 0.25 * (u[_lk_u1_2_i - 1, _lk_u1_2_j] + u[_lk_u1_2_i + 1, _lk_u1_2_j] + u[_lk_u1_2_i, _lk_u1_2_j - 1] + u[_lk_u1_2_i, _lk_u1_2_j + 1])  # line 33
+        _lk_u1_3_new = 0.25 * (u[_lk_u1_3_i - 1, _lk_u1_3_j] + u[_lk_u1_3_i + 1, _lk_u1_3_j] + u[_lk_u1_3_i, _lk_u1_3_j - 1] + u[_lk_u1_3_i, _lk_u1_3_j + 1])  # line 33
+        _lk_u1_0__lk_v3 = _lk_u1_0_new  # line 34
+        _lk_u1_1__lk_v3 = _lk_u1_1_new  # line 34
+        _lk_u1_2__lk_v3 = _lk_u1_2_new  # line 34
+        _lk_u1_3__lk_v3 = _lk_u1_3_new  # line 34
+        v[_lk_u1_0_i, _lk_u1_0_j] = _lk_u1_0__lk_v3  # line 34
+        v[_lk_u1_1_i, _lk_u1_1_j] = _lk_u1_1__lk_v3  # line 34
+        v[_lk_u1_2_i, _lk_u1_2_j] = _lk_u1_2__lk_v3  # line 34
+        v[_lk_u1_3_i, _lk_u1_3_j] = _lk_u1_3__lk_v3  # line 34
+        err = max(err, abs(_lk_u1_0_new - u[_lk_u1_0_i, _lk_u1_0_j]))  # line 35
+        err = max(err, abs(_lk_u1_1_new - u[_lk_u1_1_i, _lk_u1_1_j]))  # line 35
+        err = max(err, abs(_lk_u1_2_new - u[_lk_u1_2_i, _lk_u1_2_j]))  # line 35
+        err = max(err, abs(_lk_u1_3_new - u[_lk_u1_3_i, _lk_u1_3_j]))  # line 35
+        _lk_u1 += 4 * _lk_nt  # line 32
+    for _lk_g1 in range(_lk_u1, _lk_g1_total, _lk_nt):  # line 32
+        i = 1 + _lk_g1 // _lk_g1_n1  # line 32
         j = 1 + _lk_g1 % _lk_g1_n1  # line 32
         new = 0.25 * (u[i - 1, j] + u[i + 1, j] + u[i, j - 1] + u[i, j + 1])  # line 33
         v[i, j] = new  # line 34
         err = max(err, abs(new - u[i, j]))  # line 35
-    return bool(_lk_rt.block_max(err, _lk_redf, _lk_redi, _lk_st) > tol)  # line 36
+    return bool(_lk_rt.block_max(err, _lk_redf, _lk_redi, _lk_st, _lk_bar) > tol)  # line 36
 
 @cuda.jit(cache=True)
-def _lk_kernel(_lk_nsteps, _lk_a0, _lk_a1, _lk_a2, _lk_redf, _lk_redi, _lk_info):
+def _lk_kernel(_lk_nsteps, _lk_a0, _lk_a1, _lk_a2, _lk_redf, _lk_redi, _lk_bar, _lk_info):
     _lk_tid = cuda.threadIdx.x
     _lk_nt = cuda.blockDim.x
     _lk_st = cuda.local.array(1, _lk_np.int32)
@@ -32,8 +64,8 @@ def _lk_kernel(_lk_nsteps, _lk_a0, _lk_a1, _lk_a2, _lk_redf, _lk_redi, _lk_info)
     _lk_t = 0
     _lk_go = True
     while _lk_t < _lk_nsteps:
-        _lk_go = _lk_step(_lk_t, _lk_a0, _lk_a1, _lk_a2, _lk_tid, _lk_nt, _lk_redf, _lk_redi, _lk_st)
-        _lk_rt.block_sync()
+        _lk_go = _lk_step(_lk_t, _lk_a0, _lk_a1, _lk_a2, _lk_tid, _lk_nt, _lk_redf, _lk_redi, _lk_st, _lk_bar)
+        _lk_rt.block_sync(_lk_bar)
         _lk_t += 1
         _lk_a0, _lk_a1 = _lk_a1, _lk_a0
         if not _lk_go:
