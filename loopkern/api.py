@@ -15,7 +15,7 @@ from .spec import ARRAY, SCALAR
 from .validate import validate_step
 
 BACKENDS = ("auto", "cuda", "cpu")
-SCOPES = ("auto", "grid", "block")
+SCOPES = ("auto", "grid", "block", "thread")
 
 
 @dataclass(frozen=True)
@@ -83,7 +83,10 @@ class MegaKernel:
     def source(self, backend: str = "cuda", scope: str = "grid") -> str:
         """The generated kernel source for ``backend`` ("cuda" or "cpu") and ``scope``."""
         _check_choice("backend", backend, ("cuda", "cpu"))
-        _check_choice("scope", scope, ("grid", "block"))
+        _check_choice("scope", scope, ("grid", "block", "thread"))
+        if scope == "thread" and self.spec.parallel:
+            raise ArgumentError(f"scope='thread': step '{self.spec.name}' uses parallel constructs; "
+                                f"use 'grid' or 'block'")
         return codegen.render_kernel(self.spec, backend, scope, fingerprint="").text
 
     # -- calling ---------------------------------------------------------------------------
@@ -127,7 +130,8 @@ class MegaKernel:
             steps: number of steps to run (an upper bound if the step returns a condition).
             max_steps: upper bound on steps for a step that returns a condition.
             backend: "auto", "cuda" or "cpu" (default: the decorator's).
-            scope: "auto", "grid" or "block" (CUDA only).
+            scope: "auto", "grid", "block" or "thread" (CUDA only; "thread" is one thread with no
+                barrier, for a step without parallel constructs, which "auto" picks for it).
             threads: threads per block (CUDA only; a multiple of 32).
             blocks: blocks in the grid (CUDA grid scope; must all fit on the device at once).
 
@@ -201,7 +205,11 @@ class MegaKernel:
 
         sim = simulator_enabled()
         work = max([a.size for a in argv if isinstance(a, ArrayArg)] or [1])
-        scope = launch.resolve_scope(scope, work, sim)
+        if scope == "thread" and self.spec.parallel:
+            raise ArgumentError(f"scope='thread' runs one thread with no barrier, but step '{self.spec.name}' "
+                                f"uses parallel loops, lk.thread_id/num_threads, lk.sync or reductions; "
+                                f"use scope='grid', 'block' or 'auto'")
+        scope = launch.resolve_scope(scope, work, self.spec.parallel)
         compiled = self._kernel("cuda", scope)
         if self._scratch is None:
             self._scratch = launch.Scratch()
@@ -230,7 +238,8 @@ def megakernel(fn=None, *, swap=(), backend="auto", scope="auto", threads=None, 
         swap: pairs of array parameters whose buffers exchange roles after every step; after the
             run the first of each pair holds the newest state.
         backend: "auto" (CUDA if a GPU is usable, else CPU), "cuda" or "cpu".
-        scope: "auto", "grid" (every co-resident block, grid barrier) or "block" (one block).
+        scope: "auto", "grid" (every co-resident block, grid barrier), "block" (one block) or
+            "thread" (one thread, no barrier: sequential steps such as a scalar recursion).
         threads: default threads per block.
         blocks: default number of blocks.
 

@@ -20,7 +20,7 @@ from pathlib import Path
 from .spec import INTRINSIC_PREFIX, RESERVED_PREFIX, FunctionSpec, StepSpec
 
 BACKENDS = ("cuda", "cpu")
-SCOPES = ("grid", "block")
+SCOPES = ("grid", "block", "thread")
 _INDENT = "    "
 _P = RESERVED_PREFIX
 
@@ -32,7 +32,7 @@ class KernelSource:
     Attributes:
         text: the Python source of a module defining ``_lk_kernel``.
         backend: ``"cuda"`` or ``"cpu"``.
-        scope: ``"grid"`` or ``"block"`` (``"grid"`` for the CPU backend).
+        scope: ``"grid"``, ``"block"`` or ``"thread"`` (``"grid"`` for the CPU backend).
         line_map: generated line number -> (user file, user line, user column).
         step_name: the user's step function name.
     """
@@ -386,8 +386,9 @@ def render_kernel(spec: StepSpec, backend: str, scope: str = "grid", *, cache: b
     Args:
         spec: the validated step.
         backend: ``"cuda"`` or ``"cpu"``.
-        scope: ``"grid"`` (all blocks, grid barrier) or ``"block"`` (one block,
-            ``syncthreads``); ignored for the CPU backend.
+        scope: ``"grid"`` (all blocks, grid barrier), ``"block"`` (one block,
+            ``syncthreads``) or ``"thread"`` (one thread, no barrier: only for a step with no
+            parallel construct); ignored for the CPU backend.
         cache: let Numba cache the compiled kernel on disk.
         fingerprint: text mixed into the source (e.g. runtime version) so stale caches miss.
 
@@ -400,6 +401,9 @@ def render_kernel(spec: StepSpec, backend: str, scope: str = "grid", *, cache: b
         scope = "grid"
     elif scope not in SCOPES:
         raise ValueError(f"scope must be one of {SCOPES}, got {scope!r}")
+    elif scope == "thread" and spec.parallel:
+        raise ValueError(f"scope='thread' runs one thread without barriers; step '{spec.name}' uses "
+                         f"parallel loops, lk.thread_id/num_threads, lk.sync or reductions")
     dev_opts, ker_opts = _jit_options(backend, cache)
     ctx_params = [f"{_P}tid", f"{_P}nt"] + ([f"{_P}redf", f"{_P}redi", f"{_P}st", f"{_P}bar"] if backend == "cuda" else [])
     helper_ctx = [f"{_P}tid", f"{_P}nt"]
@@ -419,7 +423,10 @@ def render_kernel(spec: StepSpec, backend: str, scope: str = "grid", *, cache: b
         for a, b in spec.swap:
             copy_lines.append(f"{_INDENT * 2}for {_P}k in range({_P}tid, {kparams[a]}.size, {_P}nt):")
             copy_lines.append(f"{_INDENT * 3}{kparams[b]}.flat[{_P}k] = {kparams[a]}.flat[{_P}k]")
-    if backend == "cuda":
+    if backend == "cuda" and scope == "thread":
+        # a sequential step: one thread, no barrier between steps
+        thread_index, thread_count, barrier = "0", "1", ""
+    elif backend == "cuda":
         thread_index = "cuda.grid(1)" if scope == "grid" else "cuda.threadIdx.x"
         thread_count = "cuda.gridsize(1)" if scope == "grid" else "cuda.blockDim.x"
         barrier = f"{_P}rt.{scope}_sync({_P}bar)"

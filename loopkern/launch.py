@@ -21,11 +21,18 @@ log = logging.getLogger("loopkern")
 
 DEFAULT_THREADS = 256
 BLOCK_SCOPE_THREADS = 1024
-#: problems of at most this many elements default to one block (scope="auto")
-AUTO_BLOCK_SCOPE_MAX_ELEMENTS = 8192
-#: grid scope gives each thread about this many elements (the unroll factor of parallel loops):
-#: fewer blocks make the barrier cheaper, and unrolled loops keep the loads in flight
-ELEMENTS_PER_THREAD = 4
+#: scope="auto" picks one block for problems of at most this many elements. Zero for now: on
+#: the H200 (bench.py, 2026-12-02) one block of 1024 threads took 1.96 µs/step for the 4K heat
+#: stencil against 1.39-1.44 µs for a grid of 16-64 blocks, and was slower at every larger size.
+AUTO_BLOCK_SCOPE_MAX_ELEMENTS = 0
+#: grid scope, small problems: about this many elements per thread (the barrier costs more
+#: with more blocks; H200 heat 64K: 132 blocks 1.77 µs, 64 blocks 2.48, 264 blocks 1.89)
+SMALL_ELEMENTS_PER_THREAD = 2
+#: grid scope, large problems: every co-resident block once each thread would have this many
+#: elements at two blocks per SM (bandwidth needs occupancy: heat 16M, 660 blocks 53.6 µs,
+#: 528 blocks 65 µs, 264 blocks 103 µs); in between, two blocks per SM (heat 1M: 264 blocks
+#: 5.18 µs, 528 blocks 5.23, 660 blocks 6.36)
+LARGE_ELEMENTS_PER_THREAD = 32
 _auto_logged = False
 _lock = threading.Lock()
 
@@ -71,10 +78,13 @@ class LaunchPlan:
     threads: int
 
 
-def resolve_scope(scope: str, work: int, simulator: bool) -> str:
-    """``"auto"`` -> ``"block"`` for small problems, else ``"grid"``."""
+def resolve_scope(scope: str, work: int, parallel: bool = True) -> str:
+    """``"auto"``: ``"thread"`` for a step with no parallel construct (nothing to share, so no
+    barrier to pay), ``"block"`` up to AUTO_BLOCK_SCOPE_MAX_ELEMENTS, else ``"grid"``."""
     if scope != "auto":
         return scope
+    if not parallel:
+        return "thread"
     return "block" if work <= AUTO_BLOCK_SCOPE_MAX_ELEMENTS else "grid"
 
 
@@ -93,6 +103,10 @@ def plan_cuda(kernel, scope: str, work: int, threads: int | None, blocks: int | 
     Raises:
         LaunchError: the request cannot be co-resident or is malformed.
     """
+    if scope == "thread":
+        if threads not in (None, 1) or blocks not in (None, 1):
+            raise LaunchError(f"threads={threads}, blocks={blocks}: scope='thread' runs one thread")
+        return LaunchPlan("thread", 1, 1)
     max_tpb = 1024 if simulator else int(kernel.max_threads_per_block)
     if threads is None:
         want = BLOCK_SCOPE_THREADS if scope == "block" else DEFAULT_THREADS
@@ -120,7 +134,7 @@ def plan_cuda(kernel, scope: str, work: int, threads: int | None, blocks: int | 
     if limit < 1:
         raise LaunchError(f"threads={threads}: not even one block of this kernel fits on the device")
     if blocks is None:
-        blocks = max(1, min(limit, math.ceil(work / (threads * ELEMENTS_PER_THREAD))))
+        blocks = auto_blocks(work, threads, limit, _sm_count())
     if blocks < 1:
         raise LaunchError(f"blocks={blocks}: must be at least 1")
     if blocks > limit:
@@ -128,6 +142,22 @@ def plan_cuda(kernel, scope: str, work: int, threads: int | None, blocks: int | 
                           f"resident on the device at once, and a grid barrier needs every block resident; "
                           f"pass blocks<={limit} (or fewer threads)")
     return LaunchPlan("grid", blocks, threads)
+
+
+def auto_blocks(work: int, threads: int, limit: int, sms: int) -> int:
+    """Blocks for a grid-scope run of ``work`` elements (see the constants above)."""
+    small = math.ceil(work / (threads * SMALL_ELEMENTS_PER_THREAD))
+    two_per_sm = min(limit, 2 * sms)
+    if small <= two_per_sm:
+        return max(1, small)
+    if work >= LARGE_ELEMENTS_PER_THREAD * threads * two_per_sm:
+        return limit
+    return two_per_sm
+
+
+def _sm_count() -> int:
+    from numba import cuda
+    return int(cuda.get_current_device().MULTIPROCESSOR_COUNT)
 
 
 class Scratch:

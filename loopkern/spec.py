@@ -75,6 +75,9 @@ class StepSpec:
         returns_condition: the step returns ``cond``: a device-side while loop.
         swap: pairs of indices into ``params`` whose buffers exchange roles after each step.
         uses_barrier: the body calls ``lk.sync`` or a reduction.
+        parallel: the step (or a helper) uses any of lk.range, lk.grid, lk.thread_id,
+            lk.num_threads, lk.sync or a reduction; a step that uses none is sequential code
+            that one thread runs with no barrier (scope "thread").
     """
 
     name: str
@@ -87,6 +90,7 @@ class StepSpec:
     returns_condition: bool
     swap: tuple[tuple[int, int], ...]
     uses_barrier: bool
+    parallel: bool = True
 
     @property
     def param_names(self) -> tuple[str, ...]:

@@ -859,9 +859,11 @@ def validate_step(fn, swap=()) -> StepSpec:
     if ctx.diagnostics:
         ctx.diagnostics.sort(key=lambda d: (d.filename != parsed.filename, d.filename, d.line, d.col))
         raise StepSyntaxError(ctx.diagnostics)
-    uses_barrier = any(isinstance(n, ast.Call) and isinstance(n.func, ast.Name)
-                       and n.func.id[len(INTRINSIC_PREFIX):] in _BARRIERS and n.func.id.startswith(INTRINSIC_PREFIX)
-                       for n in ast.walk(ast.Module(body=body, type_ignores=[])))
+    def markers(stmts):
+        return {n.func.id[len(INTRINSIC_PREFIX):] for n in ast.walk(ast.Module(body=list(stmts), type_ignores=[]))
+                if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id.startswith(INTRINSIC_PREFIX)}
+    used = markers(body).union(*(markers(h.body) for h in ctx.helpers.values()))
+    uses_barrier = bool(used & _BARRIERS)
     step = FunctionSpec(parsed.name, f"{RESERVED_PREFIX}step", tuple(names), tuple(body), parsed.filename,
                         parsed.tree.lineno, norm.thread_varying,
                         frozenset(i for i, p in enumerate(names) if p in norm.array_uses))
@@ -869,7 +871,7 @@ def validate_step(fn, swap=()) -> StepSpec:
         name=parsed.name, filename=parsed.filename, lineno=parsed.tree.lineno, index_param=index_param,
         params=tuple(ParamSpec(p, k) for p, k in zip(params, kinds)), step=step,
         helpers=tuple(ctx.helpers.values()), returns_condition=bool(with_value), swap=tuple(swap_idx),
-        uses_barrier=uses_barrier)
+        uses_barrier=uses_barrier, parallel=bool(used))
 
 
 def _check_swap(parsed, ctx, params, swap):

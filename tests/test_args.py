@@ -142,3 +142,14 @@ def test_simulator_device_arrays_in_place(heat, rng):
     du, dv = cuda.to_device(u0), cuda.to_device(u0)
     heat(du, dv, 0.25, steps=3, backend="cuda")
     np.testing.assert_allclose(du.copy_to_host(), W.heat_ref(u0, 3, 0.25), rtol=1e-5)
+
+
+def test_auto_block_count_follows_problem_size():
+    from loopkern.launch import auto_blocks
+    sms, limit = 132, 660
+    assert auto_blocks(4096, 256, limit, sms) == 8
+    assert auto_blocks(65536, 256, limit, sms) == 128
+    assert auto_blocks(1 << 20, 256, limit, sms) == 264
+    assert auto_blocks(1 << 24, 256, limit, sms) == 660
+    assert auto_blocks(1, 256, limit, sms) == 1
+    assert auto_blocks(1 << 24, 256, 100, sms) == 100     # never more than can be resident

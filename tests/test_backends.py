@@ -267,3 +267,26 @@ def test_unrolled_loops_under_simulator(scope, rng):
     np.testing.assert_allclose(y, x * 2 + 1)
     # each of the 32 threads: the sum over its grid-stride share, through the unrolled loop
     np.testing.assert_allclose(acc, [(x[k::32] * 2).sum() for k in range(32)])
+
+
+@pytest.mark.parametrize("backend", [pytest.param("cpu"), pytest.param("cuda", marks=pytest.mark.sim)])
+def test_sequential_step_runs_on_one_thread(backend, rng):
+    k = lk.megakernel(W.logistic_step)
+    assert not k.spec.parallel
+    x = np.zeros(301)
+    x[0] = rng.random()
+    run = k(x, 2.9, steps=300, backend=backend)
+    if backend == "cuda":
+        assert (run.scope, run.blocks, run.threads) == ("thread", 1, 1)
+    np.testing.assert_allclose(x, W.logistic_ref(x[0], 300, 2.9), rtol=1e-12)
+    assert "_lk_tid = 0" in k.source("cuda", "thread")
+
+
+@pytest.mark.sim
+def test_thread_scope_refused_for_parallel_step(rng):
+    k = lk.megakernel(W.heat_step, swap=[("u", "v")])
+    u = rng.random(10)
+    with pytest.raises(lk.ArgumentError, match="scope='thread'"):
+        k(u, u.copy(), 0.1, steps=1, backend="cuda", scope="thread")
+    with pytest.raises(lk.ArgumentError, match="scope='thread'"):
+        k.source("cuda", "thread")

@@ -187,3 +187,18 @@ def counter_ref(a0, steps, mod):
     for t in range(steps):
         a = (np.roll(a, 1) + a + np.roll(a, -1) + t) % mod
     return a
+
+
+# ---------------------------------------------------------------- a sequential scalar recursion
+def logistic_step(t, x, r):
+    # the whole trajectory is recorded: x[t + 1] from x[t]; no parallel construct, so
+    # scope="auto" runs it on one thread with no barrier
+    x[t + 1] = r * x[t] * (1.0 - x[t])
+
+
+def logistic_ref(x0, steps, r):
+    x = np.zeros(steps + 1)
+    x[0] = x0
+    for t in range(steps):
+        x[t + 1] = r * x[t] * (1.0 - x[t])
+    return x
