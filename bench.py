@@ -2,13 +2,22 @@
 
     python bench.py              # every workload and variant on this machine's GPU
     python bench.py --quick      # small sizes, CPU backend vs JAX on the CPU (a CI smoke test)
-    python bench.py --workloads heat --sizes 4096,65536
+    python bench.py --workloads heat,jacobi --sizes 4096,65536
+
+Workloads: 1D heat (4K..16M float32), 2D Jacobi to tolerance (a while loop with a grid
+reduction), Game of Life (int32, periodic), all-pairs N-body (two phases per step), and the
+quadratic map x <- 4x(1-x) for 10M steps with its trajectory recorded (a sequential
+recursion). Variants: loopkern in each scope that applies, jax.lax.fori_loop / while_loop /
+scan(unroll=16), the same JAX loops with XLA's WHILE command buffers (a subprocess), one Numba
+kernel launch per step, a CUDA graph of per-step kernels, a hand-written CUDA C++ cooperative
+kernel (heat), and Numba on the CPU (quadratic map).
 
 Every variant is checked against a float64 NumPy reference (a short run) before it is timed.
-Timing: a warm-up call, then the median of --reps calls; GPU variants are timed with CUDA
-events (loopkern, Numba) or by blocking on the result (JAX). Compile time (first call) is
-reported separately. Results go to bench-results/<device>-<date>.json and .md (and .png when
-matplotlib is available).
+Timing: one warm-up call, then the median of --reps calls, each on freshly reset inputs; GPU
+variants without their own synchronisation are timed with CUDA events, the others by
+blocking on the result. Compile time is measured in fresh processes: first call with an empty
+cache, then first call with the cache on disk. Results go to bench-results/<device>-<date>.json,
+.md and .png.
 """
 
 from __future__ import annotations
@@ -16,22 +25,27 @@ from __future__ import annotations
 import argparse
 import datetime as _dt
 import json
+import math
 import os
 import platform
 import statistics
 import subprocess
 import sys
+import tempfile
+import textwrap
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 HERE = Path(__file__).resolve().parent
-SWEEP = False
+CMDBUF_FLAGS = "--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL"
 
 
-# ------------------------------------------------------------------------------- helpers
+# =============================================================================== plumbing
 def gpu_available() -> bool:
     try:
         from numba import cuda
@@ -53,52 +67,191 @@ def rel_err(a, ref) -> float:
     return float(np.linalg.norm(a - ref) / max(np.linalg.norm(ref), 1e-300))
 
 
-class Timer:
-    """Median seconds of ``fn()`` over ``reps`` calls after one warm-up."""
-
-    def __init__(self, gpu: bool, reps: int):
-        self.gpu, self.reps = gpu, reps
-
-    def __call__(self, fn, sync=None):
-        fn()
-        if sync:
-            sync()
-        ts = []
-        for _ in range(self.reps):
-            if self.gpu and sync is None:
-                from numba import cuda
-                e0, e1 = cuda.event(), cuda.event()
-                e0.record()
-                fn()
-                e1.record()
-                e1.synchronize()
-                ts.append(cuda.event_elapsed_time(e0, e1) / 1e3)
-            else:
-                t0 = time.perf_counter()
-                fn()
-                if sync:
-                    sync()
-                ts.append(time.perf_counter() - t0)
-        return statistics.median(ts), ts
-
-
-def have_jax():
+def have(module: str) -> bool:
     try:
-        import jax  # noqa: F401
+        __import__(module)
         return True
     except Exception:
         return False
 
 
-# ------------------------------------------------------------------------------- workload: 1D heat
-ALPHA = 0.25
+@dataclass
+class Impl:
+    """One variant set up on one input.
+
+    run(steps) runs the loop (returns the steps executed, or None for exactly ``steps``);
+    result() returns the state as NumPy; reset() restores the inputs (not timed); sync blocks
+    until the device is done (None: time with CUDA events); info: extra fields for the row.
+    """
+
+    run: Callable
+    result: Callable
+    reset: Callable = lambda: None
+    sync: Callable | None = None
+    info: dict = field(default_factory=dict)
+
+
+@dataclass
+class Case:
+    """One workload at one size: inputs, the check, and how many steps to time."""
+
+    workload: str
+    n: int
+    steps: int                      # steps (or max_steps) per timed call
+    check_steps: int
+    check: Callable                 # check(impl_result, steps_done) -> (ok, detail)
+    data: dict
+    bytes_per_step: int = 0
+
+
+class Bench:
+    def __init__(self, args, gpu):
+        self.args, self.gpu = args, gpu
+        self.results: list[dict] = []
+
+    def emit(self, row):
+        self.results.append(row)
+        print(json.dumps({k: v for k, v in row.items() if k != "runs_s"}), flush=True)
+
+    def time_calls(self, impl: Impl, steps: int):
+        """Median seconds and steps per call over --reps calls after a warm-up."""
+        def once():
+            impl.reset()
+            if impl.sync is None and self.gpu:
+                from numba import cuda
+                cuda.synchronize()
+                e0, e1 = cuda.event(), cuda.event()
+                e0.record()
+                done = impl.run(steps)
+                e1.record()
+                e1.synchronize()
+                return cuda.event_elapsed_time(e0, e1) / 1e3, done
+            if self.gpu:
+                from numba import cuda
+                cuda.synchronize()
+            t0 = time.perf_counter()
+            done = impl.run(steps)
+            if impl.sync:
+                impl.sync()
+            return time.perf_counter() - t0, done
+        once()
+        samples = [once() for _ in range(self.args.reps)]
+        ts = [s for s, _ in samples]
+        done = samples[0][1]
+        return statistics.median(ts), ts, steps if done is None else done
+
+    def measure(self, case: Case, variants):
+        for name, make in variants:
+            row = dict(workload=case.workload, n=case.n, variant=name)
+            try:
+                impl = make(case)
+                impl.reset()
+                t0 = time.perf_counter()
+                done = impl.run(case.check_steps)
+                if impl.sync:
+                    impl.sync()
+                row["first_call_s"] = round(time.perf_counter() - t0, 4)
+                ok, detail = case.check(impl.result(), case.check_steps if done is None else done)
+                row["check"] = detail
+                if not ok:
+                    row["error"] = f"wrong result: {detail}"
+                    self.emit(row)
+                    continue
+                med, ts, done = self.time_calls(impl, case.steps)
+                row.update(steps=int(done), us_per_step=med / max(done, 1) * 1e6, call_s=med, runs_s=ts)
+                if case.bytes_per_step:
+                    row["GBps"] = case.bytes_per_step / (med / max(done, 1)) / 1e9
+                row.update(impl.info)
+            except Exception as exc:   # one broken variant must not hide the others
+                row["error"] = f"{type(exc).__name__}: {exc}"[:400]
+            self.emit(row)
+
+
+def on_device(gpu, host):
+    """A device copy of ``host`` (GPU) or a host copy (CPU)."""
+    if gpu:
+        from numba import cuda
+        return cuda.to_device(host)
+    return host.copy()
+
+
+def to_host(gpu, a):
+    return a.copy_to_host() if gpu else np.array(a)
+
+
+def loopkern_impl(gpu, kernel, arrays: dict, scalars: tuple, order, swap_first=None, **opts):
+    """An Impl that calls ``kernel`` on device copies of ``arrays`` (in ``order``)."""
+    init = {k: np.array(v) for k, v in arrays.items()}
+    dev = {k: on_device(gpu, v) for k, v in init.items()}
+    info = {}
+
+    def run(steps):
+        args = [dev[k] for k in order] + list(scalars)
+        kw = dict(opts)
+        if kernel.spec.returns_condition:
+            r = kernel(*args, max_steps=steps, **kw)
+        else:
+            r = kernel(*args, steps=steps, **kw)
+        info.update(scope=r.scope, blocks=r.blocks, threads=r.threads)
+        return r.steps
+
+    def reset():
+        for k, v in init.items():
+            if gpu:
+                dev[k].copy_to_device(v)
+            else:
+                dev[k][...] = v
+
+    return Impl(run, lambda: to_host(gpu, dev[swap_first or order[0]]), reset, None, info)
+
+
+def loopkern_variants(gpu, make_kernel, arrays, scalars, order, scopes, sweep_blocks=()):
+    out = []
+    for scope in scopes:
+        out.append((f"loopkern[{scope}]" if gpu else "loopkern[cpu]",
+                    lambda case, s=scope: loopkern_impl(gpu, make_kernel(), arrays(case), scalars(case), order,
+                                                        scope=s if gpu else None,
+                                                        backend="cuda" if gpu else "cpu")))
+    for b in sweep_blocks:
+        out.append((f"loopkern[grid,blocks={b}]",
+                    lambda case, b=b: loopkern_impl(gpu, make_kernel(), arrays(case), scalars(case), order,
+                                                    scope="grid", blocks=b, threads=256)))
+    return out
+
+
+def jax_impl(fn, init, result_index=0, steps_index=None):
+    """An Impl for a jitted JAX function of (state..., steps) built per step count."""
+    import jax
+    import jax.numpy as jnp
+    state = tuple(jnp.asarray(x) for x in init)
+    cache, box = {}, {}
+
+    def run(steps):
+        if steps not in cache:
+            cache[steps] = jax.jit(lambda *s: fn(*s, steps))
+        box["r"] = cache[steps](*state)
+        if steps_index is not None:
+            return int(box["r"][steps_index])
+        return None
+
+    def sync():
+        jax.block_until_ready(box["r"])
+
+    def result():
+        r = box["r"]
+        return np.asarray(r[result_index] if isinstance(r, tuple) else r)
+    return Impl(run, result, sync=sync)
+
+
+# =============================================================================== 1D heat
+ALPHA = np.float32(0.25)
 
 
 def heat_ref(u0, steps):
     u = u0.astype(np.float64).copy()
     for _ in range(steps):
         v = u.copy()
-        v[1:-1] = u[1:-1] + ALPHA * (u[:-2] - 2 * u[1:-1] + u[2:])
+        v[1:-1] = u[1:-1] + float(ALPHA) * (u[:-2] - 2 * u[1:-1] + u[2:])
         u = v
     return u
 
@@ -114,186 +267,549 @@ def heat_kernel():
     return heat
 
 
-def heat_variants(gpu: bool, n: int):
-    """(name, make) pairs; make(u0) -> (run(steps) -> None, result() -> array, sync or None)."""
-    out = []
-    a32 = np.float32(ALPHA)
-    heat = heat_kernel()
+def jax_heat_step(u):
+    return u.at[1:-1].set(u[1:-1] + ALPHA * (u[:-2] - 2 * u[1:-1] + u[2:]))
 
-    def loopkern_variant(scope, **opts):
-        def make(u0):
-            if gpu:
-                from numba import cuda
-                du, dv = cuda.to_device(u0), cuda.to_device(u0)
-            else:
-                du, dv = u0.copy(), u0.copy()
-            info = {}
 
-            def run(steps):
-                info["run"] = heat(du, dv, a32, steps=steps, scope=scope, **opts)
+def jax_loop_variants(step, unpack=lambda s: s):
+    import jax
+    return [
+        ("jax.lax.fori_loop", lambda case: jax_impl(
+            lambda u, steps: jax.lax.fori_loop(0, steps, lambda i, x: step(x), u), [case.data["u0"]])),
+        ("jax.lax.scan(unroll=16)", lambda case: jax_impl(
+            lambda u, steps: jax.lax.scan(lambda x, _: (step(x), None), u, None, length=steps, unroll=16)[0],
+            [case.data["u0"]])),
+    ]
 
-            def result():
-                return du.copy_to_host() if gpu else du.copy()
-            return run, result, None, info
-        return make
 
-    scopes = ["auto", "grid"] + (["block"] if n <= 65536 else []) if gpu else ["auto"]
-    for s in scopes:
-        out.append((f"loopkern[{s}]", loopkern_variant(s)))
-    if gpu and SWEEP:
-        for b in (16, 32, 64, 132, 264, 528):
-            if b * 256 <= 4 * n:
-                out.append((f"loopkern[grid,blocks={b}]", loopkern_variant("grid", blocks=b, threads=256)))
+def numba_heat_variants():
+    from numba import cuda
 
-    if have_jax():
-        import jax
-        import jax.numpy as jnp
+    @cuda.jit
+    def heat_once(u, v, a):
+        i = cuda.grid(1)
+        n = u.shape[0]
+        if 0 < i < n - 1:
+            v[i] = u[i] + a * (u[i - 1] - np.float32(2.0) * u[i] + u[i + 1])
+        elif i < n:
+            v[i] = u[i]
 
-        def jax_step(u):
-            return u.at[1:-1].set(u[1:-1] + a32 * (u[:-2] - 2 * u[1:-1] + u[2:]))
+    def per_step(case):
+        u0 = case.data["u0"]
+        du, dv = cuda.to_device(u0), cuda.to_device(u0)
+        tpb, n = 256, u0.size
+        bpg = (n + tpb - 1) // tpb
+        box = {}
 
-        def fori_make(u0):
-            ju = jnp.asarray(u0)
-            box = {}
-            fs = {}
+        def run(steps):
+            a, b = du, dv
+            for _ in range(steps):
+                heat_once[bpg, tpb](a, b, ALPHA)
+                a, b = b, a
+            box["r"] = a
 
-            def run(steps):
-                if steps not in fs:
-                    fs[steps] = jax.jit(lambda u: jax.lax.fori_loop(0, steps, lambda i, x: jax_step(x), u))
-                box["r"] = fs[steps](ju)
+        def reset():
+            du.copy_to_device(u0)
+            dv.copy_to_device(u0)
+        return Impl(run, lambda: box["r"].copy_to_host(), reset)
 
-            return run, lambda: np.asarray(box["r"]), lambda: box["r"].block_until_ready(), {}
-        out.append(("jax.lax.fori_loop", fori_make))
+    def graph(case):
+        import cupy as cp
+        u0 = case.data["u0"]
+        du, dv = cuda.to_device(u0), cuda.to_device(u0)
+        tpb, n = 256, u0.size
+        bpg = (n + tpb - 1) // tpb
+        stream = cp.cuda.Stream(non_blocking=True)
+        nstream = cuda.external_stream(stream.ptr)
+        chunk = 100   # an even number of per-step kernels per graph: the state ends in du
+        heat_once[bpg, tpb, nstream](du, dv, ALPHA)   # compile outside the capture
+        stream.synchronize()
+        stream.begin_capture()
+        a, b = du, dv
+        for _ in range(chunk):
+            heat_once[bpg, tpb, nstream](a, b, ALPHA)
+            a, b = b, a
+        g = stream.end_capture()
 
-        def scan_make(u0):
-            ju = jnp.asarray(u0)
-            box, fs = {}, {}
+        def run(steps):
+            for _ in range(steps // chunk):
+                g.launch(stream)
+            return (steps // chunk) * chunk
 
-            def run(steps):
-                if steps not in fs:
-                    fs[steps] = jax.jit(lambda u: jax.lax.scan(lambda x, _: (jax_step(x), None), u, None,
-                                                               length=steps, unroll=16)[0])
-                box["r"] = fs[steps](ju)
-            return run, lambda: np.asarray(box["r"]), lambda: box["r"].block_until_ready(), {}
-        out.append(("jax.lax.scan(unroll=16)", scan_make))
+        def reset():
+            du.copy_to_device(u0)
+            dv.copy_to_device(u0)
+        return Impl(run, lambda: du.copy_to_host(), reset, sync=stream.synchronize)
 
-    if gpu:
-        from numba import cuda
-
-        @cuda.jit
-        def heat_once(u, v, a):
-            i = cuda.grid(1)
-            n = u.shape[0]
-            if 0 < i < n - 1:
-                v[i] = u[i] + a * (u[i - 1] - np.float32(2.0) * u[i] + u[i + 1])
-            elif i < n:
-                v[i] = u[i]
-
-        def per_step_make(u0):
-            du, dv = cuda.to_device(u0), cuda.to_device(u0)
-            tpb = 256
-            bpg = (n + tpb - 1) // tpb
-            box = {}
-
-            def run(steps):
-                a, b = du, dv
-                for _ in range(steps):
-                    heat_once[bpg, tpb](a, b, a32)
-                    a, b = b, a
-                box["r"] = a
-            return run, lambda: box["r"].copy_to_host(), None, {}
-        out.append(("numba launch per step", per_step_make))
+    out = [("numba launch per step", per_step)]
+    if have("cupy"):
+        out.append(("CUDA graph of per-step kernels", graph))
     return out
 
 
-def cpp_heat(sizes, steps_for, reps):
-    """Run the hand-written CUDA C++ cooperative kernel (bench/heat_coop.cu); {n: us_per_step}."""
+def cpp_heat_variant(args):
     src = HERE / "bench" / "heat_coop.cu"
-    exe = Path("/tmp") / "loopkern_heat_coop"
-    try:
-        subprocess.run(["nvcc", "-O3", "-arch=sm_90", "-o", str(exe), str(src)], check=True,
-                       capture_output=True, text=True)
-    except (OSError, subprocess.CalledProcessError) as exc:
-        return {"error": f"nvcc failed: {getattr(exc, 'stderr', exc)}"[:500]}
-    res = {}
-    for n in sizes:
-        p = subprocess.run([str(exe), str(n), str(steps_for(n)), str(reps)], capture_output=True, text=True)
-        if p.returncode != 0:
-            res[n] = {"error": p.stderr[-300:]}
-            continue
-        res[n] = json.loads(p.stdout.strip().splitlines()[-1])
-    return res
+    exe = Path(tempfile.gettempdir()) / "loopkern_heat_coop"
+
+    def make(case):
+        if not exe.exists():
+            subprocess.run(["nvcc", "-O3", "-arch=sm_90", "-o", str(exe), str(src)], check=True,
+                           capture_output=True, text=True)
+        p = subprocess.run([str(exe), str(case.n), str(case.steps), str(args.reps)], capture_output=True,
+                           text=True, check=True)
+        res = json.loads(p.stdout.strip().splitlines()[-1])
+        return res
+    return make
 
 
-def bench_heat(args, gpu, timer, results):
+def bench_heat(b: Bench):
+    args, gpu = b.args, b.gpu
     sizes = [int(s) for s in args.sizes.split(",")] if args.sizes else (
         [4096, 65536] if args.quick else [4096, 65536, 1 << 20, 1 << 24])
-
-    def steps_for(n):
-        if args.quick:
-            return 200
-        return 20000 if n <= 65536 else 5000 if n <= 1 << 20 else 500
-
     rng = np.random.default_rng(0)
     for n in sizes:
         u0 = rng.random(n).astype(np.float32)
-        check_steps = 101
-        ref = heat_ref(u0, check_steps) if n <= 1 << 20 else None
-        steps = steps_for(n)
-        for name, make in heat_variants(gpu, n):
-            row = dict(workload="heat1d", n=n, variant=name, steps=steps)
+        steps = 200 if args.quick else 20000 if n <= 65536 else 5000 if n <= 1 << 20 else 500
+        ref = heat_ref(u0, 101) if n <= 1 << 20 else None
+
+        def check(res, done, ref=ref):
+            if ref is None:
+                return bool(np.isfinite(res).all()), "finite (no float64 reference at this size)"
+            e = rel_err(res, ref)
+            return e < 1e-4, f"rel_err={e:.2e}"
+        case = Case("heat1d", n, steps, 101 if ref is not None else 2, check, dict(u0=u0), bytes_per_step=8 * n)
+        scopes = (["auto", "grid"] + (["block"] if n <= 65536 else [])) if gpu else ["auto"]
+        variants = loopkern_variants(gpu, heat_kernel, lambda c: dict(u=c.data["u0"], v=c.data["u0"]),
+                                     lambda c: (ALPHA,), ["u", "v"], scopes,
+                                     sweep_blocks=[x for x in (16, 64, 132, 264, 528) if x * 256 <= 2 * n]
+                                     if gpu and args.sweep else ())
+        if have("jax") and not args.no_jax:
+            variants += jax_loop_variants(jax_heat_step)
+        if gpu and not args.jax_only:
+            variants += numba_heat_variants()
+        if args.jax_only:
+            variants = [v for v in variants if v[0].startswith("jax")]
+        b.measure(case, variants)
+        if gpu and not args.jax_only:
+            row = dict(workload="heat1d", n=n, variant="CUDA C++ cooperative")
             try:
-                run, result, sync, info = make(u0)
-                t0 = time.perf_counter()
-                run(check_steps)
-                if sync:
-                    sync()
-                row["first_call_s"] = time.perf_counter() - t0
-                if ref is not None:
-                    row["rel_err"] = rel_err(result(), ref)
-                    if not row["rel_err"] < 1e-4:
-                        row["error"] = f"wrong result: rel_err={row['rel_err']:.3g}"
-                        results.append(row)
-                        print(json.dumps(row), flush=True)
-                        continue
-                med, ts = timer(lambda: run(steps), sync)
-                row.update(us_per_step=med / steps * 1e6, runs_s=ts,
-                           GBps=8 * n / (med / steps) / 1e9)
-                if "run" in info:
-                    r = info["run"]
-                    row.update(scope=r.scope, blocks=r.blocks, threads=r.threads)
-            except Exception as exc:   # one broken variant must not hide the others
-                row["error"] = f"{type(exc).__name__}: {exc}"[:400]
-            results.append(row)
-            print(json.dumps({k: v for k, v in row.items() if k != "runs_s"}), flush=True)
-    if gpu and not args.quick:
-        cpp = cpp_heat(sizes, steps_for, args.reps)
-        for n in sizes:
-            row = dict(workload="heat1d", n=n, variant="CUDA C++ cooperative", steps=steps_for(n))
-            r = cpp.get(n, cpp)
-            if "error" in r:
-                row["error"] = r["error"]
-            else:
-                row.update(us_per_step=r["us_per_step"], rel_err=r.get("rel_err"), blocks=r.get("blocks"),
-                           threads=r.get("threads"), GBps=8 * n / (r["us_per_step"] * 1e-6) / 1e9)
-            results.append(row)
-            print(json.dumps(row), flush=True)
+                r = cpp_heat_variant(args)(case)
+                row.update(steps=steps, us_per_step=r["us_per_step"], blocks=r["blocks"], threads=r["threads"],
+                           check=f"rel_err={r['rel_err']:.2e}" if r["rel_err"] >= 0 else "not checked at this size",
+                           GBps=8 * n / (r["us_per_step"] * 1e-6) / 1e9)
+                if r["rel_err"] >= 1e-4:
+                    row["error"] = "wrong result"
+            except Exception as exc:
+                row["error"] = f"{type(exc).__name__}: {exc}"[:300]
+            b.emit(row)
 
 
-# ------------------------------------------------------------------------------- output
+# =============================================================================== 2D Jacobi
+def jacobi_ref(u0, tol, max_steps):
+    u = u0.astype(np.float64).copy()
+    for k in range(max_steps):
+        v = u.copy()
+        v[1:-1, 1:-1] = 0.25 * (u[:-2, 1:-1] + u[2:, 1:-1] + u[1:-1, :-2] + u[1:-1, 2:])
+        err = np.abs(v - u).max()
+        u = v
+        if not err > tol:
+            return u, k + 1
+    return u, max_steps
+
+
+def jacobi_kernel():
+    import loopkern as lk
+
+    @lk.megakernel(swap=[("u", "v")])
+    def jacobi(t, u, v, tol):
+        n = u.shape[0]
+        m = u.shape[1]
+        err = np.float32(0.0)
+        for i, j in lk.grid((1, n - 1), (1, m - 1)):
+            new = np.float32(0.25) * (u[i - 1, j] + u[i + 1, j] + u[i, j - 1] + u[i, j + 1])
+            v[i, j] = new
+            err = max(err, abs(new - u[i, j]))
+        return lk.max(err) > tol
+    return jacobi
+
+
+def jax_jacobi_while(u0, tol):
+    import jax
+    import jax.numpy as jnp
+
+    def fn(u, steps):
+        def body(c):
+            x, _, k = c
+            new = x.at[1:-1, 1:-1].set(0.25 * (x[:-2, 1:-1] + x[2:, 1:-1] + x[1:-1, :-2] + x[1:-1, 2:]))
+            return new, jnp.max(jnp.abs(new - x)), k + 1
+        return jax.lax.while_loop(lambda c: (c[1] > tol) & (c[2] < steps), body,
+                                  (u, jnp.float32(jnp.inf), jnp.int32(0)))
+    return jax_impl(fn, [u0], result_index=0, steps_index=2)
+
+
+def numba_jacobi_per_step(u0, tol):
+    """The naive GPU loop: a step kernel, a reduction, and the error read on the host."""
+    from numba import cuda
+
+    @cuda.jit
+    def step(u, v, err):
+        i, j = cuda.grid(2)
+        n, m = u.shape
+        if 0 < i < n - 1 and 0 < j < m - 1:
+            new = np.float32(0.25) * (u[i - 1, j] + u[i + 1, j] + u[i, j - 1] + u[i, j + 1])
+            v[i, j] = new
+            cuda.atomic.max(err, 0, abs(new - u[i, j]))
+
+    du, dv = cuda.to_device(u0), cuda.to_device(u0)
+    err = cuda.device_array(1, np.float32)
+    n, m = u0.shape
+    tpb = (16, 16)
+    bpg = ((n + 15) // 16, (m + 15) // 16)
+    box = {}
+    zero = np.zeros(1, np.float32)
+
+    def run(steps):
+        a, b, k = du, dv, 0
+        while k < steps:
+            err.copy_to_device(zero)
+            step[bpg, tpb](a, b, err)
+            a, b, k = b, a, k + 1
+            if not err.copy_to_host()[0] > tol:
+                break
+        box["r"] = a
+        return k
+
+    def reset():
+        du.copy_to_device(u0)
+        dv.copy_to_device(u0)
+    return Impl(run, lambda: box["r"].copy_to_host(), reset, sync=cuda.synchronize)
+
+
+def bench_jacobi(b: Bench):
+    args, gpu = b.args, b.gpu
+    sizes = [64] if args.quick else [256, 2048]
+    tol = np.float32(1e-5)
+    rng = np.random.default_rng(1)
+    for n in sizes:
+        u0 = np.zeros((n, n), np.float32)
+        u0[0, :], u0[-1, :], u0[:, 0], u0[:, -1] = (rng.random(n) for _ in range(4))
+        u0[1:-1, 1:-1] = rng.random((n - 2, n - 2))
+        max_steps = 300 if args.quick else 5000 if n <= 256 else 500
+        check_steps = 60
+        ref, ref_steps = jacobi_ref(u0, float(tol), check_steps)
+
+        def check(res, done, ref=ref, ref_steps=ref_steps):
+            e = rel_err(res, ref)
+            return e < 1e-4 and done == ref_steps, f"rel_err={e:.2e}, steps={done} (reference {ref_steps})"
+        case = Case("jacobi2d", n * n, max_steps, check_steps, check, dict(u0=u0), bytes_per_step=8 * n * n)
+        scopes = (["auto", "grid"] + (["block"] if n <= 256 else [])) if gpu else ["auto"]
+        variants = loopkern_variants(gpu, jacobi_kernel, lambda c: dict(u=c.data["u0"], v=c.data["u0"]),
+                                     lambda c: (tol,), ["u", "v"], scopes)
+        if have("jax") and not args.no_jax:
+            variants.append(("jax.lax.while_loop", lambda c: jax_jacobi_while(c.data["u0"], tol)))
+        if gpu and not args.jax_only:
+            variants.append(("numba launch per step (+ host check)", lambda c: numba_jacobi_per_step(c.data["u0"], tol)))
+        if args.jax_only:
+            variants = [v for v in variants if v[0].startswith("jax")]
+        b.measure(case, variants)
+
+
+# =============================================================================== Game of Life
+def life_ref(a0, steps):
+    a = a0.copy()
+    for _ in range(steps):
+        s = sum(np.roll(np.roll(a, di, 0), dj, 1) for di in (-1, 0, 1) for dj in (-1, 0, 1) if di or dj)
+        a = ((s == 3) | ((a == 1) & (s == 2))).astype(a.dtype)
+    return a
+
+
+def life_kernel():
+    import loopkern as lk
+
+    @lk.megakernel(swap=[("a", "b")])
+    def life(t, a, b):
+        n = a.shape[0]
+        m = a.shape[1]
+        for i, j in lk.grid(n, m):
+            up = (i + n - 1) % n
+            dn = (i + 1) % n
+            lf = (j + m - 1) % m
+            rt = (j + 1) % m
+            s = (a[up, lf] + a[up, j] + a[up, rt] + a[i, lf] + a[i, rt] + a[dn, lf] + a[dn, j] + a[dn, rt])
+            b[i, j] = 1 if (s == 3 or (s == 2 and a[i, j] == 1)) else 0
+    return life
+
+
+def jax_life_step(a):
+    import jax.numpy as jnp
+    s = sum(jnp.roll(jnp.roll(a, di, 0), dj, 1) for di in (-1, 0, 1) for dj in (-1, 0, 1) if di or dj)
+    return ((s == 3) | ((a == 1) & (s == 2))).astype(a.dtype)
+
+
+def numba_life_per_step(a0):
+    from numba import cuda
+
+    @cuda.jit
+    def step(a, b):
+        i, j = cuda.grid(2)
+        n, m = a.shape
+        if i < n and j < m:
+            s = 0
+            for di in range(-1, 2):
+                for dj in range(-1, 2):
+                    if di != 0 or dj != 0:
+                        s += a[(i + di + n) % n, (j + dj + m) % m]
+            b[i, j] = 1 if (s == 3 or (s == 2 and a[i, j] == 1)) else 0
+
+    da, db = cuda.to_device(a0), cuda.to_device(a0)
+    n, m = a0.shape
+    bpg = ((n + 15) // 16, (m + 15) // 16)
+    box = {}
+
+    def run(steps):
+        x, y = da, db
+        for _ in range(steps):
+            step[bpg, (16, 16)](x, y)
+            x, y = y, x
+        box["r"] = x
+
+    def reset():
+        da.copy_to_device(a0)
+    return Impl(run, lambda: box["r"].copy_to_host(), reset)
+
+
+def bench_life(b: Bench):
+    args, gpu = b.args, b.gpu
+    n = 128 if args.quick else 1024
+    a0 = (np.random.default_rng(2).random((n, n)) < 0.3).astype(np.int32)
+    ref = life_ref(a0, 20)
+
+    def check(res, done):
+        bad = int((res != ref).sum())
+        return bad == 0, f"{bad} cells differ"
+    case = Case("life", n * n, 50 if args.quick else 2000, 20, check, dict(a0=a0))
+    variants = loopkern_variants(gpu, life_kernel, lambda c: dict(a=c.data["a0"], b=c.data["a0"]), lambda c: (),
+                                 ["a", "b"], ["auto"] if gpu else ["auto"])
+    if have("jax") and not args.no_jax:
+        import jax
+        variants.append(("jax.lax.fori_loop", lambda c: jax_impl(
+            lambda a, steps: jax.lax.fori_loop(0, steps, lambda i, x: jax_life_step(x), a), [c.data["a0"]])))
+    if gpu and not args.jax_only:
+        variants.append(("numba launch per step", lambda c: numba_life_per_step(c.data["a0"])))
+    b.measure(case, variants)
+
+
+# =============================================================================== N-body
+def nbody_ref(pos, vel, steps, dt, eps2):
+    p, v = pos.astype(np.float64).copy(), vel.astype(np.float64).copy()
+    for _ in range(steps):
+        d = p[None, :, :] - p[:, None, :]
+        r2 = (d ** 2).sum(-1) + eps2
+        acc = (d / (r2 * np.sqrt(r2))[..., None]).sum(1)
+        v += dt * acc
+        p += dt * v
+    return p
+
+
+def nbody_kernel():
+    import math
+
+    import loopkern as lk
+
+    @lk.megakernel
+    def nbody(t, pos, vel, acc, dt, eps2):
+        n = pos.shape[0]
+        for i in lk.range(n):                 # phase 1: accelerations from the current positions
+            xi = pos[i, 0]
+            yi = pos[i, 1]
+            zi = pos[i, 2]
+            ax = np.float32(0.0)
+            ay = np.float32(0.0)
+            az = np.float32(0.0)
+            for j in range(n):
+                dx = pos[j, 0] - xi
+                dy = pos[j, 1] - yi
+                dz = pos[j, 2] - zi
+                r2 = dx * dx + dy * dy + dz * dz + eps2
+                inv = np.float32(1.0) / (r2 * math.sqrt(r2))
+                ax += dx * inv
+                ay += dy * inv
+                az += dz * inv
+            acc[i, 0] = ax
+            acc[i, 1] = ay
+            acc[i, 2] = az
+        lk.sync()                             # every acceleration before any position moves
+        for i in lk.range(n):                 # phase 2: kick and drift
+            for c in range(3):
+                vel[i, c] += dt * acc[i, c]
+                pos[i, c] += dt * vel[i, c]
+    return nbody
+
+
+def jax_nbody(pos, vel, dt, eps2):
+    import jax
+    import jax.numpy as jnp
+
+    def fn(p, v, steps):
+        def body(i, s):
+            p, v = s
+            d = p[None, :, :] - p[:, None, :]
+            r2 = (d ** 2).sum(-1) + eps2
+            acc = (d / (r2 * jnp.sqrt(r2))[..., None]).sum(1)
+            v = v + dt * acc
+            return p + dt * v, v
+        return jax.lax.fori_loop(0, steps, body, (p, v))
+    return jax_impl(fn, [pos, vel], result_index=0)
+
+
+def bench_nbody(b: Bench):
+    args, gpu = b.args, b.gpu
+    n = 256 if args.quick else 1024
+    rng = np.random.default_rng(3)
+    pos = rng.standard_normal((n, 3)).astype(np.float32)
+    vel = (0.1 * rng.standard_normal((n, 3))).astype(np.float32)
+    dt, eps2 = np.float32(1e-3), np.float32(1e-2)
+    ref = nbody_ref(pos, vel, 10, float(dt), float(eps2))
+
+    def check(res, done):
+        e = rel_err(res, ref)
+        return e < 1e-4, f"rel_err={e:.2e}"
+    case = Case("nbody", n, 20 if args.quick else 500, 10, check, dict(pos=pos, vel=vel))
+    arrays = lambda c: dict(pos=pos, vel=vel, acc=np.zeros_like(pos))  # noqa: E731
+    variants = loopkern_variants(gpu, nbody_kernel, arrays, lambda c: (dt, eps2), ["pos", "vel", "acc"],
+                                 ["auto"], sweep_blocks=[4, 8, 16] if gpu else ())
+    if have("jax") and not args.no_jax:
+        variants.append(("jax.lax.fori_loop", lambda c: jax_nbody(pos, vel, dt, eps2)))
+    b.measure(case, variants)
+
+
+# =============================================================================== quadratic map
+def logistic_kernel():
+    import loopkern as lk
+
+    @lk.megakernel
+    def quadratic_map(t, x):
+        x[t + 1] = 4.0 * x[t] * (1.0 - x[t])
+    return quadratic_map
+
+
+def quadratic_ref(x0, steps):
+    x = np.empty(steps + 1)
+    x[0] = x0
+    for t in range(steps):
+        x[t + 1] = 4.0 * x[t] * (1.0 - x[t])
+    return x
+
+
+def bench_quadratic(b: Bench):
+    args, gpu = b.args, b.gpu
+    total = 100_000 if args.quick else 10_000_000
+    x0 = 0.3141592653589793
+    head = quadratic_ref(x0, 20)
+
+    def check(res, done):
+        # chaotic: compare the first 20 steps, then the invariant density's mean (1/2)
+        e = float(np.abs(res[:21] - head).max())
+        m = float(np.mean(res[: done + 1]))
+        ok = e < 1e-9 and np.all((res[: done + 1] >= 0) & (res[: done + 1] <= 1))
+        return bool(ok), f"max |x - ref| over 20 steps={e:.1e}, mean={m:.4f}"
+    x = np.zeros(total + 1)
+    x[0] = x0
+    case = Case("quadratic_map", total, total, total, check, dict(x=x))
+    variants = loopkern_variants(gpu, logistic_kernel, lambda c: dict(x=c.data["x"]), lambda c: (), ["x"],
+                                 ["auto"])
+
+    def numba_cpu(c):
+        import numba
+
+        @numba.njit
+        def run_map(x, steps):
+            for t in range(steps):
+                x[t + 1] = 4.0 * x[t] * (1.0 - x[t])
+        xs = c.data["x"].copy()
+        return Impl(lambda steps: run_map(xs, steps), lambda: xs)
+    variants.append(("numba njit on the CPU", numba_cpu))
+    if have("jax") and not args.no_jax:
+        import jax
+        import jax.numpy as jnp
+
+        def scan(c):
+            # lax.scan records the trajectory; timed on a prefix (it costs ~13 µs/step on a GPU)
+            steps = min(total, 20000)
+            xs = jnp.asarray(c.data["x"][:1])
+
+            def fn(x0_, n):
+                def body(x, _):
+                    y = 4.0 * x * (1.0 - x)
+                    return y, y
+                return jax.lax.scan(body, x0_[0], None, length=n)[1]
+            impl = jax_impl(lambda x0_, n: fn(x0_, steps), [c.data["x"][:1]])
+            run = impl.run
+            impl.run = lambda n: (run(steps), steps)[1]
+            res = impl.result
+            impl.result = lambda: np.concatenate([[x0], res()])
+            return impl
+        variants.append(("jax.lax.scan (prefix of 20000 steps)", scan))
+    b.measure(case, variants)
+    for r in b.results:
+        if r["workload"] == "quadratic_map" and "us_per_step" in r:
+            r["seconds_for_all_steps"] = r["us_per_step"] * total / 1e6
+
+
+# =============================================================================== compile time
+COMPILE_SCRIPT = textwrap.dedent("""
+    import sys, time, json
+    sys.path.insert(0, {here!r})
+    t0 = time.perf_counter()
+    import numpy as np, loopkern as lk, bench
+    t1 = time.perf_counter()
+    k = bench.heat_kernel()
+    u = np.random.rand(4096).astype(np.float32); v = u.copy()
+    t2 = time.perf_counter()
+    r = k(u, v, np.float32(0.25), steps=10, backend={backend!r})
+    t3 = time.perf_counter()
+    print(json.dumps(dict(import_s=t1 - t0, first_call_s=t3 - t2, backend=r.backend)))
+""")
+
+
+def bench_compile(b: Bench):
+    backend = "cuda" if b.gpu else "cpu"
+    with tempfile.TemporaryDirectory() as cache:
+        env = dict(os.environ, LOOPKERN_CACHE_DIR=cache, NUMBA_CACHE_DIR=cache)
+        for label in ("first call, empty cache", "first call, new process, cache on disk"):
+            row = dict(workload="compile", n=4096, variant=f"loopkern[{backend}] heat: {label}")
+            try:
+                p = subprocess.run([sys.executable, "-c", COMPILE_SCRIPT.format(here=str(HERE), backend=backend)],
+                                   env=env, capture_output=True, text=True, check=True, timeout=300)
+                row.update(json.loads(p.stdout.strip().splitlines()[-1]))
+            except Exception as exc:
+                row["error"] = f"{type(exc).__name__}: {getattr(exc, 'stderr', exc)}"[-400:]
+            b.emit(row)
+
+
+# =============================================================================== output
 def write_outputs(results, meta, outdir: Path):
     outdir.mkdir(parents=True, exist_ok=True)
     stem = f"{meta['device']}-{meta['date']}"
     (outdir / f"{stem}.json").write_text(json.dumps(dict(meta=meta, results=results), indent=1))
     lines = [f"# loopkern bench: {meta['device']}, {meta['date']}", "",
-             f"µs per step, median of {meta['reps']} runs (warm-up excluded); ratio = variant / loopkern[auto].", ""]
+             f"µs per step, median of {meta['reps']} calls after a warm-up; (ratio) = variant time / "
+             f"loopkern[auto] time at the same size. Every variant was checked against a float64 NumPy "
+             f"reference first.", ""]
     for wl in dict.fromkeys(r["workload"] for r in results):
         rows = [r for r in results if r["workload"] == wl]
+        if wl == "compile":
+            lines += ["## compile time", "", "| what | seconds |", "|---|---|"]
+            lines += [f"| {r['variant']} | {r.get('first_call_s', float('nan')):.2f} |" if "error" not in r
+                      else f"| {r['variant']} | error |" for r in rows]
+            lines.append("")
+            continue
         sizes = list(dict.fromkeys(r["n"] for r in rows))
         variants = list(dict.fromkeys(r["variant"] for r in rows))
         lines += [f"## {wl}", "", "| variant | " + " | ".join(f"n={s}" for s in sizes) + " |",
                   "|---|" + "---|" * len(sizes)]
-        base = {r["n"]: r.get("us_per_step") for r in rows if r["variant"] == "loopkern[auto]"}
+        base = {r["n"]: r.get("us_per_step") for r in rows if r["variant"].startswith("loopkern[auto")
+                or r["variant"] == "loopkern[cpu]"}
         for v in variants:
             cells = []
             for s in sizes:
@@ -303,27 +819,31 @@ def write_outputs(results, meta, outdir: Path):
                 elif "error" in r:
                     cells.append("error")
                 else:
-                    b = base.get(s)
-                    ratio = f" ({r['us_per_step'] / b:.2f}x)" if b else ""
-                    cells.append(f"{r['us_per_step']:.3g}{ratio}")
+                    bb = base.get(s)
+                    ratio = f" ({r['us_per_step'] / bb:.2f}x)" if bb else ""
+                    extra = f", {r['seconds_for_all_steps']:.3g} s total" if "seconds_for_all_steps" in r else ""
+                    cells.append(f"{r['us_per_step']:.3g}{ratio}{extra}")
             lines.append(f"| {v} | " + " | ".join(cells) + " |")
         lines.append("")
-    (outdir / f"{stem}.md").write_text("\n".join(lines))
+    errors = [r for r in results if "error" in r]
+    if errors:
+        lines += ["## errors", ""] + [f"- {r['workload']} n={r['n']} {r['variant']}: {r['error']}" for r in errors]
+    (outdir / f"{stem}.md").write_text("\n".join(lines) + "\n")
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-        wls = list(dict.fromkeys(r["workload"] for r in results))
-        fig, axes = plt.subplots(1, len(wls), figsize=(6 * len(wls), 4.5), squeeze=False)
+        wls = [w for w in dict.fromkeys(r["workload"] for r in results) if w != "compile"]
+        fig, axes = plt.subplots(1, len(wls), figsize=(5.5 * len(wls), 4.5), squeeze=False)
         for ax, wl in zip(axes[0], wls):
             rows = [r for r in results if r["workload"] == wl and "us_per_step" in r]
             for v in dict.fromkeys(r["variant"] for r in rows):
                 pts = sorted((r["n"], r["us_per_step"]) for r in rows if r["variant"] == v)
                 ax.plot(*zip(*pts), marker="o", label=v)
-            ax.set(xscale="log", yscale="log", xlabel="elements", ylabel="µs per step", title=wl)
+            ax.set(xscale="log", yscale="log", xlabel="problem size (elements)", ylabel="µs per step", title=wl)
             ax.grid(True, which="both", alpha=0.3)
-            ax.legend(fontsize=7)
-        fig.suptitle(f"{meta['device']} {meta['date']}")
+            ax.legend(fontsize=6)
+        fig.suptitle(f"loopkern bench, {meta['device']}, {meta['date']}")
         fig.tight_layout()
         fig.savefig(outdir / f"{stem}.png", dpi=110)
     except Exception as exc:
@@ -331,27 +851,59 @@ def write_outputs(results, meta, outdir: Path):
     return outdir / f"{stem}.md"
 
 
+WORKLOADS = {"heat": bench_heat, "jacobi": bench_jacobi, "life": bench_life, "nbody": bench_nbody,
+             "quadratic": bench_quadratic, "compile": bench_compile}
+
+
+def run_cmdbuf_subprocess(args) -> list[dict]:
+    """The JAX variants again, in a child process with XLA's WHILE command buffers on."""
+    out = Path(tempfile.mkdtemp()) / "cmdbuf.json"
+    wl = ",".join(w for w in args.workloads.split(",") if w in ("heat", "jacobi"))
+    if not wl:
+        return []
+    env = dict(os.environ, XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " " + CMDBUF_FLAGS).strip())
+    cmd = [sys.executable, __file__, "--jax-only", "--workloads", wl, "--reps", str(args.reps), "--json", str(out)]
+    if args.sizes:
+        cmd += ["--sizes", args.sizes]
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if p.returncode != 0 or not out.exists():
+        return [dict(workload="heat1d", n=0, variant="jax [WHILE command buffers]", error=p.stderr[-400:])]
+    rows = json.loads(out.read_text())["results"]
+    for r in rows:
+        r["variant"] += " [WHILE cmd buffers]"
+    return rows
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="small sizes, CPU (CI smoke test)")
-    p.add_argument("--workloads", default="heat", help="comma-separated: heat")
-    p.add_argument("--sizes", default="", help="comma-separated problem sizes (heat)")
+    p.add_argument("--quick", action="store_true", help="small sizes on the CPU backend (CI smoke test)")
+    p.add_argument("--workloads", default="heat,jacobi,life,nbody,quadratic,compile")
+    p.add_argument("--sizes", default="", help="comma-separated sizes for heat")
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--out", default=str(HERE / "bench-results"))
-    p.add_argument("--sweep", action="store_true", help="also time fixed block counts (tuning scope='auto')")
+    p.add_argument("--sweep", action="store_true", help="also time fixed block counts (to tune scope='auto')")
+    p.add_argument("--no-jax", action="store_true", help="leave out the JAX variants")
+    p.add_argument("--no-cmdbuf", action="store_true", help="leave out the command-buffer subprocess")
+    p.add_argument("--jax-only", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--json", default="", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    global SWEEP
-    SWEEP = args.sweep
     gpu = gpu_available() and not args.quick
-    timer = Timer(gpu, args.reps)
-    results = []
+    b = Bench(args, gpu)
     meta = dict(device=device_name(gpu), date=_dt.date.today().isoformat(), reps=args.reps,
-                python=sys.version.split()[0], quick=args.quick)
+                python=sys.version.split()[0], quick=args.quick, argv=sys.argv[1:])
     for wl in args.workloads.split(","):
-        {"heat": bench_heat}[wl](args, gpu, timer, results)
-    md = write_outputs(results, meta, Path(args.out))
+        if args.jax_only and wl not in ("heat", "jacobi"):
+            continue
+        WORKLOADS[wl](b)
+    if gpu and not args.jax_only and not args.no_cmdbuf and not args.no_jax and have("jax"):
+        for row in run_cmdbuf_subprocess(args):
+            b.emit(row)
+    if args.json:
+        Path(args.json).write_text(json.dumps(dict(meta=meta, results=b.results)))
+        return 0
+    md = write_outputs(b.results, meta, Path(args.out))
     print(md.read_text())
-    return 0 if not any("wrong result" in r.get("error", "") for r in results) else 1
+    return 1 if any("wrong result" in r.get("error", "") for r in b.results) else 0
 
 
 if __name__ == "__main__":
