@@ -58,8 +58,8 @@ def runtime_fingerprint() -> str:
     import numba
 
     from . import __version__
-    from .runtime import cpu_rt, cuda_rt  # noqa: F401  (their source is hashed below)
 
+    # read, not imported: importing cuda_rt would load numba.cuda for a CPU-only run
     h = hashlib.sha256(f"{__version__} numba {numba.__version__}".encode())
     here = Path(__file__).resolve().parent / "runtime"
     for name in ("cpu_rt.py", "cuda_rt.py"):
