@@ -186,15 +186,28 @@ class _BodyWriter:
             return
         lo_t = self._bind(depth, f"{_P}r{k}_lo", lo, s)
         hi_t = self._bind(depth, f"{_P}r{k}_hi", hi, s)
-        if _is_one(st):
-            start = f"{_P}tid" if _is_zero(lo) else f"{lo_t} + {_P}tid"
-            self.strided_loop(s, s.target.id, [], s.body, start, hi_t, depth, k)
+        if not _is_one(st):
+            st_t = self._bind(depth, f"{_P}r{k}_st", st, s)
+            self.out.add(depth, f"for {target} in range({lo_t} + {_P}tid * {st_t}, {hi_t}, {_P}nt * {st_t}):", s)
+            self.body(s.body, depth + 1)
             return
-        st_t = self._bind(depth, f"{_P}r{k}_st", st, s)
-        self.out.add(depth, f"for {target} in range({lo_t} + {_P}tid * {st_t}, {hi_t}, {_P}nt * {st_t}):", s)
+        start = f"{_P}tid" if _is_zero(lo) else f"{lo_t} + {_P}tid"
+        cur = f"{_P}u{k}"
+
+        def take(c, rn):
+            return [f"{rn(target)} = {cur}" + (f" + {c} * {_P}nt" if c else "")]
+        if self.unrolled(s, [target], depth, k, cur, start, hi_t, take):
+            start = cur
+        self.out.add(depth, f"for {target} in range({start}, {hi_t}, {_P}nt):", s)
         self.body(s.body, depth + 1)
 
     def parallel_grid(self, s, args, depth):
+        """This thread's share of an n-D index space, flattened and grid-strided.
+
+        The per-dimension indices are kept as digits and advanced by the stride's digits with
+        carries, so no iteration divides (64-bit division costs tens of instructions on a GPU).
+        The advance happens before the body, so 'continue' in the body is safe.
+        """
         k = self.loop_id = self.loop_id + 1
         dims = [(a.elts[0], a.elts[1]) if isinstance(a, ast.Tuple) else (ast.Constant(0), a) for a in args]
         nd = len(dims)
@@ -214,47 +227,63 @@ class _BodyWriter:
             self.out.add(depth, f"{_P}g{k}_n{d} = max({span}, 0)", s)
             los.append(lo_t)
             ns.append(f"{_P}g{k}_n{d}")
-        flat = f"{_P}g{k}"
-        index = []
-        for d in range(nd):
-            rest = " * ".join(ns[d + 1:])
-            q = f"({flat} // ({rest}))" if rest else flat
-            idx = q if d == 0 else f"{q} % {ns[d]}"
-            index.append(f"{names[d]} = {idx}" if los[d] == "0" else f"{names[d]} = {los[d]} + {idx}")
-        if single:
-            index.append(f"{_src(s.target)} = ({', '.join(names)},)")
-        prologue = [ast.copy_location(ast.parse(line).body[0], s) for line in index]
-        for st_ in prologue:
-            for n in ast.walk(st_):
-                ast.copy_location(n, s)
-        self.out.add(depth, f"{_P}g{k}_total = {' * '.join(ns)}", s)
-        self.strided_loop(s, flat, prologue, s.body, f"{_P}tid", f"{_P}g{k}_total", depth, k)
+        total = f"{_P}g{k}_total"
+        self.out.add(depth, f"{total} = {' * '.join(ns)}", s)
+        cs = [f"{_P}g{k}_c{d}" for d in range(nd)]
+        ss = [f"{_P}g{k}_s{d}" for d in range(nd)]
+        for digits, x in ((cs, f"{_P}tid"), (ss, f"{_P}nt")):
+            rest = f"{_P}g{k}_x"
+            self.out.add(depth, f"{rest} = {x}", s)
+            for d in range(nd - 1, 0, -1):
+                safe = f"max({ns[d]}, 1)"   # an empty dimension: no iteration runs, avoid / 0
+                self.out.add(depth, f"{digits[d]} = {rest} % {safe}", s)
+                self.out.add(depth, f"{rest} = {rest} // {safe}", s)
+            self.out.add(depth, f"{digits[0]} = {rest}", s)
 
-    def strided_loop(self, s, var, prologue, body, start, stop, depth, k):
-        """This thread's indices ``start, start + nt, ... < stop``: unrolled when it is safe.
+        def take(c, rn):
+            lines = [f"{rn(names[d])} = {cs[d]}" if los[d] == "0" else f"{rn(names[d])} = {los[d]} + {cs[d]}"
+                     for d in range(nd)]
+            if single:
+                lines.append(f"{rn(_src(s.target))} = ({', '.join(rn(n) for n in names)},)")
+            lines.append(f"{cs[-1]} += {ss[-1]}")
+            for d in range(nd - 1, 0, -1):
+                lines += [f"if {cs[d]} >= {ns[d]}:", f"{_INDENT}{cs[d]} -= {ns[d]}", f"{_INDENT}{cs[d - 1]} += 1",
+                          f"{cs[d - 1]} += {ss[d - 1]}"]
+            return lines
+        cur = f"{_P}g{k}"
+        index_names = names + ([_src(s.target)] if single else [])
+        start = f"{_P}tid"
+        if self.unrolled(s, index_names, depth, k, cur, start, total, take):
+            start = cur
+        self.out.add(depth, f"for {cur} in range({start}, {total}, {_P}nt):", s)
+        for line in take(0, lambda n: n):
+            self.out.add(depth + 1, line, s)
+        self.body(s.body, depth + 1)
+
+    def unrolled(self, s, index_names, depth, k, cur, start, stop, take):
+        """Emit an unrolled loop over this thread's indices when that cannot change the result.
 
         Iterations of a parallel loop must be independent (threads run them concurrently), so
         the loads of several iterations may be issued before their stores. The compiler cannot
         prove that itself (arrays may alias), so for straight-line bodies the loop is unrolled
         here with each statement interleaved across the copies and stores split from the
-        values they store: several loads in flight per thread instead of one.
+        values they store: several loads in flight per thread instead of one. Returns whether
+        it emitted the loop (``cur`` then holds where the remainder loop starts).
         """
-        full = list(prologue) + list(body)
-        plan = _unroll_plan(full, var, self.outside_names(s))
-        if plan is not None:
-            temps, split = plan
-            cur = f"{_P}u{k}"
-            self.out.add(depth, f"{cur} = {start}", s)
-            self.out.add(depth, f"while {cur} + {UNROLL - 1} * {_P}nt < {stop}:", s)
+        plan = _unroll_plan(list(s.body), index_names, self.outside_names(s))
+        if plan is None:
+            return False
+        temps, split = plan
+        self.out.add(depth, f"{cur} = {start}", s)
+        self.out.add(depth, f"while {cur} + {UNROLL - 1} * {_P}nt < {stop}:", s)
+        for c in range(UNROLL):
+            for line in take(c, lambda n, c=c: _rename(n, c, k)):
+                self.out.add(depth + 1, line, s)
+        for stmt in split:
             for c in range(UNROLL):
-                self.out.add(depth + 1, f"{_rename(var, c, k)} = {cur}" + (f" + {c} * {_P}nt" if c else ""), s)
-            for stmt in split:
-                for c in range(UNROLL):
-                    self.stmt(_Renamer({n: _rename(n, c, k) for n in temps}).visit(copy.deepcopy(stmt)), depth + 1)
-            self.out.add(depth + 1, f"{cur} += {UNROLL} * {_P}nt", s)
-            start = cur
-        self.out.add(depth, f"for {var} in range({start}, {stop}, {_P}nt):", s)
-        self.body(full, depth + 1)
+                self.stmt(_Renamer({n: _rename(n, c, k) for n in temps}).visit(copy.deepcopy(stmt)), depth + 1)
+        self.out.add(depth + 1, f"{cur} += {UNROLL} * {_P}nt", s)
+        return True
 
     def outside_names(self, loop):
         """Names the function uses outside ``loop`` (those must keep their meaning after it)."""
@@ -284,9 +313,9 @@ def _loaded(e) -> set:
     return {n.id for n in ast.walk(e) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
 
 
-def _unroll_plan(body, var, outside):
-    """For a straight-line body: (names private to one iteration, ``var`` included, and the
-    statements with stores split from their values).
+def _unroll_plan(body, index_names, outside):
+    """For a straight-line body: (names private to one iteration, the index names included,
+    and the statements with stores split from their values).
 
     Returns None when unrolling could change the result: control flow, a value carried from one
     iteration to the next other than by a single self-update (``acc = max(acc, x)``), or a
@@ -304,7 +333,7 @@ def _unroll_plan(body, var, outside):
             return None
         if isinstance(tgt, ast.Name):
             assigned.add(tgt.id)
-    temps, carried, uses = {var}, set(), {}
+    temps, carried, uses = set(index_names), set(), {}
     for i, st in enumerate(body):
         tgt = st.targets[0] if isinstance(st, ast.Assign) else st.target
         reads = _loaded(st.value) | (_loaded(tgt.slice) | {tgt.value.id} if isinstance(tgt, ast.Subscript) else set())
@@ -324,7 +353,7 @@ def _unroll_plan(body, var, outside):
                      and (st.targets[0] if isinstance(st, ast.Assign) else st.target).id == c}
         if len(uses[c]) != 1 or uses[c] != writes_in:
             return None
-    if (temps - {var}) & outside or temps & carried:
+    if temps & outside or temps & carried:
         return None
     split = []
     for j, st in enumerate(body):

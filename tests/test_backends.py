@@ -290,3 +290,24 @@ def test_thread_scope_refused_for_parallel_step(rng):
         k(u, u.copy(), 0.1, steps=1, backend="cuda", scope="thread")
     with pytest.raises(lk.ArgumentError, match="scope='thread'"):
         k.source("cuda", "thread")
+
+
+@pytest.mark.parametrize("backend,scope", list(cases()))
+def test_grid_continue_and_empty_dimension(backend, scope, rng):
+    @lk.megakernel
+    def offdiag(t, a, b):
+        for i, j, k in lk.grid(a.shape[0], a.shape[1], (1, a.shape[2])):
+            if i == j:
+                continue
+            b[i, j, k] = a[i, j, k] + 1.0
+
+    a = rng.random((5, 7, 6) if small(backend) else (13, 11, 17))
+    b = np.zeros_like(a)
+    offdiag(a, b, steps=1, backend=backend, scope=scope)
+    expect = np.zeros_like(a)
+    expect[:, :, 1:] = a[:, :, 1:] + 1.0
+    for i in range(min(a.shape[:2])):
+        expect[i, i, :] = 0.0
+    np.testing.assert_array_equal(b, expect)
+    empty = np.zeros((0, 4, 3))
+    offdiag(empty, empty.copy(), steps=2, backend=backend, scope=scope)   # no iteration, no error

@@ -12,22 +12,7 @@ from loopkern.runtime import cuda_rt as _lk_rt
 def _lk_step(t, u, v, alpha, _lk_tid, _lk_nt, _lk_redf, _lk_redi, _lk_st, _lk_bar):
     n = u.shape[0]  # line 11
     _lk_r1_hi = n - 1  # line 12
-    _lk_u1 = 1 + _lk_tid  # line 12
-    while _lk_u1 + 3 * _lk_nt < _lk_r1_hi:  # line 12
-        _lk_u1_0_i = _lk_u1  # line 12
-        _lk_u1_1_i = _lk_u1 + 1 * _lk_nt  # line 12
-        _lk_u1_2_i = _lk_u1 + 2 * _lk_nt  # line 12
-        _lk_u1_3_i = _lk_u1 + 3 * _lk_nt  # line 12
-        _lk_u1_0__lk_v0 = u[_lk_u1_0_i] + alpha * (u[_lk_u1_0_i - 1] - 2.0 * u[_lk_u1_0_i] + u[_lk_u1_0_i + 1])  # line 13
-        _lk_u1_1__lk_v0 = u[_lk_u1_1_i] + alpha * (u[_lk_u1_1_i - 1] - 2.0 * u[_lk_u1_1_i] + u[_lk_u1_1_i + 1])  # line 13
-        _lk_u1_2__lk_v0 = u[_lk_u1_2_i] + alpha * (u[_lk_u1_2_i - 1] - 2.0 * u[_lk_u1_2_i] + u[_lk_u1_2_i + 1])  # line 13
-        _lk_u1_3__lk_v0 = u[_lk_u1_3_i] + alpha * (u[_lk_u1_3_i - 1] - 2.0 * u[_lk_u1_3_i] + u[_lk_u1_3_i + 1])  # line 13
-        v[_lk_u1_0_i] = _lk_u1_0__lk_v0  # line 13
-        v[_lk_u1_1_i] = _lk_u1_1__lk_v0  # line 13
-        v[_lk_u1_2_i] = _lk_u1_2__lk_v0  # line 13
-        v[_lk_u1_3_i] = _lk_u1_3__lk_v0  # line 13
-        _lk_u1 += 4 * _lk_nt  # line 12
-    for i in range(_lk_u1, _lk_r1_hi, _lk_nt):  # line 12
+    for i in range(1 + _lk_tid, _lk_r1_hi, _lk_nt):  # line 12
         v[i] = u[i] + alpha * (u[i - 1] - 2.0 * u[i] + u[i + 1])  # line 13
     _lk_r2_st = n - 1  # line 14
     for i in range(0 + _lk_tid * _lk_r2_st, n, _lk_nt * _lk_r2_st):  # line 14

@@ -21,22 +21,7 @@ def _lk_fn_laplacian(u, i, _lk_tid, _lk_nt):  # line 154
 def _lk_step(t, u, v, alpha, _lk_tid, _lk_nt, _lk_redf, _lk_redi, _lk_st, _lk_bar):
     n = u.shape[0]  # line 159
     _lk_r1_hi = n - 1  # line 160
-    _lk_u1 = 1 + _lk_tid  # line 160
-    while _lk_u1 + 3 * _lk_nt < _lk_r1_hi:  # line 160
-        _lk_u1_0_i = _lk_u1  # line 160
-        _lk_u1_1_i = _lk_u1 + 1 * _lk_nt  # line 160
-        _lk_u1_2_i = _lk_u1 + 2 * _lk_nt  # line 160
-        _lk_u1_3_i = _lk_u1 + 3 * _lk_nt  # line 160
-        _lk_u1_0__lk_v0 = _lk_fn_damp(u[_lk_u1_0_i] + alpha * _lk_fn_laplacian(u, _lk_u1_0_i, _lk_tid, _lk_nt), 0.5, _lk_tid, _lk_nt)  # line 161
-        _lk_u1_1__lk_v0 = _lk_fn_damp(u[_lk_u1_1_i] + alpha * _lk_fn_laplacian(u, _lk_u1_1_i, _lk_tid, _lk_nt), 0.5, _lk_tid, _lk_nt)  # line 161
-        _lk_u1_2__lk_v0 = _lk_fn_damp(u[_lk_u1_2_i] + alpha * _lk_fn_laplacian(u, _lk_u1_2_i, _lk_tid, _lk_nt), 0.5, _lk_tid, _lk_nt)  # line 161
-        _lk_u1_3__lk_v0 = _lk_fn_damp(u[_lk_u1_3_i] + alpha * _lk_fn_laplacian(u, _lk_u1_3_i, _lk_tid, _lk_nt), 0.5, _lk_tid, _lk_nt)  # line 161
-        v[_lk_u1_0_i] = _lk_u1_0__lk_v0  # line 161
-        v[_lk_u1_1_i] = _lk_u1_1__lk_v0  # line 161
-        v[_lk_u1_2_i] = _lk_u1_2__lk_v0  # line 161
-        v[_lk_u1_3_i] = _lk_u1_3__lk_v0  # line 161
-        _lk_u1 += 4 * _lk_nt  # line 160
-    for i in range(_lk_u1, _lk_r1_hi, _lk_nt):  # line 160
+    for i in range(1 + _lk_tid, _lk_r1_hi, _lk_nt):  # line 160
         v[i] = _lk_fn_damp(u[i] + alpha * _lk_fn_laplacian(u, i, _lk_tid, _lk_nt), 0.5, _lk_tid, _lk_nt)  # line 161
     _lk_r2_st = n - 1  # line 162
     for i in range(0 + _lk_tid * _lk_r2_st, n, _lk_nt * _lk_r2_st):  # line 162
