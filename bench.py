@@ -243,6 +243,25 @@ def jax_impl(fn, init, result_index=0, steps_index=None):
     return Impl(run, result, sync=sync)
 
 
+def loopkern_jax_variant(make_kernel, inputs, scalars, result_index=0):
+    """loopkern through kernel.jax inside jax.jit (the XLA FFI custom call on a GPU)."""
+    def make(case):
+        import jax
+        import jax.numpy as jnp
+        k = make_kernel()
+        state = [jnp.asarray(x) for x in inputs(case)]
+        cache, box = {}, {}
+
+        def run(steps):
+            if steps not in cache:
+                kw = "max_steps" if k.spec.returns_condition else "steps"
+                cache[steps] = jax.jit(lambda *xs: k.jax(*xs, *scalars(case), **{kw: steps}))
+            box["r"] = cache[steps](*state)
+            return int(box["r"][-1]) if k.spec.returns_condition else None
+        return Impl(run, lambda: np.asarray(box["r"][result_index]), sync=lambda: jax.block_until_ready(box["r"]))
+    return ("loopkern kernel.jax in jax.jit", make)
+
+
 # =============================================================================== 1D heat
 ALPHA = np.float32(0.25)
 
@@ -384,6 +403,9 @@ def bench_heat(b: Bench):
                                      sweep_blocks=[x for x in (16, 64, 132, 264, 528) if x * 256 <= 2 * n]
                                      if gpu and args.sweep else ())
         if have("jax") and not args.no_jax:
+            if not args.jax_only:
+                variants.append(loopkern_jax_variant(heat_kernel, lambda c: [c.data["u0"], c.data["u0"]],
+                                                     lambda c: (ALPHA,)))
             variants += jax_loop_variants(jax_heat_step)
         if gpu and not args.jax_only:
             variants += numba_heat_variants()
@@ -506,6 +528,9 @@ def bench_jacobi(b: Bench):
         variants = loopkern_variants(gpu, jacobi_kernel, lambda c: dict(u=c.data["u0"], v=c.data["u0"]),
                                      lambda c: (tol,), ["u", "v"], scopes)
         if have("jax") and not args.no_jax:
+            if not args.jax_only:
+                variants.append(loopkern_jax_variant(jacobi_kernel, lambda c: [c.data["u0"], c.data["u0"]],
+                                                     lambda c: (tol,)))
             variants.append(("jax.lax.while_loop", lambda c: jax_jacobi_while(c.data["u0"], tol)))
         if gpu and not args.jax_only:
             variants.append(("numba launch per step (+ host check)", lambda c: numba_jacobi_per_step(c.data["u0"], tol)))
@@ -771,6 +796,39 @@ def bench_quadratic(b: Bench):
             r["seconds_for_all_steps"] = r["us_per_step"] * total / 1e6
 
 
+# =============================================================================== call overhead
+def bench_overhead(b: Bench):
+    """Cost of one call with a single step: a direct launch against kernel.jax in jax.jit."""
+    if not have("jax") or b.args.no_jax:
+        return
+    import jax
+    import jax.numpy as jnp
+    k = heat_kernel()
+    u0 = np.random.default_rng(4).random(4096).astype(np.float32)
+    du, dv = on_device(b.gpu, u0), on_device(b.gpu, u0)
+    backend = "cuda" if b.gpu else "cpu"
+    f = jax.jit(lambda u, v: k.jax(u, v, ALPHA, steps=1))
+    ju, jv = jnp.asarray(u0), jnp.asarray(u0)
+    calls = {
+        "loopkern direct call (launch, wait, read the step count)":
+            lambda: k(du, dv, ALPHA, steps=1, backend=backend),
+        "loopkern kernel.jax in jax.jit (FFI custom call), blocking": lambda: jax.block_until_ready(f(ju, jv)),
+        "jax.jit of one heat step, blocking": None,
+    }
+    g = jax.jit(jax_heat_step)
+    calls["jax.jit of one heat step, blocking"] = lambda: jax.block_until_ready(g(ju))
+    for name, fn in calls.items():
+        for _ in range(20):
+            fn()
+        ts = []
+        for _ in range(200):
+            t0 = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t0)
+        b.emit(dict(workload="call_overhead", n=4096, variant=name, us_per_step=statistics.median(ts) * 1e6,
+                    steps=1))
+
+
 # =============================================================================== compile time
 COMPILE_SCRIPT = textwrap.dedent("""
     import sys, time, json
@@ -873,7 +931,7 @@ def write_outputs(results, meta, outdir: Path):
 
 
 WORKLOADS = {"heat": bench_heat, "jacobi": bench_jacobi, "life": bench_life, "nbody": bench_nbody,
-             "quadratic": bench_quadratic, "compile": bench_compile}
+             "quadratic": bench_quadratic, "overhead": bench_overhead, "compile": bench_compile}
 
 
 def run_cmdbuf_subprocess(args) -> list[dict]:
@@ -898,7 +956,7 @@ def run_cmdbuf_subprocess(args) -> list[dict]:
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="small sizes on the CPU backend (CI smoke test)")
-    p.add_argument("--workloads", default="heat,jacobi,life,nbody,quadratic,compile")
+    p.add_argument("--workloads", default="heat,jacobi,life,nbody,quadratic,overhead,compile")
     p.add_argument("--sizes", default="", help="comma-separated sizes for heat")
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--out", default=str(HERE / "bench-results"))

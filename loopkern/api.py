@@ -90,16 +90,20 @@ class MegaKernel:
         return codegen.render_kernel(self.spec, backend, scope, fingerprint="").text
 
     # -- calling ---------------------------------------------------------------------------
-    def _bind(self, args, kwargs) -> list:
+    def _bind_names(self, args, kwargs) -> dict:
+        """Parameter name -> value, or an ArgumentError naming what is missing or extra."""
         try:
-            bound = self._signature.bind(*args, **kwargs)
+            return dict(self._signature.bind(*args, **kwargs).arguments)
         except TypeError as exc:
             names = ", ".join(p.name for p in self.spec.params)
             raise ArgumentError(f"{self.spec.name}(): {exc}; the step takes ({names}) after the step index "
                                 f"'{self.spec.index_param}', plus steps= or max_steps=") from None
+
+    def _bind(self, args, kwargs) -> list:
+        bound = self._bind_names(args, kwargs)
         out = []
         for p in self.spec.params:
-            a = classify(p.name, bound.arguments[p.name])
+            a = classify(p.name, bound[p.name])
             if p.kind == ARRAY and isinstance(a, ScalarArg):
                 raise ArgumentError(f"argument '{p.name}': the step indexes it as an array, got a scalar "
                                     f"{type(a.value).__name__}")
@@ -162,17 +166,47 @@ class MegaKernel:
             return self._run_cpu(argv, nsteps)
         return self._run_cuda(argv, nsteps, scope, threads, blocks)
 
-    def _kernel(self, backend, scope):
+    def _kernel(self, backend, scope, by_ref=None):
         from .compile import compile_kernel, runtime_fingerprint, simulator_enabled
-        key = (backend, scope)
+        key = (backend, scope) if by_ref is None else (backend, scope, by_ref)
         with self._lock:
             k = self._compiled.get(key)
             if k is None:
                 cache = not (backend == "cuda" and simulator_enabled())
                 src = codegen.render_kernel(self.spec, backend, scope, cache=cache,
-                                            fingerprint=f"runtime {runtime_fingerprint()}")
+                                            fingerprint=f"runtime {runtime_fingerprint()}", by_ref=by_ref)
                 k = self._compiled[key] = compile_kernel(src)
         return k
+
+    def jax(self, *args, steps=None, max_steps=None, backend=None, scope=None, threads=None, blocks=None,
+            **kwargs):
+        """Run the loop as a functional JAX operation: JAX arrays in, new JAX arrays out.
+
+        Works eagerly and inside ``jax.jit``. On a GPU it is an XLA FFI custom call on XLA's
+        stream whose array arguments are aliased to its results (donate them with
+        ``donate_argnums`` and nothing is copied); on JAX's CPU backend it runs the CPU kernel.
+
+        Args:
+            *args, **kwargs: the step's parameters after the step index: JAX arrays for array
+                parameters; Python numbers or 0-d JAX arrays (traced values too) for scalars.
+            steps: number of steps (an int or a 0-d integer JAX array, traced values too).
+            max_steps: the same, as an upper bound, for a step that returns a condition.
+            backend: "auto" (the platform of the arrays), "cuda" or "cpu".
+            scope, threads, blocks: as for calling the kernel (CUDA only).
+
+        Returns:
+            A tuple with one new array per array parameter, in parameter order, and, when the
+            step returns a condition, the number of steps executed (int32) last. With ``swap``
+            the first array of each pair holds the newest state.
+
+        Raises:
+            ArgumentError: at trace time, for non-JAX arrays, mismatched swap pairs, arrays on
+                different platforms or a platform the backend cannot run on.
+            LoopkernError: when differentiated (no derivative rule yet).
+        """
+        from .interop.jax_bridge import jax_call
+        return jax_call(self, args, kwargs, steps=steps, max_steps=max_steps, backend=backend, scope=scope,
+                        threads=threads, blocks=blocks)
 
     def _check_types(self, compiled, kargs):
         for i, j in self.spec.swap:

@@ -409,7 +409,7 @@ def _jit_options(backend: str, cache: bool) -> tuple[str, str]:
 
 
 def render_kernel(spec: StepSpec, backend: str, scope: str = "grid", *, cache: bool = True,
-                  fingerprint: str = "") -> KernelSource:
+                  fingerprint: str = "", by_ref: frozenset | None = None) -> KernelSource:
     """Render the kernel module for ``spec``.
 
     Args:
@@ -420,6 +420,10 @@ def render_kernel(spec: StepSpec, backend: str, scope: str = "grid", *, cache: b
             parallel construct); ignored for the CPU backend.
         cache: let Numba cache the compiled kernel on disk.
         fingerprint: text mixed into the source (e.g. runtime version) so stale caches miss.
+        by_ref: (CUDA) None for the kernel that ``kernel(...)`` launches; else the indices of
+            scalar parameters that arrive as 1-element device arrays and are read on the
+            device, and the step count arrives the same way. ``kernel.jax`` uses this, since
+            its scalars and step count may be traced values that live on the device.
 
     Returns:
         The :class:`KernelSource`.
@@ -445,6 +449,13 @@ def render_kernel(spec: StepSpec, backend: str, scope: str = "grid", *, cache: b
 
     n = len(spec.params)
     kparams = [f"{_P}a{i}" for i in range(n)]
+    if by_ref is not None and backend != "cuda":
+        raise ValueError("by_ref kernels exist for the CUDA backend only")
+    refs = sorted(by_ref or ())
+    sig_params = [f"{k}_ref" if i in refs else k for i, k in enumerate(kparams)]
+    prologue = [f"{_INDENT}{kparams[i]} = {kparams[i]}_ref[0]" for i in refs]
+    if by_ref is not None:
+        prologue.insert(0, f"{_INDENT}{_P}nsteps = {_P}nsteps_ref[0]")
     swap_lines = [f"{_INDENT * 2}{kparams[a]}, {kparams[b]} = {kparams[b]}, {kparams[a]}" for a, b in spec.swap]
     copy_lines = []
     if spec.swap:
@@ -473,7 +484,8 @@ def render_kernel(spec: StepSpec, backend: str, scope: str = "grid", *, cache: b
         device_options=(", " + dev_opts if dev_opts and backend == "cuda" else dev_opts),
         kernel_options=ker_opts,
         step_params=step_def[step_def.index("(") + 1:step_def.rindex(")")],
-        step_body="\n".join(step_body), kernel_params="".join(f"{k}, " for k in kparams),
+        step_body="\n".join(step_body), kernel_params="".join(f"{k}, " for k in sig_params),
+        nsteps_param=f"{_P}nsteps_ref" if by_ref is not None else f"{_P}nsteps", prologue="\n".join(prologue),
         step_args="".join(f"{k}, " for k in kparams), thread_index=thread_index, thread_count=thread_count,
         barrier=barrier or "pass", swap="\n".join(swap_lines) or f"{_INDENT * 2}pass",
         copy_back="\n".join(copy_lines) or f"{_INDENT}pass",

@@ -112,6 +112,33 @@ class CompiledKernel:
         return kernel
 
 
+    def load_for_ffi(self, types: tuple, xla_ffi):
+        """Compile for ``types`` and load the cubin for the XLA FFI shim, once per device.
+
+        Returns (the Numba kernel, for occupancy; the CUfunction handle as an int).
+        """
+        from numba import cuda
+        dev = cuda.get_current_device()
+        key = ("ffi", types, dev.id)
+        hit = self._specialized.get(key)
+        if hit is not None:
+            return hit
+        with _translate_errors(self):
+            kernel = self.dispatcher.compile(types)
+        cubin = kernel._codelibrary.get_cubin(cc=dev.compute_capability)
+        image = getattr(cubin, "code", cubin)
+        func = xla_ffi.load_function(dev.id, bytes(image), _entry_name(kernel))
+        self._specialized[key] = (kernel, func)
+        return kernel, func
+
+
+def _entry_name(kernel) -> str:
+    name = getattr(kernel, "entry_name", None)
+    if name:
+        return name
+    return kernel._codelibrary.get_cufunc().name
+
+
 def compile_kernel(source: KernelSource) -> CompiledKernel:
     """Load ``source`` as a module from the cache directory and return its dispatcher.
 

@@ -88,6 +88,7 @@ def _lk_step(t, u, v, tol, _lk_tid, _lk_nt, _lk_redf, _lk_redi, _lk_st, _lk_bar)
 def _lk_kernel(_lk_nsteps, _lk_a0, _lk_a1, _lk_a2, _lk_redf, _lk_redi, _lk_bar, _lk_info):
     _lk_tid = cuda.threadIdx.x
     _lk_nt = cuda.blockDim.x
+
     _lk_st = cuda.local.array(1, _lk_np.int32)
     _lk_st[0] = 0
     _lk_t = 0

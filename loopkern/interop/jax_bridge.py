@@ -1,0 +1,207 @@
+"""``kernel.jax(...)``: a megakernel as a functional JAX operation, eager or inside ``jax.jit``.
+
+On a GPU the call lowers to an XLA FFI custom call (``xla_ffi.py``) that launches the
+Numba-compiled kernel on XLA's own stream. Array parameters are aliased to the outputs, so
+under ``donate_argnums`` no buffer is copied; scalars and the step count travel as 1-element
+device buffers, so they may be traced values. On JAX's CPU backend the same call runs the
+CPU-compiled kernel through ``jax.pure_callback`` (Python once per call, not per step).
+"""
+
+from __future__ import annotations
+
+import numbers
+
+import numpy as np
+
+from ..errors import ArgumentError, LoopkernError
+from ..spec import ARRAY, SCALAR
+from .arrays import check_dtype
+
+_SCRATCH_VIEW = 8   # redf, redi and info are 8-byte elements, passed to XLA as bytes
+
+
+def _is_jax_array(x) -> bool:
+    import jax
+    return isinstance(x, jax.Array)
+
+
+def _prepare(mk, args, kwargs, steps, max_steps):
+    """Check the call and split it into arrays, scalars and the step count (all JAX values)."""
+    import jax.numpy as jnp
+
+    spec = mk.spec
+    if (steps is None) == (max_steps is None):
+        raise ArgumentError(f"{spec.name}.jax(): pass exactly one of steps= or max_steps=")
+    nsteps = steps if steps is not None else max_steps
+    label = "steps" if steps is not None else "max_steps"
+    if isinstance(nsteps, bool) or not (isinstance(nsteps, numbers.Integral) or (
+            _is_jax_array(nsteps) and nsteps.ndim == 0 and jnp.issubdtype(nsteps.dtype, jnp.integer))):
+        raise ArgumentError(f"{label}={nsteps!r}: expected an int or a 0-d integer JAX array")
+    if isinstance(nsteps, numbers.Integral) and nsteps < 0:
+        raise ArgumentError(f"{label}={nsteps}: must be >= 0")
+    bound = mk._bind_names(args, kwargs)
+    arrays, scalars = {}, {}
+    for i, p in enumerate(spec.params):
+        v = bound[p.name]
+        if _is_jax_array(v) and v.ndim > 0:
+            if p.kind == SCALAR:
+                raise ArgumentError(f"argument '{p.name}': the step uses it as a number, got an array of shape "
+                                    f"{v.shape}")
+            check_dtype(p.name, np.dtype(v.dtype))
+            arrays[i] = v
+        elif isinstance(v, np.ndarray) and v.ndim > 0 or hasattr(v, "__cuda_array_interface__"):
+            raise ArgumentError(f"argument '{p.name}': kernel.jax takes JAX arrays, got {type(v).__name__}; "
+                                f"convert it with jnp.asarray, or call the kernel itself to update it in place")
+        else:
+            if p.kind == ARRAY:
+                raise ArgumentError(f"argument '{p.name}': the step indexes it as an array, got {type(v).__name__}")
+            if isinstance(v, complex) or (_is_jax_array(v) and jnp.issubdtype(v.dtype, jnp.complexfloating)):
+                raise ArgumentError(f"argument '{p.name}': complex numbers are not supported yet")
+            if not (isinstance(v, (numbers.Real, np.generic)) or _is_jax_array(v)):
+                raise ArgumentError(f"argument '{p.name}': expected a JAX array or a number, got {type(v).__name__}")
+            s = jnp.asarray(v)
+            check_dtype(p.name, np.dtype(s.dtype), "scalar")
+            scalars[i] = s.reshape(1)
+    for a, b in spec.swap:
+        x, y = arrays.get(a), arrays.get(b)
+        names = (spec.params[a].name, spec.params[b].name)
+        if x is None or y is None:
+            raise ArgumentError(f"swap pair {names}: both must be JAX arrays")
+        if x.shape != y.shape or x.dtype != y.dtype:
+            raise ArgumentError(f"swap pair {names}: arrays must have the same shape and dtype, got "
+                                f"{x.shape} {x.dtype} and {y.shape} {y.dtype}")
+    return arrays, scalars, jnp.asarray(nsteps).reshape(1)
+
+
+def _platform(mk, arrays, backend):
+    import jax
+    devices = set()
+    for a in arrays.values():
+        try:
+            devices |= {d.platform for d in a.devices()}
+        except Exception:   # a tracer: it lives where the computation runs
+            pass
+    if len(devices) > 1:
+        raise ArgumentError(f"kernel.jax(): the arrays are on different platforms: {sorted(devices)}")
+    platform = devices.pop() if devices else jax.default_backend()
+    platform = "cuda" if platform in ("gpu", "cuda") else platform
+    backend = backend or mk._defaults["backend"]
+    if backend == "cuda" and platform != "cuda":
+        raise ArgumentError(f"backend='cuda' but the JAX arrays are on '{platform}'; put them on a GPU "
+                            f"(jax.device_put) or use backend='cpu'/'auto'")
+    if backend == "cpu" and platform != "cpu":
+        raise ArgumentError(f"backend='cpu' but the JAX arrays are on '{platform}'")
+    if platform not in ("cuda", "cpu"):
+        raise ArgumentError(f"kernel.jax() runs on JAX's CUDA and CPU platforms, not '{platform}'")
+    return platform
+
+
+def jax_call(mk, args, kwargs, *, steps=None, max_steps=None, backend=None, scope=None, threads=None,
+             blocks=None):
+    """Implementation of :meth:`loopkern.MegaKernel.jax` (see there)."""
+    import jax
+
+    arrays, scalars, nsteps = _prepare(mk, args, kwargs, steps, max_steps)
+    platform = _platform(mk, arrays, backend)
+    order = [i for i in range(len(mk.spec.params))]
+    arr_idx = [i for i in order if i in arrays]
+    inputs = [nsteps] + [arrays[i] if i in arrays else scalars[i] for i in order]
+
+    if platform == "cuda":
+        core = _cuda_core(mk, arrays, scalars, nsteps, scope, threads, blocks)
+    else:
+        core = _cpu_core(mk, arrays, scalars, nsteps)
+
+    @jax.custom_jvp
+    def call(*xs):
+        return core(*xs)
+
+    @call.defjvp
+    def _no_derivative(primals, tangents):
+        raise LoopkernError(f"kernel.jax: differentiating through megakernel '{mk.spec.name}' is not "
+                            f"supported yet (no derivative rule); use jax.lax.stop_gradient on its inputs "
+                            f"or differentiate a JAX version of the loop")
+
+    outs = call(*inputs)
+    result = tuple(outs[: len(arr_idx)])
+    if mk.spec.returns_condition:
+        result = result + (outs[-1],)
+    return result
+
+
+def _cpu_core(mk, arrays, scalars, nsteps):
+    import jax
+    import jax.numpy as jnp
+
+    arr_idx = [i for i in range(len(mk.spec.params)) if i in arrays]
+    shapes = [jax.ShapeDtypeStruct(arrays[i].shape, arrays[i].dtype) for i in arr_idx]
+    shapes.append(jax.ShapeDtypeStruct((), jnp.int32))
+
+    def host(n, *vals):
+        call_args = []
+        for i, v in enumerate(vals):
+            call_args.append(np.array(v) if i in arrays else np.asarray(v).reshape(())[()])
+        run = mk(*call_args, steps=int(np.asarray(n).reshape(())), backend="cpu")
+        return tuple(call_args[i] for i in arr_idx) + (np.int32(run.steps),)
+
+    def core(n, *vals):
+        return jax.pure_callback(host, tuple(shapes), n, *vals, vmap_method="sequential")
+    return core
+
+
+def _cuda_core(mk, arrays, scalars, nsteps, scope, threads, blocks):
+    import jax
+    import jax.numpy as jnp
+    from numba import cuda, types
+
+    from .. import launch
+    from . import xla_ffi
+
+    spec = mk.spec
+    n = len(spec.params)
+    arr_idx = [i for i in range(n) if i in arrays]
+    work = max([int(np.prod(arrays[i].shape)) for i in arr_idx] or [1])
+    scope = launch.resolve_scope(scope or mk._defaults["scope"], work, spec.parallel)
+    if scope == "thread" and spec.parallel:
+        raise ArgumentError(f"scope='thread': step '{spec.name}' uses parallel constructs")
+    by_ref = frozenset(scalars)
+    compiled = mk._kernel("cuda", scope, by_ref=by_ref)
+
+    def nb(dtype, ndim):
+        from numba.np.numpy_support import from_dtype
+        return types.Array(from_dtype(np.dtype(dtype)), ndim, "C")
+
+    sig = [nb(nsteps.dtype, 1)]
+    for i in range(n):
+        sig.append(nb(arrays[i].dtype, arrays[i].ndim) if i in arrays else nb(scalars[i].dtype, 1))
+    sig += [types.float64[:, ::1], types.int64[:, ::1], types.uint32[::1], types.int64[::1]]
+    kernel, func = compiled.load_for_ffi(tuple(sig), xla_ffi)
+    plan = launch.plan_cuda(kernel, scope, work, threads or mk._defaults["threads"],
+                            blocks or mk._defaults["blocks"], simulator=False)
+    xla_ffi.register_cuda_target()
+
+    # inputs: nsteps, params (arrays and 1-element scalars) in order, zeroed barrier counter
+    # results: arrays (aliased), barrier (aliased), redf, redi, info (bytes, viewed as 8-byte)
+    na = len(arr_idx)
+    results = [jax.ShapeDtypeStruct(arrays[i].shape, arrays[i].dtype) for i in arr_idx]
+    results += [jax.ShapeDtypeStruct((1,), jnp.uint32),
+                jax.ShapeDtypeStruct((2, plan.blocks * _SCRATCH_VIEW), jnp.uint8),
+                jax.ShapeDtypeStruct((2, plan.blocks * _SCRATCH_VIEW), jnp.uint8),
+                jax.ShapeDtypeStruct((2 * _SCRATCH_VIEW,), jnp.uint8)]
+    aliases = {1 + i: arr_idx.index(i) for i in arr_idx}
+    aliases[1 + n] = na
+    layout = [0, 0, 0]
+    for i in range(n):
+        layout += [1, arr_idx.index(i), 0] if i in arrays else [0, 1 + i, 0]
+    layout += [1, na + 1, _SCRATCH_VIEW, 1, na + 2, _SCRATCH_VIEW, 1, na, 0, 1, na + 3, _SCRATCH_VIEW]
+    call = jax.ffi.ffi_call(xla_ffi.TARGET, tuple(results), input_output_aliases=aliases,
+                            vmap_method="sequential")
+    attrs = dict(func=np.int64(func), blocks=np.int64(plan.blocks), threads=np.int64(plan.threads),
+                 cooperative=np.int64(1 if plan.scope == "grid" else 0), layout=np.array(layout, np.int64))
+
+    def core(nsteps_buf, *vals):
+        outs = call(nsteps_buf, *vals, jnp.zeros((1,), jnp.uint32), **attrs)
+        # info[0] is the int64 step count; its low 32 bits (little-endian) are enough
+        steps_done = jax.lax.bitcast_convert_type(outs[-1].reshape(4, 4), jnp.int32)[0]
+        return tuple(outs[:na]) + (steps_done,)
+    return core

@@ -1,0 +1,86 @@
+"""Build, load and register loopkern's XLA FFI shim (``ffi_shim.c``), the only C in loopkern.
+
+The shim is compiled with cffi on first use into the cache directory, against the XLA FFI
+header that jaxlib ships. It needs a C compiler and Python's headers but no CUDA toolkit,
+GPU or driver: libcuda is opened at run time.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import sys
+import threading
+from pathlib import Path
+
+from ..errors import BackendError
+
+TARGET = "loopkern_launch"
+_SRC = Path(__file__).with_name("ffi_shim.c")
+_CDEF = """
+int lk_load_function(int device, const void* image, const char* name, uint64_t* func, char* err, size_t errlen);
+void* lk_launch_address(void);
+"""
+_lock = threading.Lock()
+_state: dict = {}
+
+
+def build_shim():
+    """Compile (once, cached on disk) and import the shim; returns the cffi module."""
+    with _lock:
+        if "mod" in _state:
+            return _state["mod"]
+        import jax.ffi
+        from cffi import FFI
+
+        from ..compile import cache_dir
+        include = jax.ffi.include_dir()
+        header = Path(include) / "xla" / "ffi" / "api" / "c_api.h"
+        source = _SRC.read_text()
+        key = hashlib.sha256(source.encode() + header.read_bytes() + sys.version.encode()).hexdigest()[:16]
+        name = f"_loopkern_xla_ffi_{key}"
+        build = cache_dir().parent / "ffi" / key
+        build.mkdir(parents=True, exist_ok=True)
+        built = sorted(build.glob(f"{name}*.so"))
+        if not built:
+            ffi = FFI()
+            ffi.cdef(_CDEF)
+            ffi.set_source(name, source, include_dirs=[include], libraries=["dl"], extra_compile_args=["-O2"])
+            try:
+                built = [Path(ffi.compile(tmpdir=str(build), verbose=False))]
+            except Exception as exc:
+                raise BackendError(f"could not build loopkern's XLA FFI shim (needs a C compiler and Python "
+                                   f"headers): {exc}") from exc
+        spec = importlib.util.spec_from_file_location(name, built[0])
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        _state["mod"] = mod
+        return mod
+
+
+def register_cuda_target():
+    """Register the shim's handler with XLA for the CUDA platform (once)."""
+    mod = build_shim()
+    with _lock:
+        if _state.get("registered"):
+            return
+        import ctypes
+
+        import jax.ffi
+        addr = int(mod.ffi.cast("uintptr_t", mod.lib.lk_launch_address()))
+        fn = ctypes.cast(ctypes.c_void_p(addr), ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p))
+        jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(fn), platform="CUDA")
+        _state["fn"] = fn    # keep the ctypes object alive
+        _state["registered"] = True
+
+
+def load_function(device: int, cubin: bytes, entry: str) -> int:
+    """Load ``cubin`` into the device's primary context; returns the CUfunction as an int."""
+    mod = build_shim()
+    ffi, lib = mod.ffi, mod.lib
+    out = ffi.new("uint64_t*")
+    err = ffi.new("char[512]")
+    image = ffi.from_buffer(cubin)
+    if lib.lk_load_function(device, image, entry.encode(), out, err, 512) != 0:
+        raise BackendError(ffi.string(err).decode(errors="replace"))
+    return int(out[0])

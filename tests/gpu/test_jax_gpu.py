@@ -1,0 +1,97 @@
+"""kernel.jax on the GPU: the XLA FFI custom call inside jax.jit, zero copy under donation,
+traced scalars and steps, pipelines, vmap, and a race test against XLA's own ops."""
+
+import os
+
+import numpy as np
+import pytest
+
+import loopkern as lk
+import workloads as W
+
+pytestmark = pytest.mark.gpu
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+jax = pytest.importorskip("jax")
+jnp = jax.numpy
+
+HEAT = lk.megakernel(W.heat_step, swap=[("u", "v")])
+JACOBI = lk.megakernel(W.jacobi_step, swap=[("u", "v")])
+
+
+@pytest.fixture(autouse=True)
+def gpu_jax():
+    if jax.default_backend() != "gpu":
+        pytest.skip("JAX has no GPU backend here")
+
+
+def rel_err(a, ref):
+    return float(np.linalg.norm(np.asarray(a, np.float64) - ref) / np.linalg.norm(ref))
+
+
+@pytest.mark.parametrize("n,steps", [(4096, 333), (1 << 20, 41)])
+def test_heat_in_jit_matches_reference(n, steps, rng):
+    u0 = rng.random(n).astype(np.float32)
+    f = jax.jit(lambda u, v, s: HEAT.jax(u, v, np.float32(0.25), steps=s))
+    u, v = f(jnp.asarray(u0), jnp.asarray(u0), steps)
+    assert rel_err(u, W.heat_ref(u0, steps, 0.25)) < 1e-5
+    u2, _ = HEAT.jax(jnp.asarray(u0), jnp.asarray(u0), np.float32(0.25), steps=steps)   # eager
+    np.testing.assert_array_equal(np.asarray(u2), np.asarray(u))
+
+
+def test_donation_is_zero_copy(rng):
+    u0 = rng.random(1 << 16).astype(np.float32)
+    f = jax.jit(lambda u, v: HEAT.jax(u, v, np.float32(0.25), steps=10), donate_argnums=(0, 1))
+    a, b = jnp.asarray(u0), jnp.asarray(u0)
+    pa, pb = a.unsafe_buffer_pointer(), b.unsafe_buffer_pointer()
+    u, v = f(a, b)
+    assert {u.unsafe_buffer_pointer(), v.unsafe_buffer_pointer()} == {pa, pb}
+    assert u.unsafe_buffer_pointer() == pa
+    assert rel_err(u, W.heat_ref(u0, 10, 0.25)) < 1e-5
+
+
+def test_traced_scalar_and_steps_and_while_count(rng):
+    u0 = rng.random(5000).astype(np.float32)
+    f = jax.jit(lambda u, a, s: HEAT.jax(u, u, a, steps=s)[0])
+    for alpha, steps in ((0.1, 7), (0.3, 12)):
+        out = f(jnp.asarray(u0), jnp.float32(alpha), jnp.int32(steps))
+        assert rel_err(out, W.heat_ref(u0, steps, alpha)) < 1e-5
+    g0 = rng.random((100, 100)).astype(np.float32)
+    u, v, steps = jax.jit(lambda a: JACOBI.jax(a, a, np.float32(1e-4), max_steps=20000))(jnp.asarray(g0))
+    ref, ref_steps = W.jacobi_ref(g0, 1e-4, 20000)
+    assert int(steps) == ref_steps
+    assert rel_err(u, ref) < 1e-4
+
+
+def test_vmap_and_pipeline(rng):
+    batch = rng.random((3, 3000)).astype(np.float32)
+    out = jax.jit(jax.vmap(lambda a: HEAT.jax(jnp.sin(a), jnp.sin(a), np.float32(0.25), steps=5)[0] * 2))(
+        jnp.asarray(batch))
+    for k in range(3):
+        assert rel_err(out[k], 2 * W.heat_ref(np.sin(batch[k].astype(np.float64)), 5, 0.25)) < 1e-5
+
+
+def test_race_with_xla_ops_before_and_after(rng):
+    """An XLA op writes the input right before the megakernel and another reads its output
+    right after, on the same stream, many times with large arrays: every result is checked."""
+    n = 1 << 22
+    base = rng.random(n).astype(np.float32)
+
+    @jax.jit
+    def f(x, k):
+        u = x * k + 1.0                          # produced by XLA just before
+        u, _ = HEAT.jax(u, u, np.float32(0.25), steps=3)
+        return u * 2.0 - 1.0                     # consumed by XLA just after
+
+    x = jnp.asarray(base)
+    head = base[:4096].astype(np.float64)
+    for k in range(20):
+        out = np.asarray(f(x, jnp.float32(k + 1))[:4000])
+        ref = W.heat_ref(head * (k + 1) + 1.0, 3, 0.25)[:4000] * 2.0 - 1.0
+        np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-4)
+
+
+def test_cpu_array_with_forced_cuda_is_an_error():
+    cpu = jax.devices("cpu")[0]
+    u = jax.device_put(jnp.zeros(16, jnp.float32), cpu)
+    with pytest.raises(lk.ArgumentError, match="platforms|backend='cuda'"):
+        HEAT.jax(u, u, 0.25, steps=1, backend="cuda")
