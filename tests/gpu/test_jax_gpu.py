@@ -57,9 +57,15 @@ def test_traced_scalar_and_steps_and_while_count(rng):
         assert rel_err(out, W.heat_ref(u0, steps, alpha)) < 1e-5
     g0 = rng.random((100, 100)).astype(np.float32)
     u, v, steps = jax.jit(lambda a: JACOBI.jax(a, a, np.float32(1e-4), max_steps=20000))(jnp.asarray(g0))
+    # the same float32 kernel launched directly stops at the same step
+    du, dv = g0.copy(), g0.copy()
+    run = JACOBI(du, dv, np.float32(1e-4), max_steps=20000, backend="cuda")
+    assert int(steps) == run.steps
+    np.testing.assert_array_equal(np.asarray(u), du)
+    # and float32 rounding moves the float64 reference's stopping step by well under 1%
     ref, ref_steps = W.jacobi_ref(g0, 1e-4, 20000)
-    assert int(steps) == ref_steps
-    assert rel_err(u, ref) < 1e-4
+    assert abs(int(steps) - ref_steps) <= 0.01 * ref_steps
+    assert rel_err(u, ref) < 1e-3
 
 
 def test_vmap_and_pipeline(rng):
