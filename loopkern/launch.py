@@ -8,6 +8,7 @@ problems.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import threading
@@ -130,7 +131,7 @@ def plan_cuda(kernel, scope: str, work: int, threads: int | None, blocks: int | 
             raise LaunchError(f"blocks={blocks}: Numba's CUDA simulator can run only one cooperative block; "
                               f"pass blocks=1 (or leave it out)")
         return LaunchPlan("grid", 1, threads)
-    limit = int(kernel.max_cooperative_grid_blocks(threads))
+    limit = _coresident_limit(kernel, threads)
     if limit < 1:
         raise LaunchError(f"threads={threads}: not even one block of this kernel fits on the device")
     if blocks is None:
@@ -155,6 +156,19 @@ def auto_blocks(work: int, threads: int, limit: int, sms: int) -> int:
     return two_per_sm
 
 
+_LIMITS: dict = {}
+
+
+def _coresident_limit(kernel, threads: int) -> int:
+    """Blocks of ``kernel`` that fit on the device at once (an occupancy query, memoized)."""
+    key = (id(kernel), threads)
+    hit = _LIMITS.get(key)
+    if hit is None or hit[0] is not kernel:
+        hit = _LIMITS[key] = (kernel, int(kernel.max_cooperative_grid_blocks(threads)))
+    return hit[1]
+
+
+@functools.lru_cache(maxsize=None)
 def _sm_count() -> int:
     from numba import cuda
     return int(cuda.get_current_device().MULTIPROCESSOR_COUNT)
