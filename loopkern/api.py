@@ -209,8 +209,9 @@ class MegaKernel:
                         threads=threads, blocks=blocks)
 
     def _check_types(self, compiled, kargs):
+        types = compiled.types_of(kargs)
         for i, j in self.spec.swap:
-            ta, tb = (compiled.type_of(kargs[k]) for k in (i, j))
+            ta, tb = types[i], types[j]
             if ta != tb:
                 a, b = self.spec.params[i].name, self.spec.params[j].name
                 raise ArgumentError(f"swap pair ('{a}', '{b}'): the arrays must have the same type, got {ta} "
@@ -227,8 +228,8 @@ class MegaKernel:
         self._check_types(compiled, kargs)
         from . import launch
         full = (np.int64(nsteps), *kargs, np.zeros(2, np.int64))
-        compiled.specialize(full)
-        ran, by_cond = launch.launch_cpu(compiled.dispatcher, nsteps, tuple(kargs))
+        entry = compiled.specialize(full)
+        ran, by_cond = launch.launch_cpu(entry, nsteps, tuple(kargs))
         return Run(ran, "condition" if by_cond else "steps", "cpu", "cpu", 1, 1)
 
     def _run_cuda(self, argv, nsteps, scope, threads, blocks) -> Run:

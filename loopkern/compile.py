@@ -20,6 +20,8 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
+
 from .codegen import KernelSource
 from .errors import CompileError
 
@@ -81,6 +83,7 @@ class CompiledKernel:
     dispatcher: object
     path: Path
     _specialized: dict = field(default_factory=dict, repr=False)
+    _types: dict = field(default_factory=dict, repr=False)
 
     def type_of(self, value):
         """The Numba type the kernel will see for ``value``."""
@@ -94,16 +97,32 @@ class CompiledKernel:
             host = getattr(value, "_ary", None)
             return numba.typeof(host) if host is not None else type(value)
 
+    def types_of(self, args) -> tuple:
+        """Numba types of ``args``, memoized on cheap properties (typeof costs microseconds per
+        argument, which adds up on every call)."""
+        key = tuple(_cheap_key(a) for a in args)
+        if None not in key:
+            hit = self._types.get(key)
+            if hit is None:
+                hit = self._types[key] = tuple(self.type_of(a) for a in args)
+            return hit
+        return tuple(self.type_of(a) for a in args)
+
     def specialize(self, args: tuple):
-        """Compile for the types of ``args`` (once per signature); returns the compiled kernel."""
-        types = tuple(self.type_of(a) for a in args)
+        """Compile for the types of ``args`` (once per signature).
+
+        Returns what the launch layer calls: the compiled overload's entry point (CPU), the
+        compiled kernel (CUDA), or the dispatcher (simulator). Calling those directly skips
+        the dispatcher's own per-call type resolution.
+        """
+        types = self.types_of(args)
         hit = self._specialized.get(types)
         if hit is not None:
             return hit
         with _translate_errors(self):
             if self.source.backend == "cpu":
                 self.dispatcher.compile(types)
-                kernel = self.dispatcher
+                kernel = self.dispatcher.overloads[types].entry_point
             elif simulator_enabled():
                 kernel = self.dispatcher   # the simulator runs Python: nothing to compile
             else:
@@ -130,6 +149,20 @@ class CompiledKernel:
         func = xla_ffi.load_function(dev.id, bytes(image), _entry_name(kernel))
         self._specialized[key] = (kernel, func)
         return kernel, func
+
+
+def _cheap_key(v):
+    """A hashable summary of what Numba's typeof looks at, or None where it cannot be had cheaply."""
+    t = type(v)
+    if t is np.ndarray:
+        f = v.flags
+        return (t, v.dtype.str, v.ndim, f.c_contiguous, f.f_contiguous, f.writeable, f.aligned)
+    if isinstance(v, np.generic):
+        return (t,)
+    flags = getattr(v, "flags", None)
+    if t.__name__ == "DeviceNDArray" and isinstance(flags, dict):
+        return (t, v.dtype.str, v.ndim, flags.get("C_CONTIGUOUS"), flags.get("F_CONTIGUOUS"))
+    return None
 
 
 def _entry_name(kernel) -> str:

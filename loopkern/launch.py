@@ -209,8 +209,11 @@ def launch_cuda(dispatcher, kernel, plan: LaunchPlan, nsteps: int, args: tuple, 
     redf, redi, bar, info = scratch.cuda(plan.blocks)
     if plan.scope == "grid" and not _sim():
         kernel.cooperative = True
-    launcher = dispatcher[plan.blocks, plan.threads, stream] if stream else dispatcher[plan.blocks, plan.threads]
-    launcher(np.int64(nsteps), *args, redf, redi, bar, info)
+    full = (np.int64(nsteps), *args, redf, redi, bar, info)
+    if hasattr(kernel, "launch"):   # the compiled kernel itself: no per-call type dispatch
+        kernel.launch(full, (plan.blocks, 1, 1), (plan.threads, 1, 1), stream)
+    else:                           # Numba's simulator
+        (dispatcher[plan.blocks, plan.threads, stream] if stream else dispatcher[plan.blocks, plan.threads])(*full)
     if stream:
         stream.synchronize()
     else:

@@ -98,10 +98,59 @@ def classify(name: str, value):
     if isinstance(value, numbers.Complex):
         raise ArgumentError(f"argument '{name}': complex numbers are not supported yet")
     if hasattr(value, "__dlpack__"):
-        raise ArgumentError(f"argument '{name}': {type(value).__name__} offers only __dlpack__; pass an array "
-                            f"with __cuda_array_interface__ (CuPy, PyTorch CUDA tensors, Numba device arrays) "
-                            f"or a NumPy array")
+        return _classify_dlpack(name, value)
     raise ArgumentError(f"argument '{name}': expected an array or a number, got {type(value).__name__}")
+
+
+class _DLPackDeviceArray:
+    """A GPU array imported through DLPack, seen through __cuda_array_interface__ (zero copy).
+
+    Holds the exporter and the view so the memory stays alive while loopkern uses it.
+    """
+
+    def __init__(self, owner, view, cai):
+        self.owner, self.view = owner, view
+        self.__cuda_array_interface__ = cai
+
+
+def _strided_memory_view():
+    try:
+        from cuda.core.utils import StridedMemoryView
+    except ImportError:   # older cuda-core
+        from cuda.core.experimental.utils import StridedMemoryView
+    return StridedMemoryView
+
+
+#: the stream loopkern launches on, as DLPack names it: 1 is CUDA's legacy default stream
+#: (never -1, which JAX passes to cuStreamWaitEvent as a handle)
+LAUNCH_STREAM_DLPACK = 1
+
+
+def _classify_dlpack(name: str, value):
+    """An object that offers only ``__dlpack__``: a GPU array wrapped zero-copy, or a host array."""
+    try:
+        kind, _ = value.__dlpack_device__()
+    except Exception:
+        kind = None
+    if kind == 1:   # kDLCPU
+        return classify(name, np.from_dlpack(value))
+    if kind not in (2, 13):   # kDLCUDA, kDLCUDAManaged
+        raise ArgumentError(f"argument '{name}': {type(value).__name__} is a DLPack array on device type "
+                            f"{kind}; expected a CUDA GPU array or a host array")
+    try:
+        view = _strided_memory_view().from_dlpack(value, stream_ptr=LAUNCH_STREAM_DLPACK)
+    except Exception as exc:
+        raise ArgumentError(f"argument '{name}': could not import {type(value).__name__} through DLPack: {exc}") from exc
+    dtype = np.dtype(view.dtype)
+    shape = tuple(int(x) for x in view.shape)
+    if not shape:
+        raise ArgumentError(f"argument '{name}': got a 0-d GPU array; pass a Python or NumPy scalar instead")
+    check_dtype(name, dtype)
+    strides = None if view.strides is None else tuple(int(s) * dtype.itemsize for s in view.strides)
+    if getattr(view, "readonly", False):
+        raise ArgumentError(f"argument '{name}': the DLPack array is read-only; kernel(...) updates arrays in place")
+    cai = dict(shape=shape, typestr=dtype.str, data=(int(view.ptr), False), strides=strides, version=3)
+    return ArrayArg(name, _DLPackDeviceArray(value, view, cai), DEVICE, shape, dtype, strides, int(view.ptr))
 
 
 def _extent(a: ArrayArg) -> tuple[int, int]:

@@ -149,3 +149,40 @@ def test_numpy_strided_view_and_device_scratch(rng):
     rx, rout = W.two_phase_ref(x_init, 4)
     assert rel_err(base[::2], rx) < 1e-12 and rel_err(out, rout) < 1e-12
     np.testing.assert_array_equal(base[1::2], untouched)
+
+
+class DLPackOnly:
+    """Exposes only the DLPack protocol of the array it wraps."""
+
+    def __init__(self, a):
+        self._a = a
+
+    def __dlpack__(self, **kw):
+        return self._a.__dlpack__(**kw)
+
+    def __dlpack_device__(self):
+        return self._a.__dlpack_device__()
+
+
+@pytest.mark.parametrize("lib", ["cupy", "torch"])
+def test_dlpack_only_arrays_in_place_zero_copy(lib, rng):
+    mod = pytest.importorskip(lib)
+    u0 = rng.random(30_000).astype(np.float32)
+    if lib == "cupy":
+        u, v = mod.asarray(u0), mod.asarray(u0)
+        ptr, host = u.data.ptr, mod.asnumpy
+    else:
+        u, v = mod.tensor(u0, device="cuda"), mod.tensor(u0, device="cuda")
+        ptr, host = u.data_ptr(), (lambda x: x.cpu().numpy())
+    run = lk.megakernel(W.heat_step, swap=[("u", "v")])(DLPackOnly(u), DLPackOnly(v), 0.25, steps=7,
+                                                        backend="cuda")
+    assert run.steps == 7
+    assert (u.data.ptr if lib == "cupy" else u.data_ptr()) == ptr
+    assert rel_err(host(u), W.heat_ref(u0, 7, 0.25)) < 1e-5
+
+
+def test_jax_array_to_kernel_call_is_refused():
+    jnp = pytest.importorskip("jax.numpy")
+    a = jnp.zeros(8, jnp.float32)
+    with pytest.raises(lk.ArgumentError, match="immutable"):
+        lk.megakernel(W.heat_step, swap=[("u", "v")])(a, a, 0.25, steps=1, backend="cuda")
