@@ -211,7 +211,8 @@ def launch_cuda(dispatcher, kernel, plan: LaunchPlan, nsteps: int, args: tuple, 
         kernel.cooperative = True
     full = (np.int64(nsteps), *args, redf, redi, bar, info)
     if hasattr(kernel, "launch"):   # the compiled kernel itself: no per-call type dispatch
-        kernel.launch(full, (plan.blocks, 1, 1), (plan.threads, 1, 1), stream)
+        from numba.cuda.cudadrv import driver
+        kernel.launch(full, (plan.blocks, 1, 1), (plan.threads, 1, 1), driver._to_core_stream(stream), 0)
     else:                           # Numba's simulator
         (dispatcher[plan.blocks, plan.threads, stream] if stream else dispatcher[plan.blocks, plan.threads])(*full)
     if stream:
