@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import datetime as _dt
 import json
-import math
 import os
 import platform
 import statistics
@@ -756,7 +755,6 @@ def bench_quadratic(b: Bench):
     variants.append(("numba njit on the CPU", numba_cpu))
     if have("jax") and not args.no_jax:
         import jax
-        import jax.numpy as jnp
 
         def scan(c):
             # lax.scan records the trajectory (float64, as the others); timed on a prefix (it

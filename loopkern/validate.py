@@ -165,7 +165,6 @@ class _Normalizer(ast.NodeTransformer):
         self.array_uses: dict[str, ast.AST] = {}
         self.scalar_uses: dict[str, ast.AST] = {}
         self.thread_varying = False
-        self.for_iter_ok: set[int] = set()
 
     # -- reporting -------------------------------------------------------------------------
     def error(self, node, message, hint=""):

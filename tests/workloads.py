@@ -96,7 +96,6 @@ def two_phase_step(t, x, tmp, out):
 
 def two_phase_ref(x0, steps):
     x = x0.astype(np.float64).copy()
-    n = x.shape[0]
     out = np.zeros_like(x)
     for _ in range(steps):
         tmp = 0.5 * (x + np.roll(x, -1))

@@ -152,7 +152,7 @@ def _cpu_core(mk, arrays, scalars, nsteps):
 def _cuda_core(mk, arrays, scalars, nsteps, scope, threads, blocks):
     import jax
     import jax.numpy as jnp
-    from numba import cuda, types
+    from numba import types
 
     from .. import launch
     from . import xla_ffi
