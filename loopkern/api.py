@@ -39,6 +39,13 @@ class Run:
     threads: int
 
 
+def check_array_use(p, shape, filename):
+    """ArgumentError if an array has fewer dimensions than the step indexes it with."""
+    if len(shape) < p.min_ndim:
+        raise ArgumentError(f"argument '{p.name}': the step indexes it with {p.min_ndim} indices "
+                            f"({filename}:{p.min_ndim_line}), got a {len(shape)}-D array of shape {tuple(shape)}")
+
+
 def _check_choice(name, value, allowed):
     if value not in allowed:
         raise ArgumentError(f"{name}={value!r}: expected one of {', '.join(repr(a) for a in allowed)}")
@@ -110,6 +117,11 @@ class MegaKernel:
             if p.kind == SCALAR and isinstance(a, ArrayArg):
                 raise ArgumentError(f"argument '{p.name}': the step uses it as a number, got an array of "
                                     f"shape {a.shape}")
+            if isinstance(a, ArrayArg):
+                check_array_use(p, a.shape, self.spec.filename)
+                if p.written and a.where == "host" and not a.value.flags.writeable:
+                    raise ArgumentError(f"argument '{p.name}': the step writes into it, but the NumPy array is "
+                                        f"read-only (flags.writeable is False); pass a writable copy")
             out.append(a)
         for i, j in self.spec.swap:
             a, b = out[i], out[j]

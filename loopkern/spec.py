@@ -9,7 +9,7 @@ helper's generated symbol, and global numbers are inlined. Line numbers are the 
 from __future__ import annotations
 
 import ast
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 #: marker-name prefix for in-step API calls in a normalized body
 INTRINSIC_PREFIX = "__lk_"
@@ -28,10 +28,17 @@ class ParamSpec:
     Attributes:
         name: the parameter's name.
         kind: ``"array"``, ``"scalar"`` or ``"any"`` (never used, so anything valid goes).
+        min_ndim: the most indices the step (or a helper) uses on it, e.g. 2 for ``u[i, j]``:
+            an array with fewer dimensions cannot work.
+        min_ndim_line: the line of that use, for the error message.
+        written: the step (or a helper) assigns into its elements.
     """
 
     name: str
     kind: str
+    min_ndim: int = 0
+    min_ndim_line: int = 0
+    written: bool = False
 
 
 @dataclass(frozen=True)
@@ -48,6 +55,8 @@ class FunctionSpec:
         thread_varying: its result can differ between threads for equal arguments
             (it loads from arrays, or uses the thread index or a parallel loop).
         array_params: indices of params it uses as arrays.
+        written_params: indices of array params it assigns into.
+        param_arity: param index -> the most indices it uses on that param.
     """
 
     name: str
@@ -58,6 +67,8 @@ class FunctionSpec:
     lineno: int
     thread_varying: bool
     array_params: frozenset[int]
+    written_params: frozenset[int] = frozenset()
+    param_arity: dict = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -163,6 +163,8 @@ class _Normalizer(ast.NodeTransformer):
         self.locals = _assigned_names(parsed.tree)
         self.params = [a.arg for a in parsed.tree.args.args]
         self.array_uses: dict[str, ast.AST] = {}
+        self.arity: dict[str, tuple[int, int]] = {}   # param -> (most indices used, line)
+        self.written: set[str] = set()
         self.scalar_uses: dict[str, ast.AST] = {}
         self.thread_varying = False
 
@@ -230,6 +232,9 @@ class _Normalizer(ast.NodeTransformer):
                 return self.reject(target, "only a named array can be assigned into",
                                    "write 'a[i] = ...' where 'a' is an array argument")
             self._use_array(target.value)
+            self._indexed(target.value.id, target.slice, target)
+            if target.value.id in self.params:
+                self.written.add(target.value.id)
             target.slice = self._index(target.slice)
             return target
         if isinstance(target, ast.Attribute):
@@ -475,9 +480,16 @@ class _Normalizer(ast.NodeTransformer):
             return self.reject(node, "only arrays (arguments or local names) can be indexed in step code",
                                "pass the array as an argument of the step")
         self._use_array(node.value)
+        self._indexed(node.value.id, node.slice, node)
         self.thread_varying = True
         node.slice = self._index(node.slice)
         return node
+
+    def _indexed(self, name, idx, node, arity=None):
+        if name in self.params:
+            k = arity if arity is not None else (len(idx.elts) if isinstance(idx, ast.Tuple) else 1)
+            if k > self.arity.get(name, (0, 0))[0]:
+                self.arity[name] = (k, node.lineno)
 
     def _index(self, idx):
         if isinstance(idx, ast.Tuple):
@@ -573,6 +585,11 @@ class _Normalizer(ast.NodeTransformer):
         for i, a in enumerate(node.args):
             if isinstance(a, ast.Name) and i in spec.array_params:
                 self._use_array(a)
+                if a.id in self.params:
+                    if i in spec.written_params:
+                        self.written.add(a.id)
+                    if spec.param_arity.get(i):
+                        self._indexed(a.id, None, node, arity=spec.param_arity[i])
         if spec.thread_varying:
             self.thread_varying = True
         node.func = ast.copy_location(ast.Name(id=spec.symbol, ctx=ast.Load()), node.func)
@@ -628,7 +645,9 @@ def validate_helper(fn, ctx: _Context, call_node=None, caller=None) -> FunctionS
     params = tuple(norm.params)
     spec = FunctionSpec(fn.__name__, ctx.symbol_for(fn.__name__), params, tuple(body), parsed.filename,
                         parsed.tree.lineno, norm.thread_varying,
-                        frozenset(i for i, p in enumerate(params) if p in norm.array_uses))
+                        frozenset(i for i, p in enumerate(params) if p in norm.array_uses),
+                        frozenset(i for i, p in enumerate(params) if p in norm.written),
+                        {i: norm.arity[p][0] for i, p in enumerate(params) if p in norm.arity})
     del ctx.in_progress[key]
     ctx.helpers[key] = spec
     return spec
@@ -868,7 +887,8 @@ def validate_step(fn, swap=()) -> StepSpec:
                         frozenset(i for i, p in enumerate(names) if p in norm.array_uses))
     return StepSpec(
         name=parsed.name, filename=parsed.filename, lineno=parsed.tree.lineno, index_param=index_param,
-        params=tuple(ParamSpec(p, k) for p, k in zip(params, kinds)), step=step,
+        params=tuple(ParamSpec(p, k, norm.arity.get(p, (0, 0))[0], norm.arity.get(p, (0, 0))[1], p in norm.written)
+                     for p, k in zip(params, kinds)), step=step,
         helpers=tuple(ctx.helpers.values()), returns_condition=bool(with_value), swap=tuple(swap_idx),
         uses_barrier=uses_barrier, parallel=bool(used))
 

@@ -169,3 +169,44 @@ def test_host_dlpack_only_array_is_imported(heat, rng):
     u, v = u0.copy(), u0.copy()
     heat(HostDLPack(u), HostDLPack(v), 0.25, steps=3, backend="cpu")
     np.testing.assert_allclose(u, W.heat_ref(u0, 3, 0.25), rtol=1e-12)   # updated in place
+
+
+def two_d_step(t, g, out):
+    for i, j in lk.grid(g.shape[0], g.shape[1]):
+        out[i, j] = g[i, j] * 2.0
+
+
+def writes_through_helper(a, i):
+    a[i] = 1.0
+
+
+def helper_writer_step(t, src, dst):
+    for i in lk.range(src.shape[0]):
+        writes_through_helper(dst, i)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_too_few_dimensions_is_named(rng, backend):
+    k = lk.megakernel(two_d_step)
+    with pytest.raises(lk.ArgumentError, match=r"argument 'g': the step indexes it with 2 indices .*got a 1-D"):
+        k(rng.random(6), np.zeros((2, 3)), steps=1, backend=backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_read_only_array_that_the_step_writes(rng, backend):
+    k = lk.megakernel(two_d_step)
+    out = np.zeros((3, 3))
+    out.flags.writeable = False
+    with pytest.raises(lk.ArgumentError, match="argument 'out': the step writes into it"):
+        k(rng.random((3, 3)), out, steps=1, backend=backend)
+    src = rng.random((3, 3))
+    src.flags.writeable = False        # read-only inputs the step only reads are fine
+    res = np.zeros((3, 3))
+    k(src, res, steps=1, backend=backend)
+    np.testing.assert_array_equal(res, src * 2.0)
+    h = lk.megakernel(helper_writer_step)
+    assert h.spec.params[1].written and not h.spec.params[0].written
+    dst = np.zeros(4)
+    dst.flags.writeable = False
+    with pytest.raises(lk.ArgumentError, match="argument 'dst': the step writes into it"):
+        h(np.zeros(4), dst, steps=1, backend=backend)

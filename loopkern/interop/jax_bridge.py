@@ -48,6 +48,8 @@ def _prepare(mk, args, kwargs, steps, max_steps):
                 raise ArgumentError(f"argument '{p.name}': the step uses it as a number, got an array of shape "
                                     f"{v.shape}")
             check_dtype(p.name, np.dtype(v.dtype))
+            from ..api import check_array_use
+            check_array_use(p, v.shape, spec.filename)
             arrays[i] = v
         elif isinstance(v, np.ndarray) and v.ndim > 0 or hasattr(v, "__cuda_array_interface__"):
             raise ArgumentError(f"argument '{p.name}': kernel.jax takes JAX arrays, got {type(v).__name__}; "
