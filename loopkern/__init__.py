@@ -19,9 +19,10 @@ from .dsl import grid, max, min, num_threads, range, sum, sync, thread_id
 from .errors import (ArgumentError, BackendError, CompileError, LaunchError, LoopkernError,
                      StepSyntaxError)
 from .api import MegaKernel, Run, megakernel
+from . import random
 
 __all__ = [
     "megakernel", "MegaKernel", "Run",
-    "range", "grid", "sync", "sum", "max", "min", "thread_id", "num_threads",
+    "range", "grid", "sync", "sum", "max", "min", "thread_id", "num_threads", "random",
     "LoopkernError", "StepSyntaxError", "CompileError", "ArgumentError", "LaunchError", "BackendError",
 ]

@@ -46,6 +46,13 @@ def check_array_use(p, shape, filename):
                             f"({filename}:{p.min_ndim_line}), got a {len(shape)}-D array of shape {tuple(shape)}")
 
 
+def check_seed(seed) -> int:
+    """The ``seed=`` argument as an int in [0, 2**64), or an ArgumentError."""
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or not 0 <= int(seed) < 2 ** 64:
+        raise ArgumentError(f"seed={seed!r}: expected an integer from 0 to 2**64 - 1")
+    return int(seed)
+
+
 def _check_choice(name, value, allowed):
     if value not in allowed:
         raise ArgumentError(f"{name}={value!r}: expected one of {', '.join(repr(a) for a in allowed)}")
@@ -138,7 +145,7 @@ class MegaKernel:
         return out
 
     def __call__(self, *args, steps=None, max_steps=None, backend=None, scope=None, threads=None,
-                 blocks=None, **kwargs) -> Run:
+                 blocks=None, seed=0, **kwargs) -> Run:
         """Run the loop; arrays are updated in place.
 
         Args:
@@ -150,6 +157,7 @@ class MegaKernel:
                 barrier, for a step without parallel constructs, which "auto" picks for it).
             threads: threads per block (CUDA only; a multiple of 32).
             blocks: blocks in the grid (CUDA grid scope; must all fit on the device at once).
+            seed: the seed of ``lk.random`` draws (an integer from 0 to 2**64 - 1).
 
         Returns:
             A :class:`Run`.
@@ -170,13 +178,14 @@ class MegaKernel:
         scope = _check_choice("scope", scope if scope is not None else self._defaults["scope"], SCOPES)
         threads = _check_count("threads", threads if threads is not None else self._defaults["threads"], minimum=1)
         blocks = _check_count("blocks", blocks if blocks is not None else self._defaults["blocks"], minimum=1)
+        seed = check_seed(seed)
         argv = self._bind(args, kwargs)
 
         from . import launch
         backend = launch.choose_backend(backend)
         if backend == "cpu":
-            return self._run_cpu(argv, nsteps)
-        return self._run_cuda(argv, nsteps, scope, threads, blocks)
+            return self._run_cpu(argv, nsteps, seed)
+        return self._run_cuda(argv, nsteps, scope, threads, blocks, seed)
 
     def _kernel(self, backend, scope, by_ref=None):
         from .compile import compile_kernel, runtime_fingerprint, simulator_enabled
@@ -191,7 +200,7 @@ class MegaKernel:
         return k
 
     def jax(self, *args, steps=None, max_steps=None, backend=None, scope=None, threads=None, blocks=None,
-            **kwargs):
+            seed=0, **kwargs):
         """Run the loop as a functional JAX operation: JAX arrays in, new JAX arrays out.
 
         Works eagerly and inside ``jax.jit``. On a GPU it is an XLA FFI custom call on XLA's
@@ -205,6 +214,7 @@ class MegaKernel:
             max_steps: the same, as an upper bound, for a step that returns a condition.
             backend: "auto" (the platform of the arrays), "cuda" or "cpu".
             scope, threads, blocks: as for calling the kernel (CUDA only).
+            seed: the seed of ``lk.random`` draws (a Python int).
 
         Returns:
             A tuple with one new array per array parameter, in parameter order, and, when the
@@ -218,7 +228,7 @@ class MegaKernel:
         """
         from .interop.jax_bridge import jax_call
         return jax_call(self, args, kwargs, steps=steps, max_steps=max_steps, backend=backend, scope=scope,
-                        threads=threads, blocks=blocks)
+                        threads=threads, blocks=blocks, seed=seed)
 
     def _check_types(self, compiled, kargs):
         types = compiled.types_of(kargs)
@@ -229,7 +239,7 @@ class MegaKernel:
                 raise ArgumentError(f"swap pair ('{a}', '{b}'): the arrays must have the same type, got {ta} "
                                     f"and {tb} (make both C-contiguous, e.g. with numpy.ascontiguousarray)")
 
-    def _run_cpu(self, argv, nsteps) -> Run:
+    def _run_cpu(self, argv, nsteps, seed=0) -> Run:
         import numpy as np
         for a in argv:
             if isinstance(a, ArrayArg) and a.where != "host":
@@ -239,12 +249,12 @@ class MegaKernel:
         kargs = [a.value for a in argv]
         self._check_types(compiled, kargs)
         from . import launch
-        full = (np.int64(nsteps), *kargs, np.zeros(2, np.int64))
+        full = (np.int64(nsteps), *kargs, np.uint64(seed), np.zeros(2, np.int64))
         entry = compiled.specialize(full)
-        ran, by_cond = launch.launch_cpu(entry, nsteps, tuple(kargs))
+        ran, by_cond = launch.launch_cpu(entry, nsteps, tuple(kargs), seed)
         return Run(ran, "condition" if by_cond else "steps", "cpu", "cpu", 1, 1)
 
-    def _run_cuda(self, argv, nsteps, scope, threads, blocks) -> Run:
+    def _run_cuda(self, argv, nsteps, scope, threads, blocks, seed=0) -> Run:
         import numpy as np
         from . import launch
         from .compile import simulator_enabled
@@ -264,11 +274,12 @@ class MegaKernel:
         # device buffers, GPU inputs only wrapped.
         kargs, copy_back = to_cuda(argv)
         self._check_types(compiled, kargs)
-        kernel = compiled.specialize((np.int64(nsteps), *kargs, *self._scratch.cuda(1)))
+        redf, redi, bar, info = self._scratch.cuda(1)
+        kernel = compiled.specialize((np.int64(nsteps), *kargs, redf, redi, bar, np.uint64(seed), info))
         plan = launch.plan_cuda(kernel, scope, work, threads, blocks, sim)
         with self._lock:   # one run at a time per kernel: the scratch (barrier counter) is shared
             ran, by_cond = launch.launch_cuda(compiled.dispatcher, kernel, plan, nsteps, tuple(kargs),
-                                              self._scratch)
+                                              self._scratch, seed=seed)
         copy_back()
         return Run(ran, "condition" if by_cond else "steps", "cuda", plan.scope, plan.blocks, plan.threads)
 

@@ -75,9 +75,10 @@ class _Lines:
 class _Lower(ast.NodeTransformer):
     """Replace in-step API markers in expressions with backend code."""
 
-    def __init__(self, backend: str, scope: str):
+    def __init__(self, backend: str, scope: str, index_name: str = "t"):
         self.backend = backend
         self.scope = scope
+        self.index_name = index_name
 
     def visit_Call(self, node):
         self.generic_visit(node)
@@ -92,6 +93,10 @@ class _Lower(ast.NodeTransformer):
                 if self.backend == "cpu":
                     return ast.copy_location(ast.Constant(None), node)
                 return _rt_call(f"{self.scope}_sync", [ast.Name(id=f"{_P}bar", ctx=ast.Load())], node)
+            if name in ("random_uniform", "random_normal"):
+                seed = ast.Name(id=f"{_P}seed", ctx=ast.Load())
+                step = ast.Name(id=self.index_name, ctx=ast.Load())
+                return _rt_call(name, [seed, step] + node.args, node)
             if name in ("sum", "max", "min"):
                 if self.backend == "cpu":
                     return _rt_call(f"reduce_{name}", node.args, node)
@@ -115,11 +120,11 @@ def _src(e: ast.AST) -> str:
 class _BodyWriter:
     """Prints a lowered body statement by statement, expanding parallel loops."""
 
-    def __init__(self, out: _Lines, backend: str, scope: str, is_step: bool, fn_body=()):
+    def __init__(self, out: _Lines, backend: str, scope: str, is_step: bool, fn_body=(), index_name="t"):
         self.out = out
         self.fn_body = list(fn_body)
         self.backend = backend
-        self.lower = _Lower(backend, scope)
+        self.lower = _Lower(backend, scope, index_name)
         self.is_step = is_step
         self.loop_id = 0
 
@@ -388,7 +393,7 @@ def _render_function(fs: FunctionSpec, home: str, backend: str, scope: str, is_s
     params = list(fs.params) + ctx_params
     out.add(0, decorator)
     out.add(0, f"def {fs.symbol}({', '.join(params)}):", ast.Pass(lineno=fs.lineno, col_offset=0))
-    w = _BodyWriter(out, backend, scope, is_step, body)
+    w = _BodyWriter(out, backend, scope, is_step, body, fs.params[0] if fs.params else "t")
     w.body(body, 1)
     if is_step and not (body and isinstance(body[-1], ast.Return)):
         out.add(1, "return True")
@@ -432,7 +437,8 @@ def render_kernel(spec: StepSpec, backend: str, scope: str = "grid", *, cache: b
         raise ValueError(f"scope='thread' runs one thread without barriers; step '{spec.name}' uses "
                          f"parallel loops, lk.thread_id/num_threads, lk.sync or reductions")
     dev_opts, ker_opts = _jit_options(backend, cache)
-    ctx_params = [f"{_P}tid", f"{_P}nt"] + ([f"{_P}redf", f"{_P}redi", f"{_P}st", f"{_P}bar"] if backend == "cuda" else [])
+    ctx_params = [f"{_P}tid", f"{_P}nt"] + ([f"{_P}redf", f"{_P}redi", f"{_P}st", f"{_P}bar"] if backend == "cuda"
+                                          else []) + [f"{_P}seed"]
     helper_ctx = [f"{_P}tid", f"{_P}nt"]
     device_deco = "@cuda.jit(device=True)" if backend == "cuda" else f"@numba.njit({dev_opts})"
 
@@ -449,7 +455,10 @@ def render_kernel(spec: StepSpec, backend: str, scope: str = "grid", *, cache: b
     sig_params = [f"{k}_ref" if i in refs else k for i, k in enumerate(kparams)]
     prologue = [f"{_INDENT}{kparams[i]} = {kparams[i]}_ref[0]" for i in refs]
     if by_ref is not None:
-        prologue.insert(0, f"{_INDENT}{_P}nsteps = {_P}nsteps_ref[0]")
+        # the seed arrives as two uint32 words (JAX without x64 has no uint64)
+        prologue[:0] = [f"{_INDENT}{_P}nsteps = {_P}nsteps_ref[0]",
+                        f"{_INDENT}{_P}seed = _lk_np.uint64(_lk_seed_ref[0]) | (_lk_np.uint64(_lk_seed_ref[1]) << "
+                        f"_lk_np.uint64(32))"]
     swap_lines = [f"{_INDENT * 2}{kparams[a]}, {kparams[b]} = {kparams[b]}, {kparams[a]}" for a, b in spec.swap]
     copy_lines = []
     if spec.swap:
@@ -480,6 +489,7 @@ def render_kernel(spec: StepSpec, backend: str, scope: str = "grid", *, cache: b
         step_params=step_def[step_def.index("(") + 1:step_def.rindex(")")],
         step_body="\n".join(step_body), kernel_params="".join(f"{k}, " for k in sig_params),
         nsteps_param=f"{_P}nsteps_ref" if by_ref is not None else f"{_P}nsteps", prologue="\n".join(prologue),
+        seed_param=f"{_P}seed_ref" if by_ref is not None else f"{_P}seed",
         step_args="".join(f"{k}, " for k in kparams), thread_index=thread_index, thread_count=thread_count,
         barrier=barrier or "pass", swap="\n".join(swap_lines) or f"{_INDENT * 2}pass",
         copy_back="\n".join(copy_lines) or f"{_INDENT}pass",

@@ -13,20 +13,21 @@ from .errors import LoopkernError
 class Intrinsic:
     """A function that only means something inside a step function."""
 
-    def __init__(self, name: str, doc: str):
+    def __init__(self, name: str, doc: str, display: str = ""):
         self.name = name
+        self.display = display or f"lk.{name}"
         self.__name__ = name
         self.__qualname__ = name
         self.__doc__ = doc
 
     def __call__(self, *args, **kwargs):
         raise LoopkernError(
-            f"lk.{self.name}() can only be used inside a step function decorated with "
+            f"{self.display}() can only be used inside a step function decorated with "
             f"@lk.megakernel; it was called from ordinary Python"
         )
 
     def __repr__(self) -> str:
-        return f"<loopkern in-step function lk.{self.name}>"
+        return f"<loopkern in-step function {self.display}>"
 
 
 range = Intrinsic("range", """This thread's share of a 1-D index range (grid-stride).

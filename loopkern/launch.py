@@ -198,7 +198,7 @@ def _sim() -> bool:
 
 
 def launch_cuda(dispatcher, kernel, plan: LaunchPlan, nsteps: int, args: tuple, scratch: Scratch,
-                stream=0) -> tuple[int, bool]:
+                stream=0, seed: int = 0) -> tuple[int, bool]:
     """Run the kernel to completion; returns (steps run, stopped by the step's condition).
 
     ``kernel`` is the compiled overload for these argument types: grid scope marks it for a
@@ -209,7 +209,7 @@ def launch_cuda(dispatcher, kernel, plan: LaunchPlan, nsteps: int, args: tuple, 
     redf, redi, bar, info = scratch.cuda(plan.blocks)
     if plan.scope == "grid" and not _sim():
         kernel.cooperative = True
-    full = (np.int64(nsteps), *args, redf, redi, bar, info)
+    full = (np.int64(nsteps), *args, redf, redi, bar, np.uint64(seed), info)
     if hasattr(kernel, "launch"):   # the compiled kernel itself: no per-call type dispatch
         from numba.cuda.cudadrv import driver
         kernel.launch(full, (plan.blocks, 1, 1), (plan.threads, 1, 1), driver._to_core_stream(stream), 0)
@@ -223,8 +223,8 @@ def launch_cuda(dispatcher, kernel, plan: LaunchPlan, nsteps: int, args: tuple, 
     return int(out[0]), bool(out[1])
 
 
-def launch_cpu(kernel, nsteps: int, args: tuple) -> tuple[int, bool]:
+def launch_cpu(kernel, nsteps: int, args: tuple, seed: int = 0) -> tuple[int, bool]:
     """Run the CPU kernel; returns (steps run, stopped by the step's condition)."""
     info = np.zeros(2, np.int64)
-    kernel(np.int64(nsteps), *args, info)
+    kernel(np.int64(nsteps), *args, np.uint64(seed), info)
     return int(info[0]), bool(info[1])

@@ -165,6 +165,7 @@ class _Normalizer(ast.NodeTransformer):
         self.array_uses: dict[str, ast.AST] = {}
         self.arity: dict[str, tuple[int, int]] = {}   # param -> (most indices used, line)
         self.written: set[str] = set()
+        self.rng_sites = 0
         self.scalar_uses: dict[str, ast.AST] = {}
         self.thread_varying = False
 
@@ -558,6 +559,8 @@ class _Normalizer(ast.NodeTransformer):
 
     def _intrinsic_call(self, node, target, label):
         name = target.name
+        if name in ("random_uniform", "random_normal"):
+            return self._random_call(node, target)
         if name in ("range", "grid"):
             return self.reject(node, f"lk.{name}() can only be the iterable of a for loop",
                                f"write 'for i in lk.{name}(...):'")
@@ -572,6 +575,22 @@ class _Normalizer(ast.NodeTransformer):
             self.thread_varying = True
         node.func = _marker(name, node)
         node.args = [self._scalar(a) for a in node.args]
+        return node
+
+    def _random_call(self, node, target):
+        if not self.is_step:
+            return self.reject(node, f"{target.display}() can only be called in the step function itself, not in "
+                                     f"a helper", "draw in the step and pass the number to the helper")
+        if not 1 <= len(node.args) <= 2:
+            return self.reject(node, f"{target.display}() takes a key and an optional subkey, got "
+                                     f"{len(node.args)} arguments", f"write {target.display}(i) or {target.display}(i, k)")
+        args = [self._scalar(a) for a in node.args]
+        if len(args) == 1:
+            args.append(ast.copy_location(ast.Constant(0), node))
+        self.rng_sites += 1    # each call site draws its own numbers
+        args.append(ast.copy_location(ast.Constant(self.rng_sites), node))
+        node.func = _marker(target.name, node)
+        node.args = args
         return node
 
     def _helper_call(self, node, fn, label):

@@ -99,10 +99,12 @@ def _platform(mk, arrays, backend):
 
 
 def jax_call(mk, args, kwargs, *, steps=None, max_steps=None, backend=None, scope=None, threads=None,
-             blocks=None):
+             blocks=None, seed=0):
     """Implementation of :meth:`loopkern.MegaKernel.jax` (see there)."""
     import jax
 
+    from ..api import check_seed
+    seed = check_seed(seed)
     arrays, scalars, nsteps = _prepare(mk, args, kwargs, steps, max_steps)
     platform = _platform(mk, arrays, backend)
     order = [i for i in range(len(mk.spec.params))]
@@ -110,9 +112,9 @@ def jax_call(mk, args, kwargs, *, steps=None, max_steps=None, backend=None, scop
     inputs = [nsteps] + [arrays[i] if i in arrays else scalars[i] for i in order]
 
     if platform == "cuda":
-        core = _cuda_core(mk, arrays, scalars, nsteps, scope, threads, blocks)
+        core = _cuda_core(mk, arrays, scalars, nsteps, scope, threads, blocks, seed)
     else:
-        core = _cpu_core(mk, arrays, scalars, nsteps)
+        core = _cpu_core(mk, arrays, scalars, nsteps, seed)
 
     @jax.custom_jvp
     def call(*xs):
@@ -131,7 +133,7 @@ def jax_call(mk, args, kwargs, *, steps=None, max_steps=None, backend=None, scop
     return result
 
 
-def _cpu_core(mk, arrays, scalars, nsteps):
+def _cpu_core(mk, arrays, scalars, nsteps, seed):
     import jax
     import jax.numpy as jnp
 
@@ -143,7 +145,7 @@ def _cpu_core(mk, arrays, scalars, nsteps):
         call_args = []
         for i, v in enumerate(vals):
             call_args.append(np.array(v) if i in arrays else np.asarray(v).reshape(())[()])
-        run = mk(*call_args, steps=int(np.asarray(n).reshape(())), backend="cpu")
+        run = mk(*call_args, steps=int(np.asarray(n).reshape(())), backend="cpu", seed=seed)
         return tuple(call_args[i] for i in arr_idx) + (np.int32(run.steps),)
 
     def core(n, *vals):
@@ -151,7 +153,7 @@ def _cpu_core(mk, arrays, scalars, nsteps):
     return core
 
 
-def _cuda_core(mk, arrays, scalars, nsteps, scope, threads, blocks):
+def _cuda_core(mk, arrays, scalars, nsteps, scope, threads, blocks, seed):
     import jax
     import jax.numpy as jnp
     from numba import types
@@ -176,13 +178,13 @@ def _cuda_core(mk, arrays, scalars, nsteps, scope, threads, blocks):
     sig = [nb(nsteps.dtype, 1)]
     for i in range(n):
         sig.append(nb(arrays[i].dtype, arrays[i].ndim) if i in arrays else nb(scalars[i].dtype, 1))
-    sig += [types.float64[:, ::1], types.int64[:, ::1], types.uint32[::1], types.int64[::1]]
+    sig += [types.float64[:, ::1], types.int64[:, ::1], types.uint32[::1], types.uint32[::1], types.int64[::1]]
     kernel, func = compiled.load_for_ffi(tuple(sig), xla_ffi)
     plan = launch.plan_cuda(kernel, scope, work, threads or mk._defaults["threads"],
                             blocks or mk._defaults["blocks"], simulator=False)
     xla_ffi.register_cuda_target()
 
-    # inputs: nsteps, params (arrays and 1-element scalars) in order, zeroed barrier counter
+    # inputs: nsteps, params (arrays and 1-element scalars) in order, zeroed barrier counter, seed
     # results: arrays (aliased), barrier (aliased), redf, redi, info (bytes, viewed as 8-byte)
     na = len(arr_idx)
     results = [jax.ShapeDtypeStruct(arrays[i].shape, arrays[i].dtype) for i in arr_idx]
@@ -195,14 +197,15 @@ def _cuda_core(mk, arrays, scalars, nsteps, scope, threads, blocks):
     layout = [0, 0, 0]
     for i in range(n):
         layout += [1, arr_idx.index(i), 0] if i in arrays else [0, 1 + i, 0]
-    layout += [1, na + 1, _SCRATCH_VIEW, 1, na + 2, _SCRATCH_VIEW, 1, na, 0, 1, na + 3, _SCRATCH_VIEW]
+    layout += [1, na + 1, _SCRATCH_VIEW, 1, na + 2, _SCRATCH_VIEW, 1, na, 0, 0, n + 2, 0, 1, na + 3, _SCRATCH_VIEW]
+    seed_words = np.array([seed & 0xFFFFFFFF, seed >> 32], np.uint32)
     call = jax.ffi.ffi_call(xla_ffi.TARGET, tuple(results), input_output_aliases=aliases,
                             vmap_method="sequential")
     attrs = dict(func=np.int64(func), blocks=np.int64(plan.blocks), threads=np.int64(plan.threads),
                  cooperative=np.int64(1 if plan.scope == "grid" else 0), layout=np.array(layout, np.int64))
 
     def core(nsteps_buf, *vals):
-        outs = call(nsteps_buf, *vals, jnp.zeros((1,), jnp.uint32), **attrs)
+        outs = call(nsteps_buf, *vals, jnp.zeros((1,), jnp.uint32), jnp.asarray(seed_words), **attrs)
         # info[0] is the int64 step count; its low 32 bits (little-endian) are enough
         steps_done = jax.lax.bitcast_convert_type(outs[-1].reshape(4, 4), jnp.int32)[0]
         return tuple(outs[:na]) + (steps_done,)

@@ -1,8 +1,11 @@
 """CPU-backend runtime: one thread covers the whole grid, so a reduction is its own value."""
 
+import numba
 import numpy as np
 from numba import types
 from numba.extending import overload
+
+from .philox import build
 
 
 def _reduce_value(x):
@@ -20,3 +23,5 @@ def _reduce_value_impl(x):
 
 
 reduce_sum = reduce_max = reduce_min = _reduce_value
+
+_, random_uniform, random_normal = build(numba.njit)

@@ -19,6 +19,8 @@ import math
 import numpy as np
 from numba import config, cuda
 
+from .philox import build
+
 SIMULATOR = bool(config.ENABLE_CUDASIM)
 _OPS = ("sum", "max", "min")
 _MAX_WARPS = 32
@@ -212,4 +214,5 @@ else:
 
 
 grid_sum, grid_max, grid_min = (_make(op, True) for op in _OPS)
+_, random_uniform, random_normal = build(cuda.jit(device=True))
 block_sum, block_max, block_min = (_make(op, False) for op in _OPS)

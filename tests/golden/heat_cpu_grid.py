@@ -9,7 +9,7 @@ from loopkern.runtime import cpu_rt as _lk_rt
 
 
 @numba.njit(cache=True)
-def _lk_step(t, u, v, alpha, _lk_tid, _lk_nt):
+def _lk_step(t, u, v, alpha, _lk_tid, _lk_nt, _lk_seed):
     n = u.shape[0]  # line 11
     for i in range(1, n - 1):  # line 12
         v[i] = u[i] + alpha * (u[i - 1] - 2.0 * u[i] + u[i + 1])  # line 13
@@ -18,13 +18,13 @@ def _lk_step(t, u, v, alpha, _lk_tid, _lk_nt):
     return True
 
 @numba.njit(cache=True)
-def _lk_kernel(_lk_nsteps, _lk_a0, _lk_a1, _lk_a2, _lk_info):
+def _lk_kernel(_lk_nsteps, _lk_a0, _lk_a1, _lk_a2, _lk_seed, _lk_info):
     _lk_tid = 0
     _lk_nt = 1
     _lk_t = 0
     _lk_go = True
     while _lk_t < _lk_nsteps:
-        _lk_go = _lk_step(_lk_t, _lk_a0, _lk_a1, _lk_a2, _lk_tid, _lk_nt)
+        _lk_go = _lk_step(_lk_t, _lk_a0, _lk_a1, _lk_a2, _lk_tid, _lk_nt, _lk_seed)
         _lk_t += 1
         _lk_a0, _lk_a1 = _lk_a1, _lk_a0
         if not _lk_go:

@@ -9,7 +9,7 @@ from loopkern.runtime import cuda_rt as _lk_rt
 
 
 @cuda.jit(device=True)
-def _lk_step(t, u, v, alpha, _lk_tid, _lk_nt, _lk_redf, _lk_redi, _lk_st, _lk_bar):
+def _lk_step(t, u, v, alpha, _lk_tid, _lk_nt, _lk_redf, _lk_redi, _lk_st, _lk_bar, _lk_seed):
     n = u.shape[0]  # line 11
     _lk_r1_hi = n - 1  # line 12
     for i in range(1 + _lk_tid, _lk_r1_hi, _lk_nt):  # line 12
@@ -20,7 +20,7 @@ def _lk_step(t, u, v, alpha, _lk_tid, _lk_nt, _lk_redf, _lk_redi, _lk_st, _lk_ba
     return True
 
 @cuda.jit(cache=True)
-def _lk_kernel(_lk_nsteps, _lk_a0, _lk_a1, _lk_a2, _lk_redf, _lk_redi, _lk_bar, _lk_info):
+def _lk_kernel(_lk_nsteps, _lk_a0, _lk_a1, _lk_a2, _lk_redf, _lk_redi, _lk_bar, _lk_seed, _lk_info):
     _lk_tid = cuda.threadIdx.x
     _lk_nt = cuda.blockDim.x
 
@@ -29,7 +29,7 @@ def _lk_kernel(_lk_nsteps, _lk_a0, _lk_a1, _lk_a2, _lk_redf, _lk_redi, _lk_bar, 
     _lk_t = 0
     _lk_go = True
     while _lk_t < _lk_nsteps:
-        _lk_go = _lk_step(_lk_t, _lk_a0, _lk_a1, _lk_a2, _lk_tid, _lk_nt, _lk_redf, _lk_redi, _lk_st, _lk_bar)
+        _lk_go = _lk_step(_lk_t, _lk_a0, _lk_a1, _lk_a2, _lk_tid, _lk_nt, _lk_redf, _lk_redi, _lk_st, _lk_bar, _lk_seed)
         _lk_rt.block_sync(_lk_bar)
         _lk_t += 1
         _lk_a0, _lk_a1 = _lk_a1, _lk_a0

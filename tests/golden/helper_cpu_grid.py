@@ -18,7 +18,7 @@ def _lk_fn_laplacian(u, i, _lk_tid, _lk_nt):  # line 153
 
 
 @numba.njit(cache=True)
-def _lk_step(t, u, v, alpha, _lk_tid, _lk_nt):
+def _lk_step(t, u, v, alpha, _lk_tid, _lk_nt, _lk_seed):
     n = u.shape[0]  # line 158
     for i in range(1, n - 1):  # line 159
         v[i] = _lk_fn_damp(u[i] + alpha * _lk_fn_laplacian(u, i, _lk_tid, _lk_nt), 0.5, _lk_tid, _lk_nt)  # line 160
@@ -27,13 +27,13 @@ def _lk_step(t, u, v, alpha, _lk_tid, _lk_nt):
     return True
 
 @numba.njit(cache=True)
-def _lk_kernel(_lk_nsteps, _lk_a0, _lk_a1, _lk_a2, _lk_info):
+def _lk_kernel(_lk_nsteps, _lk_a0, _lk_a1, _lk_a2, _lk_seed, _lk_info):
     _lk_tid = 0
     _lk_nt = 1
     _lk_t = 0
     _lk_go = True
     while _lk_t < _lk_nsteps:
-        _lk_go = _lk_step(_lk_t, _lk_a0, _lk_a1, _lk_a2, _lk_tid, _lk_nt)
+        _lk_go = _lk_step(_lk_t, _lk_a0, _lk_a1, _lk_a2, _lk_tid, _lk_nt, _lk_seed)
         _lk_t += 1
         _lk_a0, _lk_a1 = _lk_a1, _lk_a0
         if not _lk_go:

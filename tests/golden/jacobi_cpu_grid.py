@@ -9,7 +9,7 @@ from loopkern.runtime import cpu_rt as _lk_rt
 
 
 @numba.njit(cache=True)
-def _lk_step(t, u, v, tol, _lk_tid, _lk_nt):
+def _lk_step(t, u, v, tol, _lk_tid, _lk_nt, _lk_seed):
     n = u.shape[0]  # line 29
     m = u.shape[1]  # line 30
     err = 0.0  # line 31
@@ -21,13 +21,13 @@ def _lk_step(t, u, v, tol, _lk_tid, _lk_nt):
     return bool(_lk_rt.reduce_max(err) > tol)  # line 36
 
 @numba.njit(cache=True)
-def _lk_kernel(_lk_nsteps, _lk_a0, _lk_a1, _lk_a2, _lk_info):
+def _lk_kernel(_lk_nsteps, _lk_a0, _lk_a1, _lk_a2, _lk_seed, _lk_info):
     _lk_tid = 0
     _lk_nt = 1
     _lk_t = 0
     _lk_go = True
     while _lk_t < _lk_nsteps:
-        _lk_go = _lk_step(_lk_t, _lk_a0, _lk_a1, _lk_a2, _lk_tid, _lk_nt)
+        _lk_go = _lk_step(_lk_t, _lk_a0, _lk_a1, _lk_a2, _lk_tid, _lk_nt, _lk_seed)
         _lk_t += 1
         _lk_a0, _lk_a1 = _lk_a1, _lk_a0
         if not _lk_go:

@@ -9,7 +9,7 @@ from loopkern.runtime import cuda_rt as _lk_rt
 
 
 @cuda.jit(device=True)
-def _lk_step(t, u, v, tol, _lk_tid, _lk_nt, _lk_redf, _lk_redi, _lk_st, _lk_bar):
+def _lk_step(t, u, v, tol, _lk_tid, _lk_nt, _lk_redf, _lk_redi, _lk_st, _lk_bar, _lk_seed):
     n = u.shape[0]  # line 29
     m = u.shape[1]  # line 30
     err = 0.0  # line 31
@@ -85,7 +85,7 @@ def _lk_step(t, u, v, tol, _lk_tid, _lk_nt, _lk_redf, _lk_redi, _lk_st, _lk_bar)
     return bool(_lk_rt.block_max(err, _lk_redf, _lk_redi, _lk_st, _lk_bar) > tol)  # line 36
 
 @cuda.jit(cache=True)
-def _lk_kernel(_lk_nsteps, _lk_a0, _lk_a1, _lk_a2, _lk_redf, _lk_redi, _lk_bar, _lk_info):
+def _lk_kernel(_lk_nsteps, _lk_a0, _lk_a1, _lk_a2, _lk_redf, _lk_redi, _lk_bar, _lk_seed, _lk_info):
     _lk_tid = cuda.threadIdx.x
     _lk_nt = cuda.blockDim.x
 
@@ -94,7 +94,7 @@ def _lk_kernel(_lk_nsteps, _lk_a0, _lk_a1, _lk_a2, _lk_redf, _lk_redi, _lk_bar, 
     _lk_t = 0
     _lk_go = True
     while _lk_t < _lk_nsteps:
-        _lk_go = _lk_step(_lk_t, _lk_a0, _lk_a1, _lk_a2, _lk_tid, _lk_nt, _lk_redf, _lk_redi, _lk_st, _lk_bar)
+        _lk_go = _lk_step(_lk_t, _lk_a0, _lk_a1, _lk_a2, _lk_tid, _lk_nt, _lk_redf, _lk_redi, _lk_st, _lk_bar, _lk_seed)
         _lk_rt.block_sync(_lk_bar)
         _lk_t += 1
         _lk_a0, _lk_a1 = _lk_a1, _lk_a0

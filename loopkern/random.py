@@ -1,0 +1,22 @@
+"""Counter-based random numbers inside a step: ``lk.random.uniform`` and ``lk.random.normal``.
+
+Each draw is a pure function of the call's ``seed=`` argument, the step index, the key (and
+subkey) you pass, and which call in the step it is. So the numbers are identical on the CPU,
+the simulator and the GPU, for any number of threads or blocks, and reproducible from the
+seed. Use the loop index as the key, and a subkey to draw several numbers per index:
+
+    for i in lk.range(n):
+        x[i] += sigma * lk.random.normal(i)
+        for k in range(3):
+            v[i, k] = lk.random.uniform(i, k)
+
+Keys and subkeys are non-negative integers (subkeys below 2**32). Results are float64; cast
+with ``np.float32(...)`` for float32 arithmetic.
+"""
+
+from .dsl import Intrinsic
+
+uniform = Intrinsic("random_uniform", """A float64 uniform on [0, 1): ``lk.random.uniform(key[, subkey])``.""",
+                    "lk.random.uniform")
+normal = Intrinsic("random_normal", """A float64 standard normal: ``lk.random.normal(key[, subkey])``.""",
+                   "lk.random.normal")
