@@ -8,6 +8,7 @@ import pytest
 
 import loopkern as lk
 import workloads as W
+from doubles import DLPackOnly
 
 pytestmark = pytest.mark.gpu
 
@@ -149,19 +150,6 @@ def test_numpy_strided_view_and_device_scratch(rng):
     rx, rout = W.two_phase_ref(x_init, 4)
     assert rel_err(base[::2], rx) < 1e-12 and rel_err(out, rout) < 1e-12
     np.testing.assert_array_equal(base[1::2], untouched)
-
-
-class DLPackOnly:
-    """Exposes only the DLPack protocol of the array it wraps."""
-
-    def __init__(self, a):
-        self._a = a
-
-    def __dlpack__(self, **kw):
-        return self._a.__dlpack__(**kw)
-
-    def __dlpack_device__(self):
-        return self._a.__dlpack_device__()
 
 
 @pytest.mark.parametrize("lib", ["cupy", "torch"])
