@@ -1,9 +1,9 @@
 """Launch configuration and launching: backend choice, occupancy, grid size, scope, scratch.
 
-Grid scope runs every block the device can hold at once (never more: a grid barrier with a
-block that is not resident would wait forever), and no more than the problem needs. Block
-scope runs one block whose barrier is ``syncthreads``: far cheaper per step for small
-problems.
+Grid scope runs at most as many blocks as the device can hold at once (a grid barrier with a
+block that is not resident would wait forever), sized to the problem. Block scope runs one
+block whose barrier is ``syncthreads``; thread scope one thread with no barrier, for steps
+with no parallel construct.
 """
 
 from __future__ import annotations
