@@ -1,0 +1,81 @@
+"""Compile the CUDA kernels of the test workloads to PTX without a GPU (run by test_ptx.py).
+
+Numba asks the current device for its compute capability while compiling device functions;
+with no GPU there is none, so a stand-in device reporting cc 9.0 is installed for this process
+only. Prints one JSON line per kernel.
+"""
+
+import json
+import os
+import sys
+
+os.environ["NUMBA_ENABLE_CUDASIM"] = "0"
+sys.path.insert(0, os.path.dirname(__file__))
+
+import numba.cuda.api as _api  # noqa: E402
+import numba.cuda.dispatcher as _disp  # noqa: E402
+import numpy as np  # noqa: E402
+from numba import cuda, typeof, types  # noqa: E402
+
+
+class _Device:
+    compute_capability = (9, 0)
+    id = 0
+    name = b"stand-in for compiling only"
+
+
+_api.get_current_device = _disp.get_current_device = lambda: _Device()
+
+import loopkern as lk  # noqa: E402
+import test_random as R  # noqa: E402
+import workloads as W  # noqa: E402
+from loopkern import codegen  # noqa: E402
+from loopkern.compile import compile_kernel  # noqa: E402
+
+f32, f64, i32, i64 = np.float32, np.float64, np.int32, np.int64
+CASES = [
+    ("heat", W.heat_step, [("u", "v")], [np.zeros(8, f32), np.zeros(8, f32), f32(0.25)], ("grid", "block")),
+    ("jacobi", W.jacobi_step, [("u", "v")], [np.zeros((4, 4)), np.zeros((4, 4)), 1e-3], ("grid", "block")),
+    ("life", W.life_step, [("a", "b")], [np.zeros((4, 4), i32), np.zeros((4, 4), i32), np.zeros(3, i64)],
+     ("grid", "block")),
+    ("two_phase", W.two_phase_step, [], [np.zeros(8), np.zeros(8), np.zeros(8)], ("grid", "block")),
+    ("normalize", W.normalize_step, [], [np.zeros(8), np.zeros((3, 4))], ("grid", "block")),
+    ("helper", W.helper_step, [("u", "v")], [np.zeros(8), np.zeros(8), 0.3], ("grid",)),
+    ("random", R.draws, [], [np.zeros((2, 8)), np.zeros((2, 8, 2))], ("grid",)),
+    ("logistic", W.logistic_step, [], [np.zeros(8), 2.9], ("thread",)),
+]
+SCRATCH = (types.float64[:, ::1], types.int64[:, ::1], types.uint32[::1])
+
+
+def scalar_type(v):
+    return typeof(np.float64(v) if isinstance(v, float) else v)
+
+
+for name, fn, swap, args, scopes in CASES:
+    k = lk.megakernel(fn, swap=swap)
+    for scope in scopes:
+        for by_ref in (None, "refs"):
+            if by_ref and scope != "grid":
+                continue
+            refs = frozenset(i for i, a in enumerate(args) if not isinstance(a, np.ndarray)) if by_ref else None
+            params = []
+            for i, a in enumerate(args):
+                if isinstance(a, np.ndarray):
+                    params.append(typeof(a))
+                elif refs is not None:
+                    params.append(types.Array(scalar_type(a), 1, "C"))
+                else:
+                    params.append(scalar_type(a))
+            if refs is None:
+                sig = (types.int64, *params, *SCRATCH, types.uint64, types.int64[::1])
+            else:
+                sig = (types.int64[::1], *params, *SCRATCH, types.uint32[::1], types.int64[::1])
+            rec = dict(kernel=name, scope=scope, by_ref=bool(by_ref))
+            try:
+                src = codegen.render_kernel(k.spec, "cuda", scope, cache=False, by_ref=refs)
+                ptx, _ = cuda.compile_ptx(compile_kernel(src).dispatcher.py_func, sig, cc=(9, 0))
+                rec.update(ok=True, own_barrier=ptx.count("atom.add.release.gpu"), cg=ptx.count("cudaCGSynchronize"),
+                           shuffles=ptx.count("shfl.sync"))
+            except Exception as exc:
+                rec.update(ok=False, error=f"{type(exc).__name__}: {exc}"[:2000])
+            print(json.dumps(rec), flush=True)
