@@ -10,15 +10,14 @@ import pytest
 
 
 def test_cuda_kernels_compile_to_ptx():
-    probe = subprocess.run([sys.executable, "-c", "from numba.cuda.cudadrv import nvvm; nvvm.NVVM()"],
-                           env=dict(os.environ, NUMBA_ENABLE_CUDASIM="0"), capture_output=True, text=True)
-    if probe.returncode != 0:
-        pytest.skip("NVVM is not installed (pip install 'cuda-toolkit[nvvm]==13.*')")
     p = subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__), "ptx_check.py")],
                        env=dict(os.environ, NUMBA_ENABLE_CUDASIM="0"), capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stderr[-3000:]
     recs = [json.loads(line) for line in p.stdout.splitlines() if line.startswith("{")]
     assert len(recs) >= 15
+    if not any(r["ok"] for r in recs) and all(r["error"].startswith(("DynamicLibNotFoundError", "NvvmSupportError"))
+                                              for r in recs):
+        pytest.skip("NVVM/NVRTC are not installed (pip install 'cuda-toolkit[nvvm,nvrtc]==13.*')")
     failed = [r for r in recs if not r["ok"]]
     assert not failed, failed
     for r in recs:
