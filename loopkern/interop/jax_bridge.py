@@ -107,9 +107,9 @@ def jax_call(mk, args, kwargs, *, steps=None, max_steps=None, backend=None, scop
     seed = check_seed(seed)
     arrays, scalars, nsteps = _prepare(mk, args, kwargs, steps, max_steps)
     platform = _platform(mk, arrays, backend)
-    n = len(mk.spec.params)
-    n_arrays = sum(1 for i in range(n) if i in arrays)
-    inputs = [nsteps] + [arrays[i] if i in arrays else scalars[i] for i in range(n)]
+    order = [i for i in range(len(mk.spec.params))]
+    arr_idx = [i for i in order if i in arrays]
+    inputs = [nsteps] + [arrays[i] if i in arrays else scalars[i] for i in order]
 
     if platform == "cuda":
         core = _cuda_core(mk, arrays, scalars, nsteps, scope, threads, blocks, seed)
@@ -127,7 +127,7 @@ def jax_call(mk, args, kwargs, *, steps=None, max_steps=None, backend=None, scop
                             f"or differentiate a JAX version of the loop")
 
     outs = call(*inputs)
-    result = tuple(outs[:n_arrays])
+    result = tuple(outs[: len(arr_idx)])
     if mk.spec.returns_condition:
         result = result + (outs[-1],)
     return result
