@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from . import codegen
 from .errors import ArgumentError
-from .interop.arrays import ArrayArg, ScalarArg, classify, overlaps
+from .interop.arrays import ArrayArg, classify, overlaps
 from .spec import ARRAY, SCALAR
 from .validate import validate_step
 
@@ -44,6 +44,29 @@ def check_array_use(p, shape, filename):
     if len(shape) < p.min_ndim:
         raise ArgumentError(f"argument '{p.name}': the step indexes it with {p.min_ndim} indices "
                             f"({filename}:{p.min_ndim_line}), got a {len(shape)}-D array of shape {tuple(shape)}")
+
+
+def check_kind(p, is_array: bool, got: str):
+    """ArgumentError if an array parameter got a number or a number parameter got an array."""
+    if p.kind == ARRAY and not is_array:
+        raise ArgumentError(f"argument '{p.name}': the step indexes it as an array, got {got}")
+    if p.kind == SCALAR and is_array:
+        raise ArgumentError(f"argument '{p.name}': the step uses it as a number, got {got}")
+
+
+def check_swap_pair(names, shape_a, dtype_a, shape_b, dtype_b):
+    """ArgumentError unless the two arrays of a swap pair have the same shape and dtype."""
+    if tuple(shape_a) != tuple(shape_b) or dtype_a != dtype_b:
+        raise ArgumentError(f"swap pair {names}: arrays must have the same shape and dtype, got "
+                            f"{tuple(shape_a)} {dtype_a} and {tuple(shape_b)} {dtype_b}")
+
+
+def check_thread_scope(spec, scope):
+    """ArgumentError for scope='thread' on a step that shares work between threads."""
+    if scope == "thread" and spec.parallel:
+        raise ArgumentError(f"scope='thread' runs one thread with no barrier, but step '{spec.name}' uses "
+                            f"parallel loops, lk.thread_id/num_threads, lk.sync or reductions; use scope='grid', "
+                            f"'block' or 'auto'")
 
 
 def check_seed(seed) -> int:
@@ -98,9 +121,7 @@ class MegaKernel:
         """The generated kernel source for ``backend`` ("cuda" or "cpu") and ``scope``."""
         _check_choice("backend", backend, ("cuda", "cpu"))
         _check_choice("scope", scope, ("grid", "block", "thread"))
-        if scope == "thread" and self.spec.parallel:
-            raise ArgumentError(f"scope='thread': step '{self.spec.name}' uses parallel constructs; "
-                                f"use 'grid' or 'block'")
+        check_thread_scope(self.spec, scope)
         return codegen.render_kernel(self.spec, backend, scope, fingerprint="").text
 
     # -- calling ---------------------------------------------------------------------------
@@ -118,13 +139,10 @@ class MegaKernel:
         out = []
         for p in self.spec.params:
             a = classify(p.name, bound[p.name])
-            if p.kind == ARRAY and isinstance(a, ScalarArg):
-                raise ArgumentError(f"argument '{p.name}': the step indexes it as an array, got a scalar "
-                                    f"{type(a.value).__name__}")
-            if p.kind == SCALAR and isinstance(a, ArrayArg):
-                raise ArgumentError(f"argument '{p.name}': the step uses it as a number, got an array of "
-                                    f"shape {a.shape}")
-            if isinstance(a, ArrayArg):
+            is_array = isinstance(a, ArrayArg)
+            check_kind(p, is_array, f"an array of shape {a.shape}" if is_array
+                       else f"a scalar {type(a.value).__name__}")
+            if is_array:
                 check_array_use(p, a.shape, self.spec.filename)
                 if p.written and a.where == "host" and not a.value.flags.writeable:
                     raise ArgumentError(f"argument '{p.name}': the step writes into it, but the NumPy array is "
@@ -135,9 +153,7 @@ class MegaKernel:
             pair = f"swap pair ('{a.name}', '{b.name}')"
             if not isinstance(a, ArrayArg) or not isinstance(b, ArrayArg):
                 raise ArgumentError(f"{pair}: both must be arrays")
-            if a.shape != b.shape or a.dtype != b.dtype:
-                raise ArgumentError(f"{pair}: arrays must have the same shape and dtype, got "
-                                    f"{a.shape} {a.dtype} and {b.shape} {b.dtype}")
+            check_swap_pair((a.name, b.name), a.shape, a.dtype, b.shape, b.dtype)
             if a.where != b.where:
                 raise ArgumentError(f"{pair}: one array is on the GPU and the other on the host")
             if a.value is b.value or overlaps(a, b):
@@ -262,10 +278,7 @@ class MegaKernel:
 
         sim = simulator_enabled()
         work = max([a.size for a in argv if isinstance(a, ArrayArg)] or [1])
-        if scope == "thread" and self.spec.parallel:
-            raise ArgumentError(f"scope='thread' runs one thread with no barrier, but step '{self.spec.name}' "
-                                f"uses parallel loops, lk.thread_id/num_threads, lk.sync or reductions; "
-                                f"use scope='grid', 'block' or 'auto'")
+        check_thread_scope(self.spec, scope)
         scope = launch.resolve_scope(scope, work, self.spec.parallel)
         compiled = self._kernel("cuda", scope)
         if self._scratch is None:

@@ -130,7 +130,6 @@ class CompiledKernel:
         self._specialized[types] = kernel
         return kernel
 
-
     def load_for_ffi(self, types: tuple, xla_ffi):
         """Compile for ``types`` and load the cubin for the XLA FFI shim, once per device.
 

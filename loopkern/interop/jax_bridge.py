@@ -14,7 +14,6 @@ import numbers
 import numpy as np
 
 from ..errors import ArgumentError, LoopkernError
-from ..spec import ARRAY, SCALAR
 from .arrays import check_dtype
 
 _SCRATCH_VIEW = 8   # redf, redi and info are 8-byte elements, passed to XLA as bytes
@@ -40,23 +39,20 @@ def _prepare(mk, args, kwargs, steps, max_steps):
     if isinstance(nsteps, numbers.Integral) and nsteps < 0:
         raise ArgumentError(f"{label}={nsteps}: must be >= 0")
     bound = mk._bind_names(args, kwargs)
+    from ..api import check_array_use, check_kind, check_swap_pair
     arrays, scalars = {}, {}
     for i, p in enumerate(spec.params):
         v = bound[p.name]
         if _is_jax_array(v) and v.ndim > 0:
-            if p.kind == SCALAR:
-                raise ArgumentError(f"argument '{p.name}': the step uses it as a number, got an array of shape "
-                                    f"{v.shape}")
+            check_kind(p, True, f"an array of shape {v.shape}")
             check_dtype(p.name, np.dtype(v.dtype))
-            from ..api import check_array_use
             check_array_use(p, v.shape, spec.filename)
             arrays[i] = v
         elif isinstance(v, np.ndarray) and v.ndim > 0 or hasattr(v, "__cuda_array_interface__"):
             raise ArgumentError(f"argument '{p.name}': kernel.jax takes JAX arrays, got {type(v).__name__}; "
                                 f"convert it with jnp.asarray, or call the kernel itself to update it in place")
         else:
-            if p.kind == ARRAY:
-                raise ArgumentError(f"argument '{p.name}': the step indexes it as an array, got {type(v).__name__}")
+            check_kind(p, False, type(v).__name__)
             if isinstance(v, complex) or (_is_jax_array(v) and jnp.issubdtype(v.dtype, jnp.complexfloating)):
                 raise ArgumentError(f"argument '{p.name}': complex numbers are not supported yet")
             if not (isinstance(v, (numbers.Real, np.generic)) or _is_jax_array(v)):
@@ -69,9 +65,7 @@ def _prepare(mk, args, kwargs, steps, max_steps):
         names = (spec.params[a].name, spec.params[b].name)
         if x is None or y is None:
             raise ArgumentError(f"swap pair {names}: both must be JAX arrays")
-        if x.shape != y.shape or x.dtype != y.dtype:
-            raise ArgumentError(f"swap pair {names}: arrays must have the same shape and dtype, got "
-                                f"{x.shape} {x.dtype} and {y.shape} {y.dtype}")
+        check_swap_pair(names, x.shape, x.dtype, y.shape, y.dtype)
     return arrays, scalars, jnp.asarray(nsteps).reshape(1)
 
 
@@ -159,6 +153,7 @@ def _cuda_core(mk, arrays, scalars, nsteps, scope, threads, blocks, seed):
     from numba import types
 
     from .. import launch
+    from ..api import check_thread_scope
     from . import xla_ffi
 
     spec = mk.spec
@@ -166,8 +161,7 @@ def _cuda_core(mk, arrays, scalars, nsteps, scope, threads, blocks, seed):
     arr_idx = [i for i in range(n) if i in arrays]
     work = max([int(np.prod(arrays[i].shape)) for i in arr_idx] or [1])
     scope = launch.resolve_scope(scope or mk._defaults["scope"], work, spec.parallel)
-    if scope == "thread" and spec.parallel:
-        raise ArgumentError(f"scope='thread': step '{spec.name}' uses parallel constructs")
+    check_thread_scope(spec, scope)
     by_ref = frozenset(scalars)
     compiled = mk._kernel("cuda", scope, by_ref=by_ref)
 
