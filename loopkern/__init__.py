@@ -16,13 +16,15 @@ Example::
 __version__ = "0.1.0"
 
 from .dsl import grid, max, min, num_threads, range, sum, sync, thread_id
-from .errors import (ArgumentError, BackendError, CompileError, LaunchError, LoopkernError,
-                     StepSyntaxError)
-from .api import MegaKernel, Run, megakernel
+from .errors import (ArgumentError, BackendError, BoundsError, CompileError, HangError, LaunchError,
+                     LoopkernError, StepSyntaxError)
+from .runs import Run, RunHandle
+from .api import MegaKernel, megakernel
 from . import random
 
 __all__ = [
-    "megakernel", "MegaKernel", "Run",
+    "megakernel", "MegaKernel", "Run", "RunHandle",
     "range", "grid", "sync", "sum", "max", "min", "thread_id", "num_threads", "random",
     "LoopkernError", "StepSyntaxError", "CompileError", "ArgumentError", "LaunchError", "BackendError",
+    "BoundsError", "HangError",
 ]

@@ -4,39 +4,24 @@ from __future__ import annotations
 
 import functools
 import inspect
+import linecache
 import numbers
 import threading
-from dataclasses import dataclass
+import time
 
 from . import codegen
-from .errors import ArgumentError
+from .errors import ArgumentError, Diagnostic
 from .interop.arrays import ArrayArg, classify, overlaps
+from .progress import check_progress, make_reporter
+from .runs import TIMEOUT_NS, Run, RunHandle, ThreadWaiter, EventWaiter
 from .spec import ARRAY, SCALAR
 from .validate import validate_step
 
+#: default ``watchdog=`` of blocking calls: seconds without a new step before a run is reported
+DEFAULT_WATCHDOG_S = 60.0
+
 BACKENDS = ("auto", "cuda", "cpu")
 SCOPES = ("auto", "grid", "block", "thread")
-
-
-@dataclass(frozen=True)
-class Run:
-    """What one call of a megakernel did.
-
-    Attributes:
-        steps: steps executed.
-        stopped: ``"steps"`` (ran the full count) or ``"condition"`` (the step returned false).
-        backend: ``"cuda"`` or ``"cpu"``.
-        scope: ``"grid"``, ``"block"`` or ``"cpu"``.
-        blocks: blocks launched (1 on the CPU).
-        threads: threads per block (1 on the CPU).
-    """
-
-    steps: int
-    stopped: str
-    backend: str
-    scope: str
-    blocks: int
-    threads: int
 
 
 def check_array_use(p, shape, filename):
@@ -76,6 +61,16 @@ def check_seed(seed) -> int:
     return int(seed)
 
 
+def check_seconds(name, value, allow_none=True):
+    """A positive number of seconds (or None), or an ArgumentError."""
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not value > 0 or value != value:
+        raise ArgumentError(f"{name}={value!r}: expected a positive number of seconds"
+                            + (" or None" if allow_none else ""))
+    return float(value)
+
+
 def _check_choice(name, value, allowed):
     if value not in allowed:
         raise ArgumentError(f"{name}={value!r}: expected one of {', '.join(repr(a) for a in allowed)}")
@@ -110,7 +105,7 @@ class MegaKernel:
             [inspect.Parameter(p.name, inspect.Parameter.POSITIONAL_OR_KEYWORD) for p in self.spec.params])
         self._compiled: dict = {}
         self._lock = threading.Lock()
-        self._scratch = None
+        self._scratch = None   # a launch.ScratchPool, made on the first CUDA run
         functools.update_wrapper(self, fn)
 
     def __repr__(self):
@@ -161,8 +156,13 @@ class MegaKernel:
         return out
 
     def __call__(self, *args, steps=None, max_steps=None, backend=None, scope=None, threads=None,
-                 blocks=None, seed=0, **kwargs) -> Run:
-        """Run the loop; arrays are updated in place.
+                 blocks=None, seed=0, progress=False, timeout=None, debug=False, watchdog=DEFAULT_WATCHDOG_S,
+                 **kwargs) -> Run:
+        """Run the loop and wait for it; arrays are updated in place.
+
+        Ctrl-C during the call cancels the kernel at a step boundary, waits until it has
+        stopped (the arrays are then consistent, NumPy inputs copied back) and re-raises
+        ``KeyboardInterrupt``.
 
         Args:
             *args, **kwargs: the step's parameters after the step index.
@@ -174,6 +174,17 @@ class MegaKernel:
             threads: threads per block (CUDA only; a multiple of 32).
             blocks: blocks in the grid (CUDA grid scope; must all fit on the device at once).
             seed: the seed of ``lk.random`` draws (an integer from 0 to 2**64 - 1).
+            progress: True for a live progress bar (tqdm if installed, else a line on stderr),
+                or a callable receiving ``(steps_done, total)`` (total is None for a step that
+                returns a condition), called at most 10 times a second and once at the end.
+            timeout: seconds after which the kernel stops itself at a step boundary
+                (``Run.stopped == "timeout"``). On CUDA it is measured by the GPU's clock from
+                the kernel's start; on the CPU from the call.
+            debug: bounds-check every array access (slower): an out-of-bounds index is never
+                used and raises :class:`~loopkern.errors.BoundsError` naming the line, step,
+                thread and index.
+            watchdog: seconds without a new step after which the call cancels the run and raises
+                :class:`~loopkern.errors.HangError` (None: wait forever).
 
         Returns:
             A :class:`Run`.
@@ -182,6 +193,27 @@ class MegaKernel:
             ArgumentError: a bad argument; nothing was copied or launched.
             LaunchError: the launch configuration cannot run.
             CompileError: Numba could not compile the step.
+            BoundsError: with ``debug=True``, an array was indexed out of bounds.
+            HangError: the watchdog fired.
+        """
+        handle = self.start(*args, steps=steps, max_steps=max_steps, backend=backend, scope=scope,
+                            threads=threads, blocks=blocks, seed=seed, progress=progress, timeout=timeout,
+                            debug=debug, watchdog=watchdog, _monitor=False, **kwargs)
+        return handle.wait()
+
+    def start(self, *args, steps=None, max_steps=None, backend=None, scope=None, threads=None, blocks=None,
+              seed=0, progress=False, timeout=None, debug=False, watchdog=DEFAULT_WATCHDOG_S, _monitor=True,
+              **kwargs) -> RunHandle:
+        """Start the loop and return at once with a :class:`~loopkern.runs.RunHandle`.
+
+        Takes the same arguments as calling the kernel. ``handle.wait()`` returns the
+        :class:`Run`; ``handle.cancel()`` stops the run at the next step boundary (every thread
+        at the same step); ``handle.steps_done`` and ``handle.done()`` tell how far it is.
+        Device arrays are being updated while it runs; NumPy inputs are copied back by
+        ``wait()``. Runs of one kernel started one after another run one after another.
+
+        Raises:
+            The errors of calling the kernel that are found before launching.
         """
         if steps is not None and max_steps is not None:
             raise ArgumentError("pass either steps= or max_steps=, not both")
@@ -195,28 +227,40 @@ class MegaKernel:
         threads = _check_count("threads", threads if threads is not None else self._defaults["threads"], minimum=1)
         blocks = _check_count("blocks", blocks if blocks is not None else self._defaults["blocks"], minimum=1)
         seed = check_seed(seed)
+        progress = check_progress(progress)
+        timeout = check_seconds("timeout", timeout)
+        watchdog = check_seconds("watchdog", watchdog)
+        if not isinstance(debug, bool):
+            raise ArgumentError(f"debug={debug!r}: expected True or False")
         argv = self._bind(args, kwargs)
 
         from . import launch
         backend = launch.choose_backend(backend)
+        total = None if self.spec.returns_condition else nsteps
+        opts = dict(reporter=make_reporter(progress, total, self.spec.name), watchdog=watchdog)
         if backend == "cpu":
-            return self._run_cpu(argv, nsteps, seed)
-        return self._run_cuda(argv, nsteps, scope, threads, blocks, seed)
+            handle = self._start_cpu(argv, nsteps, seed, timeout, debug, opts)
+        else:
+            handle = self._start_cuda(argv, nsteps, scope, threads, blocks, seed, timeout, debug, opts)
+        if _monitor:
+            handle.monitor()
+        return handle
 
-    def _kernel(self, backend, scope, by_ref=None):
+    def _kernel(self, backend, scope, by_ref=None, debug=False):
         from .compile import compile_kernel, runtime_fingerprint, simulator_enabled
-        key = (backend, scope) if by_ref is None else (backend, scope, by_ref)
+        key = (backend, scope, by_ref, debug)
         with self._lock:
             k = self._compiled.get(key)
             if k is None:
                 cache = not (backend == "cuda" and simulator_enabled())
                 src = codegen.render_kernel(self.spec, backend, scope, cache=cache,
-                                            fingerprint=f"runtime {runtime_fingerprint()}", by_ref=by_ref)
+                                            fingerprint=f"runtime {runtime_fingerprint()}", by_ref=by_ref,
+                                            debug=debug)
                 k = self._compiled[key] = compile_kernel(src)
         return k
 
     def jax(self, *args, steps=None, max_steps=None, backend=None, scope=None, threads=None, blocks=None,
-            seed=0, **kwargs):
+            seed=0, timeout=None, **kwargs):
         """Run the loop as a functional JAX operation: JAX arrays in, new JAX arrays out.
 
         Works eagerly and inside ``jax.jit``. On a GPU it is an XLA FFI custom call on XLA's
@@ -231,11 +275,13 @@ class MegaKernel:
             backend: "auto" (the platform of the arrays), "cuda" or "cpu".
             scope, threads, blocks: as for calling the kernel (CUDA only).
             seed: the seed of ``lk.random`` draws (a Python int).
+            timeout: seconds (a Python number) after which the kernel stops itself at a step
+                boundary, measured by the GPU's clock from the kernel's start.
 
         Returns:
             A tuple with one new array per array parameter, in parameter order, and, when the
-            step returns a condition, the number of steps executed (int32) last. With ``swap``
-            the first array of each pair holds the newest state.
+            step returns a condition or ``timeout`` is given, the number of steps executed
+            (int32) last. With ``swap`` the first array of each pair holds the newest state.
 
         Raises:
             ArgumentError: at trace time, for non-JAX arrays, mismatched swap pairs, arrays on
@@ -244,7 +290,7 @@ class MegaKernel:
         """
         from .interop.jax_bridge import jax_call
         return jax_call(self, args, kwargs, steps=steps, max_steps=max_steps, backend=backend, scope=scope,
-                        threads=threads, blocks=blocks, seed=seed)
+                        threads=threads, blocks=blocks, seed=seed, timeout=timeout)
 
     def _check_types(self, compiled, kargs):
         types = compiled.types_of(kargs)
@@ -255,46 +301,110 @@ class MegaKernel:
                 raise ArgumentError(f"swap pair ('{a}', '{b}'): the arrays must have the same type, got {ta} "
                                     f"and {tb} (make both C-contiguous, e.g. with numpy.ascontiguousarray)")
 
-    def _run_cpu(self, argv, nsteps, seed=0) -> Run:
+    def _start_cpu(self, argv, nsteps, seed, timeout, debug, opts) -> RunHandle:
         import numpy as np
+
+        from . import launch
+        from .runtime.bounds import DBG_SIZE
         for a in argv:
             if isinstance(a, ArrayArg) and a.where != "host":
                 raise ArgumentError(f"argument '{a.name}' is on the GPU, but backend='cpu' needs NumPy arrays; "
                                     f"copy it to the host or use backend='cuda'")
-        compiled = self._kernel("cpu", "grid")
+        compiled = self._kernel("cpu", "grid", debug=debug)
         kargs = [a.value for a in argv]
         self._check_types(compiled, kargs)
-        from . import launch
-        full = (np.int64(nsteps), *kargs, np.uint64(seed), np.zeros(2, np.int64))
+        host, view = launch.take_control_block("cpu")
+        dbg = np.zeros(DBG_SIZE, np.int64) if debug else None
+        full = (np.int64(nsteps), *kargs, np.uint64(seed), host) + ((dbg,) if debug else ())
         entry = compiled.specialize(full)
-        ran, by_cond = launch.launch_cpu(entry, nsteps, tuple(kargs), seed)
-        return Run(ran, "condition" if by_cond else "steps", "cpu", "cpu", 1, 1)
+        deadline = time.monotonic() + timeout if timeout is not None else None
+        waiter = ThreadWaiter(lambda: entry(*full))
+        return RunHandle(name=self.spec.name, total=nsteps, host=view, waiter=waiter, backend="cpu",
+                         plan=launch.LaunchPlan("cpu", 1, 1), deadline=deadline,
+                         on_finish=lambda: launch.give_control_block("cpu", host),
+                         describe_error=(lambda steps: self._describe_bounds(compiled, dbg, argv, steps))
+                         if debug else None, **opts)
 
-    def _run_cuda(self, argv, nsteps, scope, threads, blocks, seed=0) -> Run:
+    def _start_cuda(self, argv, nsteps, scope, threads, blocks, seed, timeout, debug, opts) -> RunHandle:
         import numpy as np
+
         from . import launch
         from .compile import simulator_enabled
         from .interop.arrays import to_cuda
+        from .runtime.bounds import DBG_SIZE
 
         sim = simulator_enabled()
         work = max([a.size for a in argv if isinstance(a, ArrayArg)] or [1])
         check_thread_scope(self.spec, scope)
         scope = launch.resolve_scope(scope, work, self.spec.parallel)
-        compiled = self._kernel("cuda", scope)
-        if self._scratch is None:
-            self._scratch = launch.Scratch()
+        compiled = self._kernel("cuda", scope, debug=debug)
+        with self._lock:
+            if self._scratch is None:
+                self._scratch = launch.ScratchPool()
         # Nothing the user owns is written before the launch: NumPy inputs are copied to new
         # device buffers, GPU inputs only wrapped.
         kargs, copy_back = to_cuda(argv)
         self._check_types(compiled, kargs)
-        redf, redi, bar, info = self._scratch.cuda(1)
-        kernel = compiled.specialize((np.int64(nsteps), *kargs, redf, redi, bar, np.uint64(seed), info))
-        plan = launch.plan_cuda(kernel, scope, work, threads, blocks, sim)
-        with self._lock:   # one run at a time per kernel: the scratch (barrier counter) is shared
-            ran, by_cond = launch.launch_cuda(compiled.dispatcher, kernel, plan, nsteps, tuple(kargs),
-                                              self._scratch, seed=seed)
-        copy_back()
-        return Run(ran, "condition" if by_cond else "steps", "cuda", plan.scope, plan.blocks, plan.threads)
+        from numba import cuda
+        dbg = cuda.to_device(np.zeros(DBG_SIZE, np.int64)) if debug else None
+        scratch = self._scratch.take()
+        host, view = launch.take_control_block("cuda")
+        released = []
+
+        def release():
+            if not released:
+                released.append(True)
+                self._scratch.give(scratch)
+                launch.give_control_block("cuda", host)
+        try:
+            def full_args(blocks_):
+                redf, redi, bar, info = scratch.cuda(blocks_)
+                return (np.int64(nsteps), *kargs, redf, redi, bar, np.uint64(seed), info, host) + \
+                    ((dbg,) if debug else ())
+            kernel = compiled.specialize(full_args(1))
+            plan = launch.plan_cuda(kernel, scope, work, threads, blocks, sim)
+            full = full_args(plan.blocks)
+            view[TIMEOUT_NS] = int(timeout * 1e9) if timeout is not None else 0
+            if sim:
+                waiter = ThreadWaiter(lambda: launch.launch_cuda(compiled.dispatcher, kernel, plan, full))
+            else:
+                launch.launch_cuda(compiled.dispatcher, kernel, plan, full)
+                waiter = EventWaiter(launch.record_event())
+        except BaseException:
+            release()
+            raise
+
+        def on_finish():
+            try:
+                copy_back()
+            finally:
+                release()
+        return RunHandle(name=self.spec.name, total=nsteps, host=view, waiter=waiter, backend="cuda", plan=plan,
+                         on_finish=on_finish, describe_error=(
+                             lambda steps: self._describe_bounds(compiled, dbg.copy_to_host(), argv, steps))
+                         if debug else None, **opts)
+
+    def _describe_bounds(self, compiled, dbg, argv, steps) -> str:
+        """The BoundsError message for the offence recorded in ``dbg`` by a debug kernel."""
+        site = compiled.source.sites[int(dbg[3])]
+        n = int(dbg[4])
+        index = tuple(int(v) for v in dbg[5:5 + n])
+        shape = tuple(int(v) for v in dbg[13:13 + n])
+        shape_text = f"{shape}"
+        for a in argv:
+            if isinstance(a, ArrayArg) and a.name == site.array:
+                shape_text = f"{tuple(a.shape)}"
+        verb = "load from" if site.kind == "load" else "store to"
+        index_text = f"({', '.join(map(str, index))}{',' if n == 1 else ''})"
+        what = "it read element 0 instead" if site.kind == "load" else "it was skipped"
+        d = Diagnostic(site.filename, site.line, site.col, self.spec.name,
+                       f"out-of-bounds {verb} '{site.array}' at step {int(dbg[1])} by thread {int(dbg[2])}: "
+                       f"index {index_text} is outside shape {shape_text}",
+                       hint=f"debug=True stopped the run after {steps} steps ({what}; the arrays hold partial "
+                            f"results); valid indices of a dimension of length n are -n to n - 1",
+                       source_line=linecache.getline(site.filename, site.line),
+                       where="" if site.function == self.spec.name else f"in helper '{site.function}'")
+        return d.format()
 
 
 def megakernel(fn=None, *, swap=(), backend="auto", scope="auto", threads=None, blocks=None):

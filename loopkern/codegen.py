@@ -35,6 +35,8 @@ class KernelSource:
         scope: ``"grid"``, ``"block"`` or ``"thread"`` (``"grid"`` for the CPU backend).
         line_map: generated line number -> (user file, user line, user column).
         step_name: the user's step function name.
+        debug: bounds-checked array access (``debug=True``).
+        sites: for a debug kernel, the :class:`Site` of each checked access, by site number.
     """
 
     text: str
@@ -42,10 +44,45 @@ class KernelSource:
     scope: str
     step_name: str
     line_map: dict = field(repr=False, compare=False)
+    debug: bool = False
+    sites: tuple = field(default=(), repr=False, compare=False)
 
     @property
     def digest(self) -> str:
         return hashlib.sha256(self.text.encode()).hexdigest()[:20]
+
+
+@dataclass(frozen=True)
+class Site:
+    """One bounds-checked array access in a debug kernel.
+
+    Attributes:
+        array: the array's name in the user's code.
+        kind: ``"load"`` or ``"store"``.
+        filename, line, col: where it is (1-based line and column).
+        function: the step or helper it is in.
+    """
+
+    array: str
+    kind: str
+    filename: str
+    line: int
+    col: int
+    function: str
+
+
+class _Sites:
+    """Numbers the checked accesses of one kernel as they are generated."""
+
+    def __init__(self):
+        self.sites: list[Site] = []
+
+    def add(self, array, kind, filename, node, function) -> int:
+        self.sites.append(Site(array, kind, filename, node.lineno, node.col_offset + 1, function))
+        return len(self.sites) - 1
+
+
+_DEBUG_CTX = (f"{_P}dbg", f"{_P}dt")
 
 
 def load_template(name: str) -> string.Template:
@@ -75,10 +112,22 @@ class _Lines:
 class _Lower(ast.NodeTransformer):
     """Replace in-step API markers in expressions with backend code."""
 
-    def __init__(self, backend: str, scope: str, index_name: str = "t"):
+    def __init__(self, backend: str, scope: str, index_name: str = "t", sites: "_Sites | None" = None,
+                 filename: str = "", function: str = ""):
         self.backend = backend
         self.scope = scope
         self.index_name = index_name
+        self.sites = sites          # None unless debug: then array loads are bounds-checked
+        self.filename = filename
+        self.function = function
+
+    def visit_Subscript(self, node):
+        self.generic_visit(node)
+        if self.sites is None or not isinstance(node.ctx, ast.Load) or not isinstance(node.value, ast.Name):
+            return node
+        site = self.sites.add(node.value.id, "load", self.filename, node, self.function)
+        node.slice = check_call("checked", node.value.id, node.slice, site, node)
+        return node
 
     def visit_Call(self, node):
         self.generic_visit(node)
@@ -104,8 +153,16 @@ class _Lower(ast.NodeTransformer):
                 return _rt_call(f"{self.scope}_{name}", node.args + extra, node)
             raise AssertionError(f"unexpected marker {f.id}")  # validate only emits the ones above
         if isinstance(f, ast.Name) and f.id.startswith(f"{_P}fn_"):
-            node.args = node.args + [ast.Name(id=f"{_P}tid", ctx=ast.Load()), ast.Name(id=f"{_P}nt", ctx=ast.Load())]
+            ctx = [f"{_P}tid", f"{_P}nt"] + (list(_DEBUG_CTX) if self.sites is not None else [])
+            node.args = node.args + [ast.Name(id=c, ctx=ast.Load()) for c in ctx]
         return node
+
+
+def check_call(fn: str, array: str, index, site: int, node):
+    """``_lk_rt.<fn>(array, index, _lk_dbg, site, _lk_dt, _lk_tid)``: a bounds check."""
+    args = [ast.Name(id=array, ctx=ast.Load()), index, ast.Name(id=f"{_P}dbg", ctx=ast.Load()), ast.Constant(site),
+            ast.Name(id=f"{_P}dt", ctx=ast.Load()), ast.Name(id=f"{_P}tid", ctx=ast.Load())]
+    return _rt_call(fn, args, node)
 
 
 def _rt_call(fn: str, args, node):
@@ -120,13 +177,17 @@ def _src(e: ast.AST) -> str:
 class _BodyWriter:
     """Prints a lowered body statement by statement, expanding parallel loops."""
 
-    def __init__(self, out: _Lines, backend: str, scope: str, is_step: bool, fn_body=(), index_name="t"):
+    def __init__(self, out: _Lines, backend: str, scope: str, is_step: bool, fn_body=(), index_name="t",
+                 sites: "_Sites | None" = None, function: str = ""):
         self.out = out
         self.fn_body = list(fn_body)
         self.backend = backend
-        self.lower = _Lower(backend, scope, index_name)
+        self.sites = sites
+        self.function = function
+        self.lower = _Lower(backend, scope, index_name, sites, out.filename, function)
         self.is_step = is_step
         self.loop_id = 0
+        self.temp_id = 0
 
     def body(self, stmts, depth):
         for s in stmts:
@@ -150,8 +211,27 @@ class _BodyWriter:
         elif isinstance(s, ast.Expr) and isinstance(s.value, ast.Call):
             v = self.lower.visit(s.value)
             out.add(depth, "pass" if isinstance(v, ast.Constant) else _src(v), s)
+        elif self.sites is not None and self.guarded_store(s, depth):
+            pass
         else:
             out.add(depth, _src(self.lower.visit(s)), s)
+
+    def guarded_store(self, s, depth) -> bool:
+        """Debug kernels: a store to ``a[index]`` runs only if the index is inside ``a``."""
+        tgt = s.targets[0] if isinstance(s, ast.Assign) and len(s.targets) == 1 else \
+            s.target if isinstance(s, ast.AugAssign) else None
+        if not (isinstance(tgt, ast.Subscript) and isinstance(tgt.value, ast.Name)):
+            return False
+        self.temp_id += 1
+        ix = f"{_P}ix{self.temp_id}"
+        index = self.lower.visit(tgt.slice)
+        value = self.lower.visit(s.value)
+        site = self.sites.add(tgt.value.id, "store", self.out.filename, tgt, self.function)
+        self.out.add(depth, f"{ix} = {_src(index)}", s)
+        self.out.add(depth, f"if {_src(check_call('in_bounds', tgt.value.id, ast.Name(id=ix, ctx=ast.Load()), site, s))}:", s)
+        op = "=" if isinstance(s, ast.Assign) else f"{_AUG[type(s.op)]}="
+        self.out.add(depth + 1, f"{tgt.value.id}[{ix}] {op} {_src(value)}", s)
+        return True
 
     def return_text(self, s):
         if not self.is_step:
@@ -275,6 +355,8 @@ class _BodyWriter:
         values they store: several loads in flight per thread instead of one. Returns whether
         it emitted the loop (``cur`` then holds where the remainder loop starts).
         """
+        if self.sites is not None:   # debug: keep each access where the user wrote it
+            return False
         plan = _unroll_plan(list(s.body), index_names, self.outside_names(s))
         if plan is None:
             return False
@@ -298,6 +380,8 @@ class _BodyWriter:
 
 
 UNROLL = 4
+_AUG = {ast.Add: "+", ast.Sub: "-", ast.Mult: "*", ast.Div: "/", ast.FloorDiv: "//", ast.Mod: "%", ast.Pow: "**",
+        ast.BitAnd: "&", ast.BitOr: "|", ast.BitXor: "^", ast.LShift: "<<", ast.RShift: ">>"}
 
 
 def _rename(name: str, copy_index: int, k: int) -> str:
@@ -387,13 +471,13 @@ def _is_zero(e):
 
 
 def _render_function(fs: FunctionSpec, home: str, backend: str, scope: str, is_step: bool,
-                     ctx_params: list[str], decorator: str) -> _Lines:
+                     ctx_params: list[str], decorator: str, sites: _Sites | None = None) -> _Lines:
     out = _Lines(fs.filename, home)
     body = copy.deepcopy(list(fs.body))
     params = list(fs.params) + ctx_params
     out.add(0, decorator)
     out.add(0, f"def {fs.symbol}({', '.join(params)}):", ast.Pass(lineno=fs.lineno, col_offset=0))
-    w = _BodyWriter(out, backend, scope, is_step, body, fs.params[0] if fs.params else "t")
+    w = _BodyWriter(out, backend, scope, is_step, body, fs.params[0] if fs.params else "t", sites, fs.name)
     w.body(body, 1)
     if is_step and not (body and isinstance(body[-1], ast.Return)):
         out.add(1, "return True")
@@ -404,11 +488,13 @@ def _jit_options(backend: str, cache: bool) -> tuple[str, str]:
     """(device function options, kernel options) as text inside the decorator's parentheses."""
     if backend == "cuda":
         return ("", "cache=True" if cache else "")
-    return (", ".join(["cache=True"] * cache), ", ".join(["cache=True"] * cache))
+    # nogil: the kernel runs on a worker thread while the caller's thread reports progress,
+    # enforces the timeout and turns Ctrl-C into a cancellation
+    return (", ".join(["cache=True"] * cache), ", ".join(["cache=True"] * cache + ["nogil=True"]))
 
 
 def render_kernel(spec: StepSpec, backend: str, scope: str = "grid", *, cache: bool = True,
-                  fingerprint: str = "", by_ref: frozenset | None = None) -> KernelSource:
+                  fingerprint: str = "", by_ref: frozenset | None = None, debug: bool = False) -> KernelSource:
     """Render the kernel module for ``spec``.
 
     Args:
@@ -423,6 +509,9 @@ def render_kernel(spec: StepSpec, backend: str, scope: str = "grid", *, cache: b
             scalar parameters that arrive as 1-element device arrays and are read on the
             device, and the step count arrives the same way. ``kernel.jax`` uses this, since
             its scalars and step count may be traced values that live on the device.
+        debug: bounds-check every array access of the step and its helpers (see
+            ``runtime/bounds.py``): an index outside the array is never used, the first one is
+            recorded with its step and thread, and the run stops at the next step boundary.
 
     Returns:
         The :class:`KernelSource`.
@@ -437,15 +526,17 @@ def render_kernel(spec: StepSpec, backend: str, scope: str = "grid", *, cache: b
         raise ValueError(f"scope='thread' runs one thread without barriers; step '{spec.name}' uses "
                          f"parallel loops, lk.thread_id/num_threads, lk.sync or reductions")
     dev_opts, ker_opts = _jit_options(backend, cache)
+    dbg_ctx = list(_DEBUG_CTX) if debug else []
     ctx_params = [f"{_P}tid", f"{_P}nt"] + ([f"{_P}redf", f"{_P}redi", f"{_P}st", f"{_P}bar"] if backend == "cuda"
-                                          else []) + [f"{_P}seed"]
-    helper_ctx = [f"{_P}tid", f"{_P}nt"]
+                                          else []) + [f"{_P}seed"] + dbg_ctx
+    helper_ctx = [f"{_P}tid", f"{_P}nt"] + dbg_ctx
     device_deco = "@cuda.jit(device=True)" if backend == "cuda" else f"@numba.njit({dev_opts})"
+    sites = _Sites() if debug else None
 
     pieces: list[_Lines] = []
     for h in spec.helpers:
-        pieces.append(_render_function(h, spec.filename, backend, scope, False, helper_ctx, device_deco))
-    step_lines = _render_function(spec.step, spec.filename, backend, scope, True, ctx_params, "")
+        pieces.append(_render_function(h, spec.filename, backend, scope, False, helper_ctx, device_deco, sites))
+    step_lines = _render_function(spec.step, spec.filename, backend, scope, True, ctx_params, "", sites)
 
     n = len(spec.params)
     kparams = [f"{_P}a{i}" for i in range(n)]
@@ -466,6 +557,17 @@ def render_kernel(spec: StepSpec, backend: str, scope: str = "grid", *, cache: b
         for a, b in spec.swap:
             copy_lines.append(f"{_INDENT * 2}for {_P}k in range({_P}tid, {kparams[a]}.size, {_P}nt):")
             copy_lines.append(f"{_INDENT * 3}{kparams[b]}.flat[{_P}k] = {kparams[a]}.flat[{_P}k]")
+    poll = f"{_P}rt.poll_debug({_P}t, {_P}host, {_P}pt, {_P}dbg)" if debug else f"{_P}rt.poll({_P}t, {_P}host, {_P}pt)"
+    if backend == "cpu" or scope == "thread":
+        # one thread: its own decision takes effect after this step
+        control = [f"{_INDENT * 2}{_P}seen = {poll}"]
+    else:
+        # the leader's decision before step t reaches every thread through the barrier after
+        # it; each thread reads it during step t + 1 and stops after that step, all at the same
+        # one. Two slots: slot t % 2 is rewritten before step t + 2, after everyone read it.
+        control = [f"{_INDENT * 2}{_P}seen = {_P}info[({_P}t + 1) & 1] if {_P}t > 0 else 0",
+                   f"{_INDENT * 2}if {_P}lead:",
+                   f"{_INDENT * 3}{_P}info[{_P}t & 1] = {poll}"]
     if backend == "cuda" and scope == "thread":
         # a sequential step: one thread, no barrier between steps
         thread_index, thread_count, barrier = "0", "1", ""
@@ -492,12 +594,13 @@ def render_kernel(spec: StepSpec, backend: str, scope: str = "grid", *, cache: b
         seed_param=f"{_P}seed_ref" if by_ref is not None else f"{_P}seed",
         step_args="".join(f"{k}, " for k in kparams), thread_index=thread_index, thread_count=thread_count,
         barrier=barrier or "pass", swap="\n".join(swap_lines) or f"{_INDENT * 2}pass",
-        copy_back="\n".join(copy_lines) or f"{_INDENT}pass",
+        copy_back="\n".join(copy_lines) or f"{_INDENT}pass", control="\n".join(control),
+        debug_param=f", {_P}dbg" if debug else "", debug_args=f", {_P}dbg, {_P}t" if debug else "",
     )
     template = load_template(f"{backend}_kernel.py.tmpl")
     text = template.substitute(mapping)
     line_map = _build_line_map(text, spec.filename)
-    return KernelSource(text, backend, scope, spec.name, line_map)
+    return KernelSource(text, backend, scope, spec.name, line_map, debug, tuple(sites.sites) if sites else ())
 
 
 def _build_line_map(text: str, filename: str) -> dict:

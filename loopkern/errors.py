@@ -44,6 +44,25 @@ class LaunchError(LoopkernError):
     """The requested launch configuration cannot run (e.g. the grid cannot be co-resident)."""
 
 
+class HangError(LaunchError):
+    """The watchdog of a blocking call saw a kernel stop advancing its step counter.
+
+    Attributes:
+        run: the :class:`~loopkern.Run` if the kernel stopped when cancelled, else None (it is
+            still running).
+    """
+
+    def __init__(self, message, run=None):
+        super().__init__(message)
+        self.run = run
+
+
+class BoundsError(LoopkernError, IndexError):
+    """A ``debug=True`` run indexed an array outside its shape; the message points at the
+    access and says at which step, by which thread, with which index. The access was not
+    made (a load read element 0, a store was skipped) and the run stopped soon after."""
+
+
 class BackendError(LoopkernError):
     """The requested backend is not usable on this machine."""
 

@@ -175,7 +175,9 @@ def _sm_count() -> int:
 
 
 class Scratch:
-    """Per-device buffers a kernel needs besides the user's arrays, reused between runs."""
+    """Device buffers a kernel needs besides the user's arrays: reduction slots, the barrier
+    counter and the stop-decision slots. One run uses one at a time (the barrier counter is
+    shared by the run's blocks); :class:`ScratchPool` hands them out."""
 
     def __init__(self):
         self._bufs: dict = {}
@@ -192,39 +194,81 @@ class Scratch:
         return have
 
 
+class ScratchPool:
+    """Scratch for runs in flight: a run takes one and gives it back when it has finished, so
+    runs started one after another reuse the same buffers and overlapping runs never share."""
+
+    def __init__(self):
+        self._free: list[Scratch] = []
+        self._lock = threading.Lock()
+
+    def take(self) -> Scratch:
+        with self._lock:
+            return self._free.pop() if self._free else Scratch()
+
+    def give(self, scratch: Scratch):
+        with self._lock:
+            self._free.append(scratch)
+
+
+#: int64 slots of a run's control block (layout in runtime/cuda_rt.py)
+HOST_SIZE = 8
+_HOST_FREE: dict = {}
+
+
+def take_control_block(backend: str):
+    """A fresh control block for one run: (what the kernel gets, a NumPy view of it).
+
+    CUDA: mapped pinned host memory, which the kernel writes and the host reads while it runs
+    (the simulator's equivalent under NUMBA_ENABLE_CUDASIM). CPU: a NumPy array.
+    """
+    key = backend if backend == "cpu" else ("cuda", _sim())
+    with _lock:
+        free = _HOST_FREE.setdefault(key, [])
+        block = free.pop() if free else None
+    if block is None:
+        if backend == "cpu":
+            block = np.zeros(HOST_SIZE, np.int64)
+        else:
+            from numba import cuda
+            block = cuda.mapped_array(HOST_SIZE, np.int64)
+    view = block._ary if hasattr(block, "_ary") else block   # the simulator's array wraps NumPy
+    view[:] = 0
+    view[0] = -1    # steps done: -1 until the kernel has started
+    return block, view
+
+
+def give_control_block(backend: str, block):
+    key = backend if backend == "cpu" else ("cuda", _sim())
+    with _lock:
+        _HOST_FREE.setdefault(key, []).append(block)
+
+
 def _sim() -> bool:
     from numba import config
     return bool(config.ENABLE_CUDASIM)
 
 
-def launch_cuda(dispatcher, kernel, plan: LaunchPlan, nsteps: int, args: tuple, scratch: Scratch,
-                stream=0, seed: int = 0) -> tuple[int, bool]:
-    """Run the kernel to completion; returns (steps run, stopped by the step's condition).
+def launch_cuda(dispatcher, kernel, plan: LaunchPlan, args: tuple, stream=0):
+    """Launch the kernel with its full argument list; returns without waiting for it, except
+    under Numba's simulator, which runs the kernel before returning.
 
     ``kernel`` is the compiled overload for these argument types: grid scope marks it for a
     cooperative launch, so the driver refuses (rather than hangs on) a grid that cannot be
     co-resident, even though the barrier is loopkern's own.
     """
-    from numba import cuda
-    redf, redi, bar, info = scratch.cuda(plan.blocks)
     if plan.scope == "grid" and not _sim():
         kernel.cooperative = True
-    full = (np.int64(nsteps), *args, redf, redi, bar, np.uint64(seed), info)
     if hasattr(kernel, "launch"):   # the compiled kernel itself: no per-call type dispatch
         from numba.cuda.cudadrv import driver
-        kernel.launch(full, (plan.blocks, 1, 1), (plan.threads, 1, 1), driver._to_core_stream(stream), 0)
+        kernel.launch(args, (plan.blocks, 1, 1), (plan.threads, 1, 1), driver._to_core_stream(stream), 0)
     else:                           # Numba's simulator
-        (dispatcher[plan.blocks, plan.threads, stream] if stream else dispatcher[plan.blocks, plan.threads])(*full)
-    if stream:
-        stream.synchronize()
-    else:
-        cuda.synchronize()
-    out = info.copy_to_host()
-    return int(out[0]), bool(out[1])
+        (dispatcher[plan.blocks, plan.threads, stream] if stream else dispatcher[plan.blocks, plan.threads])(*args)
 
 
-def launch_cpu(kernel, nsteps: int, args: tuple, seed: int = 0) -> tuple[int, bool]:
-    """Run the CPU kernel; returns (steps run, stopped by the step's condition)."""
-    info = np.zeros(2, np.int64)
-    kernel(np.int64(nsteps), *args, np.uint64(seed), info)
-    return int(info[0]), bool(info[1])
+def record_event(stream=0):
+    """An event recorded on ``stream`` after what was launched there so far."""
+    from numba import cuda
+    event = cuda.event(timing=False)
+    event.record(stream or cuda.default_stream())
+    return event

@@ -54,8 +54,8 @@ def scalar_type(v):
 for name, fn, swap, args, scopes in CASES:
     k = lk.megakernel(fn, swap=swap)
     for scope in scopes:
-        for by_ref in (None, "refs"):
-            if by_ref and scope != "grid":
+        for by_ref, debug in ((None, False), ("refs", False), (None, True)):
+            if (by_ref or debug) and scope == "block":
                 continue
             refs = frozenset(i for i, a in enumerate(args) if not isinstance(a, np.ndarray)) if by_ref else None
             params = []
@@ -66,16 +66,20 @@ for name, fn, swap, args, scopes in CASES:
                     params.append(types.Array(scalar_type(a), 1, "C"))
                 else:
                     params.append(scalar_type(a))
+            # ..., seed, info (stop-decision slots), control block [, debug record]
+            control = (types.int64[::1], types.int64[::1]) + ((types.int64[::1],) if debug else ())
             if refs is None:
-                sig = (types.int64, *params, *SCRATCH, types.uint64, types.int64[::1])
+                sig = (types.int64, *params, *SCRATCH, types.uint64, *control)
             else:
-                sig = (types.int64[::1], *params, *SCRATCH, types.uint32[::1], types.int64[::1])
-            rec = dict(kernel=name, scope=scope, by_ref=bool(by_ref))
+                sig = (types.int64[::1], *params, *SCRATCH, types.uint32[::1], *control)
+            rec = dict(kernel=name, scope=scope, by_ref=bool(by_ref), debug=debug)
             try:
-                src = codegen.render_kernel(k.spec, "cuda", scope, cache=False, by_ref=refs)
+                src = codegen.render_kernel(k.spec, "cuda", scope, cache=False, by_ref=refs, debug=debug)
                 ptx, _ = cuda.compile_ptx(compile_kernel(src).dispatcher.py_func, sig, cc=(9, 0))
                 rec.update(ok=True, own_barrier=ptx.count("atom.add.release.gpu"), cg=ptx.count("cudaCGSynchronize"),
-                           shuffles=ptx.count("shfl.sync"))
+                           shuffles=ptx.count("shfl.sync"), globaltimer=ptx.count("%globaltimer"),
+                           volatile_host=ptx.count("st.volatile.u64"), sys_fence=ptx.count("membar.sys"),
+                           bounds_records=ptx.count("atom.global.cas") + ptx.count("atom.cas"))
             except Exception as exc:
                 rec.update(ok=False, error=f"{type(exc).__name__}: {exc}"[:2000])
             print(json.dumps(rec), flush=True)

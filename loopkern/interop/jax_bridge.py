@@ -14,6 +14,7 @@ import numbers
 import numpy as np
 
 from ..errors import ArgumentError, LoopkernError
+from ..runs import TIMEOUT_NS
 from .arrays import check_dtype
 
 _SCRATCH_VIEW = 8   # redf, redi and info are 8-byte elements, passed to XLA as bytes
@@ -93,12 +94,13 @@ def _platform(mk, arrays, backend):
 
 
 def jax_call(mk, args, kwargs, *, steps=None, max_steps=None, backend=None, scope=None, threads=None,
-             blocks=None, seed=0):
+             blocks=None, seed=0, timeout=None):
     """Implementation of :meth:`loopkern.MegaKernel.jax` (see there)."""
     import jax
 
-    from ..api import check_seed
+    from ..api import check_seconds, check_seed
     seed = check_seed(seed)
+    timeout = check_seconds("timeout", timeout)
     arrays, scalars, nsteps = _prepare(mk, args, kwargs, steps, max_steps)
     platform = _platform(mk, arrays, backend)
     order = [i for i in range(len(mk.spec.params))]
@@ -106,9 +108,9 @@ def jax_call(mk, args, kwargs, *, steps=None, max_steps=None, backend=None, scop
     inputs = [nsteps] + [arrays[i] if i in arrays else scalars[i] for i in order]
 
     if platform == "cuda":
-        core = _cuda_core(mk, arrays, scalars, nsteps, scope, threads, blocks, seed)
+        core = _cuda_core(mk, arrays, scalars, nsteps, scope, threads, blocks, seed, timeout)
     else:
-        core = _cpu_core(mk, arrays, scalars, nsteps, seed)
+        core = _cpu_core(mk, arrays, scalars, nsteps, seed, timeout)
 
     @jax.custom_jvp
     def call(*xs):
@@ -122,12 +124,12 @@ def jax_call(mk, args, kwargs, *, steps=None, max_steps=None, backend=None, scop
 
     outs = call(*inputs)
     result = tuple(outs[: len(arr_idx)])
-    if mk.spec.returns_condition:
+    if mk.spec.returns_condition or timeout is not None:
         result = result + (outs[-1],)
     return result
 
 
-def _cpu_core(mk, arrays, scalars, nsteps, seed):
+def _cpu_core(mk, arrays, scalars, nsteps, seed, timeout):
     import jax
     import jax.numpy as jnp
 
@@ -139,7 +141,7 @@ def _cpu_core(mk, arrays, scalars, nsteps, seed):
         call_args = []
         for i, v in enumerate(vals):
             call_args.append(np.array(v) if i in arrays else np.asarray(v).reshape(())[()])
-        run = mk(*call_args, steps=int(np.asarray(n).reshape(())), backend="cpu", seed=seed)
+        run = mk(*call_args, steps=int(np.asarray(n).reshape(())), backend="cpu", seed=seed, timeout=timeout)
         return tuple(call_args[i] for i in arr_idx) + (np.int32(run.steps),)
 
     def core(n, *vals):
@@ -147,7 +149,7 @@ def _cpu_core(mk, arrays, scalars, nsteps, seed):
     return core
 
 
-def _cuda_core(mk, arrays, scalars, nsteps, scope, threads, blocks, seed):
+def _cuda_core(mk, arrays, scalars, nsteps, scope, threads, blocks, seed, timeout):
     import jax
     import jax.numpy as jnp
     from numba import types
@@ -172,35 +174,44 @@ def _cuda_core(mk, arrays, scalars, nsteps, scope, threads, blocks, seed):
     sig = [nb(nsteps.dtype, 1)]
     for i in range(n):
         sig.append(nb(arrays[i].dtype, arrays[i].ndim) if i in arrays else nb(scalars[i].dtype, 1))
-    sig += [types.float64[:, ::1], types.int64[:, ::1], types.uint32[::1], types.uint32[::1], types.int64[::1]]
+    sig += [types.float64[:, ::1], types.int64[:, ::1], types.uint32[::1], types.uint32[::1], types.int64[::1],
+            types.int64[::1]]
     kernel, func = compiled.load_for_ffi(tuple(sig), xla_ffi)
     plan = launch.plan_cuda(kernel, scope, work, threads or mk._defaults["threads"],
                             blocks or mk._defaults["blocks"], simulator=False)
     xla_ffi.register_cuda_target()
 
-    # inputs: nsteps, params (arrays and 1-element scalars) in order, zeroed barrier counter, seed
-    # results: arrays (aliased), barrier (aliased), redf, redi, info (bytes, viewed as 8-byte)
+    # inputs: nsteps, params (arrays and 1-element scalars) in order, zeroed barrier counter, seed,
+    # the control block (uint32 words of int64 slots: the timeout in, the step count out)
+    # results: arrays (aliased), barrier (aliased), redf, redi, info (bytes, viewed as 8-byte),
+    # the control block (aliased)
     na = len(arr_idx)
     results = [jax.ShapeDtypeStruct(arrays[i].shape, arrays[i].dtype) for i in arr_idx]
     results += [jax.ShapeDtypeStruct((1,), jnp.uint32),
                 jax.ShapeDtypeStruct((2, plan.blocks * _SCRATCH_VIEW), jnp.uint8),
                 jax.ShapeDtypeStruct((2, plan.blocks * _SCRATCH_VIEW), jnp.uint8),
-                jax.ShapeDtypeStruct((2 * _SCRATCH_VIEW,), jnp.uint8)]
+                jax.ShapeDtypeStruct((2 * _SCRATCH_VIEW,), jnp.uint8),
+                jax.ShapeDtypeStruct((2 * launch.HOST_SIZE,), jnp.uint32)]
     aliases = {1 + i: arr_idx.index(i) for i in arr_idx}
     aliases[1 + n] = na
+    aliases[3 + n] = na + 4
     layout = [0, 0, 0]
     for i in range(n):
         layout += [1, arr_idx.index(i), 0] if i in arrays else [0, 1 + i, 0]
-    layout += [1, na + 1, _SCRATCH_VIEW, 1, na + 2, _SCRATCH_VIEW, 1, na, 0, 0, n + 2, 0, 1, na + 3, _SCRATCH_VIEW]
+    layout += [1, na + 1, _SCRATCH_VIEW, 1, na + 2, _SCRATCH_VIEW, 1, na, 0, 0, n + 2, 0, 1, na + 3, _SCRATCH_VIEW,
+               1, na + 4, _SCRATCH_VIEW]
     seed_words = np.array([seed & 0xFFFFFFFF, seed >> 32], np.uint32)
+    control = np.zeros(launch.HOST_SIZE, np.int64)
+    control[TIMEOUT_NS] = int(timeout * 1e9) if timeout is not None else 0
     call = jax.ffi.ffi_call(xla_ffi.TARGET, tuple(results), input_output_aliases=aliases,
                             vmap_method="sequential")
     attrs = dict(func=np.int64(func), blocks=np.int64(plan.blocks), threads=np.int64(plan.threads),
                  cooperative=np.int64(1 if plan.scope == "grid" else 0), layout=np.array(layout, np.int64))
 
     def core(nsteps_buf, *vals):
-        outs = call(nsteps_buf, *vals, jnp.zeros((1,), jnp.uint32), jnp.asarray(seed_words), **attrs)
-        # info[0] is the int64 step count; its low 32 bits (little-endian) are enough
-        steps_done = jax.lax.bitcast_convert_type(outs[-1].reshape(4, 4), jnp.int32)[0]
+        outs = call(nsteps_buf, *vals, jnp.zeros((1,), jnp.uint32), jnp.asarray(seed_words),
+                    jnp.asarray(control.view(np.uint32)), **attrs)
+        # slot 0 of the control block is the int64 step count; its low 32 bits (little-endian)
+        steps_done = jax.lax.bitcast_convert_type(outs[-1][0], jnp.int32)
         return tuple(outs[:na]) + (steps_done,)
     return core

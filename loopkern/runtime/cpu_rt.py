@@ -25,3 +25,72 @@ def _reduce_value_impl(x):
 reduce_sum = reduce_max = reduce_min = _reduce_value
 
 _, random_uniform, random_normal = build(numba.njit)
+
+
+# -- run control (see cuda_rt for the control block's layout) ---------------------------------
+# One thread runs every step, so the kernel publishes its step count and reads the host's
+# request at every step; a timeout arrives as a request (code 3) from the waiting thread.
+from numba.extending import intrinsic  # noqa: E402
+
+
+def _element_ptr(context, builder, aryty, ary, idx, idxty):
+    a = context.make_array(aryty)(context, builder, ary)
+    return builder.gep(a.data, [context.cast(builder, idx, idxty, types.int64)])
+
+
+@intrinsic
+def _load_relaxed(typingctx, arr, idx):
+    """An atomic (monotonic) load of ``arr[idx]`` (int64): the compiler may not hoist it out of
+    the step loop, so a write by another thread is seen."""
+    sig = types.int64(arr, idx)
+
+    def codegen(context, builder, sig, args):
+        ptr = _element_ptr(context, builder, sig.args[0], args[0], args[1], sig.args[1])
+        return builder.load_atomic(ptr, "monotonic", 8)
+    return sig, codegen
+
+
+@intrinsic
+def _store_relaxed(typingctx, arr, idx, val):
+    """An atomic (monotonic) store of ``val`` into ``arr[idx]`` (int64)."""
+    sig = types.void(arr, idx, val)
+
+    def codegen(context, builder, sig, args):
+        ptr = _element_ptr(context, builder, sig.args[0], args[0], args[1], sig.args[1])
+        builder.store_atomic(context.cast(builder, args[2], sig.args[2], types.int64), ptr, "monotonic", 8)
+        return context.get_dummy_value()
+    return sig, codegen
+
+
+@numba.njit
+def poll(t, host, pt):
+    """Publish the steps done before step ``t``; return the host's request (0: go on).
+    (``pt`` is the GPU leader's poll state, unused here.)"""
+    _store_relaxed(host, 0, t)
+    return _load_relaxed(host, 1)
+
+
+@numba.njit
+def poll_debug(t, host, pt, dbg):
+    code = poll(t, host, pt)
+    return 4 if dbg[0] != 0 else code
+
+
+@numba.njit
+def finish(host, t, why):
+    _store_relaxed(host, 0, t)
+    _store_relaxed(host, 2, why)
+    _store_relaxed(host, 3, 1)
+
+
+@numba.njit
+def _claim(dbg):
+    if dbg[0] != 0:
+        return False
+    dbg[0] = 1
+    return True
+
+
+from . import bounds as _bounds  # noqa: E402
+
+checked, in_bounds = _bounds.build_numba(overload, "cpu", _claim)

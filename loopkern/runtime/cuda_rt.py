@@ -216,3 +216,150 @@ else:
 grid_sum, grid_max, grid_min = (_make(op, True) for op in _OPS)
 _, random_uniform, random_normal = build(cuda.jit(device=True))
 block_sum, block_max, block_min = (_make(op, False) for op in _OPS)
+
+
+# -- run control: progress, cancellation, timeouts, debug stops ------------------------------
+#
+# ``host`` (int64[HOST_SIZE]) is the run's control block, in mapped pinned host memory for
+# kernel(...) (a device buffer under kernel.jax):
+#   [0] steps done (published while running, final at the end)   [1] request from the host
+#   (0 none, 2 cancel, 3 timeout)   [2] why the run stopped (Run.stopped codes)   [3] 1 when the
+#   kernel is done   [4] timeout in ns from the kernel's start (0: none)
+# The leader (thread 0) polls once per step: the cycle counter rate-limits reads of the global
+# timer, and those rate-limit the PCIe round trip to the host block to one per PUBLISH_NS.
+POLL_CYCLES = 16384
+PUBLISH_NS = 1_000_000
+
+if SIMULATOR:
+    import time
+
+    def _now():
+        return time.monotonic_ns()
+
+    @cuda.jit(device=True)
+    def poll(t, host, pt):
+        """The leader's stop decision before step ``t``: 0 (go on) or a stop code."""
+        now = _now()
+        if t == 0:
+            pt[1] = 0
+            pt[3] = 0
+            pt[2] = now + int(host[4]) if host[4] > 0 else 0
+        if now >= pt[1]:
+            pt[1] = now + PUBLISH_NS
+            host[0] = t
+            if host[1] != 0 and pt[3] == 0:
+                pt[3] = host[1]
+        if pt[2] != 0 and now >= pt[2] and pt[3] == 0:
+            pt[3] = 3
+        return pt[3]
+
+    @cuda.jit(device=True)
+    def poll_debug(t, host, pt, dbg):
+        code = poll(t, host, pt)
+        return 4 if dbg[0] != 0 else code
+
+    @cuda.jit(device=True)
+    def finish(host, t, why):
+        host[0] = t
+        host[2] = why
+        host[3] = 1
+
+    def _claim(dbg):
+        return cuda.atomic.compare_and_swap(dbg, 0, 1) == 0
+else:
+    @intrinsic
+    def _special_u64(typingctx, which):
+        """``mov.u64`` from ``%globaltimer`` (ns) or ``%clock64`` (cycles), as int64."""
+        from numba.core.errors import TypingError
+        if not isinstance(which, _types.StringLiteral) or which.literal_value not in ("globaltimer", "clock64"):
+            raise TypingError("expected 'globaltimer' or 'clock64'")
+        reg = which.literal_value
+        sig = _types.int64(which)
+
+        def codegen(context, builder, sig, args):
+            asm = ir.InlineAsm(ir.FunctionType(ir.IntType(64), []), f"mov.u64 $0, %{reg};", "=l", side_effect=True)
+            return builder.call(asm, [])
+        return sig, codegen
+
+    def _element_ptr(context, builder, aryty, ary, idx, idxty):
+        a = context.make_array(aryty)(context, builder, ary)
+        i = context.cast(builder, idx, idxty, _types.int64)
+        return builder.gep(a.data, [i])
+
+    @intrinsic
+    def _ld_volatile(typingctx, arr, idx):
+        """``ld.volatile`` of ``arr[idx]`` (int64): seen fresh from host memory or other threads."""
+        sig = _types.int64(arr, idx)
+
+        def codegen(context, builder, sig, args):
+            ptr = _element_ptr(context, builder, sig.args[0], args[0], args[1], sig.args[1])
+            fnty = ir.FunctionType(ir.IntType(64), [ptr.type])
+            asm = ir.InlineAsm(fnty, "ld.volatile.u64 $0, [$1];", "=l,l,~{memory}", side_effect=True)
+            return builder.call(asm, [ptr])
+        return sig, codegen
+
+    @intrinsic
+    def _st_volatile(typingctx, arr, idx, val):
+        """``st.volatile`` of ``val`` into ``arr[idx]`` (int64)."""
+        sig = _types.void(arr, idx, val)
+
+        def codegen(context, builder, sig, args):
+            ptr = _element_ptr(context, builder, sig.args[0], args[0], args[1], sig.args[1])
+            v = context.cast(builder, args[2], sig.args[2], _types.int64)
+            fnty = ir.FunctionType(ir.VoidType(), [ptr.type, ir.IntType(64)])
+            asm = ir.InlineAsm(fnty, "st.volatile.u64 [$0], $1;", "l,l,~{memory}", side_effect=True)
+            builder.call(asm, [ptr, v])
+            return context.get_dummy_value()
+        return sig, codegen
+
+    @cuda.jit(device=True)
+    def poll(t, host, pt):
+        """The leader's stop decision before step ``t``: 0 (go on) or a stop code (sticky).
+
+        ``pt`` (int64[4], the leader's own) holds the last cycle count, the next publish time,
+        the deadline (0: none) and the decision so far.
+        """
+        c = _special_u64("clock64")
+        if t == 0:
+            pt[1] = 0
+            pt[3] = 0
+            timeout = _ld_volatile(host, 4)
+            pt[2] = _special_u64("globaltimer") + timeout if timeout > 0 else 0
+        elif c - pt[0] < POLL_CYCLES:
+            return pt[3]
+        pt[0] = c
+        now = _special_u64("globaltimer")
+        if now >= pt[1]:
+            pt[1] = now + PUBLISH_NS
+            _st_volatile(host, 0, t)
+            req = _ld_volatile(host, 1)
+            if req != 0 and pt[3] == 0:
+                pt[3] = req
+        if pt[2] != 0 and now >= pt[2] and pt[3] == 0:
+            pt[3] = 3
+        return pt[3]
+
+    @cuda.jit(device=True)
+    def poll_debug(t, host, pt, dbg):
+        code = poll(t, host, pt)
+        return 4 if _ld_volatile(dbg, 0) != 0 else code
+
+    @cuda.jit(device=True)
+    def finish(host, t, why):
+        """Publish the final step count and stop code, then mark the run done."""
+        _st_volatile(host, 0, t)
+        _st_volatile(host, 2, why)
+        cuda.threadfence_system()
+        _st_volatile(host, 3, 1)
+
+    @cuda.jit(device=True)
+    def _claim(dbg):
+        return cuda.atomic.compare_and_swap(dbg, 0, 1) == 0
+
+
+from . import bounds as _bounds  # noqa: E402
+
+if SIMULATOR:
+    checked, in_bounds = _bounds.build_python(_claim)
+else:
+    checked, in_bounds = _bounds.build_numba(overload, "cuda", _claim)

@@ -29,24 +29,32 @@ def _lk_step(t, u, v, alpha, _lk_tid, _lk_nt, _lk_redf, _lk_redi, _lk_st, _lk_ba
     return True
 
 @cuda.jit(cache=True)
-def _lk_kernel(_lk_nsteps, _lk_a0, _lk_a1, _lk_a2, _lk_redf, _lk_redi, _lk_bar, _lk_seed, _lk_info):
+def _lk_kernel(_lk_nsteps, _lk_a0, _lk_a1, _lk_a2, _lk_redf, _lk_redi, _lk_bar, _lk_seed, _lk_info, _lk_host):
     _lk_tid = cuda.threadIdx.x
     _lk_nt = cuda.blockDim.x
 
     _lk_st = cuda.local.array(1, _lk_np.int32)
     _lk_st[0] = 0
+    _lk_pt = cuda.local.array(4, _lk_np.int64)
+    _lk_lead = _lk_tid == 0
+    _lk_why = 0
     _lk_t = 0
     _lk_go = True
     while _lk_t < _lk_nsteps:
+        _lk_seen = _lk_info[(_lk_t + 1) & 1] if _lk_t > 0 else 0
+        if _lk_lead:
+            _lk_info[_lk_t & 1] = _lk_rt.poll(_lk_t, _lk_host, _lk_pt)
         _lk_go = _lk_step(_lk_t, _lk_a0, _lk_a1, _lk_a2, _lk_tid, _lk_nt, _lk_redf, _lk_redi, _lk_st, _lk_bar, _lk_seed)
         _lk_rt.block_sync(_lk_bar)
         _lk_t += 1
         _lk_a0, _lk_a1 = _lk_a1, _lk_a0
         if not _lk_go:
             break
+        if _lk_seen != 0:
+            _lk_why = _lk_seen
+            break
     if _lk_t % 2 == 1:
         for _lk_k in range(_lk_tid, _lk_a0.size, _lk_nt):
             _lk_a1.flat[_lk_k] = _lk_a0.flat[_lk_k]
-    if _lk_tid == 0:
-        _lk_info[0] = _lk_t
-        _lk_info[1] = 0 if _lk_go else 1
+    if _lk_lead:
+        _lk_rt.finish(_lk_host, _lk_t, 1 if not _lk_go else _lk_why)
