@@ -827,6 +827,103 @@ def bench_overhead(b: Bench):
                     steps=1))
 
 
+# =============================================================================== run control
+def rng_kernel(kind):
+    import loopkern as lk
+    if kind == "normal":
+        @lk.megakernel
+        def rng_normal(t, x):
+            for i in lk.range(x.shape[0]):
+                x[i] = np.float32(lk.random.normal(i))
+        return rng_normal
+
+    @lk.megakernel
+    def rng_uniform(t, x):
+        for i in lk.range(x.shape[0]):
+            x[i] = np.float32(lk.random.uniform(i))
+    return rng_uniform
+
+
+def bench_control(b: Bench):
+    """Issue-5 numbers: progress reporting overhead, cancellation latency, RNG throughput."""
+    args, gpu = b.args, b.gpu
+    backend = "cuda" if gpu else "cpu"
+    n = 65536 if not args.quick else 4096
+    u0 = np.random.default_rng(5).random(n).astype(np.float32)
+    steps = 20000 if not args.quick else 2000
+
+    def check(res, done):
+        e = rel_err(res, heat_ref(u0, done))
+        return e < 1e-4, f"rel_err={e:.2e}"
+    case = Case("progress", n, steps, 100, check, dict(u0=u0), bytes_per_step=8 * n)
+    arrays = lambda c: dict(u=c.data["u0"], v=c.data["u0"])  # noqa: E731
+    variants = [(f"loopkern[auto] progress={p}", lambda c, p=p: loopkern_impl(
+        gpu, heat_kernel(), arrays(c), (ALPHA,), ["u", "v"], backend=backend,
+        progress={"off": False, "callback": (lambda done, total: None)}[p])) for p in ("callback", "off")]
+    b.measure(case, variants)
+
+    # cancellation latency: from cancel() to wait() returning, on a run that would last minutes
+    k = heat_kernel()
+    du, dv = on_device(gpu, u0), on_device(gpu, u0)
+    lat, steps_done = [], []
+    for _ in range(args.reps):
+        h = k.start(du, dv, ALPHA, steps=10 ** 9, backend=backend)
+        time.sleep(0.3)
+        t0 = time.perf_counter()
+        h.cancel()
+        run = h.wait()
+        lat.append(time.perf_counter() - t0)
+        steps_done.append(run.steps)
+    b.emit(dict(workload="cancel", n=n, variant="loopkern[auto] cancel() -> wait() latency (ms)",
+                us_per_step=statistics.median(lat) * 1e3, latency_ms=[round(x * 1e3, 3) for x in lat],
+                steps=int(statistics.median(steps_done)), stopped=run.stopped))
+
+    # random numbers: one float32 draw per element per step, written out
+    m = (1 << 24) if gpu else (1 << 16)
+    rsteps = 50 if gpu else 5
+    for kind in ("uniform", "normal"):
+        rk = rng_kernel(kind)
+        x = on_device(gpu, np.zeros(m, np.float32))
+        rk(x, steps=1, backend=backend, seed=1)
+        vals = to_host(gpu, x)
+        ok = (abs(vals.mean() - (0.5 if kind == "uniform" else 0.0)) < 0.01 and
+              abs(vals.std() - (np.sqrt(1 / 12) if kind == "uniform" else 1.0)) < 0.01)
+        ts = []
+        for _ in range(args.reps):
+            if gpu:
+                from numba import cuda
+                cuda.synchronize()
+            t0 = time.perf_counter()
+            rk(x, steps=rsteps, backend=backend, seed=2)
+            ts.append(time.perf_counter() - t0)
+        med = statistics.median(ts)
+        row = dict(workload="rng", n=m, variant=f"loopkern lk.random.{kind} (float32 out)",
+                   us_per_step=med / rsteps * 1e6, numbers_per_s=m * rsteps / med, steps=rsteps,
+                   check=f"mean {vals.mean():.4f} std {vals.std():.4f}")
+        if not ok:
+            row["error"] = "wrong result: moments off"
+        b.emit(row)
+    if have("jax") and not args.no_jax:
+        import jax
+        import jax.numpy as jnp
+
+        @jax.jit
+        def draws(key):
+            def body(i, acc):
+                return acc + jax.random.normal(jax.random.fold_in(key, i), (m,), jnp.float32)
+            return jax.lax.fori_loop(0, rsteps, body, jnp.zeros((m,), jnp.float32))
+        key = jax.random.PRNGKey(0)
+        jax.block_until_ready(draws(key))
+        ts = []
+        for _ in range(args.reps):
+            t0 = time.perf_counter()
+            jax.block_until_ready(draws(key))
+            ts.append(time.perf_counter() - t0)
+        med = statistics.median(ts)
+        b.emit(dict(workload="rng", n=m, variant="jax.random.normal in fori_loop (float32, added to a carry)",
+                    us_per_step=med / rsteps * 1e6, numbers_per_s=m * rsteps / med, steps=rsteps))
+
+
 # =============================================================================== compile time
 COMPILE_SCRIPT = textwrap.dedent("""
     import sys, time, json
@@ -899,6 +996,10 @@ def write_outputs(results, meta, outdir: Path):
                     bb = base.get(s)
                     ratio = f" ({r['us_per_step'] / bb:.2f}x)" if bb else ""
                     extra = f", {r['seconds_for_all_steps']:.3g} s total" if "seconds_for_all_steps" in r else ""
+                    if "numbers_per_s" in r:
+                        extra += f", {r['numbers_per_s'] / 1e9:.3g}e9 numbers/s"
+                    if "latency_ms" in r:
+                        extra += f" (runs: {', '.join(f'{x:.2f}' for x in r['latency_ms'])})"
                     cells.append(f"{r['us_per_step']:.3g}{ratio}{extra}")
             lines.append(f"| {v} | " + " | ".join(cells) + " |")
         lines.append("")
@@ -929,7 +1030,8 @@ def write_outputs(results, meta, outdir: Path):
 
 
 WORKLOADS = {"heat": bench_heat, "jacobi": bench_jacobi, "life": bench_life, "nbody": bench_nbody,
-             "quadratic": bench_quadratic, "overhead": bench_overhead, "compile": bench_compile}
+             "quadratic": bench_quadratic, "overhead": bench_overhead, "control": bench_control,
+             "compile": bench_compile}
 
 
 def run_cmdbuf_subprocess(args) -> list[dict]:
@@ -954,7 +1056,7 @@ def run_cmdbuf_subprocess(args) -> list[dict]:
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="small sizes on the CPU backend (CI smoke test)")
-    p.add_argument("--workloads", default="heat,jacobi,life,nbody,quadratic,overhead,compile")
+    p.add_argument("--workloads", default="heat,jacobi,life,nbody,quadratic,overhead,control,compile")
     p.add_argument("--sizes", default="", help="comma-separated sizes for heat")
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--out", default=str(HERE / "bench-results"))

@@ -20,8 +20,8 @@ STOPPED = ("steps", "condition", "cancelled", "timeout", "error")
 CANCEL, TIMEOUT = 2, 3
 # control block slots
 STEPS, REQUEST, WHY, DONE, TIMEOUT_NS = 0, 1, 2, 3, 4
-#: a blocking call gives a cancelled kernel this long (at most) to reach a step boundary
-#: before the watchdog reports it as stuck
+#: when the watchdog fires it cancels the run and gives the kernel this long to reach a step
+#: boundary before reporting it as stuck
 WATCHDOG_GRACE_S = 5.0
 
 
@@ -154,7 +154,8 @@ class RunHandle:
         """Wait for the kernel to finish; returns its :class:`Run`.
 
         Ctrl-C while waiting cancels the kernel, waits for it to stop (the arrays are then
-        consistent, NumPy inputs copied back) and re-raises ``KeyboardInterrupt``.
+        consistent, NumPy inputs copied back) and re-raises ``KeyboardInterrupt``, whose
+        ``loopkern_run`` attribute is the cancelled :class:`Run`. A second Ctrl-C stops waiting.
 
         Args:
             timeout: seconds to wait at most (None: until it finishes). This is not the run's
@@ -171,9 +172,13 @@ class RunHandle:
             raise self._error
         try:
             return self._wait(timeout)
-        except KeyboardInterrupt:
+        except KeyboardInterrupt as exc:
             self.cancel()
-            self._wait(None, watchdog=False)
+            run = self._wait(None, watchdog=False)
+            exc.loopkern_run = run
+            if hasattr(exc, "add_note"):
+                exc.add_note(f"loopkern: {self.name} was cancelled after {run.steps} steps; the arrays hold the "
+                             f"state after those steps")
             raise
 
     def _wait(self, timeout, watchdog=True) -> Run:
@@ -217,19 +222,20 @@ class RunHandle:
     def _stalled(self, steps, idle):
         """The watchdog fired: cancel, give the kernel a grace period, then report."""
         self.cancel()
-        grace = min(self._watchdog, WATCHDOG_GRACE_S)
+        grace = WATCHDOG_GRACE_S
+        watchdog, self._watchdog = self._watchdog, None    # it reports once
         end = time.monotonic() + grace
         while time.monotonic() < end:
             if self._waiter.is_done():
                 run = self._finish()
                 raise HangError(
-                    f"{self.name}: the watchdog saw no progress for {idle:.1f} s (watchdog={self._watchdog} s) at "
+                    f"{self.name}: the watchdog saw no progress for {idle:.1f} s (watchdog={watchdog} s) at "
                     f"step {steps}, so it cancelled the run; the kernel stopped after {run.steps} steps, so a step "
                     f"takes longer than the watchdog interval. The arrays hold the state after {run.steps} steps. "
                     f"Pass a larger watchdog= (or watchdog=None) for steps this slow.", run=run)
             time.sleep(1e-3)
         raise HangError(
-            f"{self.name}: the watchdog saw no progress for {idle:.1f} s (watchdog={self._watchdog} s) at step "
+            f"{self.name}: the watchdog saw no progress for {idle:.1f} s (watchdog={watchdog} s) at step "
             f"{steps}, and the kernel did not stop within {grace:.1f} s of being cancelled: a step never "
             f"finishes (e.g. a while loop whose condition stays true). The {self._backend} device is still "
             f"running it; it cannot be stopped from here, so the process must exit to free it.", run=None)

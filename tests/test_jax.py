@@ -123,3 +123,17 @@ def test_xla_ffi_shim_builds_and_registers_without_a_gpu():
     mod = xla_ffi.build_shim()
     assert int(mod.ffi.cast("uintptr_t", mod.lib.lk_launch_address())) != 0
     xla_ffi.register_cuda_target()     # queued for CUDA on a CPU-only jaxlib
+
+
+def test_timeout_returns_the_steps_done(rng):
+    u0 = rng.random(2000).astype(np.float32)
+    u, v, done = HEAT.jax(jnp.asarray(u0), jnp.asarray(u0), 0.2, steps=10 ** 9, timeout=0.3)
+    done = int(done)
+    assert 0 < done < 10 ** 9
+    # float32 over many steps: exactly the state of a run of 'done' steps, and close to float64
+    a, b = u0.copy(), u0.copy()
+    HEAT(a, b, np.float32(0.2), steps=done, backend="cpu")
+    np.testing.assert_array_equal(np.asarray(u), a)
+    np.testing.assert_allclose(np.asarray(u), W.heat_ref(u0, done, 0.2), rtol=1e-2)   # float32 drift
+    with pytest.raises(lk.ArgumentError, match="timeout=-2"):
+        HEAT.jax(jnp.asarray(u0), jnp.asarray(u0), 0.2, steps=3, timeout=-2)

@@ -201,3 +201,34 @@ def logistic_ref(x0, steps, r):
     for t in range(steps):
         x[t + 1] = r * x[t] * (1.0 - x[t])
     return x
+
+
+# ---------------------------------------------------------------- a step that can be made slow
+def busy_step(t, x, slow_at, spin):
+    # one thread counts the steps in x[0]; step 'slow_at' spins 'spin' iterations (slow, finite)
+    if lk.thread_id() == 0:
+        acc = x[1]
+        if t == slow_at:
+            for k in range(spin):
+                acc = acc * 0.999999 + 1e-6
+        x[1] = acc
+        x[0] = x[0] + 1.0
+
+
+def oob_step(t, u, v, shift):
+    # reads and writes past the end of u once t reaches 2 (shift > 0): a planted bug
+    n = u.shape[0]
+    for i in lk.range(n):
+        j = i + shift if t >= 2 else i
+        v[j] = u[i] * 0.5
+
+
+def peek(u, j):
+    return u[j]
+
+
+def oob_helper_step(t, u, v):
+    # the helper reads u[n] for the last index: a planted bug
+    n = u.shape[0]
+    for i in lk.range(n):
+        v[i] = peek(u, i + 1)

@@ -1,0 +1,223 @@
+"""Long runs: progress, start/cancel, timeouts, Ctrl-C, the watchdog and debug bounds checks,
+on the CPU backend and the CUDA path under Numba's simulator."""
+
+import os
+import signal
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import loopkern as lk
+import workloads as W
+from loopkern import runs
+
+BACKENDS = [pytest.param("cpu", id="cpu"), pytest.param("cuda", id="sim", marks=pytest.mark.sim)]
+# the simulator runs Python per thread: keep its problems small
+SIZE = {"cpu": 2000, "cuda": 64}
+THREADS = {"cpu": None, "cuda": 32}
+
+
+def _heat():
+    return lk.megakernel(W.heat_step, swap=[("u", "v")])
+
+
+def _wait_for(cond, limit=60.0):
+    end = time.monotonic() + limit
+    while not cond():
+        assert time.monotonic() < end, "condition not reached"
+        time.sleep(0.005)
+
+
+def _check_heat_state(u, u0, steps, alpha):
+    np.testing.assert_allclose(u, W.heat_ref(u0, steps, alpha), rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_progress_callback_is_monotone_and_reaches_the_total(backend, rng):
+    n, steps = SIZE[backend], (300_000 if backend == "cpu" else 40)
+    u = rng.random(n)
+    v = u.copy()
+    seen = []
+    run = _heat()(u, v, 0.2, steps=steps, backend=backend, threads=THREADS[backend],
+                  progress=lambda done, total: seen.append((done, total)))
+    assert run.steps == steps and run.stopped == "steps"
+    assert seen[0] == (0, steps) and seen[-1] == (steps, steps)
+    counts = [d for d, _ in seen]
+    assert counts == sorted(counts) and len(set(counts)) == len(counts)
+    assert all(t == steps for _, t in seen)
+
+
+def test_progress_of_a_while_loop_has_no_total(rng):
+    k = lk.megakernel(W.jacobi_step, swap=[("u", "v")])
+    u = np.zeros((24, 24))
+    u[0, :] = 1.0
+    v = u.copy()
+    seen = []
+    run = k(u, v, 1e-4, max_steps=100_000, backend="cpu", progress=lambda d, t: seen.append((d, t)))
+    assert run.stopped == "condition"
+    assert seen[-1] == (run.steps, None) and all(t is None for _, t in seen)
+
+
+def test_progress_true_without_tqdm_prints_a_line(rng, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "tqdm", None)     # import tqdm -> ImportError
+    u = rng.random(100)
+    v = u.copy()
+    _heat()(u, v, 0.2, steps=1000, backend="cpu", progress=True)
+    err = capsys.readouterr().err
+    assert "heat_step: 1000/1000 steps (100%)" in err and err.endswith("\n")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_cancel_stops_every_thread_at_one_step_with_swap_consistent(backend, rng):
+    n = SIZE[backend]
+    u0 = rng.random(n)
+    u, v = u0.copy(), u0.copy()
+    h = _heat().start(u, v, 0.2, steps=10 ** 9, backend=backend, threads=THREADS[backend])
+    _wait_for(lambda: h.steps_done >= 3)
+    assert not h.done()
+    h.cancel()
+    run = h.wait()
+    assert run.stopped == "cancelled" and 3 <= run.steps < 10 ** 9
+    assert h.done() and h.steps_done == run.steps and h.wait() is run
+    _check_heat_state(u, u0, run.steps, 0.2)     # the newest state is in the first buffer
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_timeout_stops_at_a_step_boundary(backend, rng):
+    n = SIZE[backend]
+    u0 = rng.random(n)
+    u, v = u0.copy(), u0.copy()
+    run = _heat()(u, v, 0.2, steps=10 ** 9, backend=backend, threads=THREADS[backend], timeout=0.3)
+    assert run.stopped == "timeout" and 0 < run.steps < 10 ** 9
+    _check_heat_state(u, u0, run.steps, 0.2)
+
+
+def test_a_run_that_ends_first_is_not_cancelled(rng):
+    u0 = rng.random(50)
+    u, v = u0.copy(), u0.copy()
+    h = _heat().start(u, v, 0.2, steps=7, backend="cpu")
+    run = h.wait()
+    h.cancel()
+    assert h.wait() is run and run.stopped == "steps" and run.steps == 7
+    _check_heat_state(u, u0, 7, 0.2)
+
+
+def test_wait_with_a_timeout_raises_while_it_runs(rng):
+    u = rng.random(2000)
+    v = u.copy()
+    h = _heat().start(u, v, 0.2, steps=10 ** 9, backend="cpu")
+    with pytest.raises(TimeoutError, match="still running"):
+        h.wait(timeout=0.05)
+    assert "running" in repr(h)
+    h.cancel()
+    assert h.wait().stopped == "cancelled"
+
+
+def test_ctrl_c_cancels_the_kernel_and_reraises(rng):
+    u0 = rng.random(2000)
+    u, v = u0.copy(), u0.copy()
+    timer = threading.Timer(0.3, lambda: os.kill(os.getpid(), signal.SIGINT))
+    timer.start()
+    with pytest.raises(KeyboardInterrupt) as info:
+        _heat()(u, v, 0.2, steps=10 ** 9, backend="cpu")
+    run = info.value.loopkern_run
+    assert run.stopped == "cancelled" and 0 < run.steps < 10 ** 9
+    assert any("cancelled after" in note for note in getattr(info.value, "__notes__", ["cancelled after"]))
+    _check_heat_state(u, u0, run.steps, 0.2)
+
+
+def _spin_for(seconds):
+    """Iterations of busy_step's inner loop that take about ``seconds`` here."""
+    k = lk.megakernel(W.busy_step)
+    x = np.zeros(2)
+    k(x, 0, 10, steps=1, backend="cpu")          # compile
+    t0 = time.perf_counter()
+    k(x, 0, 2_000_000, steps=1, backend="cpu")
+    per = (time.perf_counter() - t0) / 2_000_000
+    return max(int(seconds / per), 1000)
+
+
+def test_watchdog_cancels_a_step_slower_than_its_interval():
+    k = lk.megakernel(W.busy_step)
+    x = np.zeros(2)
+    with pytest.raises(lk.HangError, match="a step takes longer than the watchdog") as info:
+        k(x, 3, _spin_for(1.0), steps=10 ** 6, backend="cpu", watchdog=0.2)
+    run = info.value.run
+    assert run.stopped == "cancelled" and run.steps == x[0] and 3 < run.steps < 10
+
+
+def test_watchdog_reports_a_step_that_does_not_stop(monkeypatch):
+    monkeypatch.setattr(runs, "WATCHDOG_GRACE_S", 0.05)
+    k = lk.megakernel(W.busy_step)
+    x = np.zeros(2)
+    h = k.start(x, 2, _spin_for(1.5), steps=10 ** 6, backend="cpu", watchdog=0.2)
+    with pytest.raises(lk.HangError, match="did not stop within") as info:
+        h.wait()
+    assert info.value.run is None
+    run = h.wait()             # the watchdog reports once; the cancelled run then ends
+    assert run.stopped == "cancelled" and run.steps == x[0]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_debug_reports_an_out_of_bounds_store_without_making_it(backend, rng):
+    n = SIZE[backend]
+    k = lk.megakernel(W.oob_step)
+    u = rng.random(n)
+    buf = np.full(n + 8, 7.0)
+    v = buf[:n]                # the memory just past v must stay untouched
+    with pytest.raises(lk.BoundsError) as info:
+        k(u, v, 1, steps=50, backend=backend, threads=THREADS[backend], debug=True)
+    msg = str(info.value)
+    line = W.oob_step.__code__.co_firstlineno + 5
+    assert f"workloads.py:{line}:9: in step 'oob_step': out-of-bounds store to 'v' at step 2" in msg
+    assert f"index ({n},) is outside shape ({n},)" in msg
+    assert "v[j] = u[i] * 0.5" in msg and "\n            ^" in msg
+    assert np.all(buf[n:] == 7.0)
+    np.testing.assert_array_equal(v[1:], u[:-1] * 0.5)    # step 2's in-bounds stores were made
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_debug_reports_an_out_of_bounds_load_in_a_helper(backend, rng):
+    n = SIZE[backend]
+    k = lk.megakernel(W.oob_helper_step)
+    u = rng.random(n)
+    v = np.zeros(n)
+    with pytest.raises(lk.BoundsError) as info:
+        k(u, v, steps=4, backend=backend, threads=THREADS[backend], debug=True)
+    msg = str(info.value)
+    line = W.peek.__code__.co_firstlineno + 1
+    assert f"workloads.py:{line}:12: in step 'oob_helper_step': in helper 'peek': out-of-bounds load from 'u' " \
+           f"at step 0 by thread {0 if backend == 'cpu' else (n - 1) % THREADS[backend]}: index ({n},)" in msg
+    assert "it read element 0 instead" in msg
+    np.testing.assert_array_equal(v, np.append(u[1:], u[0]))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_debug_gives_the_same_results(backend, rng):
+    n = SIZE[backend]
+    u0 = rng.random(n)
+    u, v = u0.copy(), u0.copy()
+    run = _heat()(u, v, 0.2, steps=5, backend=backend, threads=THREADS[backend], debug=True)
+    assert run.stopped == "steps"
+    _check_heat_state(u, u0, 5, 0.2)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(progress=3), "progress=3: expected True, False or a callable"),
+    (dict(timeout=0), "timeout=0: expected a positive number of seconds"),
+    (dict(timeout=-1.0), "timeout=-1.0"),
+    (dict(timeout="1"), "timeout='1'"),
+    (dict(watchdog=float("nan")), "watchdog=nan"),
+    (dict(debug=1), "debug=1: expected True or False"),
+])
+def test_bad_run_control_arguments(kwargs, match, rng):
+    u0 = rng.random(20)
+    u, v = u0.copy(), u0.copy()
+    with pytest.raises(lk.ArgumentError, match=match):
+        _heat()(u, v, 0.2, steps=3, backend="cpu", **kwargs)
+    with pytest.raises(lk.ArgumentError, match=match):
+        _heat().start(u, v, 0.2, steps=3, backend="cpu", **kwargs)
+    np.testing.assert_array_equal(u, u0)
