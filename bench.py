@@ -204,7 +204,7 @@ def loopkern_impl(gpu, kernel, arrays: dict, scalars: tuple, order, swap_first=N
     return Impl(run, lambda: to_host(gpu, dev[swap_first or order[0]]), reset, None, info)
 
 
-def loopkern_variants(gpu, make_kernel, arrays, scalars, order, scopes, sweep_blocks=()):
+def loopkern_variants(gpu, make_kernel, arrays, scalars, order, scopes, sweep_blocks=(), sweep_threads=()):
     out = []
     for scope in scopes:
         out.append((f"loopkern[{scope}]" if gpu else "loopkern[cpu]",
@@ -215,6 +215,10 @@ def loopkern_variants(gpu, make_kernel, arrays, scalars, order, scopes, sweep_bl
         out.append((f"loopkern[grid,blocks={b}]",
                     lambda case, b=b: loopkern_impl(gpu, make_kernel(), arrays(case), scalars(case), order,
                                                     scope="grid", blocks=b, threads=256)))
+    for t in sweep_threads:
+        out.append((f"loopkern[block,threads={t}]",
+                    lambda case, t=t: loopkern_impl(gpu, make_kernel(), arrays(case), scalars(case), order,
+                                                    scope="block", threads=t)))
     return out
 
 
@@ -400,7 +404,8 @@ def bench_heat(b: Bench):
         variants = loopkern_variants(gpu, heat_kernel, lambda c: dict(u=c.data["u0"], v=c.data["u0"]),
                                      lambda c: (ALPHA,), ["u", "v"], scopes,
                                      sweep_blocks=[x for x in (16, 64, 132, 264, 528) if x * 256 <= 2 * n]
-                                     if gpu and args.sweep else ())
+                                     if gpu and args.sweep else (),
+                                     sweep_threads=(128, 256, 512, 1024) if gpu and args.sweep and n <= 16384 else ())
         if have("jax") and not args.no_jax:
             if not args.jax_only:
                 variants.append(loopkern_jax_variant(heat_kernel, lambda c: [c.data["u0"], c.data["u0"]],
@@ -860,6 +865,9 @@ def bench_control(b: Bench):
     variants = [(f"loopkern[auto] progress={p}", lambda c, p=p: loopkern_impl(
         gpu, heat_kernel(), arrays(c), (ALPHA,), ["u", "v"], backend=backend,
         progress={"off": False, "callback": (lambda done, total: None)}[p])) for p in ("callback", "off")]
+    # what the per-step poll (cancel, timeout, progress, watchdog) costs: a kernel without it
+    variants.insert(0, ("loopkern[auto] no per-step poll (internal baseline)", lambda c: loopkern_impl(
+        gpu, heat_kernel(), arrays(c), (ALPHA,), ["u", "v"], backend=backend, _control=False)))
     b.measure(case, variants)
 
     # cancellation latency: from cancel() to wait() returning, on a run that would last minutes

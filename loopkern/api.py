@@ -157,7 +157,7 @@ class MegaKernel:
 
     def __call__(self, *args, steps=None, max_steps=None, backend=None, scope=None, threads=None,
                  blocks=None, seed=0, progress=False, timeout=None, debug=False, watchdog=DEFAULT_WATCHDOG_S,
-                 **kwargs) -> Run:
+                 _control=True, **kwargs) -> Run:
         """Run the loop and wait for it; arrays are updated in place.
 
         Ctrl-C during the call cancels the kernel at a step boundary, waits until it has
@@ -198,12 +198,12 @@ class MegaKernel:
         """
         handle = self.start(*args, steps=steps, max_steps=max_steps, backend=backend, scope=scope,
                             threads=threads, blocks=blocks, seed=seed, progress=progress, timeout=timeout,
-                            debug=debug, watchdog=watchdog, _monitor=False, **kwargs)
+                            debug=debug, watchdog=watchdog, _monitor=False, _control=_control, **kwargs)
         return handle.wait()
 
     def start(self, *args, steps=None, max_steps=None, backend=None, scope=None, threads=None, blocks=None,
               seed=0, progress=False, timeout=None, debug=False, watchdog=DEFAULT_WATCHDOG_S, _monitor=True,
-              **kwargs) -> RunHandle:
+              _control=True, **kwargs) -> RunHandle:
         """Start the loop and return at once with a :class:`~loopkern.runs.RunHandle`.
 
         Takes the same arguments as calling the kernel. ``handle.wait()`` returns the
@@ -241,21 +241,21 @@ class MegaKernel:
         if backend == "cpu":
             handle = self._start_cpu(argv, nsteps, seed, timeout, debug, opts)
         else:
-            handle = self._start_cuda(argv, nsteps, scope, threads, blocks, seed, timeout, debug, opts)
+            handle = self._start_cuda(argv, nsteps, scope, threads, blocks, seed, timeout, debug, opts, _control)
         if _monitor:
             handle.monitor()
         return handle
 
-    def _kernel(self, backend, scope, by_ref=None, debug=False):
+    def _kernel(self, backend, scope, by_ref=None, debug=False, staged=(), control=True):
         from .compile import compile_kernel, runtime_fingerprint, simulator_enabled
-        key = (backend, scope, by_ref, debug)
+        key = (backend, scope, by_ref, debug) + ((staged, control) if staged or not control else ())
         with self._lock:
             k = self._compiled.get(key)
             if k is None:
                 cache = not (backend == "cuda" and simulator_enabled())
                 src = codegen.render_kernel(self.spec, backend, scope, cache=cache,
                                             fingerprint=f"runtime {runtime_fingerprint()}", by_ref=by_ref,
-                                            debug=debug)
+                                            debug=debug, staged=staged, control=control)
                 k = self._compiled[key] = compile_kernel(src)
         return k
 
@@ -325,7 +325,8 @@ class MegaKernel:
                          describe_error=(lambda steps: self._describe_bounds(compiled, dbg, argv, steps))
                          if debug else None, **opts)
 
-    def _start_cuda(self, argv, nsteps, scope, threads, blocks, seed, timeout, debug, opts) -> RunHandle:
+    def _start_cuda(self, argv, nsteps, scope, threads, blocks, seed, timeout, debug, opts,
+                    control=True) -> RunHandle:
         import numpy as np
 
         from . import launch
@@ -336,8 +337,11 @@ class MegaKernel:
         sim = simulator_enabled()
         work = max([a.size for a in argv if isinstance(a, ArrayArg)] or [1])
         check_thread_scope(self.spec, scope)
-        scope = launch.resolve_scope(scope, work, self.spec.parallel)
-        compiled = self._kernel("cuda", scope, debug=debug)
+        staged, stage_bytes = launch.plan_staging(self.spec, argv) if scope in ("auto", "block") else ((), 0)
+        scope = launch.resolve_scope(scope, work, self.spec.parallel, stage_bytes)
+        if scope != "block":
+            staged, stage_bytes = (), 0
+        compiled = self._kernel("cuda", scope, debug=debug, staged=staged, control=control)
         with self._lock:
             if self._scratch is None:
                 self._scratch = launch.ScratchPool()
@@ -362,7 +366,7 @@ class MegaKernel:
                 return (np.int64(nsteps), *kargs, redf, redi, bar, np.uint64(seed), info, host) + \
                     ((dbg,) if debug else ())
             kernel = compiled.specialize(full_args(1))
-            plan = launch.plan_cuda(kernel, scope, work, threads, blocks, sim)
+            plan = launch.plan_cuda(kernel, scope, work, threads, blocks, sim, shared=stage_bytes)
             full = full_args(plan.blocks)
             view[TIMEOUT_NS] = int(timeout * 1e9) if timeout is not None else 0
             if sim:

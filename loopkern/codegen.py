@@ -494,7 +494,8 @@ def _jit_options(backend: str, cache: bool) -> tuple[str, str]:
 
 
 def render_kernel(spec: StepSpec, backend: str, scope: str = "grid", *, cache: bool = True,
-                  fingerprint: str = "", by_ref: frozenset | None = None, debug: bool = False) -> KernelSource:
+                  fingerprint: str = "", by_ref: frozenset | None = None, debug: bool = False,
+                  staged: tuple = (), control: bool = True) -> KernelSource:
     """Render the kernel module for ``spec``.
 
     Args:
@@ -512,6 +513,12 @@ def render_kernel(spec: StepSpec, backend: str, scope: str = "grid", *, cache: b
         debug: bounds-check every array access of the step and its helpers (see
             ``runtime/bounds.py``): an index outside the array is never used, the first one is
             recorded with its step and thread, and the run stops at the next step boundary.
+        staged: (CUDA block scope) indices of array parameters that are copied into the
+            block's dynamic shared memory (all of one dtype, laid out one after another) before
+            the first step and back after the last: the steps then run on shared memory. The
+            launch must provide the bytes.
+        control: poll for cancellation, timeouts and progress once per step (the default);
+            False only to measure what that costs.
 
     Returns:
         The :class:`KernelSource`.
@@ -550,24 +557,44 @@ def render_kernel(spec: StepSpec, backend: str, scope: str = "grid", *, cache: b
         prologue[:0] = [f"{_INDENT}{_P}nsteps = {_P}nsteps_ref[0]",
                         f"{_INDENT}{_P}seed = _lk_np.uint64(_lk_seed_ref[0]) | (_lk_np.uint64(_lk_seed_ref[1]) << "
                         f"_lk_np.uint64(32))"]
-    swap_lines = [f"{_INDENT * 2}{kparams[a]}, {kparams[b]} = {kparams[b]}, {kparams[a]}" for a, b in spec.swap]
+    staged = sorted(staged)
+    if staged and (backend != "cuda" or scope != "block"):
+        raise ValueError("staging in shared memory exists for the CUDA block scope only")
+    # the names the loop works on: the arguments, or their shared-memory copies
+    work = [f"{_P}w{i}" if i in staged else k for i, k in enumerate(kparams)]
+    if staged:
+        prologue += _staging_lines(staged, kparams)
+    swap_lines = [f"{_INDENT * 2}{work[a]}, {work[b]} = {work[b]}, {work[a]}" for a, b in spec.swap]
     copy_lines = []
     if spec.swap:
         copy_lines.append(f"{_INDENT}if _lk_t % 2 == 1:")
         for a, b in spec.swap:
-            copy_lines.append(f"{_INDENT * 2}for {_P}k in range({_P}tid, {kparams[a]}.size, {_P}nt):")
-            copy_lines.append(f"{_INDENT * 3}{kparams[b]}.flat[{_P}k] = {kparams[a]}.flat[{_P}k]")
+            copy_lines.append(f"{_INDENT * 2}for {_P}k in range({_P}tid, {work[a]}.size, {_P}nt):")
+            copy_lines.append(f"{_INDENT * 3}{work[b]}.flat[{_P}k] = {work[a]}.flat[{_P}k]")
+    if staged:
+        copy_lines.append(f"{_INDENT}cuda.syncthreads()")
+        swapped = {i for pair in spec.swap for i in pair}
+        for i in staged:
+            if spec.params[i].written or i in swapped:
+                copy_lines.append(f"{_INDENT}for {_P}k in range({_P}tid, {kparams[i]}.size, {_P}nt):")
+                copy_lines.append(f"{_INDENT * 2}{kparams[i]}.flat[{_P}k] = {_P}s{i}.flat[{_P}k]")
     poll = f"{_P}rt.poll_debug({_P}t, {_P}host, {_P}pt, {_P}dbg)" if debug else f"{_P}rt.poll({_P}t, {_P}host, {_P}pt)"
-    if backend == "cpu" or scope == "thread":
+    if not control:
+        control_lines = [f"{_INDENT * 2}{_P}seen = 0"]
+    elif backend == "cpu" or scope == "thread":
         # one thread: its own decision takes effect after this step
-        control = [f"{_INDENT * 2}{_P}seen = {poll}"]
+        control_lines = [f"{_INDENT * 2}{_P}seen = {poll}"]
     else:
         # the leader's decision before step t reaches every thread through the barrier after
         # it; each thread reads it during step t + 1 and stops after that step, all at the same
         # one. Two slots: slot t % 2 is rewritten before step t + 2, after everyone read it.
-        control = [f"{_INDENT * 2}{_P}seen = {_P}info[({_P}t + 1) & 1] if {_P}t > 0 else 0",
-                   f"{_INDENT * 2}if {_P}lead:",
-                   f"{_INDENT * 3}{_P}info[{_P}t & 1] = {poll}"]
+        # One block keeps them in shared memory, a grid in global memory.
+        slots = f"{_P}info" if scope == "grid" else f"{_P}sd"
+        if scope == "block":
+            prologue.append(f"{_INDENT}{_P}sd = cuda.shared.array(2, _lk_np.int64)")
+        control_lines = [f"{_INDENT * 2}{_P}seen = {slots}[({_P}t + 1) & 1] if {_P}t > 0 else 0",
+                         f"{_INDENT * 2}if {_P}lead:",
+                         f"{_INDENT * 3}{slots}[{_P}t & 1] = {poll}"]
     if backend == "cuda" and scope == "thread":
         # a sequential step: one thread, no barrier between steps
         thread_index, thread_count, barrier = "0", "1", ""
@@ -592,15 +619,30 @@ def render_kernel(spec: StepSpec, backend: str, scope: str = "grid", *, cache: b
         step_body="\n".join(step_body), kernel_params="".join(f"{k}, " for k in sig_params),
         nsteps_param=f"{_P}nsteps_ref" if by_ref is not None else f"{_P}nsteps", prologue="\n".join(prologue),
         seed_param=f"{_P}seed_ref" if by_ref is not None else f"{_P}seed",
-        step_args="".join(f"{k}, " for k in kparams), thread_index=thread_index, thread_count=thread_count,
+        step_args="".join(f"{k}, " for k in work), thread_index=thread_index, thread_count=thread_count,
         barrier=barrier or "pass", swap="\n".join(swap_lines) or f"{_INDENT * 2}pass",
-        copy_back="\n".join(copy_lines) or f"{_INDENT}pass", control="\n".join(control),
+        copy_back="\n".join(copy_lines) or f"{_INDENT}pass", control="\n".join(control_lines),
         debug_param=f", {_P}dbg" if debug else "", debug_args=f", {_P}dbg, {_P}t" if debug else "",
     )
     template = load_template(f"{backend}_kernel.py.tmpl")
     text = template.substitute(mapping)
     line_map = _build_line_map(text, spec.filename)
     return KernelSource(text, backend, scope, spec.name, line_map, debug, tuple(sites.sites) if sites else ())
+
+
+def _staging_lines(staged, kparams) -> list[str]:
+    """Copy the staged arguments into one dynamic shared-memory array, one after another."""
+    first = kparams[staged[0]]
+    lines = [f"{_INDENT}{_P}sh = cuda.shared.array(0, {first}.dtype)", f"{_INDENT}{_P}off = 0"]
+    for i in staged:
+        k = kparams[i]
+        lines += [f"{_INDENT}{_P}s{i} = {_P}sh[{_P}off:{_P}off + {k}.size].reshape({k}.shape)",
+                  f"{_INDENT}{_P}off += {k}.size",
+                  f"{_INDENT}for {_P}k in range({_P}tid, {k}.size, {_P}nt):",
+                  f"{_INDENT * 2}{_P}s{i}.flat[{_P}k] = {k}.flat[{_P}k]",
+                  f"{_INDENT}{_P}w{i} = {_P}s{i}"]
+    lines.append(f"{_INDENT}cuda.syncthreads()")
+    return lines
 
 
 def _build_line_map(text: str, filename: str) -> dict:

@@ -77,20 +77,64 @@ class LaunchPlan:
     scope: str
     blocks: int
     threads: int
+    shared: int = 0
 
 
-def resolve_scope(scope: str, work: int, parallel: bool = True) -> str:
+#: bytes of dynamic shared memory block scope may use for the arrays: the 48 KiB every kernel
+#: gets without opting in, less room for the reductions' static shared memory
+STAGE_MAX_BYTES = 48 * 1024 - 2048
+
+
+def plan_staging(spec, argv) -> tuple[tuple, int]:
+    """Which array arguments block scope holds in shared memory: (indices, bytes).
+
+    Every array of the swap pairs' dtype (of the first array's, without swap) joins, swap
+    pairs together and in parameter order, while the total fits in STAGE_MAX_BYTES; nothing is
+    staged if a swap pair does not fit or if a staged array shares memory with another
+    argument (the copies would then diverge).
+    """
+    from .interop.arrays import ArrayArg, overlaps
+    arrays = {i: a for i, a in enumerate(argv) if isinstance(a, ArrayArg)}
+    if not arrays:
+        return (), 0
+    first = spec.swap[0][0] if spec.swap else min(arrays)
+    dtype = arrays[first].dtype
+    pairs = {i: pair for pair in spec.swap for i in pair}
+    chosen, total = [], 0
+    for i, a in arrays.items():
+        if i in chosen or a.dtype != dtype:
+            continue
+        group = [j for j in pairs.get(i, (i,)) if j not in chosen]
+        need = sum(arrays[j].size * arrays[j].dtype.itemsize for j in group if j in arrays)
+        if any(j not in arrays or arrays[j].dtype != dtype for j in group) or total + need > STAGE_MAX_BYTES:
+            if i in pairs:
+                return (), 0
+            continue
+        chosen += group
+        total += need
+    for i in chosen:
+        for j, b in arrays.items():
+            if j != i and overlaps(arrays[i], b):
+                return (), 0
+    return tuple(sorted(chosen)), total
+
+
+def resolve_scope(scope: str, work: int, parallel: bool = True, stage_bytes: int | None = None) -> str:
     """``"auto"``: ``"thread"`` for a step with no parallel construct (nothing to share, so no
-    barrier to pay), ``"block"`` up to AUTO_BLOCK_SCOPE_MAX_ELEMENTS, else ``"grid"``."""
+    barrier to pay); ``"block"`` when the arrays fit in one block's shared memory
+    (``stage_bytes`` is what staging them takes, None where it cannot be done) or there are at
+    most AUTO_BLOCK_SCOPE_MAX_ELEMENTS elements; else ``"grid"``."""
     if scope != "auto":
         return scope
     if not parallel:
         return "thread"
+    if stage_bytes:
+        return "block"
     return "block" if work <= AUTO_BLOCK_SCOPE_MAX_ELEMENTS else "grid"
 
 
 def plan_cuda(kernel, scope: str, work: int, threads: int | None, blocks: int | None,
-              simulator: bool) -> LaunchPlan:
+              simulator: bool, shared: int = 0) -> LaunchPlan:
     """Pick blocks and threads for a CUDA launch and check that they can run.
 
     Args:
@@ -100,6 +144,7 @@ def plan_cuda(kernel, scope: str, work: int, threads: int | None, blocks: int | 
         threads: threads per block asked for, or None.
         blocks: blocks asked for, or None.
         simulator: running under Numba's CUDA simulator (one block only).
+        shared: bytes of dynamic shared memory the kernel needs (block scope's staged arrays).
 
     Raises:
         LaunchError: the request cannot be co-resident or is malformed.
@@ -125,7 +170,7 @@ def plan_cuda(kernel, scope: str, work: int, threads: int | None, blocks: int | 
     if scope == "block":
         if blocks not in (None, 1):
             raise LaunchError(f"blocks={blocks}: scope='block' runs exactly one block; use scope='grid' for more")
-        return LaunchPlan("block", 1, threads)
+        return LaunchPlan("block", 1, threads, shared)
     if simulator:
         if blocks not in (None, 1):
             raise LaunchError(f"blocks={blocks}: Numba's CUDA simulator can run only one cooperative block; "
@@ -261,9 +306,9 @@ def launch_cuda(dispatcher, kernel, plan: LaunchPlan, args: tuple, stream=0):
         kernel.cooperative = True
     if hasattr(kernel, "launch"):   # the compiled kernel itself: no per-call type dispatch
         from numba.cuda.cudadrv import driver
-        kernel.launch(args, (plan.blocks, 1, 1), (plan.threads, 1, 1), driver._to_core_stream(stream), 0)
+        kernel.launch(args, (plan.blocks, 1, 1), (plan.threads, 1, 1), driver._to_core_stream(stream), plan.shared)
     else:                           # Numba's simulator
-        (dispatcher[plan.blocks, plan.threads, stream] if stream else dispatcher[plan.blocks, plan.threads])(*args)
+        dispatcher[plan.blocks, plan.threads, stream, plan.shared](*args)
 
 
 def record_event(stream=0):

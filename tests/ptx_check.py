@@ -54,9 +54,11 @@ def scalar_type(v):
 for name, fn, swap, args, scopes in CASES:
     k = lk.megakernel(fn, swap=swap)
     for scope in scopes:
-        for by_ref, debug in ((None, False), ("refs", False), (None, True)):
-            if (by_ref or debug) and scope == "block":
+        for by_ref, debug, staged in ((None, False, False), ("refs", False, False), (None, True, False),
+                                      (None, False, True)):
+            if (by_ref or debug) and scope == "block" or staged and (scope != "block" or not swap):
                 continue
+            staged = tuple(sorted(i for pair in k.spec.swap for i in pair)) if staged else ()
             refs = frozenset(i for i, a in enumerate(args) if not isinstance(a, np.ndarray)) if by_ref else None
             params = []
             for i, a in enumerate(args):
@@ -72,14 +74,16 @@ for name, fn, swap, args, scopes in CASES:
                 sig = (types.int64, *params, *SCRATCH, types.uint64, *control)
             else:
                 sig = (types.int64[::1], *params, *SCRATCH, types.uint32[::1], *control)
-            rec = dict(kernel=name, scope=scope, by_ref=bool(by_ref), debug=debug)
+            rec = dict(kernel=name, scope=scope, by_ref=bool(by_ref), debug=debug, staged=bool(staged))
             try:
-                src = codegen.render_kernel(k.spec, "cuda", scope, cache=False, by_ref=refs, debug=debug)
+                src = codegen.render_kernel(k.spec, "cuda", scope, cache=False, by_ref=refs, debug=debug,
+                                            staged=staged)
                 ptx, _ = cuda.compile_ptx(compile_kernel(src).dispatcher.py_func, sig, cc=(9, 0))
                 rec.update(ok=True, own_barrier=ptx.count("atom.add.release.gpu"), cg=ptx.count("cudaCGSynchronize"),
                            shuffles=ptx.count("shfl.sync"), globaltimer=ptx.count("%globaltimer"),
                            volatile_host=ptx.count("st.volatile.u64"), sys_fence=ptx.count("membar.sys"),
-                           bounds_records=ptx.count("atom.global.cas") + ptx.count("atom.cas"))
+                           bounds_records=ptx.count("atom.global.cas") + ptx.count("atom.cas"),
+                           dynamic_shared=ptx.count(".extern .shared"))
             except Exception as exc:
                 rec.update(ok=False, error=f"{type(exc).__name__}: {exc}"[:2000])
             print(json.dumps(rec), flush=True)

@@ -29,4 +29,8 @@ def test_cuda_kernels_compile_to_ptx():
         # run control: the leader reads the GPU clock and publishes to host memory with a fence
         assert r["globaltimer"] >= 1 and r["volatile_host"] >= 1 and r["sys_fence"] >= 1, r
         assert (r["bounds_records"] >= 1) == r["debug"], r   # only debug kernels check bounds
+        if r["staged"]:
+            assert r["dynamic_shared"] >= 1, r         # the arrays live in dynamic shared memory
+        else:
+            assert r["dynamic_shared"] == 0, r
     assert any(r["shuffles"] for r in recs if r["kernel"] in ("jacobi", "normalize"))

@@ -363,3 +363,4 @@ if SIMULATOR:
     checked, in_bounds = _bounds.build_python(_claim)
 else:
     checked, in_bounds = _bounds.build_numba(overload, "cuda", _claim)
+
