@@ -373,7 +373,7 @@ class MegaKernel:
                 waiter = ThreadWaiter(lambda: launch.launch_cuda(compiled.dispatcher, kernel, plan, full))
             else:
                 launch.launch_cuda(compiled.dispatcher, kernel, plan, full)
-                waiter = EventWaiter(launch.record_event())
+                waiter = EventWaiter(launch.record_event(), view)
         except BaseException:
             release()
             raise

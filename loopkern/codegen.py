@@ -636,7 +636,7 @@ def _staging_lines(staged, kparams) -> list[str]:
     lines = [f"{_INDENT}{_P}sh = cuda.shared.array(0, {first}.dtype)", f"{_INDENT}{_P}off = 0"]
     for i in staged:
         k = kparams[i]
-        lines += [f"{_INDENT}{_P}s{i} = {_P}sh[{_P}off:{_P}off + {k}.size].reshape({k}.shape)",
+        lines += [f"{_INDENT}{_P}s{i} = {_P}rt.shared_like({_P}sh, {_P}off, {k})",
                   f"{_INDENT}{_P}off += {k}.size",
                   f"{_INDENT}for {_P}k in range({_P}tid, {k}.size, {_P}nt):",
                   f"{_INDENT * 2}{_P}s{i}.flat[{_P}k] = {k}.flat[{_P}k]",

@@ -1,9 +1,12 @@
 """Counter-based random numbers inside a step: ``lk.random.uniform`` and ``lk.random.normal``.
 
 Each draw is a pure function of the call's ``seed=`` argument, the step index, the key (and
-subkey) you pass, and which call in the step it is. So the numbers are identical on the CPU,
-the simulator and the GPU, for any number of threads or blocks, and reproducible from the
-seed. Use the loop index as the key, and a subkey to draw several numbers per index:
+subkey) you pass, and which call in the step it is, never of the thread that makes it. So the
+numbers are reproducible from the seed and the same for any number of threads or blocks.
+``uniform`` is bit-for-bit the same on the CPU, the simulator and the GPU; ``normal`` too between
+the CPU and the simulator, while on the GPU it can differ in the last bit or two (about 1e-16
+relative), because CUDA's ``log`` and ``cos`` round differently from the CPU's.
+Use the loop index as the key, and a subkey to draw several numbers per index:
 
     for i in lk.range(n):
         x[i] += sigma * lk.random.normal(i)

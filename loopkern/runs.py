@@ -50,13 +50,32 @@ class Run:
 
 
 class EventWaiter:
-    """A launch on a CUDA stream: done when the event recorded after it has completed."""
+    """A launch on a CUDA stream: done when the kernel has marked its control block done, or
+    when the event recorded after it has completed (a kernel that faulted never marks it)."""
 
-    def __init__(self, event):
+    QUERY_EVERY_S = 0.05
+
+    def __init__(self, event, host):
         self.event = event
+        self.host = host
+        self.next_query = time.monotonic() + self.QUERY_EVERY_S
 
     def is_done(self) -> bool:
-        return bool(self.event.query())
+        if self.host[DONE] == 1:
+            return True
+        now = time.monotonic()
+        if now < self.next_query:
+            return False
+        self.next_query = now + self.QUERY_EVERY_S
+        return self._event_done()
+
+    def _event_done(self) -> bool:
+        # the driver binding directly: Numba's Event.query logs CUDA_ERROR_NOT_READY as an error
+        from cuda.bindings import driver
+        (err,) = driver.cuEventQuery(self.event.handle)
+        if err == driver.CUresult.CUDA_ERROR_NOT_READY:
+            return False
+        return True      # done, or failed: finish() synchronizes and raises the failure
 
     def finish(self):
         self.event.synchronize()

@@ -83,7 +83,7 @@ for name, fn, swap, args, scopes in CASES:
                            shuffles=ptx.count("shfl.sync"), globaltimer=ptx.count("%globaltimer"),
                            volatile_host=ptx.count("st.volatile.u64"), sys_fence=ptx.count("membar.sys"),
                            bounds_records=ptx.count("atom.global.cas") + ptx.count("atom.cas"),
-                           dynamic_shared=ptx.count(".extern .shared"))
+                           dynamic_shared=ptx.count(".extern .shared"), extern_funcs=ptx.count(".extern .func"))
             except Exception as exc:
                 rec.update(ok=False, error=f"{type(exc).__name__}: {exc}"[:2000])
             print(json.dumps(rec), flush=True)

@@ -364,3 +364,38 @@ if SIMULATOR:
 else:
     checked, in_bounds = _bounds.build_numba(overload, "cuda", _claim)
 
+
+
+# -- block scope with the arrays held in shared memory ----------------------------------------
+if SIMULATOR:
+    def shared_like(sh, off, a):
+        """A C-contiguous view of ``sh[off:off + a.size]`` with ``a``'s shape."""
+        return sh[off:off + a.size].reshape(a.shape)
+else:
+    from numba.core import cgutils
+    from numba.np.arrayobj import populate_array
+
+    @intrinsic
+    def shared_like(typingctx, sh, off, a):
+        """A C-contiguous view of ``sh[off:off + a.size]`` with ``a``'s shape, built directly:
+        ``reshape`` would link a helper library into the kernel, and Numba cannot cache
+        kernels that link one."""
+        ret = _types.Array(sh.dtype, a.ndim, "C")
+        sig = ret(sh, off, a)
+
+        def codegen(context, builder, sig, args):
+            src = context.make_array(sig.args[0])(context, builder, args[0])
+            like = context.make_array(sig.args[2])(context, builder, args[2])
+            out = context.make_array(ret)(context, builder)
+            start = context.cast(builder, args[1], sig.args[1], _types.intp)
+            data = builder.gep(src.data, [start])
+            shape = cgutils.unpack_tuple(builder, like.shape, a.ndim)
+            itemsize = context.get_constant(_types.intp, context.get_abi_sizeof(context.get_data_type(sh.dtype)))
+            strides, stride = [], itemsize
+            for dim in reversed(shape):
+                strides.insert(0, stride)
+                stride = builder.mul(stride, dim)
+            populate_array(out, data=data, shape=cgutils.pack_array(builder, shape),
+                           strides=cgutils.pack_array(builder, strides), itemsize=itemsize, meminfo=None)
+            return out._getvalue()
+        return sig, codegen
