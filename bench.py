@@ -1073,7 +1073,15 @@ def main(argv=None):
     p.add_argument("--no-cmdbuf", action="store_true", help="leave out the command-buffer subprocess")
     p.add_argument("--jax-only", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--json", default="", help=argparse.SUPPRESS)
+    p.add_argument("--merge", nargs="+", default=[], metavar="JSON",
+                   help="write one table from the JSON files of several runs (same device and date)")
     args = p.parse_args(argv)
+    if args.merge:
+        docs = [json.loads(Path(f).read_text()) for f in args.merge]
+        meta = dict(docs[0]["meta"], merged=args.merge)
+        md = write_outputs([r for d in docs for r in d["results"]], meta, Path(args.out))
+        print(md.read_text())
+        return 0
     gpu = gpu_available() and not args.quick
     b = Bench(args, gpu)
     meta = dict(device=device_name(gpu), date=_dt.date.today().isoformat(), reps=args.reps,

@@ -11,7 +11,7 @@ import time
 
 from . import codegen
 from .errors import ArgumentError, Diagnostic
-from .interop.arrays import ArrayArg, classify, overlaps
+from .interop.arrays import ArrayArg, apply_weak_floats, classify, overlaps, weak_float_type
 from .progress import check_progress, make_reporter
 from .runs import TIMEOUT_NS, Run, RunHandle, ThreadWaiter, EventWaiter
 from .spec import ARRAY, SCALAR
@@ -233,29 +233,34 @@ class MegaKernel:
         if not isinstance(debug, bool):
             raise ArgumentError(f"debug={debug!r}: expected True or False")
         argv = self._bind(args, kwargs)
+        float_type = weak_float_type(argv)
+        argv = apply_weak_floats(argv, float_type)
 
         from . import launch
         backend = launch.choose_backend(backend)
         total = None if self.spec.returns_condition else nsteps
         opts = dict(reporter=make_reporter(progress, total, self.spec.name), watchdog=watchdog)
         if backend == "cpu":
-            handle = self._start_cpu(argv, nsteps, seed, timeout, debug, opts)
+            handle = self._start_cpu(argv, nsteps, seed, timeout, debug, opts, _control, float_type)
         else:
-            handle = self._start_cuda(argv, nsteps, scope, threads, blocks, seed, timeout, debug, opts, _control)
+            handle = self._start_cuda(argv, nsteps, scope, threads, blocks, seed, timeout, debug, opts, _control,
+                                      float_type)
         if _monitor:
             handle.monitor()
         return handle
 
-    def _kernel(self, backend, scope, by_ref=None, debug=False, staged=(), control=True):
+    def _kernel(self, backend, scope, by_ref=None, debug=False, staged=(), control=True, float_type=None):
         from .compile import compile_kernel, runtime_fingerprint, simulator_enabled
-        key = (backend, scope, by_ref, debug) + ((staged, control) if staged or not control else ())
+        key = (backend, scope, by_ref, debug) + ((staged, control, float_type)
+                                                 if staged or not control or float_type else ())
         with self._lock:
             k = self._compiled.get(key)
             if k is None:
                 cache = not (backend == "cuda" and simulator_enabled())
                 src = codegen.render_kernel(self.spec, backend, scope, cache=cache,
                                             fingerprint=f"runtime {runtime_fingerprint()}", by_ref=by_ref,
-                                            debug=debug, staged=staged, control=control)
+                                            debug=debug, staged=staged, control=control,
+                                            float_type=float_type)
                 k = self._compiled[key] = compile_kernel(src)
         return k
 
@@ -301,7 +306,7 @@ class MegaKernel:
                 raise ArgumentError(f"swap pair ('{a}', '{b}'): the arrays must have the same type, got {ta} "
                                     f"and {tb} (make both C-contiguous, e.g. with numpy.ascontiguousarray)")
 
-    def _start_cpu(self, argv, nsteps, seed, timeout, debug, opts) -> RunHandle:
+    def _start_cpu(self, argv, nsteps, seed, timeout, debug, opts, control=True, float_type=None) -> RunHandle:
         import numpy as np
 
         from . import launch
@@ -310,7 +315,7 @@ class MegaKernel:
             if isinstance(a, ArrayArg) and a.where != "host":
                 raise ArgumentError(f"argument '{a.name}' is on the GPU, but backend='cpu' needs NumPy arrays; "
                                     f"copy it to the host or use backend='cuda'")
-        compiled = self._kernel("cpu", "grid", debug=debug)
+        compiled = self._kernel("cpu", "grid", debug=debug, control=control, float_type=float_type)
         kargs = [a.value for a in argv]
         self._check_types(compiled, kargs)
         host, view = launch.take_control_block("cpu")
@@ -326,7 +331,7 @@ class MegaKernel:
                          if debug else None, **opts)
 
     def _start_cuda(self, argv, nsteps, scope, threads, blocks, seed, timeout, debug, opts,
-                    control=True) -> RunHandle:
+                    control=True, float_type=None) -> RunHandle:
         import numpy as np
 
         from . import launch
@@ -341,7 +346,7 @@ class MegaKernel:
         scope = launch.resolve_scope(scope, work, self.spec.parallel, stage_bytes)
         if scope != "block":
             staged, stage_bytes = (), 0
-        compiled = self._kernel("cuda", scope, debug=debug, staged=staged, control=control)
+        compiled = self._kernel("cuda", scope, debug=debug, staged=staged, control=control, float_type=float_type)
         with self._lock:
             if self._scratch is None:
                 self._scratch = launch.ScratchPool()

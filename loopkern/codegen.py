@@ -113,13 +113,21 @@ class _Lower(ast.NodeTransformer):
     """Replace in-step API markers in expressions with backend code."""
 
     def __init__(self, backend: str, scope: str, index_name: str = "t", sites: "_Sites | None" = None,
-                 filename: str = "", function: str = ""):
+                 filename: str = "", function: str = "", float_type: str | None = None):
+        self.float_type = float_type
         self.backend = backend
         self.scope = scope
         self.index_name = index_name
         self.sites = sites          # None unless debug: then array loads are bounds-checked
         self.filename = filename
         self.function = function
+
+    def visit_Constant(self, node):
+        if self.float_type and isinstance(node.value, float):
+            # a Python float takes the arrays' precision (NumPy 2 and JAX weak typing)
+            func = ast.Attribute(value=ast.Name(id="_lk_np", ctx=ast.Load()), attr=self.float_type, ctx=ast.Load())
+            return ast.copy_location(ast.Call(func=func, args=[node], keywords=[]), node)
+        return node
 
     def visit_Subscript(self, node):
         self.generic_visit(node)
@@ -178,13 +186,13 @@ class _BodyWriter:
     """Prints a lowered body statement by statement, expanding parallel loops."""
 
     def __init__(self, out: _Lines, backend: str, scope: str, is_step: bool, fn_body=(), index_name="t",
-                 sites: "_Sites | None" = None, function: str = ""):
+                 sites: "_Sites | None" = None, function: str = "", float_type: str | None = None):
         self.out = out
         self.fn_body = list(fn_body)
         self.backend = backend
         self.sites = sites
         self.function = function
-        self.lower = _Lower(backend, scope, index_name, sites, out.filename, function)
+        self.lower = _Lower(backend, scope, index_name, sites, out.filename, function, float_type)
         self.is_step = is_step
         self.loop_id = 0
         self.temp_id = 0
@@ -471,13 +479,15 @@ def _is_zero(e):
 
 
 def _render_function(fs: FunctionSpec, home: str, backend: str, scope: str, is_step: bool,
-                     ctx_params: list[str], decorator: str, sites: _Sites | None = None) -> _Lines:
+                     ctx_params: list[str], decorator: str, sites: _Sites | None = None,
+                     float_type: str | None = None) -> _Lines:
     out = _Lines(fs.filename, home)
     body = copy.deepcopy(list(fs.body))
     params = list(fs.params) + ctx_params
     out.add(0, decorator)
     out.add(0, f"def {fs.symbol}({', '.join(params)}):", ast.Pass(lineno=fs.lineno, col_offset=0))
-    w = _BodyWriter(out, backend, scope, is_step, body, fs.params[0] if fs.params else "t", sites, fs.name)
+    w = _BodyWriter(out, backend, scope, is_step, body, fs.params[0] if fs.params else "t", sites, fs.name,
+                    float_type)
     w.body(body, 1)
     if is_step and not (body and isinstance(body[-1], ast.Return)):
         out.add(1, "return True")
@@ -495,7 +505,7 @@ def _jit_options(backend: str, cache: bool) -> tuple[str, str]:
 
 def render_kernel(spec: StepSpec, backend: str, scope: str = "grid", *, cache: bool = True,
                   fingerprint: str = "", by_ref: frozenset | None = None, debug: bool = False,
-                  staged: tuple = (), control: bool = True) -> KernelSource:
+                  staged: tuple = (), control: bool = True, float_type: str | None = None) -> KernelSource:
     """Render the kernel module for ``spec``.
 
     Args:
@@ -519,12 +529,16 @@ def render_kernel(spec: StepSpec, backend: str, scope: str = "grid", *, cache: b
             launch must provide the bytes.
         control: poll for cancellation, timeouts and progress once per step (the default);
             False only to measure what that costs.
+        float_type: ``"float32"`` to give float literals in the step that precision (when the
+            arrays are float32: see ``interop.arrays.weak_float_type``); None keeps float64.
 
     Returns:
         The :class:`KernelSource`.
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if float_type not in (None, "float32"):
+        raise ValueError(f"float_type must be None or 'float32', got {float_type!r}")
     if backend == "cpu":
         scope = "grid"
     elif scope not in SCOPES:
@@ -542,8 +556,9 @@ def render_kernel(spec: StepSpec, backend: str, scope: str = "grid", *, cache: b
 
     pieces: list[_Lines] = []
     for h in spec.helpers:
-        pieces.append(_render_function(h, spec.filename, backend, scope, False, helper_ctx, device_deco, sites))
-    step_lines = _render_function(spec.step, spec.filename, backend, scope, True, ctx_params, "", sites)
+        pieces.append(_render_function(h, spec.filename, backend, scope, False, helper_ctx, device_deco, sites,
+                                       float_type))
+    step_lines = _render_function(spec.step, spec.filename, backend, scope, True, ctx_params, "", sites, float_type)
 
     n = len(spec.params)
     kparams = [f"{_P}a{i}" for i in range(n)]
@@ -578,12 +593,14 @@ def render_kernel(spec: StepSpec, backend: str, scope: str = "grid", *, cache: b
             if spec.params[i].written or i in swapped:
                 copy_lines.append(f"{_INDENT}for {_P}k in range({_P}tid, {kparams[i]}.size, {_P}nt):")
                 copy_lines.append(f"{_INDENT * 2}{kparams[i]}.flat[{_P}k] = {_P}s{i}.flat[{_P}k]")
-    poll = f"{_P}rt.poll_debug({_P}t, {_P}host, {_P}pt, {_P}dbg)" if debug else f"{_P}rt.poll({_P}t, {_P}host, {_P}pt)"
+    state = f"{_P}code, {_P}pc, {_P}pn, {_P}pd"
+    poll = (f"{state} = {_P}rt.poll{'_debug' if debug else ''}({_P}t, {_P}host, {_P}pc, {_P}pn, {_P}pd, "
+            f"{_P}code{', ' + _P + 'dbg' if debug else ''})")
     if not control:
         control_lines = [f"{_INDENT * 2}{_P}seen = 0"]
     elif backend == "cpu" or scope == "thread":
         # one thread: its own decision takes effect after this step
-        control_lines = [f"{_INDENT * 2}{_P}seen = {poll}"]
+        control_lines = [f"{_INDENT * 2}{poll}", f"{_INDENT * 2}{_P}seen = {_P}code"]
     else:
         # the leader's decision before step t reaches every thread through the barrier after
         # it; each thread reads it during step t + 1 and stops after that step, all at the same
@@ -594,7 +611,8 @@ def render_kernel(spec: StepSpec, backend: str, scope: str = "grid", *, cache: b
             prologue.append(f"{_INDENT}{_P}sd = cuda.shared.array(2, _lk_np.int64)")
         control_lines = [f"{_INDENT * 2}{_P}seen = {slots}[({_P}t + 1) & 1] if {_P}t > 0 else 0",
                          f"{_INDENT * 2}if {_P}lead:",
-                         f"{_INDENT * 3}{slots}[{_P}t & 1] = {poll}"]
+                         f"{_INDENT * 3}{poll}",
+                         f"{_INDENT * 3}{slots}[{_P}t & 1] = {_P}code"]
     if backend == "cuda" and scope == "thread":
         # a sequential step: one thread, no barrier between steps
         thread_index, thread_count, barrier = "0", "1", ""

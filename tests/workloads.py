@@ -232,3 +232,9 @@ def oob_helper_step(t, u, v):
     n = u.shape[0]
     for i in lk.range(n):
         v[i] = peek(u, i + 1)
+
+
+def scale_step(t, x, y, a):
+    # a Python-float literal and a Python-float argument meeting float32 arrays
+    for i in lk.range(x.shape[0]):
+        y[i] = x[i] * 0.1 + a * x[i]

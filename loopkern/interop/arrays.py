@@ -38,6 +38,7 @@ class ArrayArg:
 class ScalarArg:
     name: str
     value: object         # a NumPy scalar of the type the kernel sees
+    weak: bool = False    # a Python float: it takes the precision of the float arrays
 
 
 def _is_jax_array(x) -> bool:
@@ -94,7 +95,7 @@ def classify(name: str, value):
             raise ArgumentError(f"argument '{name}': integer {v} does not fit in int64")
         return ScalarArg(name, np.int64(v))
     if isinstance(value, numbers.Real):
-        return ScalarArg(name, np.float64(value))
+        return ScalarArg(name, np.float64(value), weak=True)
     if isinstance(value, numbers.Complex):
         raise ArgumentError(f"argument '{name}': complex numbers are not supported yet")
     if hasattr(value, "__dlpack__"):
@@ -169,6 +170,25 @@ def overlaps(a: ArrayArg, b: ArrayArg) -> bool:
         return False
     (alo, ahi), (blo, bhi) = _extent(a), _extent(b)
     return alo < bhi and blo < ahi
+
+
+def weak_float_type(argv) -> str | None:
+    """``"float32"`` when every floating-point array argument is float32 (and there is one).
+
+    Then Python floats, as arguments and as literals in the step, are float32 too, as in
+    NumPy 2 and JAX (a Python scalar takes the precision of the arrays it meets): ``2.0 * u[i]``
+    stays float32 arithmetic instead of promoting the whole expression to float64.
+    """
+    floats = {a.dtype for a in argv if isinstance(a, ArrayArg) and a.dtype.kind == "f"}
+    return "float32" if floats == {np.dtype(np.float32)} else None
+
+
+def apply_weak_floats(argv, float_type):
+    """``argv`` with Python-float scalars converted to ``float_type`` (None: unchanged)."""
+    if float_type is None:
+        return argv
+    return [ScalarArg(a.name, np.dtype(float_type).type(a.value)) if isinstance(a, ScalarArg) and a.weak else a
+            for a in argv]
 
 
 def to_cuda(args: list, stream=0):

@@ -165,7 +165,9 @@ def _cuda_core(mk, arrays, scalars, nsteps, scope, threads, blocks, seed, timeou
     scope = launch.resolve_scope(scope or mk._defaults["scope"], work, spec.parallel)
     check_thread_scope(spec, scope)
     by_ref = frozenset(scalars)
-    compiled = mk._kernel("cuda", scope, by_ref=by_ref)
+    floats = {np.dtype(a.dtype) for a in arrays.values() if np.dtype(a.dtype).kind == "f"}
+    float_type = "float32" if floats == {np.dtype(np.float32)} else None    # as weak_float_type
+    compiled = mk._kernel("cuda", scope, by_ref=by_ref, float_type=float_type)
 
     def nb(dtype, ndim):
         from numba.np.numpy_support import from_dtype

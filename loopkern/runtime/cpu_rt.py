@@ -63,17 +63,17 @@ def _store_relaxed(typingctx, arr, idx, val):
 
 
 @numba.njit
-def poll(t, host, pt):
-    """Publish the steps done before step ``t``; return the host's request (0: go on).
-    (``pt`` is the GPU leader's poll state, unused here.)"""
+def poll(t, host, last, publish, deadline, code):
+    """Publish the steps done before step ``t``; the host's request is the decision (the GPU
+    leader's other state is unused here)."""
     _store_relaxed(host, 0, t)
-    return _load_relaxed(host, 1)
+    return _load_relaxed(host, 1), last, publish, deadline
 
 
 @numba.njit
-def poll_debug(t, host, pt, dbg):
-    code = poll(t, host, pt)
-    return 4 if dbg[0] != 0 else code
+def poll_debug(t, host, last, publish, deadline, code, dbg):
+    code, last, publish, deadline = poll(t, host, last, publish, deadline, code)
+    return (4 if dbg[0] != 0 else code), last, publish, deadline
 
 
 @numba.njit

@@ -227,7 +227,7 @@ block_sum, block_max, block_min = (_make(op, False) for op in _OPS)
 #   kernel is done   [4] timeout in ns from the kernel's start (0: none)
 # The leader (thread 0) polls once per step: the cycle counter rate-limits reads of the global
 # timer, and those rate-limit the PCIe round trip to the host block to one per PUBLISH_NS.
-POLL_CYCLES = 16384
+POLL_CYCLES = 65536
 PUBLISH_NS = 1_000_000
 
 if SIMULATOR:
@@ -237,26 +237,25 @@ if SIMULATOR:
         return time.monotonic_ns()
 
     @cuda.jit(device=True)
-    def poll(t, host, pt):
-        """The leader's stop decision before step ``t``: 0 (go on) or a stop code."""
+    def poll(t, host, last, publish, deadline, code):
+        """The leader's stop decision before step ``t`` (see the compiled version)."""
         now = _now()
         if t == 0:
-            pt[1] = 0
-            pt[3] = 0
-            pt[2] = now + int(host[4]) if host[4] > 0 else 0
-        if now >= pt[1]:
-            pt[1] = now + PUBLISH_NS
+            publish, code = 0, 0
+            deadline = now + int(host[4]) if host[4] > 0 else 0
+        if now >= publish:
+            publish = now + PUBLISH_NS
             host[0] = t
-            if host[1] != 0 and pt[3] == 0:
-                pt[3] = host[1]
-        if pt[2] != 0 and now >= pt[2] and pt[3] == 0:
-            pt[3] = 3
-        return pt[3]
+            if host[1] != 0 and code == 0:
+                code = int(host[1])
+        if deadline != 0 and now >= deadline and code == 0:
+            code = 3
+        return code, last, publish, deadline
 
     @cuda.jit(device=True)
-    def poll_debug(t, host, pt, dbg):
-        code = poll(t, host, pt)
-        return 4 if dbg[0] != 0 else code
+    def poll_debug(t, host, last, publish, deadline, code, dbg):
+        code, last, publish, deadline = poll(t, host, last, publish, deadline, code)
+        return (4 if dbg[0] != 0 else code), last, publish, deadline
 
     @cuda.jit(device=True)
     def finish(host, t, why):
@@ -313,36 +312,36 @@ else:
         return sig, codegen
 
     @cuda.jit(device=True)
-    def poll(t, host, pt):
+    def poll(t, host, last, publish, deadline, code):
         """The leader's stop decision before step ``t``: 0 (go on) or a stop code (sticky).
 
-        ``pt`` (int64[4], the leader's own) holds the last cycle count, the next publish time,
-        the deadline (0: none) and the decision so far.
+        The state lives in registers, threaded through the calls: the cycle count of the last
+        look at the clock, the next time to publish, the deadline (0: none) and the decision
+        so far. Returns the new (decision, last, publish, deadline).
         """
         c = _special_u64("clock64")
         if t == 0:
-            pt[1] = 0
-            pt[3] = 0
+            publish, code = 0, 0
             timeout = _ld_volatile(host, 4)
-            pt[2] = _special_u64("globaltimer") + timeout if timeout > 0 else 0
-        elif c - pt[0] < POLL_CYCLES:
-            return pt[3]
-        pt[0] = c
+            deadline = _special_u64("globaltimer") + timeout if timeout > 0 else 0
+        elif c - last < POLL_CYCLES:
+            return code, last, publish, deadline
+        last = c
         now = _special_u64("globaltimer")
-        if now >= pt[1]:
-            pt[1] = now + PUBLISH_NS
+        if now >= publish:
+            publish = now + PUBLISH_NS
             _st_volatile(host, 0, t)
             req = _ld_volatile(host, 1)
-            if req != 0 and pt[3] == 0:
-                pt[3] = req
-        if pt[2] != 0 and now >= pt[2] and pt[3] == 0:
-            pt[3] = 3
-        return pt[3]
+            if req != 0 and code == 0:
+                code = req
+        if deadline != 0 and now >= deadline and code == 0:
+            code = 3
+        return code, last, publish, deadline
 
     @cuda.jit(device=True)
-    def poll_debug(t, host, pt, dbg):
-        code = poll(t, host, pt)
-        return 4 if _ld_volatile(dbg, 0) != 0 else code
+    def poll_debug(t, host, last, publish, deadline, code, dbg):
+        code, last, publish, deadline = poll(t, host, last, publish, deadline, code)
+        return (4 if _ld_volatile(dbg, 0) != 0 else code), last, publish, deadline
 
     @cuda.jit(device=True)
     def finish(host, t, why):

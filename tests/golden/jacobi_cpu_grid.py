@@ -24,12 +24,13 @@ def _lk_step(t, u, v, tol, _lk_tid, _lk_nt, _lk_seed):
 def _lk_kernel(_lk_nsteps, _lk_a0, _lk_a1, _lk_a2, _lk_seed, _lk_host):
     _lk_tid = 0
     _lk_nt = 1
-    _lk_pt = _lk_np.zeros(4, _lk_np.int64)
+    _lk_code = _lk_pc = _lk_pn = _lk_pd = _lk_np.int64(0)
     _lk_why = 0
     _lk_t = 0
     _lk_go = True
     while _lk_t < _lk_nsteps:
-        _lk_seen = _lk_rt.poll(_lk_t, _lk_host, _lk_pt)
+        _lk_code, _lk_pc, _lk_pn, _lk_pd = _lk_rt.poll(_lk_t, _lk_host, _lk_pc, _lk_pn, _lk_pd, _lk_code)
+        _lk_seen = _lk_code
         _lk_go = _lk_step(_lk_t, _lk_a0, _lk_a1, _lk_a2, _lk_tid, _lk_nt, _lk_seed)
         _lk_t += 1
         _lk_a0, _lk_a1 = _lk_a1, _lk_a0

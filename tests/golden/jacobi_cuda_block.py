@@ -88,18 +88,19 @@ def _lk_step(t, u, v, tol, _lk_tid, _lk_nt, _lk_redf, _lk_redi, _lk_st, _lk_bar,
 def _lk_kernel(_lk_nsteps, _lk_a0, _lk_a1, _lk_a2, _lk_redf, _lk_redi, _lk_bar, _lk_seed, _lk_info, _lk_host):
     _lk_tid = cuda.threadIdx.x
     _lk_nt = cuda.blockDim.x
-
+    _lk_sd = cuda.shared.array(2, _lk_np.int64)
     _lk_st = cuda.local.array(1, _lk_np.int32)
     _lk_st[0] = 0
-    _lk_pt = cuda.local.array(4, _lk_np.int64)
+    _lk_code = _lk_pc = _lk_pn = _lk_pd = _lk_np.int64(0)   # the leader's poll state
     _lk_lead = _lk_tid == 0
     _lk_why = 0
     _lk_t = 0
     _lk_go = True
     while _lk_t < _lk_nsteps:
-        _lk_seen = _lk_info[(_lk_t + 1) & 1] if _lk_t > 0 else 0
+        _lk_seen = _lk_sd[(_lk_t + 1) & 1] if _lk_t > 0 else 0
         if _lk_lead:
-            _lk_info[_lk_t & 1] = _lk_rt.poll(_lk_t, _lk_host, _lk_pt)
+            _lk_code, _lk_pc, _lk_pn, _lk_pd = _lk_rt.poll(_lk_t, _lk_host, _lk_pc, _lk_pn, _lk_pd, _lk_code)
+            _lk_sd[_lk_t & 1] = _lk_code
         _lk_go = _lk_step(_lk_t, _lk_a0, _lk_a1, _lk_a2, _lk_tid, _lk_nt, _lk_redf, _lk_redi, _lk_st, _lk_bar, _lk_seed)
         _lk_rt.block_sync(_lk_bar)
         _lk_t += 1

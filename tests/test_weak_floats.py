@@ -1,0 +1,46 @@
+"""Python floats take the arrays' precision (NumPy 2 and JAX): float32 arrays stay float32
+arithmetic, on every backend, as NumPy computes it."""
+
+import numpy as np
+import pytest
+
+import loopkern as lk
+import workloads as W
+from loopkern import codegen
+
+BACKENDS = [pytest.param("cpu", id="cpu"), pytest.param("cuda", id="sim", marks=pytest.mark.sim)]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_float32_arrays_compute_in_float32_like_numpy(backend, rng):
+    x = rng.random(300).astype(np.float32)
+    y = np.zeros_like(x)
+    lk.megakernel(W.scale_step)(x, y, 0.3, steps=1, backend=backend)
+    expect = x * 0.1 + 0.3 * x                  # NumPy 2: float32 throughout
+    assert expect.dtype == np.float32
+    np.testing.assert_array_equal(y, expect)
+    promoted = (x.astype(np.float64) * 0.1 + 0.3 * x.astype(np.float64)).astype(np.float32)
+    assert not np.array_equal(promoted, expect)  # the test can tell the two apart
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_float64_arrays_are_unchanged(backend, rng):
+    x = rng.random(300)
+    y = np.zeros_like(x)
+    lk.megakernel(W.scale_step)(x, y, 0.3, steps=1, backend=backend)
+    np.testing.assert_array_equal(y, x * 0.1 + 0.3 * x)
+
+
+def test_an_explicit_float64_stays_float64(rng):
+    x = rng.random(300).astype(np.float32)
+    y = np.zeros_like(x)
+    lk.megakernel(W.scale_step)(x, y, np.float64(0.3), steps=1, backend="cpu")
+    np.testing.assert_array_equal(y, (x * np.float32(0.1) + np.float64(0.3) * x.astype(np.float64))
+                                  .astype(np.float32))
+
+
+def test_codegen_gives_literals_the_float_type():
+    spec = lk.megakernel(W.scale_step).spec
+    text = codegen.render_kernel(spec, "cuda", "grid", float_type="float32").text
+    assert "_lk_np.float32(0.1)" in text
+    assert "_lk_np.float32(0.1)" not in codegen.render_kernel(spec, "cuda", "grid").text
