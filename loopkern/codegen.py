@@ -279,19 +279,30 @@ class _BodyWriter:
             return
         lo_t = self._bind(depth, f"{_P}r{k}_lo", lo, s)
         hi_t = self._bind(depth, f"{_P}r{k}_hi", hi, s)
+        cur = f"{_P}u{k}"
         if not _is_one(st):
             st_t = self._bind(depth, f"{_P}r{k}_st", st, s)
-            self.out.add(depth, f"for {target} in range({lo_t} + {_P}tid * {st_t}, {hi_t}, {_P}nt * {st_t}):", s)
-            self.body(s.body, depth + 1)
+            self.out.add(depth, f"{cur} = {lo_t} + {_P}tid * {st_t}", s)
+            # the step's sign decides the test; a zero step runs nothing (it would never end)
+            test = f"({cur} < {hi_t}) if {st_t} > 0 else ({cur} > {hi_t} if {st_t} < 0 else False)"
+            self.strided_loop(s, depth, test, [f"{target} = {cur}", f"{cur} += {_P}nt * {st_t}"])
             return
         start = f"{_P}tid" if _is_zero(lo) else f"{lo_t} + {_P}tid"
-        cur = f"{_P}u{k}"
 
         def take(c, rn):
             return [f"{rn(target)} = {cur}" + (f" + {c} * {_P}nt" if c else "")]
-        if self.unrolled(s, [target], depth, k, cur, start, hi_t, take):
-            start = cur
-        self.out.add(depth, f"for {target} in range({start}, {hi_t}, {_P}nt):", s)
+        if not self.unrolled(s, [target], depth, k, cur, start, hi_t, take):
+            self.out.add(depth, f"{cur} = {start}", s)
+        self.strided_loop(s, depth, f"{cur} < {hi_t}", [f"{target} = {cur}", f"{cur} += {_P}nt"])
+
+    def strided_loop(self, s, depth, test, head):
+        """A grid-stride loop as ``while``: ``for ... in range(a, b, stride)`` would make Numba
+        divide (a 64-bit division, tens of instructions) to count the trips each time the loop
+        starts. ``head`` binds the index and advances the counter before the body, so a
+        ``continue`` in the body still advances."""
+        self.out.add(depth, f"while {test}:", s)
+        for line in head:
+            self.out.add(depth + 1, line, s)
         self.body(s.body, depth + 1)
 
     def parallel_grid(self, s, args, depth):
@@ -346,12 +357,9 @@ class _BodyWriter:
         cur = f"{_P}g{k}"
         index_names = names + ([_src(s.target)] if single else [])
         start = f"{_P}tid"
-        if self.unrolled(s, index_names, depth, k, cur, start, total, take):
-            start = cur
-        self.out.add(depth, f"for {cur} in range({start}, {total}, {_P}nt):", s)
-        for line in take(0, lambda n: n):
-            self.out.add(depth + 1, line, s)
-        self.body(s.body, depth + 1)
+        if not self.unrolled(s, index_names, depth, k, cur, start, total, take):
+            self.out.add(depth, f"{cur} = {start}", s)
+        self.strided_loop(s, depth, f"{cur} < {total}", take(0, lambda n: n) + [f"{cur} += {_P}nt"])
 
     def unrolled(self, s, index_names, depth, k, cur, start, stop, take):
         """Emit an unrolled loop over this thread's indices when that cannot change the result.

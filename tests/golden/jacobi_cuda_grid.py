@@ -71,7 +71,7 @@ def _lk_step(t, u, v, tol, _lk_tid, _lk_nt, _lk_redf, _lk_redi, _lk_st, _lk_bar,
         err = max(err, abs(_lk_u1_2_new - u[_lk_u1_2_i, _lk_u1_2_j]))  # line 35
         err = max(err, abs(_lk_u1_3_new - u[_lk_u1_3_i, _lk_u1_3_j]))  # line 35
         _lk_g1 += 4 * _lk_nt  # line 32
-    for _lk_g1 in range(_lk_g1, _lk_g1_total, _lk_nt):  # line 32
+    while _lk_g1 < _lk_g1_total:  # line 32
         i = 1 + _lk_g1_c0  # line 32
         j = 1 + _lk_g1_c1  # line 32
         _lk_g1_c1 += _lk_g1_s1  # line 32
@@ -79,6 +79,7 @@ def _lk_step(t, u, v, tol, _lk_tid, _lk_nt, _lk_redf, _lk_redi, _lk_st, _lk_bar,
             _lk_g1_c1 -= _lk_g1_n1  # line 32
             _lk_g1_c0 += 1  # line 32
         _lk_g1_c0 += _lk_g1_s0  # line 32
+        _lk_g1 += _lk_nt  # line 32
         new = 0.25 * (u[i - 1, j] + u[i + 1, j] + u[i, j - 1] + u[i, j + 1])  # line 33
         v[i, j] = new  # line 34
         err = max(err, abs(new - u[i, j]))  # line 35
