@@ -342,10 +342,8 @@ class MegaKernel:
         sim = simulator_enabled()
         work = max([a.size for a in argv if isinstance(a, ArrayArg)] or [1])
         check_thread_scope(self.spec, scope)
-        staged, stage_bytes = launch.plan_staging(self.spec, argv) if scope in ("auto", "block") else ((), 0)
-        scope = launch.resolve_scope(scope, work, self.spec.parallel, stage_bytes)
-        if scope != "block":
-            staged, stage_bytes = (), 0
+        scope = launch.resolve_scope(scope, work, self.spec.parallel)
+        staged, stage_bytes = launch.plan_staging(self.spec, argv) if scope == "block" else ((), 0)
         compiled = self._kernel("cuda", scope, debug=debug, staged=staged, control=control, float_type=float_type)
         with self._lock:
             if self._scratch is None:

@@ -22,13 +22,17 @@ log = logging.getLogger("loopkern")
 
 DEFAULT_THREADS = 256
 BLOCK_SCOPE_THREADS = 1024
-#: scope="auto" picks one block for problems of at most this many elements. Zero for now: on
-#: the H200 (bench.py, 2026-12-02) one block of 1024 threads took 1.96 µs/step for the 4K heat
-#: stencil against 1.39-1.44 µs for a grid of 16-64 blocks, and was slower at every larger size.
+#: scope="auto" picks one block for problems of at most this many elements. Zero: on the H200
+#: (bench.py, 2026-12-02) one block, even with the arrays in shared memory, took 1.52-1.66
+#: µs/step for the 4K heat stencil (issue-bound on one SM: Numba spends ~65 instructions per
+#: element) against 1.34 µs for a grid of 16 blocks, and was slower at every larger size.
 AUTO_BLOCK_SCOPE_MAX_ELEMENTS = 0
 #: grid scope, small problems: about this many elements per thread (the barrier costs more
-#: with more blocks; H200 heat 64K: 132 blocks 1.77 µs, 64 blocks 2.48, 264 blocks 1.89)
+#: with more blocks; H200 heat 64K: 128 blocks 1.64 µs, 64 blocks 1.98, 264 blocks 1.76)...
 SMALL_ELEMENTS_PER_THREAD = 2
+#: ...but up to this many blocks with one element per thread (heat 4K: 16 blocks 1.34 µs, 8
+#: blocks 1.44)
+MIN_GRID_BLOCKS = 16
 #: grid scope, large problems: every co-resident block once each thread would have this many
 #: elements at two blocks per SM (bandwidth needs occupancy: heat 16M, 660 blocks 53.6 µs,
 #: 528 blocks 65 µs, 264 blocks 103 µs); in between, two blocks per SM (heat 1M: 264 blocks
@@ -119,17 +123,13 @@ def plan_staging(spec, argv) -> tuple[tuple, int]:
     return tuple(sorted(chosen)), total
 
 
-def resolve_scope(scope: str, work: int, parallel: bool = True, stage_bytes: int | None = None) -> str:
+def resolve_scope(scope: str, work: int, parallel: bool = True) -> str:
     """``"auto"``: ``"thread"`` for a step with no parallel construct (nothing to share, so no
-    barrier to pay); ``"block"`` when the arrays fit in one block's shared memory
-    (``stage_bytes`` is what staging them takes, None where it cannot be done) or there are at
-    most AUTO_BLOCK_SCOPE_MAX_ELEMENTS elements; else ``"grid"``."""
+    barrier to pay), ``"block"`` up to AUTO_BLOCK_SCOPE_MAX_ELEMENTS, else ``"grid"``."""
     if scope != "auto":
         return scope
     if not parallel:
         return "thread"
-    if stage_bytes:
-        return "block"
     return "block" if work <= AUTO_BLOCK_SCOPE_MAX_ELEMENTS else "grid"
 
 
@@ -192,10 +192,11 @@ def plan_cuda(kernel, scope: str, work: int, threads: int | None, blocks: int | 
 
 def auto_blocks(work: int, threads: int, limit: int, sms: int) -> int:
     """Blocks for a grid-scope run of ``work`` elements (see the constants above)."""
-    small = math.ceil(work / (threads * SMALL_ELEMENTS_PER_THREAD))
+    small = max(math.ceil(work / (threads * SMALL_ELEMENTS_PER_THREAD)),
+                min(MIN_GRID_BLOCKS, math.ceil(work / threads)))
     two_per_sm = min(limit, 2 * sms)
     if small <= two_per_sm:
-        return max(1, small)
+        return max(1, min(small, limit))
     if work >= LARGE_ELEMENTS_PER_THREAD * threads * two_per_sm:
         return limit
     return two_per_sm

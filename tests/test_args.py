@@ -147,7 +147,8 @@ def test_simulator_device_arrays_in_place(heat, rng):
 def test_auto_block_count_follows_problem_size():
     from loopkern.launch import auto_blocks
     sms, limit = 132, 660
-    assert auto_blocks(4096, 256, limit, sms) == 8
+    assert auto_blocks(4096, 256, limit, sms) == 16
+    assert auto_blocks(1000, 256, limit, sms) == 4
     assert auto_blocks(65536, 256, limit, sms) == 128
     assert auto_blocks(1 << 20, 256, limit, sms) == 264
     assert auto_blocks(1 << 24, 256, limit, sms) == 660

@@ -54,11 +54,12 @@ def test_staged_heat_and_life_match_references(steps, rng):
 
 
 @pytest.mark.sim
-def test_auto_picks_staged_block_scope_for_small_problems(rng):
+def test_staged_jacobi_with_reductions_matches_the_reference(rng):
     k = lk.megakernel(W.jacobi_step, swap=[("u", "v")])
     u0 = rng.random((10, 10))
     ref, ref_steps = W.jacobi_ref(u0, 1e-3, 500)
     u, v = u0.copy(), u0.copy()
-    run = k(u, v, 1e-3, max_steps=500, backend="cuda", threads=64)
+    run = k(u, v, 1e-3, max_steps=500, backend="cuda", scope="block", threads=64)
     assert run.scope == "block" and run.steps == ref_steps
+    assert any(key[4:5] == ((0, 1),) for key in k._compiled)
     np.testing.assert_allclose(u, ref, rtol=1e-12)
