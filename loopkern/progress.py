@@ -82,23 +82,29 @@ class _Callback(_Reporter):
 class _Tqdm(_Reporter):
     def __init__(self, tqdm, total, name):
         super().__init__(total)
-        self.bar = tqdm.tqdm(total=total, desc=name, unit="step", unit_scale=True, dynamic_ncols=True)
+        self.tqdm, self.name, self.bar = tqdm, name, None
 
     def show(self, steps, final):
+        if self.bar is None:    # made at the first report, so compile time does not count as run time
+            self.bar = self.tqdm.tqdm(total=self.total, desc=self.name, unit="step", unit_scale=True,
+                                      dynamic_ncols=True)
         self.bar.update(steps - self.bar.n)
 
     def close(self):
-        self.bar.close()
+        if self.bar is not None:
+            self.bar.close()
 
 
 class _Text(_Reporter):
     def __init__(self, total, name):
         super().__init__(total)
         self.name = name
-        self.start = time.monotonic()
+        self.start = None
         self.printed = False
 
     def show(self, steps, final):
+        if self.start is None:  # the first report comes when the kernel has been launched
+            self.start = time.monotonic()
         elapsed = max(time.monotonic() - self.start, 1e-9)
         rate = steps / elapsed
         done = f"{steps}/{self.total} steps ({100.0 * steps / self.total:.0f}%)" if self.total else f"{steps} steps"
