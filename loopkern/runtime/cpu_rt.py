@@ -32,10 +32,7 @@ _, random_uniform, random_normal = build(numba.njit)
 # request at every step; a timeout arrives as a request (code 3) from the waiting thread.
 from numba.extending import intrinsic  # noqa: E402
 
-
-def _element_ptr(context, builder, aryty, ary, idx, idxty):
-    a = context.make_array(aryty)(context, builder, ary)
-    return builder.gep(a.data, [context.cast(builder, idx, idxty, types.int64)])
+from .lowering import element_ptr  # noqa: E402
 
 
 @intrinsic
@@ -45,7 +42,7 @@ def _load_relaxed(typingctx, arr, idx):
     sig = types.int64(arr, idx)
 
     def codegen(context, builder, sig, args):
-        ptr = _element_ptr(context, builder, sig.args[0], args[0], args[1], sig.args[1])
+        ptr = element_ptr(context, builder, sig.args[0], args[0], args[1], sig.args[1])
         return builder.load_atomic(ptr, "monotonic", 8)
     return sig, codegen
 
@@ -56,7 +53,7 @@ def _store_relaxed(typingctx, arr, idx, val):
     sig = types.void(arr, idx, val)
 
     def codegen(context, builder, sig, args):
-        ptr = _element_ptr(context, builder, sig.args[0], args[0], args[1], sig.args[1])
+        ptr = element_ptr(context, builder, sig.args[0], args[0], args[1], sig.args[1])
         builder.store_atomic(context.cast(builder, args[2], sig.args[2], types.int64), ptr, "monotonic", 8)
         return context.get_dummy_value()
     return sig, codegen

@@ -37,6 +37,8 @@ else:
     from numba import types as _types, uint32
     from numba.cuda.extending import intrinsic
 
+    from .lowering import element_ptr
+
     @intrinsic
     def _atom_add_release(typingctx, arr, val):
         """``atom.add.release.gpu`` on ``arr[0]`` (uint32); returns the old value."""
@@ -233,35 +235,14 @@ PUBLISH_NS = 1_000_000
 if SIMULATOR:
     import time
 
-    def _now():
-        return time.monotonic_ns()
+    def _special_u64(which):
+        return time.monotonic_ns()      # stands in for both the global timer and the cycle counter
 
-    @cuda.jit(device=True)
-    def poll(t, host, last, publish, deadline, code):
-        """The leader's stop decision before step ``t`` (see the compiled version)."""
-        now = _now()
-        if t == 0:
-            publish, code = 0, 0
-            deadline = now + int(host[4]) if host[4] > 0 else 0
-        if now >= publish:
-            publish = now + PUBLISH_NS
-            host[0] = t
-            if host[1] != 0 and code == 0:
-                code = int(host[1])
-        if deadline != 0 and now >= deadline and code == 0:
-            code = 3
-        return code, last, publish, deadline
+    def _ld_volatile(arr, idx):
+        return int(arr[idx])
 
-    @cuda.jit(device=True)
-    def poll_debug(t, host, last, publish, deadline, code, dbg):
-        code, last, publish, deadline = poll(t, host, last, publish, deadline, code)
-        return (4 if dbg[0] != 0 else code), last, publish, deadline
-
-    @cuda.jit(device=True)
-    def finish(host, t, why):
-        host[0] = t
-        host[2] = why
-        host[3] = 1
+    def _st_volatile(arr, idx, val):
+        arr[idx] = val
 
     def _claim(dbg):
         return cuda.atomic.compare_and_swap(dbg, 0, 1) == 0
@@ -280,18 +261,13 @@ else:
             return builder.call(asm, [])
         return sig, codegen
 
-    def _element_ptr(context, builder, aryty, ary, idx, idxty):
-        a = context.make_array(aryty)(context, builder, ary)
-        i = context.cast(builder, idx, idxty, _types.int64)
-        return builder.gep(a.data, [i])
-
     @intrinsic
     def _ld_volatile(typingctx, arr, idx):
         """``ld.volatile`` of ``arr[idx]`` (int64): seen fresh from host memory or other threads."""
         sig = _types.int64(arr, idx)
 
         def codegen(context, builder, sig, args):
-            ptr = _element_ptr(context, builder, sig.args[0], args[0], args[1], sig.args[1])
+            ptr = element_ptr(context, builder, sig.args[0], args[0], args[1], sig.args[1])
             fnty = ir.FunctionType(ir.IntType(64), [ptr.type])
             asm = ir.InlineAsm(fnty, "ld.volatile.u64 $0, [$1];", "=l,l,~{memory}", side_effect=True)
             return builder.call(asm, [ptr])
@@ -303,7 +279,7 @@ else:
         sig = _types.void(arr, idx, val)
 
         def codegen(context, builder, sig, args):
-            ptr = _element_ptr(context, builder, sig.args[0], args[0], args[1], sig.args[1])
+            ptr = element_ptr(context, builder, sig.args[0], args[0], args[1], sig.args[1])
             v = context.cast(builder, args[2], sig.args[2], _types.int64)
             fnty = ir.FunctionType(ir.VoidType(), [ptr.type, ir.IntType(64)])
             asm = ir.InlineAsm(fnty, "st.volatile.u64 [$0], $1;", "l,l,~{memory}", side_effect=True)
@@ -312,48 +288,51 @@ else:
         return sig, codegen
 
     @cuda.jit(device=True)
-    def poll(t, host, last, publish, deadline, code):
-        """The leader's stop decision before step ``t``: 0 (go on) or a stop code (sticky).
-
-        The state lives in registers, threaded through the calls: the cycle count of the last
-        look at the clock, the next time to publish, the deadline (0: none) and the decision
-        so far. Returns the new (decision, last, publish, deadline).
-        """
-        c = _special_u64("clock64")
-        if t == 0:
-            publish, code = 0, 0
-            timeout = _ld_volatile(host, 4)
-            deadline = _special_u64("globaltimer") + timeout if timeout > 0 else 0
-        elif c - last < POLL_CYCLES:
-            return code, last, publish, deadline
-        last = c
-        now = _special_u64("globaltimer")
-        if now >= publish:
-            publish = now + PUBLISH_NS
-            _st_volatile(host, 0, t)
-            req = _ld_volatile(host, 1)
-            if req != 0 and code == 0:
-                code = req
-        if deadline != 0 and now >= deadline and code == 0:
-            code = 3
-        return code, last, publish, deadline
-
-    @cuda.jit(device=True)
-    def poll_debug(t, host, last, publish, deadline, code, dbg):
-        code, last, publish, deadline = poll(t, host, last, publish, deadline, code)
-        return (4 if _ld_volatile(dbg, 0) != 0 else code), last, publish, deadline
-
-    @cuda.jit(device=True)
-    def finish(host, t, why):
-        """Publish the final step count and stop code, then mark the run done."""
-        _st_volatile(host, 0, t)
-        _st_volatile(host, 2, why)
-        cuda.threadfence_system()
-        _st_volatile(host, 3, 1)
-
-    @cuda.jit(device=True)
     def _claim(dbg):
         return cuda.atomic.compare_and_swap(dbg, 0, 1) == 0
+
+
+@cuda.jit(device=True)
+def poll(t, host, last, publish, deadline, code):
+    """The leader's stop decision before step ``t``: 0 (go on) or a stop code (sticky).
+
+    The state lives in registers, threaded through the calls: the cycle count of the last
+    look at the clock, the next time to publish, the deadline (0: none) and the decision so
+    far. Returns the new (decision, last, publish, deadline).
+    """
+    c = _special_u64("clock64")
+    if t == 0:
+        publish, code = 0, 0
+        timeout = _ld_volatile(host, 4)
+        deadline = _special_u64("globaltimer") + timeout if timeout > 0 else 0
+    elif c - last < POLL_CYCLES:
+        return code, last, publish, deadline
+    last = c
+    now = _special_u64("globaltimer")
+    if now >= publish:
+        publish = now + PUBLISH_NS
+        _st_volatile(host, 0, t)
+        req = _ld_volatile(host, 1)
+        if req != 0 and code == 0:
+            code = req
+    if deadline != 0 and now >= deadline and code == 0:
+        code = 3
+    return code, last, publish, deadline
+
+
+@cuda.jit(device=True)
+def poll_debug(t, host, last, publish, deadline, code, dbg):
+    code, last, publish, deadline = poll(t, host, last, publish, deadline, code)
+    return (4 if _ld_volatile(dbg, 0) != 0 else code), last, publish, deadline
+
+
+@cuda.jit(device=True)
+def finish(host, t, why):
+    """Publish the final step count and stop code, then mark the run done."""
+    _st_volatile(host, 0, t)
+    _st_volatile(host, 2, why)
+    cuda.threadfence_system()
+    _st_volatile(host, 3, 1)
 
 
 from . import bounds as _bounds  # noqa: E402
