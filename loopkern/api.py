@@ -105,7 +105,7 @@ class MegaKernel:
             [inspect.Parameter(p.name, inspect.Parameter.POSITIONAL_OR_KEYWORD) for p in self.spec.params])
         self._compiled: dict = {}
         self._lock = threading.Lock()
-        self._scratch = None   # a launch.ScratchPool, made on the first CUDA run
+        self._scratch = None   # a launch.FreeList of launch.Scratch, made on the first CUDA run
         functools.update_wrapper(self, fn)
 
     def __repr__(self):
@@ -233,7 +233,7 @@ class MegaKernel:
         if not isinstance(debug, bool):
             raise ArgumentError(f"debug={debug!r}: expected True or False")
         argv = self._bind(args, kwargs)
-        float_type = weak_float_type(argv)
+        float_type = weak_float_type(a.dtype for a in argv if isinstance(a, ArrayArg))
         argv = apply_weak_floats(argv, float_type)
 
         from . import launch
@@ -251,8 +251,7 @@ class MegaKernel:
 
     def _kernel(self, backend, scope, by_ref=None, debug=False, staged=(), control=True, float_type=None):
         from .compile import compile_kernel, runtime_fingerprint, simulator_enabled
-        key = (backend, scope, by_ref, debug) + ((staged, control, float_type)
-                                                 if staged or not control or float_type else ())
+        key = (backend, scope, by_ref, debug, staged, control, float_type)
         with self._lock:
             k = self._compiled.get(key)
             if k is None:
@@ -324,7 +323,7 @@ class MegaKernel:
         entry = compiled.specialize(full)
         deadline = time.monotonic() + timeout if timeout is not None else None
         waiter = ThreadWaiter(lambda: entry(*full))
-        return RunHandle(name=self.spec.name, total=nsteps, host=view, waiter=waiter, backend="cpu",
+        return RunHandle(name=self.spec.name, host=view, waiter=waiter, backend="cpu",
                          plan=launch.LaunchPlan("cpu", 1, 1), deadline=deadline,
                          on_finish=lambda: launch.give_control_block("cpu", host),
                          describe_error=(lambda steps: self._describe_bounds(compiled, dbg, argv, steps))
@@ -347,7 +346,7 @@ class MegaKernel:
         compiled = self._kernel("cuda", scope, debug=debug, staged=staged, control=control, float_type=float_type)
         with self._lock:
             if self._scratch is None:
-                self._scratch = launch.ScratchPool()
+                self._scratch = launch.FreeList(launch.Scratch)
         # Nothing the user owns is written before the launch: NumPy inputs are copied to new
         # device buffers, GPU inputs only wrapped.
         kargs, copy_back = to_cuda(argv)
@@ -386,7 +385,7 @@ class MegaKernel:
                 copy_back()
             finally:
                 release()
-        return RunHandle(name=self.spec.name, total=nsteps, host=view, waiter=waiter, backend="cuda", plan=plan,
+        return RunHandle(name=self.spec.name, host=view, waiter=waiter, backend="cuda", plan=plan,
                          on_finish=on_finish, describe_error=(
                              lambda steps: self._describe_bounds(compiled, dbg.copy_to_host(), argv, steps))
                          if debug else None, **opts)
@@ -402,11 +401,10 @@ class MegaKernel:
             if isinstance(a, ArrayArg) and a.name == site.array:
                 shape_text = f"{tuple(a.shape)}"
         verb = "load from" if site.kind == "load" else "store to"
-        index_text = f"({', '.join(map(str, index))}{',' if n == 1 else ''})"
         what = "it read element 0 instead" if site.kind == "load" else "it was skipped"
         d = Diagnostic(site.filename, site.line, site.col, self.spec.name,
                        f"out-of-bounds {verb} '{site.array}' at step {int(dbg[1])} by thread {int(dbg[2])}: "
-                       f"index {index_text} is outside shape {shape_text}",
+                       f"index {index} is outside shape {shape_text}",
                        hint=f"debug=True stopped the run after {steps} steps ({what}; the arrays hold partial "
                             f"results); valid indices of a dimension of length n are -n to n - 1",
                        source_line=linecache.getline(site.filename, site.line),

@@ -237,8 +237,11 @@ class _BodyWriter:
         site = self.sites.add(tgt.value.id, "store", self.out.filename, tgt, self.function)
         self.out.add(depth, f"{ix} = {_src(index)}", s)
         self.out.add(depth, f"if {_src(check_call('in_bounds', tgt.value.id, ast.Name(id=ix, ctx=ast.Load()), site, s))}:", s)
-        op = "=" if isinstance(s, ast.Assign) else f"{_AUG[type(s.op)]}="
-        self.out.add(depth + 1, f"{tgt.value.id}[{ix}] {op} {_src(value)}", s)
+        store = ast.Subscript(value=ast.Name(id=tgt.value.id, ctx=ast.Load()), slice=ast.Name(id=ix, ctx=ast.Load()),
+                              ctx=ast.Store())
+        guarded = ast.Assign(targets=[store], value=value) if isinstance(s, ast.Assign) else \
+            ast.AugAssign(target=store, op=s.op, value=value)
+        self.out.add(depth + 1, _src(ast.fix_missing_locations(guarded)), s)
         return True
 
     def return_text(self, s):
@@ -396,8 +399,6 @@ class _BodyWriter:
 
 
 UNROLL = 4
-_AUG = {ast.Add: "+", ast.Sub: "-", ast.Mult: "*", ast.Div: "/", ast.FloorDiv: "//", ast.Mod: "%", ast.Pow: "**",
-        ast.BitAnd: "&", ast.BitOr: "|", ast.BitXor: "^", ast.LShift: "<<", ast.RShift: ">>"}
 
 
 def _rename(name: str, copy_index: int, k: int) -> str:
@@ -592,15 +593,13 @@ def render_kernel(spec: StepSpec, backend: str, scope: str = "grid", *, cache: b
     if spec.swap:
         copy_lines.append(f"{_INDENT}if _lk_t % 2 == 1:")
         for a, b in spec.swap:
-            copy_lines.append(f"{_INDENT * 2}for {_P}k in range({_P}tid, {work[a]}.size, {_P}nt):")
-            copy_lines.append(f"{_INDENT * 3}{work[b]}.flat[{_P}k] = {work[a]}.flat[{_P}k]")
+            copy_lines += _flat_copy(work[b], work[a], 2)
     if staged:
         copy_lines.append(f"{_INDENT}cuda.syncthreads()")
         swapped = {i for pair in spec.swap for i in pair}
         for i in staged:
             if spec.params[i].written or i in swapped:
-                copy_lines.append(f"{_INDENT}for {_P}k in range({_P}tid, {kparams[i]}.size, {_P}nt):")
-                copy_lines.append(f"{_INDENT * 2}{kparams[i]}.flat[{_P}k] = {_P}s{i}.flat[{_P}k]")
+                copy_lines += _flat_copy(kparams[i], f"{_P}s{i}", 1, count_of=kparams[i])
     state = f"{_P}code, {_P}pc, {_P}pn, {_P}pd"
     poll = (f"{state} = {_P}rt.poll{'_debug' if debug else ''}({_P}t, {_P}host, {_P}pc, {_P}pn, {_P}pd, "
             f"{_P}code{', ' + _P + 'dbg' if debug else ''})")
@@ -663,12 +662,18 @@ def _staging_lines(staged, kparams) -> list[str]:
     for i in staged:
         k = kparams[i]
         lines += [f"{_INDENT}{_P}s{i} = {_P}rt.shared_like({_P}sh, {_P}off, {k})",
-                  f"{_INDENT}{_P}off += {k}.size",
-                  f"{_INDENT}for {_P}k in range({_P}tid, {k}.size, {_P}nt):",
-                  f"{_INDENT * 2}{_P}s{i}.flat[{_P}k] = {k}.flat[{_P}k]",
-                  f"{_INDENT}{_P}w{i} = {_P}s{i}"]
+                  f"{_INDENT}{_P}off += {k}.size"]
+        lines += _flat_copy(f"{_P}s{i}", k, 1)
+        lines.append(f"{_INDENT}{_P}w{i} = {_P}s{i}")
     lines.append(f"{_INDENT}cuda.syncthreads()")
     return lines
+
+
+def _flat_copy(dst: str, src: str, depth: int, count_of: str | None = None) -> list[str]:
+    """Each thread copies its share of ``src`` into ``dst`` (same size), element by element;
+    ``count_of`` names the array whose size bounds the loop (default ``src``)."""
+    return [f"{_INDENT * depth}for {_P}k in range({_P}tid, {count_of or src}.size, {_P}nt):",
+            f"{_INDENT * (depth + 1)}{dst}.flat[{_P}k] = {src}.flat[{_P}k]"]
 
 
 def _build_line_map(text: str, filename: str) -> dict:

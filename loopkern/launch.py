@@ -108,9 +108,10 @@ def plan_staging(spec, argv) -> tuple[tuple, int]:
     for i, a in arrays.items():
         if i in chosen or a.dtype != dtype:
             continue
-        group = [j for j in pairs.get(i, (i,)) if j not in chosen]
-        need = sum(arrays[j].size * arrays[j].dtype.itemsize for j in group if j in arrays)
-        if any(j not in arrays or arrays[j].dtype != dtype for j in group) or total + need > STAGE_MAX_BYTES:
+        group = pairs.get(i, (i,))     # a swap pair joins (or fails) as one
+        same = all(j in arrays and arrays[j].dtype == dtype for j in group)
+        need = sum(arrays[j].size * dtype.itemsize for j in group) if same else 0
+        if not same or total + need > STAGE_MAX_BYTES:
             if i in pairs:
                 return (), 0
             continue
@@ -223,7 +224,7 @@ def _sm_count() -> int:
 class Scratch:
     """Device buffers a kernel needs besides the user's arrays: reduction slots, the barrier
     counter and the stop-decision slots. One run uses one at a time (the barrier counter is
-    shared by the run's blocks); :class:`ScratchPool` hands them out."""
+    shared by the run's blocks); each kernel hands them out from a :class:`FreeList`."""
 
     def __init__(self):
         self._bufs: dict = {}
@@ -240,26 +241,38 @@ class Scratch:
         return have
 
 
-class ScratchPool:
-    """Scratch for runs in flight: a run takes one and gives it back when it has finished, so
-    runs started one after another reuse the same buffers and overlapping runs never share."""
+class FreeList:
+    """Objects for runs in flight: a run takes one and gives it back when it has finished, so
+    runs started one after another reuse the same one and overlapping runs never share."""
 
-    def __init__(self):
-        self._free: list[Scratch] = []
+    def __init__(self, make):
+        self._make = make
+        self._free: list = []
         self._lock = threading.Lock()
 
-    def take(self) -> Scratch:
+    def take(self):
         with self._lock:
-            return self._free.pop() if self._free else Scratch()
+            if self._free:
+                return self._free.pop()
+        return self._make()
 
-    def give(self, scratch: Scratch):
+    def give(self, item):
         with self._lock:
-            self._free.append(scratch)
+            self._free.append(item)
 
 
 #: int64 slots of a run's control block (layout in runtime/cuda_rt.py)
 HOST_SIZE = 8
-_HOST_FREE: dict = {}
+
+
+def _new_control_block(backend: str):
+    if backend == "cpu":
+        return np.zeros(HOST_SIZE, np.int64)
+    from numba import cuda
+    return cuda.mapped_array(HOST_SIZE, np.int64)
+
+
+_CONTROL_BLOCKS = {b: FreeList(functools.partial(_new_control_block, b)) for b in ("cpu", "cuda")}
 
 
 def take_control_block(backend: str):
@@ -268,16 +281,7 @@ def take_control_block(backend: str):
     CUDA: mapped pinned host memory, which the kernel writes and the host reads while it runs
     (the simulator's equivalent under NUMBA_ENABLE_CUDASIM). CPU: a NumPy array.
     """
-    key = backend if backend == "cpu" else ("cuda", _sim())
-    with _lock:
-        free = _HOST_FREE.setdefault(key, [])
-        block = free.pop() if free else None
-    if block is None:
-        if backend == "cpu":
-            block = np.zeros(HOST_SIZE, np.int64)
-        else:
-            from numba import cuda
-            block = cuda.mapped_array(HOST_SIZE, np.int64)
+    block = _CONTROL_BLOCKS[backend].take()
     view = block._ary if hasattr(block, "_ary") else block   # the simulator's array wraps NumPy
     view[:] = 0
     view[0] = -1    # steps done: -1 until the kernel has started
@@ -285,9 +289,7 @@ def take_control_block(backend: str):
 
 
 def give_control_block(backend: str, block):
-    key = backend if backend == "cpu" else ("cuda", _sim())
-    with _lock:
-        _HOST_FREE.setdefault(key, []).append(block)
+    _CONTROL_BLOCKS[backend].give(block)
 
 
 def _sim() -> bool:

@@ -112,10 +112,9 @@ class RunHandle:
     same step. Host arrays passed as NumPy arrays are only updated when ``wait()`` returns.
     """
 
-    def __init__(self, *, name, total, host, waiter, backend, plan, reporter=None, deadline=None,
+    def __init__(self, *, name, host, waiter, backend, plan, reporter=None, deadline=None,
                  on_finish=None, watchdog=None, describe_error=None):
         self.name = name
-        self._total = total
         self._host = host                  # a NumPy view of the control block
         self._waiter = waiter
         self._backend = backend
@@ -185,10 +184,6 @@ class RunHandle:
             HangError: the watchdog saw no progress for longer than ``watchdog=`` seconds.
             BoundsError: a ``debug=True`` run indexed an array out of bounds.
         """
-        if self._result is not None:
-            return self._result
-        if self._error is not None:
-            raise self._error
         try:
             return self._wait(timeout)
         except KeyboardInterrupt as exc:
@@ -277,8 +272,7 @@ class RunHandle:
             self._error = BoundsError(self._describe_error(steps))
             raise self._error
         plan = self._plan
-        self._result = Run(steps, STOPPED[why] if 0 <= why < len(STOPPED) else "steps", self._backend,
-                           plan.scope, plan.blocks, plan.threads)
+        self._result = Run(steps, STOPPED[why], self._backend, plan.scope, plan.blocks, plan.threads)
         return self._result
 
     def _close(self, steps=None):

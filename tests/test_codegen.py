@@ -100,7 +100,7 @@ def test_disk_cache_is_reused_by_a_new_process(tmp_path):
         k = lk.megakernel(W.heat_step, swap=[("u", "v")])
         u = np.random.rand(64); v = u.copy()
         k(u, v, 0.25, steps=3, backend="cpu")
-        d = k._compiled[("cpu", "grid", None, False)].dispatcher
+        d = k._compiled[("cpu", "grid", None, False, (), True, None)].dispatcher
         print(sum(d.stats.cache_hits.values()), sum(d.stats.cache_misses.values()))
     """)
     env = dict(os.environ, LOOPKERN_CACHE_DIR=str(tmp_path), NUMBA_ENABLE_CUDASIM="0")

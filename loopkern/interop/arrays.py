@@ -172,14 +172,15 @@ def overlaps(a: ArrayArg, b: ArrayArg) -> bool:
     return alo < bhi and blo < ahi
 
 
-def weak_float_type(argv) -> str | None:
-    """``"float32"`` when every floating-point array argument is float32 (and there is one).
+def weak_float_type(dtypes) -> str | None:
+    """``"float32"`` when every floating-point dtype among the array arguments' ``dtypes`` is
+    float32 (and there is one).
 
     Then Python floats, as arguments and as literals in the step, are float32 too, as in
     NumPy 2 and JAX (a Python scalar takes the precision of the arrays it meets): ``2.0 * u[i]``
     stays float32 arithmetic instead of promoting the whole expression to float64.
     """
-    floats = {a.dtype for a in argv if isinstance(a, ArrayArg) and a.dtype.kind == "f"}
+    floats = {np.dtype(d) for d in dtypes if np.dtype(d).kind == "f"}
     return "float32" if floats == {np.dtype(np.float32)} else None
 
 

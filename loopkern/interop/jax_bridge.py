@@ -15,7 +15,7 @@ import numpy as np
 
 from ..errors import ArgumentError, LoopkernError
 from ..runs import TIMEOUT_NS
-from .arrays import check_dtype
+from .arrays import check_dtype, weak_float_type
 
 _SCRATCH_VIEW = 8   # redf, redi and info are 8-byte elements, passed to XLA as bytes
 
@@ -165,9 +165,8 @@ def _cuda_core(mk, arrays, scalars, nsteps, scope, threads, blocks, seed, timeou
     scope = launch.resolve_scope(scope or mk._defaults["scope"], work, spec.parallel)
     check_thread_scope(spec, scope)
     by_ref = frozenset(scalars)
-    floats = {np.dtype(a.dtype) for a in arrays.values() if np.dtype(a.dtype).kind == "f"}
-    float_type = "float32" if floats == {np.dtype(np.float32)} else None    # as weak_float_type
-    compiled = mk._kernel("cuda", scope, by_ref=by_ref, float_type=float_type)
+    compiled = mk._kernel("cuda", scope, by_ref=by_ref,
+                          float_type=weak_float_type(a.dtype for a in arrays.values()))
 
     def nb(dtype, ndim):
         from numba.np.numpy_support import from_dtype
