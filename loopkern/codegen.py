@@ -536,7 +536,8 @@ def render_kernel(spec: StepSpec, backend: str, scope: str = "grid", *, cache: b
             block's dynamic shared memory (all of one dtype, laid out one after another) before
             the first step and back after the last: the steps then run on shared memory. The
             launch must provide the bytes.
-        control: poll for cancellation, timeouts and progress once per step (the default);
+        control: poll for cancellation, timeouts and progress once per step (the default; a
+            one-thread CUDA kernel polls every few steps, see ``cuda_rt.poll_strided``);
             False only to measure what that costs.
         float_type: ``"float32"`` to give float literals in the step that precision (when the
             arrays are float32: see ``interop.arrays.weak_float_type``); None keeps float64.
@@ -605,9 +606,17 @@ def render_kernel(spec: StepSpec, backend: str, scope: str = "grid", *, cache: b
             f"{_P}code{', ' + _P + 'dbg' if debug else ''})")
     if not control:
         control_lines = [f"{_INDENT * 2}{_P}seen = 0"]
-    elif backend == "cpu" or scope == "thread":
+    elif backend == "cpu" or scope == "thread" and debug:
         # one thread: its own decision takes effect after this step
         control_lines = [f"{_INDENT * 2}{poll}", f"{_INDENT * 2}{_P}seen = {_P}code"]
+    elif scope == "thread":
+        # one thread on the GPU: a poll every few steps (see cuda_rt.poll_strided)
+        prologue += [f"{_INDENT}{_P}ps = _lk_np.int64(1)", f"{_INDENT}{_P}px = _lk_np.int64(0)"]
+        control_lines = [f"{_INDENT * 2}if {_P}t >= {_P}px:",
+                         f"{_INDENT * 3}{state}, {_P}ps = {_P}rt.poll_strided({_P}t, {_P}host, {_P}pc, {_P}pn, "
+                         f"{_P}pd, {_P}code, {_P}ps)",
+                         f"{_INDENT * 3}{_P}px = {_P}t + {_P}ps",
+                         f"{_INDENT * 2}{_P}seen = {_P}code"]
     else:
         # the leader's decision before step t reaches every thread through the barrier after
         # it; each thread reads it during step t + 1 and stops after that step, all at the same

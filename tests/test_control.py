@@ -221,3 +221,19 @@ def test_bad_run_control_arguments(kwargs, match, rng):
     with pytest.raises(lk.ArgumentError, match=match):
         _heat().start(u, v, 0.2, steps=3, backend="cpu", **kwargs)
     np.testing.assert_array_equal(u, u0)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_one_thread_step_stops_exactly_where_it_says(backend):
+    # no parallel construct: scope "auto" runs one thread, which polls every few steps
+    k = lk.megakernel(W.count_step)
+    c = np.zeros(2)
+    h = k.start(c, 10 ** 12, 0, steps=10 ** 9, backend=backend)
+    _wait_for(lambda: h.steps_done > 0)
+    h.cancel()
+    run = h.wait(timeout=30)
+    assert run.stopped == "cancelled" and 0 < run.steps < 10 ** 9
+    assert c[0] == run.steps
+    c = np.zeros(2)
+    run = k(c, 5, 3, steps=10 ** 9, backend=backend, timeout=0.2)
+    assert run.stopped == "timeout" and c[0] == run.steps

@@ -238,3 +238,14 @@ def scale_step(t, x, y, a):
     # a Python-float literal and a Python-float argument meeting float32 arrays
     for i in lk.range(x.shape[0]):
         y[i] = x[i] * 0.1 + a * x[i]
+
+
+def count_step(t, c, slow_at, spin):
+    # no parallel construct: one thread (scope "thread" on the GPU) counts the steps in c[0];
+    # from step 'slow_at' on, each step first spins 'spin' iterations (slower steps)
+    if t >= slow_at:
+        acc = c[1]
+        for k in range(spin):
+            acc = acc * 0.5 + 1.0
+        c[1] = acc
+    c[0] = c[0] + 1

@@ -320,6 +320,30 @@ def poll(t, host, last, publish, deadline, code):
     return code, last, publish, deadline
 
 
+# One thread's step can take nanoseconds (a scalar recursion); reading the clock every step
+# would then cost more than the step. So a thread-scope kernel polls every ``stride`` steps,
+# doubling the stride while polls come less than POLL_CYCLES apart and shrinking it back to
+# about POLL_CYCLES' worth of steps when they come more than four times that apart. The cap bounds how long a sudden run of slow steps
+# goes unpolled.
+POLL_STRIDE_MAX = 4096
+
+
+@cuda.jit(device=True)
+def poll_strided(t, host, last, publish, deadline, code, stride):
+    """:func:`poll` for one thread, called every ``stride`` steps (``last``: the clock at the
+    previous call). Returns (decision, last, publish, deadline, next stride)."""
+    c = _special_u64("clock64")
+    if t > 0:
+        if c - last < POLL_CYCLES:
+            if stride < POLL_STRIDE_MAX:
+                stride *= 2
+        elif c - last > 4 * POLL_CYCLES and stride > 1:
+            stride = max(1, stride * POLL_CYCLES // (c - last))
+    # last = 0: this call always looks at the timer (the stride did the rate-limiting)
+    code, _, publish, deadline = poll(t, host, 0, publish, deadline, code)
+    return code, c, publish, deadline, stride
+
+
 @cuda.jit(device=True)
 def poll_debug(t, host, last, publish, deadline, code, dbg):
     code, last, publish, deadline = poll(t, host, last, publish, deadline, code)

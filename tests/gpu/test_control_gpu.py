@@ -147,3 +147,30 @@ def test_random_numbers_are_the_same_on_the_gpu_and_the_cpu(blocks):
     dc = _device(np.zeros((steps, n, 2)))
     R.DRAWS(_device(np.zeros((steps, n))), dc, steps=steps, backend="cuda", seed=11, scope="block")
     np.testing.assert_array_equal(dc.copy_to_host(), db.copy_to_host())
+
+
+def test_one_thread_kernel_polls_fast_and_slow_steps():
+    # scope "auto" is "thread" here: one thread, a poll every few steps
+    k = lk.megakernel(W.count_step)
+    zero = np.zeros(2)
+    c = _device(zero)
+    k(c, 10 ** 12, 0, steps=10, backend="cuda")          # compile
+    c.copy_to_device(zero)
+    h = k.start(c, 10 ** 12, 0, steps=10 ** 12, backend="cuda")
+    time.sleep(0.5)
+    assert not h.done() and h.steps_done > 0
+    t0 = time.perf_counter()
+    h.cancel()
+    run = h.wait()
+    latency = time.perf_counter() - t0
+    print(f"cancel (thread): {latency * 1e3:.2f} ms after {run.steps} steps")
+    assert run.scope == "thread" and run.stopped == "cancelled"
+    assert c.copy_to_host()[0] == run.steps and latency < 0.1
+    # fast steps first, then slow ones: the stride grown on the fast steps shrinks again
+    c.copy_to_device(zero)
+    t0 = time.perf_counter()
+    run = k(c, 200_000, 20_000, steps=10 ** 12, backend="cuda", timeout=0.5)
+    elapsed = time.perf_counter() - t0
+    print(f"timeout=0.5 (thread, steps slow after 200000): returned after {elapsed:.3f} s, {run.steps} steps")
+    assert run.stopped == "timeout" and run.steps > 200_000 and c.copy_to_host()[0] == run.steps
+    assert 0.5 <= elapsed < 1.5
