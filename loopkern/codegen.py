@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
+from .index_bounds import mark_nonneg_indices
 from .spec import INTRINSIC_PREFIX, RESERVED_PREFIX, FunctionSpec, StepSpec
 
 BACKENDS = ("cuda", "cpu")
@@ -491,7 +492,10 @@ def _render_function(fs: FunctionSpec, home: str, backend: str, scope: str, is_s
                      ctx_params: list[str], decorator: str, sites: _Sites | None = None,
                      float_type: str | None = None) -> _Lines:
     out = _Lines(fs.filename, home)
-    body = copy.deepcopy(list(fs.body))
+    if sites is None:
+        body = mark_nonneg_indices(fs.body, fs.params, fs.array_params, fs.params[0] if is_step else None)
+    else:   # debug: the bounds checks see the index as written
+        body = copy.deepcopy(list(fs.body))
     params = list(fs.params) + ctx_params
     out.add(0, decorator)
     out.add(0, f"def {fs.symbol}({', '.join(params)}):", ast.Pass(lineno=fs.lineno, col_offset=0))

@@ -12,9 +12,9 @@ from loopkern.runtime import cpu_rt as _lk_rt
 def _lk_step(t, u, v, alpha, _lk_tid, _lk_nt, _lk_seed):
     n = u.shape[0]  # line 11
     for i in range(1, n - 1):  # line 12
-        v[i] = u[i] + alpha * (u[i - 1] - 2.0 * u[i] + u[i + 1])  # line 13
+        v[_lk_np.uint64(i)] = u[_lk_np.uint64(i)] + alpha * (u[_lk_np.uint64(i - 1)] - 2.0 * u[_lk_np.uint64(i)] + u[_lk_np.uint64(i + 1)])  # line 13
     for i in range(0, n, n - 1):  # line 14
-        v[i] = u[i]  # line 15
+        v[_lk_np.uint64(i)] = u[_lk_np.uint64(i)]  # line 15
     return True
 
 @numba.njit(cache=True, nogil=True)

@@ -16,13 +16,13 @@ def _lk_step(t, u, v, alpha, _lk_tid, _lk_nt, _lk_redf, _lk_redi, _lk_st, _lk_ba
     while _lk_u1 < _lk_r1_hi:  # line 12
         i = _lk_u1  # line 12
         _lk_u1 += _lk_nt  # line 12
-        v[i] = u[i] + alpha * (u[i - 1] - 2.0 * u[i] + u[i + 1])  # line 13
+        v[_lk_np.uint64(i)] = u[_lk_np.uint64(i)] + alpha * (u[_lk_np.uint64(i - 1)] - 2.0 * u[_lk_np.uint64(i)] + u[_lk_np.uint64(i + 1)])  # line 13
     _lk_r2_st = n - 1  # line 14
     _lk_u2 = 0 + _lk_tid * _lk_r2_st  # line 14
     while (_lk_u2 < n) if _lk_r2_st > 0 else (_lk_u2 > n if _lk_r2_st < 0 else False):  # line 14
         i = _lk_u2  # line 14
         _lk_u2 += _lk_nt * _lk_r2_st  # line 14
-        v[i] = u[i]  # line 15
+        v[_lk_np.uint64(i)] = u[_lk_np.uint64(i)]  # line 15
     return True
 
 @cuda.jit(cache=True)

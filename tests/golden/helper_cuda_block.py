@@ -25,13 +25,13 @@ def _lk_step(t, u, v, alpha, _lk_tid, _lk_nt, _lk_redf, _lk_redi, _lk_st, _lk_ba
     while _lk_u1 < _lk_r1_hi:  # line 159
         i = _lk_u1  # line 159
         _lk_u1 += _lk_nt  # line 159
-        v[i] = _lk_fn_damp(u[i] + alpha * _lk_fn_laplacian(u, i, _lk_tid, _lk_nt), 0.5, _lk_tid, _lk_nt)  # line 160
+        v[_lk_np.uint64(i)] = _lk_fn_damp(u[_lk_np.uint64(i)] + alpha * _lk_fn_laplacian(u, i, _lk_tid, _lk_nt), 0.5, _lk_tid, _lk_nt)  # line 160
     _lk_r2_st = n - 1  # line 161
     _lk_u2 = 0 + _lk_tid * _lk_r2_st  # line 161
     while (_lk_u2 < n) if _lk_r2_st > 0 else (_lk_u2 > n if _lk_r2_st < 0 else False):  # line 161
         i = _lk_u2  # line 161
         _lk_u2 += _lk_nt * _lk_r2_st  # line 161
-        v[i] = u[i]  # line 162
+        v[_lk_np.uint64(i)] = u[_lk_np.uint64(i)]  # line 162
     return True
 
 @cuda.jit(cache=True)

@@ -15,9 +15,9 @@ def _lk_step(t, u, v, tol, _lk_tid, _lk_nt, _lk_seed):
     err = 0.0  # line 31
     for i in range(1, n - 1):  # line 32
         for j in range(1, m - 1):  # line 32
-            new = 0.25 * (u[i - 1, j] + u[i + 1, j] + u[i, j - 1] + u[i, j + 1])  # line 33
-            v[i, j] = new  # line 34
-            err = max(err, abs(new - u[i, j]))  # line 35
+            new = 0.25 * (u[_lk_np.uint64(i - 1), _lk_np.uint64(j)] + u[_lk_np.uint64(i + 1), _lk_np.uint64(j)] + u[_lk_np.uint64(i), _lk_np.uint64(j - 1)] + u[_lk_np.uint64(i), _lk_np.uint64(j + 1)])  # line 33
+            v[_lk_np.uint64(i), _lk_np.uint64(j)] = new  # line 34
+            err = max(err, abs(new - u[_lk_np.uint64(i), _lk_np.uint64(j)]))  # line 35
     return bool(_lk_rt.reduce_max(err) > tol)  # line 36
 
 @numba.njit(cache=True, nogil=True)

@@ -54,22 +54,22 @@ def _lk_step(t, u, v, tol, _lk_tid, _lk_nt, _lk_redf, _lk_redi, _lk_st, _lk_bar,
             _lk_g1_c1 -= _lk_g1_n1  # line 32
             _lk_g1_c0 += 1  # line 32
         _lk_g1_c0 += _lk_g1_s0  # line 32
-        _lk_u1_0_new = 0.25 * (u[_lk_u1_0_i - 1, _lk_u1_0_j] + u[_lk_u1_0_i + 1, _lk_u1_0_j] + u[_lk_u1_0_i, _lk_u1_0_j - 1] + u[_lk_u1_0_i, _lk_u1_0_j + 1])  # line 33
-        _lk_u1_1_new = 0.25 * (u[_lk_u1_1_i - 1, _lk_u1_1_j] + u[_lk_u1_1_i + 1, _lk_u1_1_j] + u[_lk_u1_1_i, _lk_u1_1_j - 1] + u[_lk_u1_1_i, _lk_u1_1_j + 1])  # line 33
-        _lk_u1_2_new = 0.25 * (u[_lk_u1_2_i - 1, _lk_u1_2_j] + u[_lk_u1_2_i + 1, _lk_u1_2_j] + u[_lk_u1_2_i, _lk_u1_2_j - 1] + u[_lk_u1_2_i, _lk_u1_2_j + 1])  # line 33
-        _lk_u1_3_new = 0.25 * (u[_lk_u1_3_i - 1, _lk_u1_3_j] + u[_lk_u1_3_i + 1, _lk_u1_3_j] + u[_lk_u1_3_i, _lk_u1_3_j - 1] + u[_lk_u1_3_i, _lk_u1_3_j + 1])  # line 33
+        _lk_u1_0_new = 0.25 * (u[_lk_np.uint64(_lk_u1_0_i - 1), _lk_np.uint64(_lk_u1_0_j)] + u[_lk_np.uint64(_lk_u1_0_i + 1), _lk_np.uint64(_lk_u1_0_j)] + u[_lk_np.uint64(_lk_u1_0_i), _lk_np.uint64(_lk_u1_0_j - 1)] + u[_lk_np.uint64(_lk_u1_0_i), _lk_np.uint64(_lk_u1_0_j + 1)])  # line 33
+        _lk_u1_1_new = 0.25 * (u[_lk_np.uint64(_lk_u1_1_i - 1), _lk_np.uint64(_lk_u1_1_j)] + u[_lk_np.uint64(_lk_u1_1_i + 1), _lk_np.uint64(_lk_u1_1_j)] + u[_lk_np.uint64(_lk_u1_1_i), _lk_np.uint64(_lk_u1_1_j - 1)] + u[_lk_np.uint64(_lk_u1_1_i), _lk_np.uint64(_lk_u1_1_j + 1)])  # line 33
+        _lk_u1_2_new = 0.25 * (u[_lk_np.uint64(_lk_u1_2_i - 1), _lk_np.uint64(_lk_u1_2_j)] + u[_lk_np.uint64(_lk_u1_2_i + 1), _lk_np.uint64(_lk_u1_2_j)] + u[_lk_np.uint64(_lk_u1_2_i), _lk_np.uint64(_lk_u1_2_j - 1)] + u[_lk_np.uint64(_lk_u1_2_i), _lk_np.uint64(_lk_u1_2_j + 1)])  # line 33
+        _lk_u1_3_new = 0.25 * (u[_lk_np.uint64(_lk_u1_3_i - 1), _lk_np.uint64(_lk_u1_3_j)] + u[_lk_np.uint64(_lk_u1_3_i + 1), _lk_np.uint64(_lk_u1_3_j)] + u[_lk_np.uint64(_lk_u1_3_i), _lk_np.uint64(_lk_u1_3_j - 1)] + u[_lk_np.uint64(_lk_u1_3_i), _lk_np.uint64(_lk_u1_3_j + 1)])  # line 33
         _lk_u1_0__lk_v1 = _lk_u1_0_new  # line 34
         _lk_u1_1__lk_v1 = _lk_u1_1_new  # line 34
         _lk_u1_2__lk_v1 = _lk_u1_2_new  # line 34
         _lk_u1_3__lk_v1 = _lk_u1_3_new  # line 34
-        v[_lk_u1_0_i, _lk_u1_0_j] = _lk_u1_0__lk_v1  # line 34
-        v[_lk_u1_1_i, _lk_u1_1_j] = _lk_u1_1__lk_v1  # line 34
-        v[_lk_u1_2_i, _lk_u1_2_j] = _lk_u1_2__lk_v1  # line 34
-        v[_lk_u1_3_i, _lk_u1_3_j] = _lk_u1_3__lk_v1  # line 34
-        err = max(err, abs(_lk_u1_0_new - u[_lk_u1_0_i, _lk_u1_0_j]))  # line 35
-        err = max(err, abs(_lk_u1_1_new - u[_lk_u1_1_i, _lk_u1_1_j]))  # line 35
-        err = max(err, abs(_lk_u1_2_new - u[_lk_u1_2_i, _lk_u1_2_j]))  # line 35
-        err = max(err, abs(_lk_u1_3_new - u[_lk_u1_3_i, _lk_u1_3_j]))  # line 35
+        v[_lk_np.uint64(_lk_u1_0_i), _lk_np.uint64(_lk_u1_0_j)] = _lk_u1_0__lk_v1  # line 34
+        v[_lk_np.uint64(_lk_u1_1_i), _lk_np.uint64(_lk_u1_1_j)] = _lk_u1_1__lk_v1  # line 34
+        v[_lk_np.uint64(_lk_u1_2_i), _lk_np.uint64(_lk_u1_2_j)] = _lk_u1_2__lk_v1  # line 34
+        v[_lk_np.uint64(_lk_u1_3_i), _lk_np.uint64(_lk_u1_3_j)] = _lk_u1_3__lk_v1  # line 34
+        err = max(err, abs(_lk_u1_0_new - u[_lk_np.uint64(_lk_u1_0_i), _lk_np.uint64(_lk_u1_0_j)]))  # line 35
+        err = max(err, abs(_lk_u1_1_new - u[_lk_np.uint64(_lk_u1_1_i), _lk_np.uint64(_lk_u1_1_j)]))  # line 35
+        err = max(err, abs(_lk_u1_2_new - u[_lk_np.uint64(_lk_u1_2_i), _lk_np.uint64(_lk_u1_2_j)]))  # line 35
+        err = max(err, abs(_lk_u1_3_new - u[_lk_np.uint64(_lk_u1_3_i), _lk_np.uint64(_lk_u1_3_j)]))  # line 35
         _lk_g1 += 4 * _lk_nt  # line 32
     while _lk_g1 < _lk_g1_total:  # line 32
         i = 1 + _lk_g1_c0  # line 32
@@ -80,9 +80,9 @@ def _lk_step(t, u, v, tol, _lk_tid, _lk_nt, _lk_redf, _lk_redi, _lk_st, _lk_bar,
             _lk_g1_c0 += 1  # line 32
         _lk_g1_c0 += _lk_g1_s0  # line 32
         _lk_g1 += _lk_nt  # line 32
-        new = 0.25 * (u[i - 1, j] + u[i + 1, j] + u[i, j - 1] + u[i, j + 1])  # line 33
-        v[i, j] = new  # line 34
-        err = max(err, abs(new - u[i, j]))  # line 35
+        new = 0.25 * (u[_lk_np.uint64(i - 1), _lk_np.uint64(j)] + u[_lk_np.uint64(i + 1), _lk_np.uint64(j)] + u[_lk_np.uint64(i), _lk_np.uint64(j - 1)] + u[_lk_np.uint64(i), _lk_np.uint64(j + 1)])  # line 33
+        v[_lk_np.uint64(i), _lk_np.uint64(j)] = new  # line 34
+        err = max(err, abs(new - u[_lk_np.uint64(i), _lk_np.uint64(j)]))  # line 35
     return bool(_lk_rt.block_max(err, _lk_redf, _lk_redi, _lk_st, _lk_bar) > tol)  # line 36
 
 @cuda.jit(cache=True)

@@ -1,0 +1,33 @@
+#!/bin/sh
+# One batch on the GPU machine (through the device tool): the GPU tests, then bench.py parts,
+# each part's JSON and log under $OUT (merge them here with `python bench.py --merge ...`).
+#   sh bench/device_run.sh [tests] [PART:WORKLOADS[:EXTRA_FLAGS] ...]
+# e.g.  sh bench/device_run.sh tests heat:heat,control:--sweep,--no-cmdbuf quad:quadratic
+# .whl/ (not in git; carried along) holds wheels the machine's Python lacks (see DEVICE.md).
+set -u
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+if ls .whl/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+    export PYTHONPATH=/tmp/site:$PWD:$PWD/tests
+else
+    export PYTHONPATH=$PWD:$PWD/tests
+fi
+export XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv > "$OUT/nvidia-smi.txt" 2>&1
+git log -1 --format='%H %s' > "$OUT/commit.txt" 2>/dev/null
+for part in "$@"; do
+    start=$(date -u +%H:%M:%S)
+    if [ "$part" = tests ]; then
+        python3 -m pytest -m gpu -q tests/gpu -p no:warnings -s > "$OUT/gpu-tests.log" 2>&1
+        echo "tests: rc=$? $start-$(date -u +%H:%M:%S)" | tee -a "$OUT/parts.txt"
+        tail -3 "$OUT/gpu-tests.log"
+        continue
+    fi
+    name=${part%%:*}; rest=${part#*:}; workloads=${rest%%:*}
+    flags=""; [ "$rest" != "$workloads" ] && flags=$(echo "${rest#*:}" | tr ',' ' ')
+    # shellcheck disable=SC2086
+    python3 bench.py --workloads "$workloads" $flags --json "$OUT/$name.json" > "$OUT/$name.log" 2>&1
+    echo "$name: rc=$? $start-$(date -u +%H:%M:%S)" | tee -a "$OUT/parts.txt"
+    tail -2 "$OUT/$name.log"
+done
