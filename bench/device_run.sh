@@ -24,6 +24,18 @@ for part in "$@"; do
         tail -3 "$OUT/gpu-tests.log"
         continue
     fi
+    case $part in ncu:*)
+        # ncu:N:SCOPE profiles loopkern's heat kernel and the C++ one at N elements
+        n=$(echo "$part" | cut -d: -f2); scope=$(echo "$part" | cut -d: -f3)
+        secs="--section SpeedOfLight --section WarpStateStats --section InstructionStats --section LaunchStats --section Occupancy --section SchedulerStats --section MemoryWorkloadAnalysis"
+        ncu --clock-control none -k regex:_lk_kernel --launch-skip 1 --launch-count 1 $secs \
+            python3 bench/ncu_heat.py "$n" 2000 "$scope" > "$OUT/ncu-heat$n-$scope.txt" 2>&1
+        nvcc -O3 -arch=sm_90 -o /tmp/heat_coop bench/heat_coop.cu && \
+            ncu --clock-control none -k regex:heat --launch-skip 1 --launch-count 1 $secs \
+            /tmp/heat_coop "$n" 2000 1 > "$OUT/ncu-heat$n-cpp.txt" 2>&1
+        echo "$part: rc=$? $start-$(date -u +%H:%M:%S)" | tee -a "$OUT/parts.txt"
+        continue;;
+    esac
     name=${part%%:*}; rest=${part#*:}; workloads=${rest%%:*}
     flags=""; [ "$rest" != "$workloads" ] && flags=$(echo "${rest#*:}" | tr ',' ' ')
     # shellcheck disable=SC2086

@@ -610,17 +610,12 @@ def render_kernel(spec: StepSpec, backend: str, scope: str = "grid", *, cache: b
             f"{_P}code{', ' + _P + 'dbg' if debug else ''})")
     if not control:
         control_lines = [f"{_INDENT * 2}{_P}seen = 0"]
-    elif backend == "cpu" or scope == "thread" and debug:
+    elif backend == "cpu":
         # one thread: its own decision takes effect after this step
         control_lines = [f"{_INDENT * 2}{poll}", f"{_INDENT * 2}{_P}seen = {_P}code"]
     elif scope == "thread":
-        # one thread on the GPU: a poll every few steps (see cuda_rt.poll_strided)
-        prologue += [f"{_INDENT}{_P}ps = _lk_np.int64(1)", f"{_INDENT}{_P}px = _lk_np.int64(0)"]
-        control_lines = [f"{_INDENT * 2}if {_P}t >= {_P}px:",
-                         f"{_INDENT * 3}{state}, {_P}ps = {_P}rt.poll_strided({_P}t, {_P}host, {_P}pc, {_P}pn, "
-                         f"{_P}pd, {_P}code, {_P}ps)",
-                         f"{_INDENT * 3}{_P}px = {_P}t + {_P}ps",
-                         f"{_INDENT * 2}{_P}seen = {_P}code"]
+        # one thread on the GPU: its own template polls between bursts of steps
+        control_lines = []
     else:
         # the leader's decision before step t reaches every thread through the barrier after
         # it; each thread reads it during step t + 1 and stops after that step, all at the same
@@ -662,7 +657,15 @@ def render_kernel(spec: StepSpec, backend: str, scope: str = "grid", *, cache: b
         copy_back="\n".join(copy_lines) or f"{_INDENT}pass", control="\n".join(control_lines),
         debug_param=f", {_P}dbg" if debug else "", debug_args=f", {_P}dbg, {_P}t" if debug else "",
     )
-    template = load_template(f"{backend}_kernel.py.tmpl")
+    if backend == "cuda" and scope == "thread":
+        # the burst length adapts (cuda_rt.poll_strided); debug polls before every step, so a
+        # bad access stops the run at the next step boundary
+        mapping["poll"] = poll if debug else (f"{state}, {_P}ps = {_P}rt.poll_strided({_P}t, {_P}host, {_P}pc, "
+                                              f"{_P}pn, {_P}pd, {_P}code, {_P}ps)")
+        mapping["swap"] = "\n".join(_INDENT + line for line in swap_lines)
+        template = load_template("cuda_thread_kernel.py.tmpl")
+    else:
+        template = load_template(f"{backend}_kernel.py.tmpl")
     text = template.substitute(mapping)
     line_map = _build_line_map(text, spec.filename)
     return KernelSource(text, backend, scope, spec.name, line_map, debug, tuple(sites.sites) if sites else ())

@@ -22,11 +22,12 @@ log = logging.getLogger("loopkern")
 
 DEFAULT_THREADS = 256
 BLOCK_SCOPE_THREADS = 1024
-#: scope="auto" picks one block for problems of at most this many elements. Zero: on the H200
-#: (bench.py, 2026-12-02) one block, even with the arrays in shared memory, took 1.52-1.66
-#: µs/step for the 4K heat stencil (issue-bound on one SM: Numba spends ~65 instructions per
-#: element) against 1.34 µs for a grid of 16 blocks, and was slower at every larger size.
-AUTO_BLOCK_SCOPE_MAX_ELEMENTS = 0
+#: block scope: about this many elements per thread, up to BLOCK_SCOPE_THREADS (H200 heat 4K,
+#: arrays in shared memory, 2026-12-02: 128 threads 1.02 µs/step, 256 0.80, 512 0.72, 1024 0.92)
+BLOCK_ELEMENTS_PER_THREAD = 8
+#: scope="auto" picks one block for problems of at most this many elements (H200 heat 4K: one
+#: block 0.72 µs/step against 1.31 for the best grid; at 64K one block takes 9.8 µs)
+AUTO_BLOCK_SCOPE_MAX_ELEMENTS = 8192
 #: grid scope, small problems: about this many elements per thread (the barrier costs more
 #: with more blocks; H200 heat 64K: 128 blocks 1.64 µs, 64 blocks 1.98, 264 blocks 1.76)...
 SMALL_ELEMENTS_PER_THREAD = 2
@@ -156,11 +157,13 @@ def plan_cuda(kernel, scope: str, work: int, threads: int | None, blocks: int | 
         return LaunchPlan("thread", 1, 1)
     max_tpb = 1024 if simulator else int(kernel.max_threads_per_block)
     if threads is None:
-        want = BLOCK_SCOPE_THREADS if scope == "block" else DEFAULT_THREADS
         if simulator:
             want = 64
-        threads = min(want, max_tpb, max(32, -(-work // 32) * 32) if scope == "block" else want)
-        threads = max(32, threads // 32 * 32)
+        elif scope == "block":
+            want = min(BLOCK_SCOPE_THREADS, -(-work // (32 * BLOCK_ELEMENTS_PER_THREAD)) * 32)
+        else:
+            want = DEFAULT_THREADS
+        threads = max(32, min(want, max_tpb) // 32 * 32)
     if threads % 32 or not 32 <= threads <= 1024:
         raise LaunchError(f"threads={threads}: threads per block must be a multiple of 32 between 32 and 1024 "
                           f"(reductions work warp by warp)")

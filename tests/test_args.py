@@ -156,6 +156,21 @@ def test_auto_block_count_follows_problem_size():
     assert auto_blocks(1 << 24, 256, 100, sms) == 100     # never more than can be resident
 
 
+def test_auto_scope_and_block_threads_follow_problem_size():
+    from loopkern.launch import AUTO_BLOCK_SCOPE_MAX_ELEMENTS, plan_cuda, resolve_scope
+
+    class Kernel:       # what plan_cuda asks of a compiled kernel in block scope
+        max_threads_per_block = 1024
+    assert resolve_scope("auto", 4096) == "block" and resolve_scope("auto", AUTO_BLOCK_SCOPE_MAX_ELEMENTS) == "block"
+    assert resolve_scope("auto", AUTO_BLOCK_SCOPE_MAX_ELEMENTS + 1) == "grid"
+    assert resolve_scope("auto", 10, parallel=False) == "thread" and resolve_scope("grid", 10) == "grid"
+    threads = {n: plan_cuda(Kernel(), "block", n, None, None, simulator=False).threads
+               for n in (1, 300, 4096, 8192, 1 << 20)}
+    assert threads == {1: 32, 300: 64, 4096: 512, 8192: 1024, 1 << 20: 1024}
+    Kernel.max_threads_per_block = 896            # many registers: fewer threads fit
+    assert plan_cuda(Kernel(), "block", 1 << 20, None, None, simulator=False).threads == 896
+
+
 def test_host_dlpack_only_array_is_imported(heat, rng):
     from doubles import DLPackOnly
     u0 = rng.random(40)
