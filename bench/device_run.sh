@@ -1,8 +1,8 @@
 #!/bin/sh
 # One batch on the GPU machine (through the device tool): the GPU tests, then bench.py parts,
 # each part's JSON and log under $OUT (merge them here with `python bench.py --merge ...`).
-#   sh bench/device_run.sh [tests] [PART:WORKLOADS[:EXTRA_FLAGS] ...]
-# e.g.  sh bench/device_run.sh tests heat:heat,control:--sweep,--no-cmdbuf quad:quadratic
+#   sh bench/device_run.sh [tests] [ncu:N:SCOPE] [PART:WORKLOADS[:FLAG+FLAG...] ...]
+# e.g.  sh bench/device_run.sh tests heat:heat,control:--sweep+--no-cmdbuf quad:quadratic
 # .whl/ (not in git; carried along) holds wheels the machine's Python lacks (see DEVICE.md).
 set -u
 OUT=${OUT:-/tmp/out}
@@ -37,7 +37,7 @@ for part in "$@"; do
         continue;;
     esac
     name=${part%%:*}; rest=${part#*:}; workloads=${rest%%:*}
-    flags=""; [ "$rest" != "$workloads" ] && flags=$(echo "${rest#*:}" | tr ',' ' ')
+    flags=""; [ "$rest" != "$workloads" ] && flags=$(echo "${rest#*:}" | tr '+' ' ')
     # shellcheck disable=SC2086
     python3 bench.py --workloads "$workloads" $flags --json "$OUT/$name.json" > "$OUT/$name.log" 2>&1
     echo "$name: rc=$? $start-$(date -u +%H:%M:%S)" | tee -a "$OUT/parts.txt"

@@ -25,19 +25,19 @@ BLOCK_SCOPE_THREADS = 1024
 #: block scope: about this many elements per thread, up to BLOCK_SCOPE_THREADS (H200 heat 4K,
 #: arrays in shared memory, 2026-12-02: 128 threads 1.02 µs/step, 256 0.80, 512 0.72, 1024 0.92)
 BLOCK_ELEMENTS_PER_THREAD = 8
-#: scope="auto" picks one block for problems of at most this many elements (H200 heat 4K: one
-#: block 0.72 µs/step against 1.31 for the best grid; at 64K one block takes 9.8 µs)
-AUTO_BLOCK_SCOPE_MAX_ELEMENTS = 8192
-#: grid scope, small problems: about this many elements per thread (the barrier costs more
-#: with more blocks; H200 heat 64K: 128 blocks 1.64 µs, 64 blocks 1.98, 264 blocks 1.76)...
+#: scope="auto" picks one block for problems of at most this many elements (H200 heat, bench.py
+#: 2026-12-02: 4K, one block 0.72 µs/step with the arrays in shared memory, 0.95 without, 1.25
+#: for the best grid; 8K, one block 1.55 (too big for shared memory), a grid of 64 blocks 1.34)
+AUTO_BLOCK_SCOPE_MAX_ELEMENTS = 4096
+#: grid scope, small problems: one element per thread while that takes at most one block per
+#: SM, then one block per SM up to this many elements per thread (H200 heat: 16K, 64 blocks
+#: 1.35 µs/step, 32 blocks 1.59, 16 blocks 2.18; 64K, 132 blocks 1.56, 264 blocks 1.67, 64
+#: blocks 2.08)...
 SMALL_ELEMENTS_PER_THREAD = 2
-#: ...but up to this many blocks with one element per thread (heat 4K: 16 blocks 1.34 µs, 8
-#: blocks 1.44)
-MIN_GRID_BLOCKS = 16
 #: grid scope, large problems: every co-resident block once each thread would have this many
-#: elements at two blocks per SM (bandwidth needs occupancy: heat 16M, 660 blocks 53.6 µs,
-#: 528 blocks 65 µs, 264 blocks 103 µs); in between, two blocks per SM (heat 1M: 264 blocks
-#: 5.18 µs, 528 blocks 5.23, 660 blocks 6.36)
+#: elements at two blocks per SM (bandwidth needs occupancy: heat 16M, 660 blocks 50.7 µs,
+#: 528 blocks 61.9 µs, 264 blocks 96 µs); in between, two blocks per SM (heat 1M: 264 blocks
+#: 4.66 µs, 528 blocks 4.62, 132 blocks 6.70)
 LARGE_ELEMENTS_PER_THREAD = 32
 _auto_logged = False
 _lock = threading.Lock()
@@ -196,11 +196,12 @@ def plan_cuda(kernel, scope: str, work: int, threads: int | None, blocks: int | 
 
 def auto_blocks(work: int, threads: int, limit: int, sms: int) -> int:
     """Blocks for a grid-scope run of ``work`` elements (see the constants above)."""
-    small = max(math.ceil(work / (threads * SMALL_ELEMENTS_PER_THREAD)),
-                min(MIN_GRID_BLOCKS, math.ceil(work / threads)))
+    one_each = math.ceil(work / threads)
+    if one_each <= sms:
+        return max(1, min(one_each, limit))
+    if work <= SMALL_ELEMENTS_PER_THREAD * threads * sms:
+        return min(sms, limit)
     two_per_sm = min(limit, 2 * sms)
-    if small <= two_per_sm:
-        return max(1, min(small, limit))
     if work >= LARGE_ELEMENTS_PER_THREAD * threads * two_per_sm:
         return limit
     return two_per_sm

@@ -149,7 +149,9 @@ def test_auto_block_count_follows_problem_size():
     sms, limit = 132, 660
     assert auto_blocks(4096, 256, limit, sms) == 16
     assert auto_blocks(1000, 256, limit, sms) == 4
-    assert auto_blocks(65536, 256, limit, sms) == 128
+    assert auto_blocks(16384, 256, limit, sms) == 64
+    assert auto_blocks(65536, 256, limit, sms) == 132
+    assert auto_blocks(100_000, 256, limit, sms) == 264
     assert auto_blocks(1 << 20, 256, limit, sms) == 264
     assert auto_blocks(1 << 24, 256, limit, sms) == 660
     assert auto_blocks(1, 256, limit, sms) == 1
