@@ -393,10 +393,20 @@ class _BodyWriter:
         return True
 
     def outside_names(self, loop):
-        """Names the function uses outside ``loop`` (those must keep their meaning after it)."""
-        inside = {id(n) for n in ast.walk(loop)}
-        return {n.id for n in ast.walk(ast.Module(body=self.fn_body, type_ignores=[]))
-                if isinstance(n, ast.Name) and id(n) not in inside}
+        """Names the function uses outside ``loop`` (those must keep their meaning after it).
+
+        A use inside the target or body of another ``for`` loop that binds the same name does
+        not count: that loop rebinds the name before its body can read it (and a loop that
+        runs no iteration reads nothing), so ``for i in ...`` twice still unrolls the first.
+        """
+        fn = ast.Module(body=self.fn_body, type_ignores=[])
+        skip = {id(n) for n in ast.walk(loop)}
+        for other in ast.walk(fn):
+            if isinstance(other, ast.For) and other is not loop:
+                bound = {n.id for n in ast.walk(other.target) if isinstance(n, ast.Name)}
+                for part in [other.target, *other.body]:
+                    skip |= {id(n) for n in ast.walk(part) if isinstance(n, ast.Name) and n.id in bound}
+        return {n.id for n in ast.walk(fn) if isinstance(n, ast.Name) and id(n) not in skip}
 
 
 UNROLL = 4

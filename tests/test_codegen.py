@@ -148,7 +148,32 @@ def unroll_temp_used_after(t, u, v):
     v[0] = w
 
 
+def unroll_index_reused_by_a_later_loop(t, u, v):
+    for i in lk.range(u.shape[0]):
+        v[i] = u[i] * 2.0
+    for i in lk.range(0, u.shape[0], 7):     # rebinds i before reading it
+        v[i] = v[i] + 1.0
+
+
+def unroll_index_read_after(t, u, v):
+    i = 0
+    for i in lk.range(u.shape[0]):
+        v[i] = u[i] * 2.0
+    v[0] = i
+
+
+def unroll_index_read_by_a_later_loop_header(t, u, v):
+    i = 0
+    for i in lk.range(u.shape[0]):
+        v[i] = u[i] * 2.0
+    for i in range(i, i + 1):                # the range reads the first loop's last i
+        v[0] = i
+
+
 @pytest.mark.parametrize("fn,unrolled", [(unroll_ok, True), (unroll_carried_twice, False),
-                                         (unroll_control_flow, False), (unroll_temp_used_after, False)])
+                                         (unroll_control_flow, False), (unroll_temp_used_after, False),
+                                         (unroll_index_reused_by_a_later_loop, True),
+                                         (unroll_index_read_after, False),
+                                         (unroll_index_read_by_a_later_loop_header, False)])
 def test_unrolling_only_when_it_cannot_change_the_result(fn, unrolled):
     assert ("while _lk_u1 + 3 * _lk_nt" in _step_source(fn)) == unrolled

@@ -13,6 +13,20 @@ def _lk_step(t, u, v, alpha, _lk_tid, _lk_nt, _lk_redf, _lk_redi, _lk_st, _lk_ba
     n = u.shape[0]  # line 11
     _lk_r1_hi = n - 1  # line 12
     _lk_u1 = 1 + _lk_tid  # line 12
+    while _lk_u1 + 3 * _lk_nt < _lk_r1_hi:  # line 12
+        _lk_u1_0_i = _lk_u1  # line 12
+        _lk_u1_1_i = _lk_u1 + 1 * _lk_nt  # line 12
+        _lk_u1_2_i = _lk_u1 + 2 * _lk_nt  # line 12
+        _lk_u1_3_i = _lk_u1 + 3 * _lk_nt  # line 12
+        _lk_u1_0__lk_v0 = u[_lk_np.uint64(_lk_u1_0_i)] + alpha * (u[_lk_np.uint64(_lk_u1_0_i - 1)] - 2.0 * u[_lk_np.uint64(_lk_u1_0_i)] + u[_lk_np.uint64(_lk_u1_0_i + 1)])  # line 13
+        _lk_u1_1__lk_v0 = u[_lk_np.uint64(_lk_u1_1_i)] + alpha * (u[_lk_np.uint64(_lk_u1_1_i - 1)] - 2.0 * u[_lk_np.uint64(_lk_u1_1_i)] + u[_lk_np.uint64(_lk_u1_1_i + 1)])  # line 13
+        _lk_u1_2__lk_v0 = u[_lk_np.uint64(_lk_u1_2_i)] + alpha * (u[_lk_np.uint64(_lk_u1_2_i - 1)] - 2.0 * u[_lk_np.uint64(_lk_u1_2_i)] + u[_lk_np.uint64(_lk_u1_2_i + 1)])  # line 13
+        _lk_u1_3__lk_v0 = u[_lk_np.uint64(_lk_u1_3_i)] + alpha * (u[_lk_np.uint64(_lk_u1_3_i - 1)] - 2.0 * u[_lk_np.uint64(_lk_u1_3_i)] + u[_lk_np.uint64(_lk_u1_3_i + 1)])  # line 13
+        v[_lk_np.uint64(_lk_u1_0_i)] = _lk_u1_0__lk_v0  # line 13
+        v[_lk_np.uint64(_lk_u1_1_i)] = _lk_u1_1__lk_v0  # line 13
+        v[_lk_np.uint64(_lk_u1_2_i)] = _lk_u1_2__lk_v0  # line 13
+        v[_lk_np.uint64(_lk_u1_3_i)] = _lk_u1_3__lk_v0  # line 13
+        _lk_u1 += 4 * _lk_nt  # line 12
     while _lk_u1 < _lk_r1_hi:  # line 12
         i = _lk_u1  # line 12
         _lk_u1 += _lk_nt  # line 12

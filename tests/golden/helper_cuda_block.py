@@ -22,6 +22,20 @@ def _lk_step(t, u, v, alpha, _lk_tid, _lk_nt, _lk_redf, _lk_redi, _lk_st, _lk_ba
     n = u.shape[0]  # line 158
     _lk_r1_hi = n - 1  # line 159
     _lk_u1 = 1 + _lk_tid  # line 159
+    while _lk_u1 + 3 * _lk_nt < _lk_r1_hi:  # line 159
+        _lk_u1_0_i = _lk_u1  # line 159
+        _lk_u1_1_i = _lk_u1 + 1 * _lk_nt  # line 159
+        _lk_u1_2_i = _lk_u1 + 2 * _lk_nt  # line 159
+        _lk_u1_3_i = _lk_u1 + 3 * _lk_nt  # line 159
+        _lk_u1_0__lk_v0 = _lk_fn_damp(u[_lk_np.uint64(_lk_u1_0_i)] + alpha * _lk_fn_laplacian(u, _lk_u1_0_i, _lk_tid, _lk_nt), 0.5, _lk_tid, _lk_nt)  # line 160
+        _lk_u1_1__lk_v0 = _lk_fn_damp(u[_lk_np.uint64(_lk_u1_1_i)] + alpha * _lk_fn_laplacian(u, _lk_u1_1_i, _lk_tid, _lk_nt), 0.5, _lk_tid, _lk_nt)  # line 160
+        _lk_u1_2__lk_v0 = _lk_fn_damp(u[_lk_np.uint64(_lk_u1_2_i)] + alpha * _lk_fn_laplacian(u, _lk_u1_2_i, _lk_tid, _lk_nt), 0.5, _lk_tid, _lk_nt)  # line 160
+        _lk_u1_3__lk_v0 = _lk_fn_damp(u[_lk_np.uint64(_lk_u1_3_i)] + alpha * _lk_fn_laplacian(u, _lk_u1_3_i, _lk_tid, _lk_nt), 0.5, _lk_tid, _lk_nt)  # line 160
+        v[_lk_np.uint64(_lk_u1_0_i)] = _lk_u1_0__lk_v0  # line 160
+        v[_lk_np.uint64(_lk_u1_1_i)] = _lk_u1_1__lk_v0  # line 160
+        v[_lk_np.uint64(_lk_u1_2_i)] = _lk_u1_2__lk_v0  # line 160
+        v[_lk_np.uint64(_lk_u1_3_i)] = _lk_u1_3__lk_v0  # line 160
+        _lk_u1 += 4 * _lk_nt  # line 159
     while _lk_u1 < _lk_r1_hi:  # line 159
         i = _lk_u1  # line 159
         _lk_u1 += _lk_nt  # line 159
