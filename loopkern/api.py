@@ -341,7 +341,7 @@ class MegaKernel:
         sim = simulator_enabled()
         work = max([a.size for a in argv if isinstance(a, ArrayArg)] or [1])
         check_thread_scope(self.spec, scope)
-        scope = launch.resolve_scope(scope, work, self.spec.parallel)
+        scope = launch.resolve_scope(scope, work, self.spec.parallel, self.spec.light_elements)
         staged, stage_bytes = launch.plan_staging(self.spec, argv) if scope == "block" else ((), 0)
         compiled = self._kernel("cuda", scope, debug=debug, staged=staged, control=control, float_type=float_type)
         with self._lock:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ast
 from dataclasses import dataclass, field
+from functools import cached_property
 
 #: marker-name prefix for in-step API calls in a normalized body
 INTRINSIC_PREFIX = "__lk_"
@@ -106,3 +107,25 @@ class StepSpec:
     @property
     def param_names(self) -> tuple[str, ...]:
         return tuple(p.name for p in self.params)
+
+    @cached_property
+    def light_elements(self) -> bool:
+        """Each parallel loop's body is straight-line work per element (no loop and no helper
+        call inside it; no parallel loop in a helper): a stencil, not an all-pairs sum. Such
+        steps are cheap per element, so one block can hold a small problem (scope="auto")."""
+        parallel = (INTRINSIC_PREFIX + "range", INTRINSIC_PREFIX + "grid")
+
+        def is_parallel(n):
+            return isinstance(n, ast.For) and isinstance(n.iter, ast.Call) and \
+                isinstance(n.iter.func, ast.Name) and n.iter.func.id in parallel
+        for h in self.helpers:
+            if any(is_parallel(n) for st in h.body for n in ast.walk(st)):
+                return False
+        for loop in (n for st in self.step.body for n in ast.walk(st) if is_parallel(n)):
+            for n in (m for st in loop.body for m in ast.walk(st)):
+                if isinstance(n, (ast.For, ast.While)):
+                    return False
+                if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and \
+                        n.func.id.startswith(RESERVED_PREFIX + "fn_"):
+                    return False
+        return True

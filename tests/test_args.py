@@ -173,6 +173,25 @@ def test_auto_scope_and_block_threads_follow_problem_size():
     assert plan_cuda(Kernel(), "block", 1 << 20, None, None, simulator=False).threads == 896
 
 
+def all_pairs_step(t, x, f):
+    # every element sums over all the others: heavy work per element
+    for i in lk.range(x.shape[0]):
+        s = 0.0
+        for j in range(x.shape[0]):
+            s += x[j] - x[i]
+        f[i] = s
+
+
+def test_auto_scope_keeps_heavy_steps_on_a_grid():
+    from loopkern.launch import resolve_scope
+    light = {name: lk.megakernel(fn).spec.light_elements
+             for name, fn in (("heat", W.heat_step), ("jacobi", W.jacobi_step), ("life", W.life_step),
+                              ("helper", W.helper_step), ("nbody", all_pairs_step))}
+    assert light == dict(heat=True, jacobi=True, life=False, helper=False, nbody=False)
+    assert resolve_scope("auto", 3072, True, light["nbody"]) == "grid"
+    assert resolve_scope("auto", 3072, True, light["heat"]) == "block"
+
+
 def test_host_dlpack_only_array_is_imported(heat, rng):
     from doubles import DLPackOnly
     u0 = rng.random(40)
