@@ -15,7 +15,6 @@ else
 fi
 export XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv > "$OUT/nvidia-smi.txt" 2>&1
-git log -1 --format='%H %s' > "$OUT/commit.txt" 2>/dev/null
 for part in "$@"; do
     start=$(date -u +%H:%M:%S)
     if [ "$part" = tests ]; then

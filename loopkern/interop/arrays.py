@@ -6,6 +6,7 @@ only after all arguments have passed.
 
 from __future__ import annotations
 
+import math
 import numbers
 from dataclasses import dataclass
 
@@ -31,7 +32,7 @@ class ArrayArg:
 
     @property
     def size(self) -> int:
-        return int(np.prod(self.shape)) if self.shape else 1
+        return math.prod(self.shape)
 
 
 @dataclass
@@ -158,7 +159,7 @@ def _extent(a: ArrayArg) -> tuple[int, int]:
     """[lo, hi) byte range an array's elements occupy."""
     if a.size == 0:
         return a.ptr, a.ptr
-    strides = a.strides or tuple(int(np.prod(a.shape[i + 1:])) * a.dtype.itemsize for i in range(len(a.shape)))
+    strides = a.strides or tuple(math.prod(a.shape[i + 1:]) * a.dtype.itemsize for i in range(len(a.shape)))
     lo = a.ptr + sum(min(0, (n - 1) * s) for n, s in zip(a.shape, strides))
     hi = a.ptr + sum(max(0, (n - 1) * s) for n, s in zip(a.shape, strides)) + a.dtype.itemsize
     return lo, hi

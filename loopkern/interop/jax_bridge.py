@@ -9,6 +9,7 @@ CPU-compiled kernel through ``jax.pure_callback`` (Python once per call, not per
 
 from __future__ import annotations
 
+import math
 import numbers
 
 import numpy as np
@@ -161,7 +162,7 @@ def _cuda_core(mk, arrays, scalars, nsteps, scope, threads, blocks, seed, timeou
     spec = mk.spec
     n = len(spec.params)
     arr_idx = [i for i in range(n) if i in arrays]
-    work = max([int(np.prod(arrays[i].shape)) for i in arr_idx] or [1])
+    work = max([math.prod(arrays[i].shape) for i in arr_idx] or [1])
     scope = launch.resolve_scope(scope or mk._defaults["scope"], work, spec.parallel, spec.light_elements)
     check_thread_scope(spec, scope)
     by_ref = frozenset(scalars)
