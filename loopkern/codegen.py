@@ -644,7 +644,9 @@ def render_kernel(spec: StepSpec, backend: str, scope: str = "grid", *, cache: b
     elif backend == "cuda":
         thread_index = "cuda.grid(1)" if scope == "grid" else "cuda.threadIdx.x"
         thread_count = "cuda.gridsize(1)" if scope == "grid" else "cuda.blockDim.x"
-        barrier = f"{_P}rt.{scope}_sync({_P}bar)"
+        # a step that ends by returning a reduction's verdict already passed a barrier after
+        # its last array access: the one inside the reduction
+        barrier = "" if ends_in_reduction(spec.step) else f"{_P}rt.{scope}_sync({_P}bar)"
     else:
         thread_index = thread_count = barrier = ""
 
@@ -679,6 +681,27 @@ def render_kernel(spec: StepSpec, backend: str, scope: str = "grid", *, cache: b
     text = template.substitute(mapping)
     line_map = _build_line_map(text, spec.filename)
     return KernelSource(text, backend, scope, spec.name, line_map, debug, tuple(sites.sites) if sites else ())
+
+
+def ends_in_reduction(fs: FunctionSpec) -> bool:
+    """The step's only ``return`` is its last statement and returns an expression of
+    reductions (``lk.max(err) > tol``) that reads no array and calls no helper.
+
+    Then the barrier inside the last reduction orders every array access of the step before
+    every access of the next, as the barrier between steps would, and that one is left out
+    (Jacobi to tolerance: one grid barrier per step instead of two). The stop decision's
+    slots and the reductions' own two-slot protocol only need one barrier per step.
+    """
+    body = list(fs.body)
+    returns = [n for st in body for n in ast.walk(st) if isinstance(n, ast.Return)]
+    if len(returns) != 1 or not body or body[-1] is not returns[0] or returns[0].value is None:
+        return False
+    value = list(ast.walk(returns[0].value))
+    reductions = [n for n in value if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)
+                  and n.func.id in (INTRINSIC_PREFIX + "sum", INTRINSIC_PREFIX + "max", INTRINSIC_PREFIX + "min")]
+    helpers = [n for n in value if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)
+               and n.func.id.startswith(f"{_P}fn_")]
+    return bool(reductions) and not helpers and not any(isinstance(n, ast.Subscript) for n in value)
 
 
 def _staging_lines(staged, kparams) -> list[str]:

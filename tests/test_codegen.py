@@ -177,3 +177,30 @@ def unroll_index_read_by_a_later_loop_header(t, u, v):
                                          (unroll_index_read_by_a_later_loop_header, False)])
 def test_unrolling_only_when_it_cannot_change_the_result(fn, unrolled):
     assert ("while _lk_u1 + 3 * _lk_nt" in _step_source(fn)) == unrolled
+
+
+def ends_after_an_early_return(t, u, v, tol):
+    if t > 3:
+        return False
+    err = 0.0
+    for i in lk.range(u.shape[0]):
+        v[i] = u[i] * 0.5
+        err = max(err, abs(v[i] - u[i]))
+    return lk.max(err) > tol
+
+
+def ends_in_two_reductions(t, u, v, tol):
+    err = 0.0
+    for i in lk.range(u.shape[0]):
+        v[i] = u[i] * 0.5
+        err = max(err, abs(v[i] - u[i]))
+    return lk.max(err) > tol and lk.sum(err) > 0.0
+
+
+@pytest.mark.parametrize("fn,elided", [(W.jacobi_step, True), (ends_in_two_reductions, True), (W.heat_step, False),
+                                       (ends_after_an_early_return, False),
+                                       (W.normalize_step, False)])
+def test_the_step_barrier_is_left_out_only_after_a_final_reduction(fn, elided):
+    src = lk.megakernel(fn).source("cuda")
+    loop = src.split("while _lk_t < _lk_nsteps:")[1]
+    assert ("_lk_rt.grid_sync(_lk_bar)" not in loop) == elided

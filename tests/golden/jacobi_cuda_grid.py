@@ -103,7 +103,7 @@ def _lk_kernel(_lk_nsteps, _lk_a0, _lk_a1, _lk_a2, _lk_redf, _lk_redi, _lk_bar, 
             _lk_code, _lk_pc, _lk_pn, _lk_pd = _lk_rt.poll(_lk_t, _lk_host, _lk_pc, _lk_pn, _lk_pd, _lk_code)
             _lk_info[_lk_t & 1] = _lk_code
         _lk_go = _lk_step(_lk_t, _lk_a0, _lk_a1, _lk_a2, _lk_tid, _lk_nt, _lk_redf, _lk_redi, _lk_st, _lk_bar, _lk_seed)
-        _lk_rt.grid_sync(_lk_bar)
+        pass
         _lk_t += 1
         _lk_a0, _lk_a1 = _lk_a1, _lk_a0
         if not _lk_go:

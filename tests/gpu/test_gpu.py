@@ -43,6 +43,20 @@ def test_jacobi_multiblock(scope, rng):
     assert rel_err(u, ref) < 1e-12
 
 
+def test_jacobi_one_barrier_per_step_is_race_free(rng):
+    # the step ends in lk.max, so the kernel leaves out the barrier between steps (the one in
+    # the reduction orders them): 1500 steps on 264+ blocks, bit for bit against the CPU backend
+    k = lk.megakernel(W.jacobi_step, swap=[("u", "v")])
+    assert "_lk_rt.grid_sync(_lk_bar)" not in k.source("cuda").split("while _lk_t < _lk_nsteps:")[1]
+    u0 = rng.random((512, 512))
+    ref_u, ref_v = u0.copy(), u0.copy()
+    k(ref_u, ref_v, 0.0, max_steps=1500, backend="cpu")
+    u, v = u0.copy(), u0.copy()
+    run = k(u, v, 0.0, max_steps=1500, backend="cuda")
+    assert run.blocks >= 264 and (run.steps, run.stopped) == (1500, "steps")
+    np.testing.assert_array_equal(u, ref_u)
+
+
 @pytest.mark.parametrize("scope", ["grid", "block"])
 def test_life_multiblock(scope, rng):
     n = 512 if scope == "grid" else 64
