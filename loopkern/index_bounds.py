@@ -26,6 +26,7 @@ from .spec import INTRINSIC_PREFIX
 
 _RANGES = ("range", INTRINSIC_PREFIX + "range")
 _GRID = INTRINSIC_PREFIX + "grid"
+_KEEPS_BOUND = object()     # a binding that leaves the name's other bindings' bound standing
 
 
 def mark_nonneg_indices(body, params, array_params, index_name: str | None):
@@ -85,7 +86,10 @@ def _assigned_names(stmts) -> set:
 
 
 def _wrap(e, bounds):
-    if isinstance(e, (ast.Constant, ast.Slice)) or bounds.lower(e) is None or bounds.lower(e) < 0:
+    if isinstance(e, (ast.Constant, ast.Slice)):
+        return e
+    low = bounds.lower(e)
+    if low is None or low < 0:
         return e
     func = ast.Attribute(value=ast.Name(id="_lk_np", ctx=ast.Load()), attr="uint64", ctx=ast.Load())
     return ast.copy_location(ast.Call(func=func, args=[e], keywords=[]), e)
@@ -95,9 +99,11 @@ class _Bounds:
     """Lower bounds of integer expressions in one function (None: unknown or not an integer)."""
 
     def __init__(self, body, params, index_name):
+        # each binding of a name: an expression, None (anything), ("grow", amount) for a +=, or
+        # ("loop", for-node) for a loop variable
         self.bindings: dict[str, list] = {p: [None] for p in params}   # a parameter: anything
         if index_name is not None:
-            self.bindings[index_name] = [0]
+            self.bindings[index_name] = [ast.Constant(0)]
         for node in ast.walk(ast.Module(body=body, type_ignores=[])):
             self._collect(node)
         self.memo: dict[str, int | None] = {}
@@ -128,10 +134,11 @@ class _Bounds:
                 self._bind_target(tgt, node.value)
         elif isinstance(node, ast.AugAssign):
             if isinstance(node.target, ast.Name):
-                # only growing by a known non-negative amount keeps the other bindings' bound
                 self._bind(node.target.id, ("grow", node.value) if isinstance(node.op, ast.Add) else None)
         elif isinstance(node, ast.For):
-            self._bind_loop(node.target, node.iter)
+            for t in ast.walk(node.target):
+                if isinstance(t, ast.Name):
+                    self._bind(t.id, ("loop", node))
         elif isinstance(node, (ast.AnnAssign, ast.NamedExpr)):
             self._bind_target(node.target, node.value)
         elif isinstance(node, ast.comprehension):
@@ -148,17 +155,6 @@ class _Bounds:
         elif isinstance(tgt, ast.Starred):
             self._bind_target(tgt.value, None)
 
-    def _bind_loop(self, tgt, it):
-        func = it.func.id if isinstance(it, ast.Call) and isinstance(it.func, ast.Name) else None
-        if func in _RANGES and isinstance(tgt, ast.Name):
-            self._bind(tgt.id, ("range", it.args))
-        elif func == _GRID and isinstance(tgt, ast.Tuple) and len(tgt.elts) == len(it.args):
-            for t, a in zip(tgt.elts, it.args):
-                start = a.elts[0] if isinstance(a, ast.Tuple) and len(a.elts) == 2 else ast.Constant(0)
-                self._bind_target(t, start)
-        else:
-            self._bind_target(tgt, None)
-
     def name(self, n):
         if n in self.overrides:
             return self.overrides[n]
@@ -167,24 +163,25 @@ class _Bounds:
         if n in self.visiting or n not in self.bindings:
             return None
         self.visiting.add(n)
-        lows = []
-        for how in self.bindings[n]:
-            if isinstance(how, tuple) and how[0] == "grow":
-                g = self.lower(how[1])
-                if g is None or g < 0:
-                    lows = [None]
-                    break
-                continue
-            low = self._range_low(how[1]) if isinstance(how, tuple) else \
-                how if isinstance(how, int) else self.lower(how) if how is not None else None
-            if low is None:
-                lows = [None]
-                break
-            lows.append(low)
+        lows = [self._binding_low(n, how) for how in self.bindings[n]]
         self.visiting.discard(n)
+        lows = [low for low in lows if low is not _KEEPS_BOUND]
         result = min(lows) if lows and None not in lows else None
         self.memo[n] = result
         return result
+
+    def _binding_low(self, n, how):
+        """The bound one binding gives ``n`` (None: none; _KEEPS_BOUND: the others' holds)."""
+        if how is None:
+            return None
+        if isinstance(how, tuple) and how[0] == "grow":
+            # growing by a known non-negative amount keeps the other bindings' bound
+            g = self.lower(how[1])
+            return _KEEPS_BOUND if g is not None and g >= 0 else None
+        if isinstance(how, tuple):
+            loop = how[1]
+            return self.loop_bounds(loop.target, loop.iter).get(n)
+        return self.lower(how)
 
     def _range_low(self, args):
         # range() takes integers only (anything else fails to compile), so the stop needs no check
