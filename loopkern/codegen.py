@@ -18,7 +18,7 @@ from importlib import resources
 from pathlib import Path
 
 from .index_bounds import mark_nonneg_indices
-from .spec import INTRINSIC_PREFIX, RESERVED_PREFIX, FunctionSpec, StepSpec
+from .spec import INTRINSIC_PREFIX, RESERVED_PREFIX, FunctionSpec, StepSpec, is_helper_call, marker_of
 
 BACKENDS = ("cuda", "cpu")
 SCOPES = ("grid", "block", "thread")
@@ -161,7 +161,7 @@ class _Lower(ast.NodeTransformer):
                 extra = [ast.Name(id=f"{_P}{n}", ctx=ast.Load()) for n in ("redf", "redi", "st", "bar")]
                 return _rt_call(f"{self.scope}_{name}", node.args + extra, node)
             raise AssertionError(f"unexpected marker {f.id}")  # validate only emits the ones above
-        if isinstance(f, ast.Name) and f.id.startswith(f"{_P}fn_"):
+        if is_helper_call(node):
             ctx = [f"{_P}tid", f"{_P}nt"] + (list(_DEBUG_CTX) if self.sites is not None else [])
             node.args = node.args + [ast.Name(id=c, ctx=ast.Load()) for c in ctx]
         return node
@@ -697,11 +697,8 @@ def ends_in_reduction(fs: FunctionSpec) -> bool:
     if len(returns) != 1 or not body or body[-1] is not returns[0] or returns[0].value is None:
         return False
     value = list(ast.walk(returns[0].value))
-    reductions = [n for n in value if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)
-                  and n.func.id in (INTRINSIC_PREFIX + "sum", INTRINSIC_PREFIX + "max", INTRINSIC_PREFIX + "min")]
-    helpers = [n for n in value if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)
-               and n.func.id.startswith(f"{_P}fn_")]
-    return bool(reductions) and not helpers and not any(isinstance(n, ast.Subscript) for n in value)
+    return any(marker_of(n) in ("sum", "max", "min") for n in value) and \
+        not any(is_helper_call(n) or isinstance(n, ast.Subscript) for n in value)
 
 
 def _staging_lines(staged, kparams) -> list[str]:

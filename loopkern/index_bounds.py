@@ -22,10 +22,8 @@ from __future__ import annotations
 import ast
 import copy
 
-from .spec import INTRINSIC_PREFIX
+from .spec import marker_of
 
-_RANGES = ("range", INTRINSIC_PREFIX + "range")
-_GRID = INTRINSIC_PREFIX + "grid"
 _KEEPS_BOUND = object()     # a binding that leaves the name's other bindings' bound standing
 
 
@@ -117,10 +115,11 @@ class _Bounds:
 
     def loop_bounds(self, tgt, it) -> dict:
         """The bound of each name a ``for`` loop's target binds, from the loop alone."""
-        func = it.func.id if isinstance(it, ast.Call) and isinstance(it.func, ast.Name) else None
-        if func in _RANGES and isinstance(tgt, ast.Name):
+        python_range = isinstance(it, ast.Call) and isinstance(it.func, ast.Name) and it.func.id == "range"
+        kind = "range" if python_range else marker_of(it)
+        if kind == "range" and isinstance(tgt, ast.Name):
             return {tgt.id: self._range_low(it.args)}
-        if func == _GRID and isinstance(tgt, ast.Tuple) and len(tgt.elts) == len(it.args):
+        if kind == "grid" and isinstance(tgt, ast.Tuple) and len(tgt.elts) == len(it.args):
             return {t.id: self.lower(a.elts[0]) if isinstance(a, ast.Tuple) and len(a.elts) == 2 else 0
                     for t, a in zip(tgt.elts, it.args) if isinstance(t, ast.Name)}
         return {}
@@ -240,7 +239,7 @@ class _Bounds:
         f = e.func.id
         if e.keywords:
             return None
-        if f == INTRINSIC_PREFIX + "thread_id" and not e.args:
+        if marker_of(e) == "thread_id" and not e.args:
             return 0
         if f == "len" and len(e.args) == 1 and isinstance(e.args[0], ast.Name):
             return 0

@@ -17,9 +17,24 @@ INTRINSIC_PREFIX = "__lk_"
 #: prefix of every name the code generator introduces; user code may not use it
 RESERVED_PREFIX = "_lk_"
 
+#: prefix of a helper function's generated symbol (``_lk_fn_<name>``)
+HELPER_PREFIX = RESERVED_PREFIX + "fn_"
+
 ARRAY = "array"
 SCALAR = "scalar"
 ANY = "any"
+
+
+def marker_of(node) -> str | None:
+    """The in-step API name a normalized call stands for (``__lk_max(x)`` -> ``"max"``), else None."""
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id.startswith(INTRINSIC_PREFIX):
+        return node.func.id[len(INTRINSIC_PREFIX):]
+    return None
+
+
+def is_helper_call(node) -> bool:
+    """A call of one of the step's helper functions (by its generated symbol)."""
+    return isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id.startswith(HELPER_PREFIX)
 
 
 @dataclass(frozen=True)
@@ -113,19 +128,13 @@ class StepSpec:
         """Each parallel loop's body is straight-line work per element (no loop and no helper
         call inside it; no parallel loop in a helper): a stencil, not an all-pairs sum. Such
         steps are cheap per element, so one block can hold a small problem (scope="auto")."""
-        parallel = (INTRINSIC_PREFIX + "range", INTRINSIC_PREFIX + "grid")
-
         def is_parallel(n):
-            return isinstance(n, ast.For) and isinstance(n.iter, ast.Call) and \
-                isinstance(n.iter.func, ast.Name) and n.iter.func.id in parallel
+            return isinstance(n, ast.For) and marker_of(n.iter) in ("range", "grid")
         for h in self.helpers:
             if any(is_parallel(n) for st in h.body for n in ast.walk(st)):
                 return False
         for loop in (n for st in self.step.body for n in ast.walk(st) if is_parallel(n)):
             for n in (m for st in loop.body for m in ast.walk(st)):
-                if isinstance(n, (ast.For, ast.While)):
-                    return False
-                if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and \
-                        n.func.id.startswith(RESERVED_PREFIX + "fn_"):
+                if isinstance(n, (ast.For, ast.While)) or is_helper_call(n):
                     return False
         return True

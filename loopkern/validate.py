@@ -27,7 +27,7 @@ import numpy as np
 from . import dsl
 from .errors import Diagnostic, StepSyntaxError
 from .frontend import ParsedFunction, parse_step
-from .spec import (ANY, ARRAY, INTRINSIC_PREFIX, RESERVED_PREFIX, SCALAR, FunctionSpec,
+from .spec import (ANY, ARRAY, HELPER_PREFIX, INTRINSIC_PREFIX, RESERVED_PREFIX, SCALAR, FunctionSpec,
                    ParamSpec, StepSpec)
 
 _BUILTINS = {"abs", "min", "max", "int", "float", "bool", "len", "range", "round"}
@@ -107,7 +107,7 @@ class _Context:
         self.symbols: set[str] = set()
 
     def symbol_for(self, name: str) -> str:
-        base = f"{RESERVED_PREFIX}fn_{name}"
+        base = f"{HELPER_PREFIX}{name}"
         sym, k = base, 1
         while sym in self.symbols:
             sym, k = f"{base}_{k}", k + 1
