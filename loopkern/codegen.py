@@ -618,14 +618,20 @@ def render_kernel(spec: StepSpec, backend: str, scope: str = "grid", *, cache: b
     state = f"{_P}code, {_P}pc, {_P}pn, {_P}pd"
     poll = (f"{state} = {_P}rt.poll{'_debug' if debug else ''}({_P}t, {_P}host, {_P}pc, {_P}pn, {_P}pd, "
             f"{_P}code{', ' + _P + 'dbg' if debug else ''})")
+    # the one-thread CUDA template polls between bursts of steps: thread_poll is its line
+    thread_poll = ""
     if not control:
         control_lines = [f"{_INDENT * 2}{_P}seen = 0"]
+        thread_poll = f"{_P}ps = {_P}nsteps"        # one burst, never polled
     elif backend == "cpu":
         # one thread: its own decision takes effect after this step
         control_lines = [f"{_INDENT * 2}{poll}", f"{_INDENT * 2}{_P}seen = {_P}code"]
     elif scope == "thread":
-        # one thread on the GPU: its own template polls between bursts of steps
+        # the burst length adapts (cuda_rt.poll_strided); debug polls before every step, so a
+        # bad access stops the run at the next step boundary
         control_lines = []
+        thread_poll = poll if debug else (f"{state}, {_P}ps = {_P}rt.poll_strided({_P}t, {_P}host, {_P}pc, "
+                                          f"{_P}pn, {_P}pd, {_P}code, {_P}ps)")
     else:
         # the leader's decision before step t reaches every thread through the barrier after
         # it; each thread reads it during step t + 1 and stops after that step, all at the same
@@ -670,10 +676,7 @@ def render_kernel(spec: StepSpec, backend: str, scope: str = "grid", *, cache: b
         debug_param=f", {_P}dbg" if debug else "", debug_args=f", {_P}dbg, {_P}t" if debug else "",
     )
     if backend == "cuda" and scope == "thread":
-        # the burst length adapts (cuda_rt.poll_strided); debug polls before every step, so a
-        # bad access stops the run at the next step boundary
-        mapping["poll"] = poll if debug else (f"{state}, {_P}ps = {_P}rt.poll_strided({_P}t, {_P}host, {_P}pc, "
-                                              f"{_P}pn, {_P}pd, {_P}code, {_P}ps)")
+        mapping["poll"] = thread_poll
         mapping["swap"] = "\n".join(_INDENT + line for line in swap_lines)
         template = load_template("cuda_thread_kernel.py.tmpl")
     else:

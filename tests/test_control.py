@@ -237,3 +237,15 @@ def test_a_one_thread_step_stops_exactly_where_it_says(backend):
     c = np.zeros(2)
     run = k(c, 5, 3, steps=10 ** 9, backend=backend, timeout=0.2)
     assert run.stopped == "timeout" and c[0] == run.steps
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_the_no_poll_baseline_runs_every_step_without_polling(backend):
+    # _control=False is bench.py's baseline for the poll's cost; a one-thread kernel honours it too
+    from loopkern import codegen
+    k = lk.megakernel(W.count_step)
+    src = codegen.render_kernel(k.spec, "cuda", "thread", cache=False, control=False).text
+    assert "_lk_rt.poll" not in src
+    c = np.zeros(2)
+    run = k(c, 10 ** 12, 0, steps=500, backend=backend, _control=False)
+    assert (run.steps, run.stopped) == (500, "steps") and c[0] == 500
