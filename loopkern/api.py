@@ -71,6 +71,14 @@ def check_seconds(name, value, allow_none=True):
     return float(value)
 
 
+def check_start(start) -> int:
+    """The ``start=`` argument (the first step index) as an int in [0, 2**62), or an ArgumentError."""
+    if isinstance(start, bool) or not isinstance(start, numbers.Integral) or not 0 <= int(start) < 2 ** 62:
+        raise ArgumentError(f"start={start!r}: expected the first step index, an integer from 0 to 2**62 - 1 "
+                            f"(e.g. the previous run's run.next_start)")
+    return int(start)
+
+
 def _check_choice(name, value, allowed):
     if value not in allowed:
         raise ArgumentError(f"{name}={value!r}: expected one of {', '.join(repr(a) for a in allowed)}")
@@ -155,7 +163,7 @@ class MegaKernel:
                 raise ArgumentError(f"{pair}: the two arrays share memory; pass two separate buffers")
         return out
 
-    def __call__(self, *args, steps=None, max_steps=None, backend=None, scope=None, threads=None,
+    def __call__(self, *args, steps=None, max_steps=None, start=0, backend=None, scope=None, threads=None,
                  blocks=None, seed=0, progress=False, timeout=None, debug=False, watchdog=DEFAULT_WATCHDOG_S,
                  _control=True, **kwargs) -> Run:
         """Run the loop and wait for it; arrays are updated in place.
@@ -168,6 +176,10 @@ class MegaKernel:
             *args, **kwargs: the step's parameters after the step index.
             steps: number of steps to run (an upper bound if the step returns a condition).
             max_steps: upper bound on steps for a step that returns a condition.
+            start: the step index ``t`` of the first step (default 0), to continue a run:
+                N steps in one call equal any split of N into calls that each start where
+                the last stopped (``run.next_start``), bit for bit, ``lk.random`` draws
+                and swap pairs included.
             backend: "auto", "cuda" or "cpu" (default: the decorator's).
             scope: "auto", "grid", "block" or "thread" (CUDA only; "thread" is one thread with no
                 barrier, for a step without parallel constructs, which "auto" picks for it).
@@ -196,14 +208,14 @@ class MegaKernel:
             BoundsError: with ``debug=True``, an array was indexed out of bounds.
             HangError: the watchdog fired.
         """
-        handle = self.start(*args, steps=steps, max_steps=max_steps, backend=backend, scope=scope,
+        handle = self.start(*args, steps=steps, max_steps=max_steps, start=start, backend=backend, scope=scope,
                             threads=threads, blocks=blocks, seed=seed, progress=progress, timeout=timeout,
                             debug=debug, watchdog=watchdog, _monitor=False, _control=_control, **kwargs)
         return handle.wait()
 
-    def start(self, *args, steps=None, max_steps=None, backend=None, scope=None, threads=None, blocks=None,
-              seed=0, progress=False, timeout=None, debug=False, watchdog=DEFAULT_WATCHDOG_S, _monitor=True,
-              _control=True, **kwargs) -> RunHandle:
+    def start(self, *args, steps=None, max_steps=None, start=0, backend=None, scope=None, threads=None,
+              blocks=None, seed=0, progress=False, timeout=None, debug=False, watchdog=DEFAULT_WATCHDOG_S,
+              _monitor=True, _control=True, **kwargs) -> RunHandle:
         """Start the loop and return at once with a :class:`~loopkern.runs.RunHandle`.
 
         Takes the same arguments as calling the kernel. ``handle.wait()`` returns the
@@ -222,6 +234,7 @@ class MegaKernel:
                                 f"condition)")
         label = "steps" if steps is not None else "max_steps"
         nsteps = _check_count(label, steps if steps is not None else max_steps, allow_none=False)
+        start = check_start(start)
         backend = _check_choice("backend", backend if backend is not None else self._defaults["backend"], BACKENDS)
         scope = _check_choice("scope", scope if scope is not None else self._defaults["scope"], SCOPES)
         threads = _check_count("threads", threads if threads is not None else self._defaults["threads"], minimum=1)
@@ -239,12 +252,12 @@ class MegaKernel:
         from . import launch
         backend = launch.choose_backend(backend)
         total = None if self.spec.returns_condition else nsteps
-        opts = dict(reporter=make_reporter(progress, total, self.spec.name), watchdog=watchdog)
+        opts = dict(reporter=make_reporter(progress, total, self.spec.name), watchdog=watchdog, start=start)
         if backend == "cpu":
-            handle = self._start_cpu(argv, nsteps, seed, timeout, debug, opts, _control, float_type)
+            handle = self._start_cpu(argv, nsteps, start, seed, timeout, debug, opts, _control, float_type)
         else:
-            handle = self._start_cuda(argv, nsteps, scope, threads, blocks, seed, timeout, debug, opts, _control,
-                                      float_type)
+            handle = self._start_cuda(argv, nsteps, start, scope, threads, blocks, seed, timeout, debug, opts,
+                                      _control, float_type)
         if _monitor:
             handle.monitor()
         return handle
@@ -263,8 +276,8 @@ class MegaKernel:
                 k = self._compiled[key] = compile_kernel(src)
         return k
 
-    def jax(self, *args, steps=None, max_steps=None, backend=None, scope=None, threads=None, blocks=None,
-            seed=0, timeout=None, **kwargs):
+    def jax(self, *args, steps=None, max_steps=None, start=0, backend=None, scope=None, threads=None,
+            blocks=None, seed=0, timeout=None, **kwargs):
         """Run the loop as a functional JAX operation: JAX arrays in, new JAX arrays out.
 
         Works eagerly and inside ``jax.jit``. On a GPU it is an XLA FFI custom call on XLA's
@@ -276,6 +289,8 @@ class MegaKernel:
                 parameters; Python numbers or 0-d JAX arrays (traced values too) for scalars.
             steps: number of steps (an int or a 0-d integer JAX array, traced values too).
             max_steps: the same, as an upper bound, for a step that returns a condition.
+            start: the step index of the first step (an int >= 0 or a 0-d integer JAX array,
+                traced values too; a traced negative value runs no step), to continue a run.
             backend: "auto" (the platform of the arrays), "cuda" or "cpu".
             scope, threads, blocks: as for calling the kernel (CUDA only).
             seed: the seed of ``lk.random`` draws (a Python int).
@@ -293,8 +308,8 @@ class MegaKernel:
             LoopkernError: when differentiated (no derivative rule yet).
         """
         from .interop.jax_bridge import jax_call
-        return jax_call(self, args, kwargs, steps=steps, max_steps=max_steps, backend=backend, scope=scope,
-                        threads=threads, blocks=blocks, seed=seed, timeout=timeout)
+        return jax_call(self, args, kwargs, steps=steps, max_steps=max_steps, start=start, backend=backend,
+                        scope=scope, threads=threads, blocks=blocks, seed=seed, timeout=timeout)
 
     def _check_types(self, compiled, kargs):
         types = compiled.types_of(kargs)
@@ -305,7 +320,8 @@ class MegaKernel:
                 raise ArgumentError(f"swap pair ('{a}', '{b}'): the arrays must have the same type, got {ta} "
                                     f"and {tb} (make both C-contiguous, e.g. with numpy.ascontiguousarray)")
 
-    def _start_cpu(self, argv, nsteps, seed, timeout, debug, opts, control=True, float_type=None) -> RunHandle:
+    def _start_cpu(self, argv, nsteps, start, seed, timeout, debug, opts, control=True,
+                   float_type=None) -> RunHandle:
         import numpy as np
 
         from . import launch
@@ -319,17 +335,17 @@ class MegaKernel:
         self._check_types(compiled, kargs)
         host, view = launch.take_control_block("cpu")
         dbg = np.zeros(DBG_SIZE, np.int64) if debug else None
-        full = (np.int64(nsteps), *kargs, np.uint64(seed), host) + ((dbg,) if debug else ())
+        full = (np.int64(nsteps), np.int64(start), *kargs, np.uint64(seed), host) + ((dbg,) if debug else ())
         entry = compiled.specialize(full)
         deadline = time.monotonic() + timeout if timeout is not None else None
         waiter = ThreadWaiter(lambda: entry(*full))
         return RunHandle(name=self.spec.name, host=view, waiter=waiter, backend="cpu",
                          plan=launch.LaunchPlan("cpu", 1, 1), deadline=deadline,
                          on_finish=lambda: launch.give_control_block("cpu", host),
-                         describe_error=(lambda steps: self._describe_bounds(compiled, dbg, argv, steps))
+                         describe_error=(lambda steps: self._describe_bounds(compiled, dbg, argv, steps, start))
                          if debug else None, **opts)
 
-    def _start_cuda(self, argv, nsteps, scope, threads, blocks, seed, timeout, debug, opts,
+    def _start_cuda(self, argv, nsteps, start, scope, threads, blocks, seed, timeout, debug, opts,
                     control=True, float_type=None) -> RunHandle:
         import numpy as np
 
@@ -365,7 +381,7 @@ class MegaKernel:
         try:
             def full_args(blocks_):
                 redf, redi, bar, info = scratch.cuda(blocks_)
-                return (np.int64(nsteps), *kargs, redf, redi, bar, np.uint64(seed), info, host) + \
+                return (np.int64(nsteps), np.int64(start), *kargs, redf, redi, bar, np.uint64(seed), info, host) + \
                     ((dbg,) if debug else ())
             kernel = compiled.specialize(full_args(1))
             plan = launch.plan_cuda(kernel, scope, work, threads, blocks, sim, shared=stage_bytes)
@@ -387,10 +403,10 @@ class MegaKernel:
                 release()
         return RunHandle(name=self.spec.name, host=view, waiter=waiter, backend="cuda", plan=plan,
                          on_finish=on_finish, describe_error=(
-                             lambda steps: self._describe_bounds(compiled, dbg.copy_to_host(), argv, steps))
+                             lambda steps: self._describe_bounds(compiled, dbg.copy_to_host(), argv, steps, start))
                          if debug else None, **opts)
 
-    def _describe_bounds(self, compiled, dbg, argv, steps) -> str:
+    def _describe_bounds(self, compiled, dbg, argv, steps, start) -> str:
         """The BoundsError message for the offence recorded in ``dbg`` by a debug kernel."""
         site = compiled.source.sites[int(dbg[3])]
         n = int(dbg[4])
@@ -401,12 +417,14 @@ class MegaKernel:
             if isinstance(a, ArrayArg) and a.name == site.array:
                 shape_text = f"{tuple(a.shape)}"
         verb = "load from" if site.kind == "load" else "store to"
-        what = "it read element 0 instead" if site.kind == "load" else "it was skipped"
+        what = "the load read element 0 instead" if site.kind == "load" else "the store was skipped"
         d = Diagnostic(site.filename, site.line, site.col, self.spec.name,
-                       f"out-of-bounds {verb} '{site.array}' at step {int(dbg[1])} by thread {int(dbg[2])}: "
+                       f"out-of-bounds {verb} '{site.array}' at step t={int(dbg[1])} by thread {int(dbg[2])}: "
                        f"index {index} is outside shape {shape_text}",
-                       hint=f"debug=True stopped the run after {steps} steps ({what}; the arrays hold partial "
-                            f"results); valid indices of a dimension of length n are -n to n - 1",
+                       hint=f"valid indices of a dimension of length n are -n to n - 1. {what.capitalize()}, and "
+                            f"debug=True stopped the run at the first step boundary every thread could see the "
+                            f"stop (threads learn of it one step later): this call ran {steps} step(s), "
+                            f"t={start} to t={start + steps - 1}, and the arrays hold the state after them",
                        source_line=linecache.getline(site.filename, site.line),
                        where="" if site.function == self.spec.name else f"in helper '{site.function}'")
         return d.format()

@@ -541,8 +541,9 @@ def render_kernel(spec: StepSpec, backend: str, scope: str = "grid", *, cache: b
         fingerprint: text mixed into the source (e.g. runtime version) so stale caches miss.
         by_ref: (CUDA) None for the kernel that ``kernel(...)`` launches; else the indices of
             scalar parameters that arrive as 1-element device arrays and are read on the
-            device, and the step count arrives the same way. ``kernel.jax`` uses this, since
-            its scalars and step count may be traced values that live on the device.
+            device, and the step count and the first step index arrive the same way.
+            ``kernel.jax`` uses this, since its scalars and step count may be traced values
+            that live on the device.
         debug: bounds-check every array access of the step and its helpers (see
             ``runtime/bounds.py``): an index outside the array is never used, the first one is
             recorded with its step and thread, and the run stops at the next step boundary.
@@ -594,6 +595,9 @@ def render_kernel(spec: StepSpec, backend: str, scope: str = "grid", *, cache: b
     if by_ref is not None:
         # the seed arrives as two uint32 words (JAX without x64 has no uint64)
         prologue[:0] = [f"{_INDENT}{_P}nsteps = {_P}nsteps_ref[0]",
+                        f"{_INDENT}{_P}t0 = {_P}t0_ref[0]",
+                        # a traced negative start runs no step, as a negative step count does
+                        f"{_INDENT}{_P}nsteps = {_P}nsteps if {_P}t0 >= 0 else 0",
                         f"{_INDENT}{_P}seed = _lk_np.uint64(_lk_seed_ref[0]) | (_lk_np.uint64(_lk_seed_ref[1]) << "
                         f"_lk_np.uint64(32))"]
     staged = sorted(staged)
@@ -604,17 +608,29 @@ def render_kernel(spec: StepSpec, backend: str, scope: str = "grid", *, cache: b
     if staged:
         prologue += _staging_lines(staged, kparams)
     swap_lines = [f"{_INDENT * 2}{work[a]}, {work[b]} = {work[b]}, {work[a]}" for a, b in spec.swap]
+    # The end of a run is a rename: after k steps each parameter's buffer holds what its name
+    # refers to after k swaps (the first the newest state, the second the one before), so a
+    # run split into calls continues exactly. After an odd count the names point at each
+    # other's buffers; the contents are exchanged in place, each thread its share. The
+    # exchange reads elements other threads wrote in the last step, so a barrier comes first
+    # whatever the step's own barrier was (it may have been elided, see ends_in_reduction).
     copy_lines = []
-    if spec.swap:
-        copy_lines.append(f"{_INDENT}if _lk_t % 2 == 1:")
-        for a, b in spec.swap:
-            copy_lines += _flat_copy(work[b], work[a], 2)
+    swapped = {i for pair in spec.swap for i in pair}
+    fence = f"{_INDENT * 2}{_P}rt.{scope}_sync({_P}bar)" if backend == "cuda" and scope != "thread" else ""
     if staged:
+        # shared-memory copies: each parameter's array is written from the copy its name
+        # now refers to, so no exchange is needed
         copy_lines.append(f"{_INDENT}cuda.syncthreads()")
-        swapped = {i for pair in spec.swap for i in pair}
         for i in staged:
             if spec.params[i].written or i in swapped:
-                copy_lines += _flat_copy(kparams[i], f"{_P}s{i}", 1, count_of=kparams[i])
+                copy_lines += _flat_copy(kparams[i], work[i], 1, count_of=kparams[i])
+    pairs = [(a, b) for a, b in spec.swap if a not in staged]
+    if pairs:
+        copy_lines.append(f"{_INDENT}if _lk_t % 2 == 1:")
+        if fence:
+            copy_lines.append(fence)
+        for a, b in pairs:
+            copy_lines += _flat_exchange(work[a], work[b], 2, f"{_P}x{a}")
     state = f"{_P}code, {_P}pc, {_P}pn, {_P}pd"
     poll = (f"{state} = {_P}rt.poll{'_debug' if debug else ''}({_P}t, {_P}host, {_P}pc, {_P}pn, {_P}pd, "
             f"{_P}code{', ' + _P + 'dbg' if debug else ''})")
@@ -669,11 +685,12 @@ def render_kernel(spec: StepSpec, backend: str, scope: str = "grid", *, cache: b
         step_params=step_def[step_def.index("(") + 1:step_def.rindex(")")],
         step_body="\n".join(step_body), kernel_params="".join(f"{k}, " for k in sig_params),
         nsteps_param=f"{_P}nsteps_ref" if by_ref is not None else f"{_P}nsteps", prologue="\n".join(prologue),
+        start_param=f"{_P}t0_ref" if by_ref is not None else f"{_P}t0",
         seed_param=f"{_P}seed_ref" if by_ref is not None else f"{_P}seed",
         step_args="".join(f"{k}, " for k in work), thread_index=thread_index, thread_count=thread_count,
         barrier=barrier or "pass", swap="\n".join(swap_lines) or f"{_INDENT * 2}pass",
         copy_back="\n".join(copy_lines) or f"{_INDENT}pass", control="\n".join(control_lines),
-        debug_param=f", {_P}dbg" if debug else "", debug_args=f", {_P}dbg, {_P}t" if debug else "",
+        debug_param=f", {_P}dbg" if debug else "", debug_args=f", {_P}dbg, {_P}t0 + {_P}t" if debug else "",
     )
     if backend == "cuda" and scope == "thread":
         mapping["poll"] = thread_poll
@@ -687,21 +704,54 @@ def render_kernel(spec: StepSpec, backend: str, scope: str = "grid", *, cache: b
 
 
 def ends_in_reduction(fs: FunctionSpec) -> bool:
-    """The step's only ``return`` is its last statement and returns an expression of
-    reductions (``lk.max(err) > tol``) that reads no array and calls no helper.
+    """The step's only ``return`` is its last statement, and every thread evaluates a reduction
+    in it on every step, after the step's last array access.
 
-    Then the barrier inside the last reduction orders every array access of the step before
-    every access of the next, as the barrier between steps would, and that one is left out
-    (Jacobi to tolerance: one grid barrier per step instead of two). The stop decision's
-    slots and the reductions' own two-slot protocol only need one barrier per step.
+    Then the barrier inside that reduction orders every array access of the step before every
+    access of the next, as the barrier between steps would, and that one is left out (Jacobi
+    to tolerance: one grid barrier per step instead of two). The stop decision's slots and
+    the reductions' own two-slot protocol only need one barrier per step.
+
+    The proof must hold on every path: the value reads no array and calls no helper (nothing
+    after the reduction touches memory another thread writes), and a reduction is reached
+    unconditionally (:func:`always_reduces`): ``return t < 5 or lk.max(err) > tol`` skips the
+    reduction on steps 0-4, so it keeps the step barrier.
     """
     body = list(fs.body)
     returns = [n for st in body for n in ast.walk(st) if isinstance(n, ast.Return)]
     if len(returns) != 1 or not body or body[-1] is not returns[0] or returns[0].value is None:
         return False
-    value = list(ast.walk(returns[0].value))
-    return any(marker_of(n) in ("sum", "max", "min") for n in value) and \
-        not any(is_helper_call(n) or isinstance(n, ast.Subscript) for n in value)
+    value = returns[0].value
+    if any(is_helper_call(n) or isinstance(n, ast.Subscript) for n in ast.walk(value)):
+        return False
+    return always_reduces(value)
+
+
+def always_reduces(e: ast.expr) -> bool:
+    """Evaluating ``e`` always evaluates a reduction (``lk.sum/max/min``), on every path.
+
+    Only operands Python evaluates unconditionally count: the first operand of ``and``/``or``
+    (the others may be short-circuited), the test of a conditional expression (or both of its
+    branches, when each reduces), the first two terms of a comparison chain (``a < b < c``
+    skips ``c`` when ``a < b`` is false), and every operand of arithmetic and of a call.
+    """
+    if marker_of(e) in ("sum", "max", "min"):
+        return True
+    if isinstance(e, ast.BoolOp):
+        return always_reduces(e.values[0])
+    if isinstance(e, ast.IfExp):
+        return always_reduces(e.test) or (always_reduces(e.body) and always_reduces(e.orelse))
+    if isinstance(e, ast.Compare):
+        return always_reduces(e.left) or always_reduces(e.comparators[0])
+    if isinstance(e, ast.BinOp):
+        return always_reduces(e.left) or always_reduces(e.right)
+    if isinstance(e, ast.UnaryOp):
+        return always_reduces(e.operand)
+    if isinstance(e, ast.Call):
+        return any(always_reduces(a) for a in e.args)
+    if isinstance(e, ast.Tuple):
+        return any(always_reduces(x) for x in e.elts)
+    return False   # names, constants, attributes: nothing is evaluated that reduces
 
 
 def _staging_lines(staged, kparams) -> list[str]:
@@ -716,6 +766,14 @@ def _staging_lines(staged, kparams) -> list[str]:
         lines.append(f"{_INDENT}{_P}w{i} = {_P}s{i}")
     lines.append(f"{_INDENT}cuda.syncthreads()")
     return lines
+
+
+def _flat_exchange(a: str, b: str, depth: int, tmp: str) -> list[str]:
+    """Each thread exchanges its share of the elements of ``a`` and ``b`` (same size)."""
+    return [f"{_INDENT * depth}for {_P}k in range({_P}tid, {a}.size, {_P}nt):",
+            f"{_INDENT * (depth + 1)}{tmp} = {a}.flat[{_P}k]",
+            f"{_INDENT * (depth + 1)}{a}.flat[{_P}k] = {b}.flat[{_P}k]",
+            f"{_INDENT * (depth + 1)}{b}.flat[{_P}k] = {tmp}"]
 
 
 def _flat_copy(dst: str, src: str, depth: int, count_of: str | None = None) -> list[str]:

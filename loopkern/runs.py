@@ -39,6 +39,7 @@ class Run:
         scope: ``"grid"``, ``"block"``, ``"thread"`` or ``"cpu"``.
         blocks: blocks launched (1 on the CPU).
         threads: threads per block (1 on the CPU).
+        start: the step index ``t`` of the run's first step (the call's ``start=``).
     """
 
     steps: int
@@ -47,6 +48,12 @@ class Run:
     scope: str
     blocks: int
     threads: int
+    start: int = 0
+
+    @property
+    def next_start(self) -> int:
+        """The step index after the last step run: pass it as ``start=`` to continue."""
+        return self.start + self.steps
 
 
 class EventWaiter:
@@ -113,7 +120,7 @@ class RunHandle:
     """
 
     def __init__(self, *, name, host, waiter, backend, plan, reporter=None, deadline=None,
-                 on_finish=None, watchdog=None, describe_error=None):
+                 on_finish=None, watchdog=None, describe_error=None, start=0):
         self.name = name
         self._host = host                  # a NumPy view of the control block
         self._waiter = waiter
@@ -123,6 +130,7 @@ class RunHandle:
         self._deadline = deadline          # host-side deadline (CPU backend), monotonic seconds
         self._on_finish = on_finish        # copy back, release buffers: once, after the kernel
         self._describe_error = describe_error
+        self._start = start
         self._watchdog = watchdog
         self._result = None
         self._error = None                 # a BoundsError, raised by every wait() once finished
@@ -272,7 +280,7 @@ class RunHandle:
             self._error = BoundsError(self._describe_error(steps))
             raise self._error
         plan = self._plan
-        self._result = Run(steps, STOPPED[why], self._backend, plan.scope, plan.blocks, plan.threads)
+        self._result = Run(steps, STOPPED[why], self._backend, plan.scope, plan.blocks, plan.threads, self._start)
         return self._result
 
     def _close(self, steps=None):

@@ -172,7 +172,7 @@ def test_debug_reports_an_out_of_bounds_store_without_making_it(backend, rng):
         k(u, v, 1, steps=50, backend=backend, threads=THREADS[backend], debug=True)
     msg = str(info.value)
     line = W.oob_step.__code__.co_firstlineno + 5
-    assert f"workloads.py:{line}:9: in step 'oob_step': out-of-bounds store to 'v' at step 2" in msg
+    assert f"workloads.py:{line}:9: in step 'oob_step': out-of-bounds store to 'v' at step t=2" in msg
     assert f"index ({n},) is outside shape ({n},)" in msg
     assert "v[j] = u[i] * 0.5" in msg and "\n            ^" in msg
     assert np.all(buf[n:] == 7.0)
@@ -190,8 +190,8 @@ def test_debug_reports_an_out_of_bounds_load_in_a_helper(backend, rng):
     msg = str(info.value)
     line = W.peek.__code__.co_firstlineno + 1
     assert f"workloads.py:{line}:12: in step 'oob_helper_step': in helper 'peek': out-of-bounds load from 'u' " \
-           f"at step 0 by thread {0 if backend == 'cpu' else (n - 1) % THREADS[backend]}: index ({n},)" in msg
-    assert "it read element 0 instead" in msg
+           f"at step t=0 by thread {0 if backend == 'cpu' else (n - 1) % THREADS[backend]}: index ({n},)" in msg
+    assert "The load read element 0 instead" in msg
     np.testing.assert_array_equal(v, np.append(u[1:], u[0]))
 
 

@@ -26,6 +26,17 @@ def _is_jax_array(x) -> bool:
     return isinstance(x, jax.Array)
 
 
+def _step_count(label, value):
+    """``steps``/``max_steps``/``start``: an int >= 0 or a 0-d integer JAX array, as a 1-element array."""
+    import jax.numpy as jnp
+    if isinstance(value, bool) or not (isinstance(value, numbers.Integral) or (
+            _is_jax_array(value) and value.ndim == 0 and jnp.issubdtype(value.dtype, jnp.integer))):
+        raise ArgumentError(f"{label}={value!r}: expected an int or a 0-d integer JAX array")
+    if isinstance(value, numbers.Integral) and value < 0:
+        raise ArgumentError(f"{label}={value}: must be >= 0")
+    return jnp.asarray(value).reshape(1)
+
+
 def _prepare(mk, args, kwargs, steps, max_steps):
     """Check the call and split it into arrays, scalars and the step count (all JAX values)."""
     import jax.numpy as jnp
@@ -33,13 +44,7 @@ def _prepare(mk, args, kwargs, steps, max_steps):
     spec = mk.spec
     if (steps is None) == (max_steps is None):
         raise ArgumentError(f"{spec.name}.jax(): pass exactly one of steps= or max_steps=")
-    nsteps = steps if steps is not None else max_steps
-    label = "steps" if steps is not None else "max_steps"
-    if isinstance(nsteps, bool) or not (isinstance(nsteps, numbers.Integral) or (
-            _is_jax_array(nsteps) and nsteps.ndim == 0 and jnp.issubdtype(nsteps.dtype, jnp.integer))):
-        raise ArgumentError(f"{label}={nsteps!r}: expected an int or a 0-d integer JAX array")
-    if isinstance(nsteps, numbers.Integral) and nsteps < 0:
-        raise ArgumentError(f"{label}={nsteps}: must be >= 0")
+    nsteps = _step_count("steps" if steps is not None else "max_steps", steps if steps is not None else max_steps)
     bound = mk._bind_names(args, kwargs)
     from ..api import check_array_use, check_kind, check_swap_pair
     arrays, scalars = {}, {}
@@ -68,7 +73,7 @@ def _prepare(mk, args, kwargs, steps, max_steps):
         if x is None or y is None:
             raise ArgumentError(f"swap pair {names}: both must be JAX arrays")
         check_swap_pair(names, x.shape, x.dtype, y.shape, y.dtype)
-    return arrays, scalars, jnp.asarray(nsteps).reshape(1)
+    return arrays, scalars, nsteps
 
 
 def _platform(mk, arrays, backend):
@@ -94,7 +99,7 @@ def _platform(mk, arrays, backend):
     return platform
 
 
-def jax_call(mk, args, kwargs, *, steps=None, max_steps=None, backend=None, scope=None, threads=None,
+def jax_call(mk, args, kwargs, *, steps=None, max_steps=None, start=0, backend=None, scope=None, threads=None,
              blocks=None, seed=0, timeout=None):
     """Implementation of :meth:`loopkern.MegaKernel.jax` (see there)."""
     import jax
@@ -103,13 +108,14 @@ def jax_call(mk, args, kwargs, *, steps=None, max_steps=None, backend=None, scop
     seed = check_seed(seed)
     timeout = check_seconds("timeout", timeout)
     arrays, scalars, nsteps = _prepare(mk, args, kwargs, steps, max_steps)
+    t0 = _step_count("start", start)
     platform = _platform(mk, arrays, backend)
     order = [i for i in range(len(mk.spec.params))]
     arr_idx = [i for i in order if i in arrays]
-    inputs = [nsteps] + [arrays[i] if i in arrays else scalars[i] for i in order]
+    inputs = [nsteps, t0] + [arrays[i] if i in arrays else scalars[i] for i in order]
 
     if platform == "cuda":
-        core = _cuda_core(mk, arrays, scalars, nsteps, scope, threads, blocks, seed, timeout)
+        core = _cuda_core(mk, arrays, scalars, nsteps, t0, scope, threads, blocks, seed, timeout)
     else:
         core = _cpu_core(mk, arrays, scalars, nsteps, seed, timeout)
 
@@ -138,19 +144,22 @@ def _cpu_core(mk, arrays, scalars, nsteps, seed, timeout):
     shapes = [jax.ShapeDtypeStruct(arrays[i].shape, arrays[i].dtype) for i in arr_idx]
     shapes.append(jax.ShapeDtypeStruct((), jnp.int32))
 
-    def host(n, *vals):
+    def host(n, t0, *vals):
         call_args = []
         for i, v in enumerate(vals):
             call_args.append(np.array(v) if i in arrays else np.asarray(v).reshape(())[()])
-        run = mk(*call_args, steps=int(np.asarray(n).reshape(())), backend="cpu", seed=seed, timeout=timeout)
+        # a traced negative start runs no step (as a traced negative step count does)
+        t0 = int(np.asarray(t0).reshape(()))
+        n = int(np.asarray(n).reshape(())) if t0 >= 0 else 0
+        run = mk(*call_args, steps=max(n, 0), start=max(t0, 0), backend="cpu", seed=seed, timeout=timeout)
         return tuple(call_args[i] for i in arr_idx) + (np.int32(run.steps),)
 
-    def core(n, *vals):
-        return jax.pure_callback(host, tuple(shapes), n, *vals, vmap_method="sequential")
+    def core(n, t0, *vals):
+        return jax.pure_callback(host, tuple(shapes), n, t0, *vals, vmap_method="sequential")
     return core
 
 
-def _cuda_core(mk, arrays, scalars, nsteps, scope, threads, blocks, seed, timeout):
+def _cuda_core(mk, arrays, scalars, nsteps, t0, scope, threads, blocks, seed, timeout):
     import jax
     import jax.numpy as jnp
     from numba import types
@@ -173,7 +182,7 @@ def _cuda_core(mk, arrays, scalars, nsteps, scope, threads, blocks, seed, timeou
         from numba.np.numpy_support import from_dtype
         return types.Array(from_dtype(np.dtype(dtype)), ndim, "C")
 
-    sig = [nb(nsteps.dtype, 1)]
+    sig = [nb(nsteps.dtype, 1), nb(t0.dtype, 1)]
     for i in range(n):
         sig.append(nb(arrays[i].dtype, arrays[i].ndim) if i in arrays else nb(scalars[i].dtype, 1))
     sig += [types.float64[:, ::1], types.int64[:, ::1], types.uint32[::1], types.uint32[::1], types.int64[::1],
@@ -183,7 +192,7 @@ def _cuda_core(mk, arrays, scalars, nsteps, scope, threads, blocks, seed, timeou
                             blocks or mk._defaults["blocks"], simulator=False)
     xla_ffi.register_cuda_target()
 
-    # inputs: nsteps, params (arrays and 1-element scalars) in order, zeroed barrier counter, seed,
+    # inputs: nsteps, start, params (arrays and 1-element scalars) in order, zeroed barrier counter, seed,
     # the control block (uint32 words of int64 slots: the timeout in, the step count out)
     # results: arrays (aliased), barrier (aliased), redf, redi, info (bytes, viewed as 8-byte),
     # the control block (aliased)
@@ -194,13 +203,13 @@ def _cuda_core(mk, arrays, scalars, nsteps, scope, threads, blocks, seed, timeou
                 jax.ShapeDtypeStruct((2, plan.blocks * _SCRATCH_VIEW), jnp.uint8),
                 jax.ShapeDtypeStruct((2 * _SCRATCH_VIEW,), jnp.uint8),
                 jax.ShapeDtypeStruct((2 * launch.HOST_SIZE,), jnp.uint32)]
-    aliases = {1 + i: arr_idx.index(i) for i in arr_idx}
-    aliases[1 + n] = na
-    aliases[3 + n] = na + 4
-    layout = [0, 0, 0]
+    aliases = {2 + i: arr_idx.index(i) for i in arr_idx}
+    aliases[2 + n] = na
+    aliases[4 + n] = na + 4
+    layout = [0, 0, 0, 0, 1, 0]
     for i in range(n):
-        layout += [1, arr_idx.index(i), 0] if i in arrays else [0, 1 + i, 0]
-    layout += [1, na + 1, _SCRATCH_VIEW, 1, na + 2, _SCRATCH_VIEW, 1, na, 0, 0, n + 2, 0, 1, na + 3, _SCRATCH_VIEW,
+        layout += [1, arr_idx.index(i), 0] if i in arrays else [0, 2 + i, 0]
+    layout += [1, na + 1, _SCRATCH_VIEW, 1, na + 2, _SCRATCH_VIEW, 1, na, 0, 0, n + 3, 0, 1, na + 3, _SCRATCH_VIEW,
                1, na + 4, _SCRATCH_VIEW]
     seed_words = np.array([seed & 0xFFFFFFFF, seed >> 32], np.uint32)
     control = np.zeros(launch.HOST_SIZE, np.int64)
@@ -210,8 +219,8 @@ def _cuda_core(mk, arrays, scalars, nsteps, scope, threads, blocks, seed, timeou
     attrs = dict(func=np.int64(func), blocks=np.int64(plan.blocks), threads=np.int64(plan.threads),
                  cooperative=np.int64(1 if plan.scope == "grid" else 0), layout=np.array(layout, np.int64))
 
-    def core(nsteps_buf, *vals):
-        outs = call(nsteps_buf, *vals, jnp.zeros((1,), jnp.uint32), jnp.asarray(seed_words),
+    def core(nsteps_buf, t0_buf, *vals):
+        outs = call(nsteps_buf, t0_buf, *vals, jnp.zeros((1,), jnp.uint32), jnp.asarray(seed_words),
                     jnp.asarray(control.view(np.uint32)), **attrs)
         # slot 0 of the control block is the int64 step count; its low 32 bits (little-endian)
         steps_done = jax.lax.bitcast_convert_type(outs[-1][0], jnp.int32)

@@ -49,7 +49,7 @@ def _lk_step(t, u, v, alpha, _lk_tid, _lk_nt, _lk_redf, _lk_redi, _lk_st, _lk_ba
     return True
 
 @cuda.jit(cache=True)
-def _lk_kernel(_lk_nsteps, _lk_a0, _lk_a1, _lk_a2, _lk_redf, _lk_redi, _lk_bar, _lk_seed, _lk_info, _lk_host):
+def _lk_kernel(_lk_nsteps, _lk_t0, _lk_a0, _lk_a1, _lk_a2, _lk_redf, _lk_redi, _lk_bar, _lk_seed, _lk_info, _lk_host):
     _lk_tid = cuda.threadIdx.x
     _lk_nt = cuda.blockDim.x
     _lk_sd = cuda.shared.array(2, _lk_np.int64)
@@ -65,7 +65,7 @@ def _lk_kernel(_lk_nsteps, _lk_a0, _lk_a1, _lk_a2, _lk_redf, _lk_redi, _lk_bar, 
         if _lk_lead:
             _lk_code, _lk_pc, _lk_pn, _lk_pd = _lk_rt.poll(_lk_t, _lk_host, _lk_pc, _lk_pn, _lk_pd, _lk_code)
             _lk_sd[_lk_t & 1] = _lk_code
-        _lk_go = _lk_step(_lk_t, _lk_a0, _lk_a1, _lk_a2, _lk_tid, _lk_nt, _lk_redf, _lk_redi, _lk_st, _lk_bar, _lk_seed)
+        _lk_go = _lk_step(_lk_t0 + _lk_t, _lk_a0, _lk_a1, _lk_a2, _lk_tid, _lk_nt, _lk_redf, _lk_redi, _lk_st, _lk_bar, _lk_seed)
         _lk_rt.block_sync(_lk_bar)
         _lk_t += 1
         _lk_a0, _lk_a1 = _lk_a1, _lk_a0
@@ -75,7 +75,10 @@ def _lk_kernel(_lk_nsteps, _lk_a0, _lk_a1, _lk_a2, _lk_redf, _lk_redi, _lk_bar, 
             _lk_why = _lk_seen
             break
     if _lk_t % 2 == 1:
+        _lk_rt.block_sync(_lk_bar)
         for _lk_k in range(_lk_tid, _lk_a0.size, _lk_nt):
-            _lk_a1.flat[_lk_k] = _lk_a0.flat[_lk_k]
+            _lk_x0 = _lk_a0.flat[_lk_k]
+            _lk_a0.flat[_lk_k] = _lk_a1.flat[_lk_k]
+            _lk_a1.flat[_lk_k] = _lk_x0
     if _lk_lead:
         _lk_rt.finish(_lk_host, _lk_t, 1 if not _lk_go else _lk_why)

@@ -21,7 +21,7 @@ def _lk_step(t, u, v, tol, _lk_tid, _lk_nt, _lk_seed):
     return bool(_lk_rt.reduce_max(err) > tol)  # line 36
 
 @numba.njit(cache=True, nogil=True)
-def _lk_kernel(_lk_nsteps, _lk_a0, _lk_a1, _lk_a2, _lk_seed, _lk_host):
+def _lk_kernel(_lk_nsteps, _lk_t0, _lk_a0, _lk_a1, _lk_a2, _lk_seed, _lk_host):
     _lk_tid = 0
     _lk_nt = 1
     _lk_code = _lk_pc = _lk_pn = _lk_pd = _lk_np.int64(0)
@@ -31,7 +31,7 @@ def _lk_kernel(_lk_nsteps, _lk_a0, _lk_a1, _lk_a2, _lk_seed, _lk_host):
     while _lk_t < _lk_nsteps:
         _lk_code, _lk_pc, _lk_pn, _lk_pd = _lk_rt.poll(_lk_t, _lk_host, _lk_pc, _lk_pn, _lk_pd, _lk_code)
         _lk_seen = _lk_code
-        _lk_go = _lk_step(_lk_t, _lk_a0, _lk_a1, _lk_a2, _lk_tid, _lk_nt, _lk_seed)
+        _lk_go = _lk_step(_lk_t0 + _lk_t, _lk_a0, _lk_a1, _lk_a2, _lk_tid, _lk_nt, _lk_seed)
         _lk_t += 1
         _lk_a0, _lk_a1 = _lk_a1, _lk_a0
         if not _lk_go:
@@ -41,5 +41,7 @@ def _lk_kernel(_lk_nsteps, _lk_a0, _lk_a1, _lk_a2, _lk_seed, _lk_host):
             break
     if _lk_t % 2 == 1:
         for _lk_k in range(_lk_tid, _lk_a0.size, _lk_nt):
-            _lk_a1.flat[_lk_k] = _lk_a0.flat[_lk_k]
+            _lk_x0 = _lk_a0.flat[_lk_k]
+            _lk_a0.flat[_lk_k] = _lk_a1.flat[_lk_k]
+            _lk_a1.flat[_lk_k] = _lk_x0
     _lk_rt.finish(_lk_host, _lk_t, 1 if not _lk_go else _lk_why)

@@ -126,7 +126,7 @@ def test_debug_reports_a_planted_out_of_bounds_write(scope, rng):
         k(_device(u), v, 1, steps=100, backend="cuda", scope=scope, debug=True)
     msg = str(info.value)
     print(msg)
-    assert "out-of-bounds store to 'v' at step 2 by thread " in msg and f"index ({n},) is outside shape ({n},)" in msg
+    assert "out-of-bounds store to 'v' at step t=2 by thread " in msg and f"index ({n},) is outside shape ({n},)" in msg
     host = buf.copy_to_host()
     assert np.all(host[n:] == 7.0)                      # nothing written past the end
 

@@ -1,0 +1,135 @@
+"""The barrier between steps is left out only where a reduction every thread reaches replaces
+it; the end-of-run exchange of swap pairs is fenced. Semantic tests against NumPy on the CPU
+backend and under the simulator, plus the source-level proof (``always_reduces``)."""
+
+import ast
+
+import numpy as np
+import pytest
+
+import loopkern as lk
+from loopkern import codegen
+from loopkern.spec import INTRINSIC_PREFIX
+
+BACKENDS = [pytest.param("cpu", None, id="cpu"),
+            pytest.param("cuda", "grid", id="sim-grid", marks=pytest.mark.sim),
+            pytest.param("cuda", "block", id="sim-block", marks=pytest.mark.sim)]
+
+
+# Each step smooths u into v (swap) and stops when the change is small. The first three
+# evaluate the reduction only on some steps; the last on every step.
+def stop_or_later(t, u, v, tol):
+    n = u.shape[0]
+    err = 0.0
+    for i in lk.range(1, n - 1):
+        new = 0.5 * u[i] + 0.25 * (u[i - 1] + u[i + 1])
+        v[i] = new
+        err = max(err, abs(new - u[i]))
+    return t < 5 or lk.max(err) > tol
+
+
+def reduce_only_after_first(t, u, v, tol):
+    n = u.shape[0]
+    err = 0.0
+    for i in lk.range(1, n - 1):
+        new = 0.5 * u[i] + 0.25 * (u[i - 1] + u[i + 1])
+        v[i] = new
+        err = max(err, abs(new - u[i]))
+    return lk.max(err) > tol if t > 0 else True
+
+
+def chained(t, u, v, tol):
+    n = u.shape[0]
+    err = 0.0
+    for i in lk.range(1, n - 1):
+        new = 0.5 * u[i] + 0.25 * (u[i - 1] + u[i + 1])
+        v[i] = new
+        err = max(err, abs(new - u[i]))
+    return t < 1000000 < lk.max(err) + 1000000 + tol or t < 6
+
+
+def reduce_every_step(t, u, v, tol):
+    n = u.shape[0]
+    err = 0.0
+    for i in lk.range(1, n - 1):
+        new = 0.5 * u[i] + 0.25 * (u[i - 1] + u[i + 1])
+        v[i] = new
+        err = max(err, abs(new - u[i]))
+    return lk.max(err) > tol or t < 5
+
+
+def smooth_ref(u0, tol, max_steps, keep_going):
+    """float64 NumPy: the same iteration; ``keep_going(t, err)`` is the step's verdict."""
+    u = u0.astype(np.float64).copy()
+    prev = u.copy()
+    steps = 0
+    while steps < max_steps:
+        v = u.copy()
+        v[1:-1] = 0.5 * u[1:-1] + 0.25 * (u[:-2] + u[2:])
+        err = np.abs(v[1:-1] - u[1:-1]).max()
+        prev, u = u, v
+        steps += 1
+        if not keep_going(steps - 1, err):
+            break
+    return u, prev, steps
+
+
+CASES = [
+    (stop_or_later, lambda t, e, tol: t < 5 or e > tol, False),
+    (reduce_only_after_first, lambda t, e, tol: e > tol if t > 0 else True, False),
+    (chained, lambda t, e, tol: t < 1000000 < e + 1000000 + tol or t < 6, False),
+    (reduce_every_step, lambda t, e, tol: e > tol or t < 5, True),
+]
+
+
+@pytest.mark.parametrize("fn,verdict,elided", CASES, ids=[c[0].__name__ for c in CASES])
+def test_barrier_is_elided_only_when_every_thread_reduces(fn, verdict, elided):
+    for backend_scope in ("grid", "block"):
+        src = lk.megakernel(fn, swap=[("u", "v")]).source("cuda", backend_scope)
+        loop = src.split("while _lk_t < _lk_nsteps:")[1].split("if _lk_t % 2 == 1:")[0]
+        assert (f"_lk_rt.{backend_scope}_sync(_lk_bar)" not in loop) == elided
+        # the end-of-run exchange is always fenced
+        tail = src.split("if _lk_t % 2 == 1:")[1]
+        assert tail.lstrip().startswith(f"_lk_rt.{backend_scope}_sync(_lk_bar)")
+
+
+@pytest.mark.parametrize("backend,scope", BACKENDS)
+@pytest.mark.parametrize("fn,verdict,elided", CASES, ids=[c[0].__name__ for c in CASES])
+def test_short_circuited_reductions_match_numpy(fn, verdict, elided, backend, scope, rng):
+    n = 60 if backend == "cuda" else 400
+    tol = 1e-3
+    u0 = rng.random(n)
+    ref_u, ref_prev, ref_steps = smooth_ref(u0, tol, 40, lambda t, e: verdict(t, e, tol))
+    for steps in (7, 40):
+        u, v = u0.copy(), u0.copy()
+        run = lk.megakernel(fn, swap=[("u", "v")])(u, v, tol, max_steps=steps, backend=backend, scope=scope)
+        want_u, want_prev, want_steps = smooth_ref(u0, tol, steps, lambda t, e: verdict(t, e, tol))
+        assert run.steps == want_steps
+        np.testing.assert_allclose(u, want_u, rtol=1e-13, atol=1e-13)
+        np.testing.assert_allclose(v, want_prev, rtol=1e-13, atol=1e-13)
+    assert ref_steps > 5
+
+
+def _expr(text):
+    """A normalized expression: lk.sum/max/min become their markers."""
+    for name in ("sum", "max", "min"):
+        text = text.replace(f"lk.{name}(", f"{INTRINSIC_PREFIX}{name}(")
+    return ast.parse(text, mode="eval").body
+
+
+@pytest.mark.parametrize("text,always", [
+    ("lk.max(e) > tol", True),
+    ("lk.max(e) > tol and lk.sum(e) > 0", True),
+    ("t < 5 or lk.max(e) > tol", False),
+    ("lk.max(e) > tol or t < 5", True),
+    ("lk.max(e) > tol if t > 0 else True", False),
+    ("(lk.max(e) > tol) if lk.sum(e) > 0 else False", True),
+    ("lk.max(e) if t > 0 else lk.min(e)", True),
+    ("a < b < lk.max(e)", False),
+    ("a < lk.max(e) < b", True),
+    ("not (lk.sum(e) > 1)", True),
+    ("abs(lk.sum(e)) + 1 > 0", True),
+    ("t > 3", False),
+])
+def test_always_reduces(text, always):
+    assert codegen.always_reduces(_expr(text)) == always
