@@ -15,7 +15,7 @@ Example::
 
 __version__ = "0.1.0"
 
-from .dsl import grid, max, min, num_threads, range, sum, sync, thread_id
+from .dsl import atomic, grid, max, min, num_threads, range, sum, sync, thread_id
 from .errors import (ArgumentError, BackendError, BoundsError, CompileError, HangError, LaunchError,
                      LoopkernError, StepSyntaxError)
 from .runs import Run, RunHandle
@@ -24,7 +24,7 @@ from . import random
 
 __all__ = [
     "megakernel", "MegaKernel", "Run", "RunHandle",
-    "range", "grid", "sync", "sum", "max", "min", "thread_id", "num_threads", "random",
+    "range", "grid", "sync", "sum", "max", "min", "thread_id", "num_threads", "random", "atomic",
     "LoopkernError", "StepSyntaxError", "CompileError", "ArgumentError", "LaunchError", "BackendError",
     "BoundsError", "HangError",
 ]

@@ -10,6 +10,7 @@ import threading
 import time
 
 from . import codegen
+from .dsl import ATOMIC_DTYPES
 from .errors import ArgumentError, Diagnostic
 from .interop.arrays import ArrayArg, apply_weak_floats, classify, overlaps, weak_float_type
 from .progress import check_progress, make_reporter
@@ -39,11 +40,50 @@ def check_kind(p, is_array: bool, got: str):
         raise ArgumentError(f"argument '{p.name}': the step uses it as a number, got {got}")
 
 
+def check_atomic_dtype(p, dtype):
+    """ArgumentError if the step updates ``p`` with ``lk.atomic`` and ``dtype`` has no atomics."""
+    if p.atomic and str(dtype) not in ATOMIC_DTYPES:
+        raise ArgumentError(f"argument '{p.name}': the step updates it with lk.atomic.add/max/min, which support "
+                            f"arrays of {', '.join(ATOMIC_DTYPES[:-1])} and {ATOMIC_DTYPES[-1]}; got dtype {dtype}")
+
+
+def check_writable(p, a, swapped: bool):
+    """ArgumentError if ``a`` is read-only but the kernel writes it: the step writes into it
+    (``lk.atomic`` updates included) or it is a swap buffer, which the kernel always writes, since
+    the pair's contents are exchanged (even if the step itself only writes the other one)."""
+    if not a.readonly or not (p.written or swapped):
+        return
+    why = ("the step updates it with lk.atomic" if p.atomic else "the step writes into it" if p.written else
+           "it is a swap buffer, which the kernel always writes (the two buffers of a pair exchange contents)")
+    what = ("the NumPy array is read-only (flags.writeable is False)" if a.where == "host" else
+            "the GPU array is read-only (its __cuda_array_interface__ says so)")
+    raise ArgumentError(f"argument '{p.name}': {what}, but {why}; pass a writable array"
+                        + (f", e.g. {p.name}.copy()" if a.where == "host" else ""))
+
+
 def check_swap_pair(names, shape_a, dtype_a, shape_b, dtype_b):
     """ArgumentError unless the two arrays of a swap pair have the same shape and dtype."""
     if tuple(shape_a) != tuple(shape_b) or dtype_a != dtype_b:
         raise ArgumentError(f"swap pair {names}: arrays must have the same shape and dtype, got "
                             f"{tuple(shape_a)} {dtype_a} and {tuple(shape_b)} {dtype_b}")
+
+
+def describe_array(value, numba_type) -> str:
+    """An array's dtype, dimensions and layout in NumPy's words (for messages that would
+    otherwise show a Numba type such as ``array(float32, 1d, A)``)."""
+    ndim = getattr(numba_type, "ndim", None)
+    layout = getattr(numba_type, "layout", None)
+    if ndim is None or layout is None:
+        return str(numba_type)
+    if layout == "C":
+        where = "C-contiguous"
+    elif layout == "F":
+        where = "Fortran-contiguous (column-major)"
+    else:
+        strides = getattr(value, "strides", None)
+        where = "non-contiguous" + (f" (strides {tuple(strides)})" if strides is not None else "")
+    readonly = "" if getattr(numba_type, "mutable", True) else ", read-only"
+    return f"{getattr(value, 'dtype', numba_type.dtype)}, {ndim}-D, {where}{readonly}"
 
 
 def check_thread_scope(spec, scope):
@@ -139,17 +179,17 @@ class MegaKernel:
 
     def _bind(self, args, kwargs) -> list:
         bound = self._bind_names(args, kwargs)
+        swapped = {i for pair in self.spec.swap for i in pair}
         out = []
-        for p in self.spec.params:
+        for k, p in enumerate(self.spec.params):
             a = classify(p.name, bound[p.name])
             is_array = isinstance(a, ArrayArg)
             check_kind(p, is_array, f"an array of shape {a.shape}" if is_array
                        else f"a scalar {type(a.value).__name__}")
             if is_array:
                 check_array_use(p, a.shape, self.spec.filename)
-                if p.written and a.where == "host" and not a.value.flags.writeable:
-                    raise ArgumentError(f"argument '{p.name}': the step writes into it, but the NumPy array is "
-                                        f"read-only (flags.writeable is False); pass a writable copy")
+                check_atomic_dtype(p, a.dtype)
+                check_writable(p, a, k in swapped)
             out.append(a)
         for i, j in self.spec.swap:
             a, b = out[i], out[j]
@@ -312,13 +352,17 @@ class MegaKernel:
                         scope=scope, threads=threads, blocks=blocks, seed=seed, timeout=timeout)
 
     def _check_types(self, compiled, kargs):
+        """ArgumentError unless the two arrays of each swap pair have the same compiled type: the
+        kernel exchanges them, so they must agree in layout too, not only in shape and dtype."""
         types = compiled.types_of(kargs)
         for i, j in self.spec.swap:
             ta, tb = types[i], types[j]
             if ta != tb:
                 a, b = self.spec.params[i].name, self.spec.params[j].name
-                raise ArgumentError(f"swap pair ('{a}', '{b}'): the arrays must have the same type, got {ta} "
-                                    f"and {tb} (make both C-contiguous, e.g. with numpy.ascontiguousarray)")
+                raise ArgumentError(f"swap pair ('{a}', '{b}'): the two arrays must have the same memory layout, "
+                                    f"got '{a}': {describe_array(kargs[i], ta)} and '{b}': "
+                                    f"{describe_array(kargs[j], tb)}; make both C-contiguous, e.g. with "
+                                    f"numpy.ascontiguousarray")
 
     def _start_cpu(self, argv, nsteps, start, seed, timeout, debug, opts, control=True,
                    float_type=None) -> RunHandle:

@@ -160,6 +160,16 @@ class _Lower(ast.NodeTransformer):
                     return _rt_call(f"reduce_{name}", node.args, node)
                 extra = [ast.Name(id=f"{_P}{n}", ctx=ast.Load()) for n in ("redf", "redi", "st", "bar")]
                 return _rt_call(f"{self.scope}_{name}", node.args + extra, node)
+            if name in ("atomic_add", "atomic_max", "atomic_min"):
+                # the runtime casts the value to the array's dtype and returns the old value
+                if self.sites is None:
+                    return _rt_call(name, node.args, node)
+                # debug: an index outside the array skips the update (it returns 0) and is
+                # recorded as an out-of-bounds store
+                site = self.sites.add(node.args[0].id, "store", self.filename, node, self.function)
+                ctx = [ast.Name(id=f"{_P}dbg", ctx=ast.Load()), ast.Constant(site),
+                       ast.Name(id=f"{_P}dt", ctx=ast.Load()), ast.Name(id=f"{_P}tid", ctx=ast.Load())]
+                return _rt_call(f"{name}_checked", node.args + ctx, node)
             raise AssertionError(f"unexpected marker {f.id}")  # validate only emits the ones above
         if is_helper_call(node):
             ctx = [f"{_P}tid", f"{_P}nt"] + (list(_DEBUG_CTX) if self.sites is not None else [])

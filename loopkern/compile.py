@@ -64,7 +64,7 @@ def runtime_fingerprint() -> str:
     # read, not imported: importing cuda_rt would load numba.cuda for a CPU-only run
     h = hashlib.sha256(f"{__version__} numba {numba.__version__}".encode())
     here = Path(__file__).resolve().parent / "runtime"
-    for name in ("cpu_rt.py", "cuda_rt.py", "philox.py", "bounds.py", "lowering.py"):
+    for name in ("cpu_rt.py", "cuda_rt.py", "philox.py", "bounds.py", "lowering.py", "atomics.py"):
         h.update((here / name).read_bytes())
     return h.hexdigest()[:16]
 

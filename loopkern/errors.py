@@ -47,9 +47,14 @@ class LaunchError(LoopkernError):
 class HangError(LaunchError):
     """The watchdog of a blocking call saw a kernel stop advancing its step counter.
 
+    The call then cancels the run and waits a little for the kernel to stop.
+
     Attributes:
-        run: the :class:`~loopkern.Run` if the kernel stopped when cancelled, else None (it is
-            still running).
+        run: the :class:`~loopkern.Run` when the kernel stopped after that cancel (a step is
+            merely slower than the watchdog: ``run.steps`` says how far it got, and the arrays
+            hold the state after that many steps), else None (a step never finishes, e.g. a
+            ``while`` loop whose condition stays true; the kernel is still running and cannot
+            be stopped from Python).
     """
 
     def __init__(self, message, run=None):

@@ -47,7 +47,10 @@ class ParamSpec:
         min_ndim: the most indices the step (or a helper) uses on it, e.g. 2 for ``u[i, j]``:
             an array with fewer dimensions cannot work.
         min_ndim_line: the line of that use, for the error message.
-        written: the step (or a helper) assigns into its elements.
+        written: the step (or a helper) assigns into its elements (``lk.atomic`` updates
+            included).
+        atomic: the step (or a helper) updates it with ``lk.atomic.add/max/min``: its dtype
+            must be one of :data:`loopkern.dsl.ATOMIC_DTYPES`.
     """
 
     name: str
@@ -55,6 +58,7 @@ class ParamSpec:
     min_ndim: int = 0
     min_ndim_line: int = 0
     written: bool = False
+    atomic: bool = False
 
 
 @dataclass(frozen=True)
@@ -71,8 +75,20 @@ class FunctionSpec:
         thread_varying: its result can differ between threads for equal arguments
             (it loads from arrays, or uses the thread index or a parallel loop).
         array_params: indices of params it uses as arrays.
-        written_params: indices of array params it assigns into.
+        written_params: indices of array params it assigns into (``lk.atomic`` updates included).
         param_arity: param index -> the most indices it uses on that param.
+        atomic_params: indices of array params it updates with ``lk.atomic.*``.
+        has_parallel_loop: it runs an ``lk.range``/``lk.grid`` loop, itself or through a helper
+            it calls: every thread must call it together (not inside a parallel loop, nor
+            under thread-varying control flow).
+        updates: the read-modify-writes of array elements it makes outside any parallel loop
+            of its own and outside an ``if lk.thread_id() == ...`` guard, which are safe only
+            if each thread that calls it updates its own elements. Each is
+            ``(array param index or None, dims, line)``; each dim is ``("param", k, c)`` (the
+            helper's parameter ``k`` plus the integer ``c``), ``("tid", c)``
+            (``lk.thread_id() + c``, or a name that strides from it by ``lk.num_threads()``) or
+            None (anything else). The caller substitutes its arguments (see
+            ``validate._Uniformity``).
     """
 
     name: str
@@ -85,6 +101,9 @@ class FunctionSpec:
     array_params: frozenset[int]
     written_params: frozenset[int] = frozenset()
     param_arity: dict = field(default_factory=dict)
+    atomic_params: frozenset[int] = frozenset()
+    has_parallel_loop: bool = False
+    updates: tuple = ()
 
 
 @dataclass(frozen=True)
@@ -104,7 +123,9 @@ class StepSpec:
         uses_barrier: the body calls ``lk.sync`` or a reduction.
         parallel: the step (or a helper) uses any of lk.range, lk.grid, lk.thread_id,
             lk.num_threads, lk.sync or a reduction; a step that uses none is sequential code
-            that one thread runs with no barrier (scope "thread").
+            that one thread runs with no barrier (scope "thread"). ``lk.atomic`` and
+            ``lk.random`` do not count: in a sequential step the one thread makes the update,
+            and a draw does not depend on the thread.
     """
 
     name: str

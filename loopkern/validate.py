@@ -6,9 +6,17 @@ Two passes over each function:
    name (the in-step API, ``math``, NumPy casts, helper functions, global numbers), rewrites
    them into the normalized form described in :mod:`loopkern.spec`, and records a
    :class:`~loopkern.errors.Diagnostic` for everything that is not allowed.
-2. :class:`_Uniformity` (the step only) tracks which local values can differ between threads
-   and rejects barriers, reductions and ``return`` under control flow that depends on them,
-   since some threads would wait at a barrier the others never reach.
+2. :class:`_Uniformity` tracks which local values can differ between threads. In the step it
+   rejects barriers, reductions and ``return`` under control flow that depends on them, since
+   some threads would wait at a barrier the others never reach. In the step and in each helper
+   it rejects parallel loops (and calls of helpers that run one) that not every thread runs
+   the same number of times (nested in another parallel loop, or under thread-varying control
+   flow), where some indices would never be visited; and read-modify-writes of array elements
+   that several threads could make to one element at once (``lk.atomic`` is the way to make
+   those).
+
+Assigning to a parameter of the step is rejected (the value would be lost when the step ends);
+a helper may assign to its own parameters, which are its locals, as in Python.
 
 All problems of a function (and its helpers) are reported together in one
 :class:`~loopkern.errors.StepSyntaxError`.
@@ -20,7 +28,9 @@ import ast
 import builtins
 import copy
 import math
+import os
 import types
+from typing import NamedTuple
 
 import numpy as np
 
@@ -28,7 +38,7 @@ from . import dsl
 from .errors import Diagnostic, StepSyntaxError
 from .frontend import ParsedFunction, parse_step
 from .spec import (ANY, ARRAY, HELPER_PREFIX, INTRINSIC_PREFIX, RESERVED_PREFIX, SCALAR, FunctionSpec,
-                   ParamSpec, StepSpec)
+                   ParamSpec, StepSpec, is_helper_call, marker_of)
 
 _BUILTINS = {"abs", "min", "max", "int", "float", "bool", "len", "range", "round"}
 _BUILTIN_CONSTS = {"True", "False", "None"}
@@ -47,6 +57,22 @@ _BINOPS = (ast.Add, ast.Sub, ast.Mult, ast.Div, ast.FloorDiv, ast.Mod, ast.Pow, 
            ast.RShift, ast.BitOr, ast.BitXor, ast.BitAnd)
 _CMPOPS = (ast.Eq, ast.NotEq, ast.Lt, ast.LtE, ast.Gt, ast.GtE)
 _BARRIERS = {"sync", "sum", "max", "min"}
+_ATOMICS = {"atomic_add", "atomic_max", "atomic_min"}
+_PARALLEL_LOOPS = ("range", "grid")
+#: what to import for a module name step code commonly uses without importing it
+_IMPORTS = {"math": "import math", "np": "import numpy as np", "numpy": "import numpy", "lk": "import loopkern as lk"}
+#: NumPy functions whose scalar equivalent step code can call instead
+_NUMPY_EQUIVALENTS = {
+    **{f: f"math.{f}(x)" for f in ("sqrt", "exp", "expm1", "log", "log1p", "log2", "log10", "sin", "cos", "tan",
+                                   "sinh", "cosh", "tanh", "floor", "ceil", "trunc", "fabs", "isnan", "isinf",
+                                   "isfinite", "degrees", "radians")},
+    **{f: f"math.{f}(x, y)" for f in ("fmod", "hypot", "copysign", "ldexp")},
+    "arcsin": "math.asin(x)", "arccos": "math.acos(x)", "arctan": "math.atan(x)", "arctan2": "math.atan2(y, x)",
+    "arcsinh": "math.asinh(x)", "arccosh": "math.acosh(x)", "arctanh": "math.atanh(x)",
+    "deg2rad": "math.radians(x)", "rad2deg": "math.degrees(x)", "power": "x ** y", "square": "x * x",
+    "abs": "abs(x)", "absolute": "abs(x)", "minimum": "min(x, y)", "maximum": "max(x, y)", "fmin": "min(x, y)",
+    "fmax": "max(x, y)", "round": "round(x)", "around": "round(x)", "rint": "round(x)",
+}
 _REJECTED_STMTS = {
     ast.FunctionDef: ("nested functions are not supported in step code",
                       "define the helper at module level and call it"),
@@ -165,6 +191,8 @@ class _Normalizer(ast.NodeTransformer):
         self.array_uses: dict[str, ast.AST] = {}
         self.arity: dict[str, tuple[int, int]] = {}   # param -> (most indices used, line)
         self.written: set[str] = set()
+        self.atomic: set[str] = set()                 # params updated with lk.atomic.*
+        self.param_stores: list[ast.Name] = []        # the step's parameters assigned to
         self.rng_sites = 0
         self.scalar_uses: dict[str, ast.AST] = {}
         self.thread_varying = False
@@ -224,6 +252,10 @@ class _Normalizer(ast.NodeTransformer):
     def _check_store(self, target):
         if isinstance(target, ast.Name):
             self._check_name_allowed(target)
+            if self.is_step and target.id in self.params:
+                # reported by validate_step, which knows whether it is an array, a number or 't'.
+                # A helper's parameters are its own locals (as in Python), so it may reassign them.
+                self.param_stores.append(target)
             return target
         if isinstance(target, ast.Tuple):
             target.elts = [self._check_store(e) for e in target.elts]
@@ -440,9 +472,26 @@ class _Normalizer(ast.NodeTransformer):
             return self.parsed.lookup(node.id)
         if isinstance(node, ast.Attribute):
             ok, base = self._resolve_path(node.value)
-            if ok and isinstance(base, types.ModuleType) and hasattr(base, node.attr):
+            # modules, and namespaces of the in-step API such as lk.atomic
+            if ok and isinstance(base, (types.ModuleType, dsl.Namespace)) and hasattr(base, node.attr):
                 return True, getattr(base, node.attr)
         return False, None
+
+    def _undefined_root(self, node):
+        """The name ``a`` of ``a.b.c`` when it is neither a local nor defined where the function
+        is (typically a module used without its import), else None."""
+        while isinstance(node, ast.Attribute):
+            node = node.value
+        if isinstance(node, ast.Name) and node.id not in self.locals and not self.parsed.lookup(node.id)[0]:
+            return node.id
+        return None
+
+    def _reject_undefined(self, node, root):
+        where = "the step's module" if self.is_step else f"the module of helper '{self.parsed.name}'"
+        fix = _IMPORTS.get(root)
+        hint = (f"add `{fix}` at the top of {os.path.basename(self.parsed.filename)}" if fix else
+                "import or define it at module level, or pass the value as an argument of the step")
+        return self.reject(node, f"name '{root}' is not defined in {where}", hint)
 
     def _resolve_callee(self, func):
         ok, value = self._resolve_path(func)
@@ -455,6 +504,9 @@ class _Normalizer(ast.NodeTransformer):
                 return node
             return self.reject(node, f"attribute '.{node.attr}' is not supported in step code",
                                "arrays support .shape, .size and .ndim")
+        root = self._undefined_root(node)
+        if root is not None:
+            return self._reject_undefined(node, root)
         ok, base = self._resolve_path(node.value)
         if ok and base is math:
             if node.attr in _MATH_CONSTS:
@@ -515,6 +567,9 @@ class _Normalizer(ast.NodeTransformer):
         ok, target = self._resolve_path(node.func)
         label = ast.unparse(node.func)
         if not ok:
+            root = self._undefined_root(node.func)
+            if isinstance(node.func, ast.Attribute) and root is not None:
+                return self._reject_undefined(node, root)
             if isinstance(node.func, ast.Attribute):
                 return self.reject(node, f"method calls such as '{label}(...)' are not supported in step code",
                                    "use the allowed builtins, math.*, lk.* or a helper function")
@@ -541,6 +596,13 @@ class _Normalizer(ast.NodeTransformer):
             node.func = _module_attr("np", name, node)
             node.args = [self._scalar(a) for a in node.args]
             return node
+        if _is_numpy_function(target):
+            name = getattr(target, "__name__", label.rsplit(".", 1)[-1])
+            instead = _NUMPY_EQUIVALENTS.get(name)
+            return self.reject(node, f"'{label}' is a NumPy function; NumPy functions are not supported in step "
+                                     f"code (step code works on one number at a time)",
+                               f"use {instead} instead" if instead else
+                               "write it with a loop over elements; math.* has the scalar functions")
         if isinstance(node.func, ast.Name) and node.func.id in _BUILTINS and target is getattr(builtins, node.func.id):
             if target is builtins.range:
                 return self.reject(node, "range() can only be the iterable of a for loop", "write 'for k in range(...):'")
@@ -561,6 +623,8 @@ class _Normalizer(ast.NodeTransformer):
         name = target.name
         if name in ("random_uniform", "random_normal"):
             return self._random_call(node, target)
+        if name in _ATOMICS:
+            return self._atomic_call(node, target)
         if name in ("range", "grid"):
             return self.reject(node, f"lk.{name}() can only be the iterable of a for loop",
                                f"write 'for i in lk.{name}(...):'")
@@ -575,6 +639,29 @@ class _Normalizer(ast.NodeTransformer):
             self.thread_varying = True
         node.func = _marker(name, node)
         node.args = [self._scalar(a) for a in node.args]
+        return node
+
+    def _atomic_call(self, node, target):
+        """``lk.atomic.add/max/min(array, index, value)``: the array is a name (a parameter or
+        a local), counted as written and indexed like ``array[index]``. Not a barrier, so
+        helpers may use it too."""
+        disp = target.display
+        if len(node.args) != 3:
+            return self.reject(node, f"{disp}() takes 3 arguments (array, index, value), got {len(node.args)}",
+                               f"write {disp}(a, i, x), or {disp}(a, (i, j), x) for a 2-D array")
+        arr, idx, value = node.args
+        if not (isinstance(arr, ast.Name) and arr.id in self.locals):
+            return self.reject(arr, f"the first argument of {disp}() must be an array: a parameter of the "
+                                    f"{'step' if self.is_step else 'helper'} (or a local name for one)",
+                               f"write {disp}(a, i, x) where 'a' is an array argument")
+        self._use_array(arr)
+        self._indexed(arr.id, idx, node)
+        if arr.id in self.params:
+            self.written.add(arr.id)
+            self.atomic.add(arr.id)
+        node.args = [arr, self._index(idx), self._scalar(value)]
+        self.thread_varying = True      # the old value it returns is the thread's own
+        node.func = _marker(target.name, node)
         return node
 
     def _random_call(self, node, target):
@@ -607,6 +694,8 @@ class _Normalizer(ast.NodeTransformer):
                 if a.id in self.params:
                     if i in spec.written_params:
                         self.written.add(a.id)
+                    if i in spec.atomic_params:
+                        self.atomic.add(a.id)
                     if spec.param_arity.get(i):
                         self._indexed(a.id, None, node, arity=spec.param_arity[i])
         if spec.thread_varying:
@@ -614,6 +703,16 @@ class _Normalizer(ast.NodeTransformer):
         node.func = ast.copy_location(ast.Name(id=spec.symbol, ctx=ast.Load()), node.func)
         node.helper = spec  # read by the uniformity pass
         return node
+
+
+def _is_numpy_function(target) -> bool:
+    """A NumPy function or ufunc (``np.sqrt``, ``np.sum``), not a scalar type such as ``np.float32``."""
+    if isinstance(target, type):
+        return False
+    if isinstance(target, np.ufunc):
+        return True
+    module = getattr(target, "__module__", None) or ""
+    return callable(target) and (module == "numpy" or module.startswith("numpy."))
 
 
 def _check_signature(parsed: ParsedFunction, ctx: _Context, is_step: bool):
@@ -662,35 +761,200 @@ def validate_helper(fn, ctx: _Context, call_node=None, caller=None) -> FunctionS
     tree = copy.deepcopy(parsed.tree)
     body = norm.visit_body(tree.body)
     params = tuple(norm.params)
+    # the helper's own nesting of parallel loops and its element updates; its parameters are
+    # taken as the same on every thread (calls with thread-varying arguments to a helper that
+    # runs a parallel loop are rejected where they are made)
+    uniformity = _Uniformity(ctx, parsed, helper_params=params, where=norm.where)
+    uniformity.run(body)
+    has_parallel_loop = any(marker_of(n.iter) in _PARALLEL_LOOPS if isinstance(n, ast.For) else
+                            getattr(getattr(n, "helper", None), "has_parallel_loop", False)
+                            for st in body for n in ast.walk(st))
     spec = FunctionSpec(fn.__name__, ctx.symbol_for(fn.__name__), params, tuple(body), parsed.filename,
                         parsed.tree.lineno, norm.thread_varying,
                         frozenset(i for i, p in enumerate(params) if p in norm.array_uses),
                         frozenset(i for i, p in enumerate(params) if p in norm.written),
-                        {i: norm.arity[p][0] for i, p in enumerate(params) if p in norm.arity})
+                        {i: norm.arity[p][0] for i, p in enumerate(params) if p in norm.arity},
+                        atomic_params=frozenset(i for i, p in enumerate(params) if p in norm.atomic),
+                        has_parallel_loop=has_parallel_loop, updates=tuple(uniformity.updates))
     del ctx.in_progress[key]
     ctx.helpers[key] = spec
     return spec
 
 
-class _Uniformity:
-    """Which values may differ between threads, and where barriers would deadlock.
+class _Why(NamedTuple):
+    """Why a place is not reached the same way by every thread.
 
-    A value is thread-varying if it depends on the thread index, a parallel loop index, an
-    array load, or a thread-varying helper result, or was assigned under thread-varying
-    control flow. Reductions return the same value on every thread.
+    Attributes:
+        text: completes "<construct> ...", e.g. "is under an 'if' at line 4 whose condition
+            differs between threads".
+        hint: what to do about a barrier there.
+        kind: ``"parallel"`` (inside a parallel loop), ``"if"``, ``"ifexp"``, ``"shortcircuit"``,
+            ``"bounds"`` (a loop whose bounds differ), ``"while"`` or ``"exit"`` (a loop some
+            threads leave early).
     """
 
-    def __init__(self, ctx: _Context, parsed: ParsedFunction):
+    text: str
+    hint: str
+    kind: str
+
+
+_UPDATE_HINT = ("several iterations may update the same element at once: use lk.atomic.add(a, idx, x) "
+                "(or lk.atomic.max/min)")
+_GUARD_HINT = ("guard it with `if lk.thread_id() == 0:` so that one thread makes it, or use "
+               "lk.atomic.add(a, idx, x) (or lk.atomic.max/min)")
+_CONDITION_INSIDE = ("move the condition inside the loop: run `for i in lk.range(n):` on every thread and test "
+                     "it per index with `if ...:` in the loop's body")
+
+
+def _int_constant(e):
+    if isinstance(e, ast.Constant) and isinstance(e.value, int) and not isinstance(e.value, bool):
+        return e.value
+    if isinstance(e, ast.UnaryOp) and isinstance(e.op, ast.USub):
+        c = _int_constant(e.operand)
+        return -c if c is not None else None
+    return None
+
+
+def _offset(e):
+    """``(base, c)`` for ``base + c``, ``base - c`` or ``c + base`` (c an integer literal), else ``(e, 0)``."""
+    if isinstance(e, ast.BinOp) and isinstance(e.op, (ast.Add, ast.Sub)):
+        r = _int_constant(e.right)
+        if r is not None:
+            return e.left, r if isinstance(e.op, ast.Add) else -r
+        left = _int_constant(e.left)
+        if left is not None and isinstance(e.op, ast.Add):
+            return e.right, left
+    return e, 0
+
+
+def _stored_names(stmts) -> set:
+    """Names bound anywhere in ``stmts`` (assignments and loop targets)."""
+    return {n.id for st in stmts for n in ast.walk(st) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+
+
+def _strided_names(body, params) -> dict:
+    """Local names that always hold ``lk.thread_id() + c + k * lk.num_threads()`` for one constant
+    ``c`` and some ``k >= 0`` (the grid-stride idiom ``i = lk.thread_id()`` ...
+    ``i += lk.num_threads()``): name -> c. Two threads never hold the same value in such a name.
+
+    Flow-insensitive: every binding of the name must be ``lk.thread_id() + c`` (the same ``c``)
+    or an increase by ``lk.num_threads()``.
+    """
+    binds: dict[str, list] = {}
+    for node in ast.walk(ast.Module(body=list(body), type_ignores=[])):
+        if isinstance(node, ast.Assign):
+            for t in node.targets:
+                for n in ast.walk(t):
+                    if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store):
+                        binds.setdefault(n.id, []).append(node.value if t is n else None)
+        elif isinstance(node, ast.AugAssign) and isinstance(node.target, ast.Name):
+            grows = isinstance(node.op, ast.Add) and marker_of(node.value) == "num_threads"
+            binds.setdefault(node.target.id, []).append("stride" if grows else None)
+        elif isinstance(node, ast.For):
+            for n in ast.walk(node.target):
+                if isinstance(n, ast.Name):
+                    binds.setdefault(n.id, []).append(None)
+    out = {}
+    for name, values in binds.items():
+        if name in params:
+            continue
+        starts = set()
+        for v in values:
+            if v == "stride":
+                continue
+            if isinstance(v, ast.BinOp) and isinstance(v.op, ast.Add) and \
+                    {marker_of(v.left), marker_of(v.right)} == {"num_threads", None} and \
+                    any(isinstance(x, ast.Name) and x.id == name for x in (v.left, v.right)):
+                continue          # i = i + lk.num_threads()
+            base, c = _offset(v) if isinstance(v, ast.expr) else (None, 0)
+            if marker_of(base) != "thread_id":
+                break
+            starts.add(c)
+        else:
+            if len(starts) == 1:
+                out[name] = starts.pop()
+    return out
+
+
+def _index_dims(idx) -> list:
+    return list(idx.elts) if isinstance(idx, ast.Tuple) else [idx]
+
+
+def _subscript_targets(target):
+    if isinstance(target, ast.Subscript) and isinstance(target.value, ast.Name):
+        yield target
+    elif isinstance(target, ast.Tuple):
+        for t in target.elts:
+            yield from _subscript_targets(t)
+
+
+class _Uniformity:
+    """Which values may differ between threads, and what must not depend on them.
+
+    A value is thread-varying if it depends on the thread index, a parallel loop index, an
+    array load, an ``lk.atomic`` result or a thread-varying helper result, or was assigned
+    under thread-varying control flow. Reductions return the same value on every thread.
+    Checked with that:
+
+    * (the step) barriers, reductions and ``return`` are reached by every thread together;
+    * a parallel loop (``lk.range``/``lk.grid``), or a call of a helper that runs one, is
+      reached by every thread the same number of times: not inside another parallel loop, not
+      under thread-varying control flow, and (a helper) not with thread-varying arguments. A
+      thread runs only its own share of such a loop's indices, so where threads run it
+      different numbers of times some indices are never visited;
+    * a read-modify-write of an array element (``a[k] += x``, or ``a[k]`` read and then
+      written with the same index expression ``k``) that several threads could make to the
+      same element at once, losing updates. Inside a parallel loop ``k`` must be the
+      iteration's own element: in some dimension each index variable of the loop (``v``,
+      ``v + c`` or ``v - c``, ``c`` an integer literal; the other dimensions may be anything),
+      or the thread's own (``lk.thread_id() + c`` or a grid-stride name, see
+      :func:`_strided_names`); every update of one array in the loop with the same offsets, so
+      that iteration ``v`` and ``v + 1`` do not meet at one element. Outside parallel loops, in
+      a step with parallel constructs, every thread runs the update: it must be at the
+      thread's own element or under ``if lk.thread_id() == <uniform>:``. A helper's own such
+      updates are recorded in ``updates`` (its parameters standing for the index variables)
+      and checked at each call with the call's arguments substituted. Sequential steps (one
+      thread) are not checked. Indices are assumed in bounds: an index that wraps around
+      (``a[v - 1]`` at ``v == 0`` over a loop as long as the array) is not seen.
+    """
+
+    def __init__(self, ctx: _Context, parsed: ParsedFunction, *, parallel: bool = True,
+                 helper_params: tuple | None = None, where: str = ""):
         self.ctx = ctx
         self.parsed = parsed
+        self.where = where
+        self.parallel = parallel               # the step has parallel constructs: many threads run it
+        self.helper_params = helper_params     # a helper's parameter names (None: the step)
         self.seen: set[tuple] = set()
         self.loops: list[dict] = []
+        self.region: dict | None = None        # the innermost enclosing parallel loop
+        self.top = {"reads": set(), "patterns": {}}   # outside parallel loops
+        self.guard = 0                         # inside `if lk.thread_id() == <uniform>:`
+        self.strided: dict[str, int] = {}
+        self.own_params: set[str] = set()
+        self.updates: list[tuple] = []         # a helper's unguarded top-level updates
+
+    def run(self, body):
+        params = [a.arg for a in self.parsed.tree.args.args]
+        self.strided = _strided_names(body, params)
+        if self.helper_params is not None:
+            self.own_params = set(self.helper_params) - _stored_names(body)
+        return self.block(body, set(), None)
 
     def error(self, node, message, hint):
         key = (node.lineno, node.col_offset)   # the first (most direct) reason wins
         if key not in self.seen:
             self.seen.add(key)
-            self.ctx.diagnostics.append(self.parsed.diagnostic(node, self.ctx.step_name, message, hint))
+            self.ctx.diagnostics.append(self.parsed.diagnostic(node, self.ctx.step_name, message, hint, self.where))
+
+    def text(self, node) -> str:
+        """The user's source text of ``node`` (normalized names would show markers)."""
+        p = self.parsed
+        if getattr(node, "end_lineno", None) == getattr(node, "lineno", -1) and node.end_col_offset is not None:
+            seg = p.source_line(node.lineno)[node.col_offset + p.col_shift:node.end_col_offset + p.col_shift]
+            if seg.strip():
+                return seg
+        return ast.unparse(node)
 
     # -- expressions -----------------------------------------------------------------------
     def varying(self, e, state) -> bool:
@@ -698,7 +962,7 @@ class _Uniformity:
             return e.id in state
         if isinstance(e, ast.Call) and isinstance(e.func, ast.Name):
             name = e.func.id
-            if name == INTRINSIC_PREFIX + "thread_id":
+            if name == INTRINSIC_PREFIX + "thread_id" or marker_of(e) in _ATOMICS:
                 return True
             if name[len(INTRINSIC_PREFIX):] in _BARRIERS and name.startswith(INTRINSIC_PREFIX):
                 return False
@@ -715,16 +979,20 @@ class _Uniformity:
         return any(self.varying(c, state) for c in ast.iter_child_nodes(e) if isinstance(c, ast.expr))
 
     def check_barriers(self, e, state, reason):
-        """Report barriers/reductions in ``e`` that not every thread would reach."""
+        """Report barriers/reductions in ``e`` that not every thread would reach, and calls of
+        helpers that run a parallel loop or update elements where that is not safe."""
         if isinstance(e, ast.Call) and isinstance(e.func, ast.Name) and e.func.id.startswith(INTRINSIC_PREFIX):
             name = e.func.id[len(INTRINSIC_PREFIX):]
             if name in _BARRIERS and reason is not None:
                 self.error(e, f"lk.{name}() {reason[0]}: threads that skip it would leave the others "
                               f"waiting forever (deadlock)", reason[1])
+        if is_helper_call(e) and getattr(e, "helper", None) is not None:
+            self.helper_call(e, state, reason)
         if isinstance(e, ast.IfExp):
             self.check_barriers(e.test, state, reason)
-            r = reason or (("is in a conditional expression whose test differs between threads",
-                            "compute it unconditionally before the expression") if self.varying(e.test, state) else None)
+            r = reason or (_Why("is in a conditional expression whose test differs between threads",
+                                "compute it unconditionally before the expression", "ifexp")
+                           if self.varying(e.test, state) else None)
             self.check_barriers(e.body, state, r)
             self.check_barriers(e.orelse, state, r)
             return
@@ -733,12 +1001,177 @@ class _Uniformity:
             for v in e.values:
                 self.check_barriers(v, state, r)
                 if r is None and self.varying(v, state):
-                    r = ("is on the short-circuit side of 'and'/'or' after a thread-varying operand",
-                         "compute it unconditionally first")
+                    r = _Why("is on the short-circuit side of 'and'/'or' after a thread-varying operand",
+                             "compute it unconditionally first", "shortcircuit")
             return
         for c in ast.iter_child_nodes(e):
             if isinstance(c, ast.expr):
                 self.check_barriers(c, state, reason)
+
+    def note_reads(self, e):
+        """Remember the array elements ``e`` reads, for the read-then-write test."""
+        reads = (self.region or self.top)["reads"]
+        for n in ast.walk(e):
+            if isinstance(n, ast.Subscript) and isinstance(n.value, ast.Name) and isinstance(n.ctx, ast.Load):
+                reads.add((n.value.id, ast.dump(n.slice)))
+
+    # -- parallel loops and updates --------------------------------------------------------
+    def nested_parallel(self, s, reason):
+        what = f"lk.{marker_of(s.iter)}()"
+        if reason.kind == "parallel":
+            self.error(s, f"this {what} loop is inside the parallel loop at line {self.region['line']}: each "
+                          f"thread would run only its share of it inside its share of the outer loop (threads run "
+                          f"different numbers of iterations), so most index pairs would never be visited",
+                       "use one lk.grid over both dimensions: `for i, j in lk.grid(n, m):`")
+            return
+        hint = _CONDITION_INSIDE if reason.kind in ("if", "ifexp", "shortcircuit") else reason.hint
+        self.error(s, f"this {what} loop {reason.text}: threads would run different numbers of its iterations "
+                      f"(each thread runs only its own share of the indices), so some indices would never be "
+                      f"visited", hint)
+
+    def helper_call(self, e, state, reason):
+        h = e.helper
+        if h.has_parallel_loop:
+            why = f"helper '{h.name}' runs a parallel loop (lk.range/lk.grid)"
+            if reason is not None and reason.kind == "parallel":
+                self.error(e, f"{why}, and this call is inside the parallel loop at line {self.region['line']}: "
+                              f"each thread would run only its share of the helper's loop in each of its own "
+                              f"iterations, so most indices would never be visited",
+                           "call it outside the parallel loop, on every thread (or make the two loops one lk.grid "
+                           "over both dimensions: `for i, j in lk.grid(n, m):`)")
+            elif reason is not None:
+                hint = ("call it on every thread and move the condition inside the helper's loop"
+                        if reason.kind in ("if", "ifexp", "shortcircuit") else reason.hint)
+                self.error(e, f"{why}, and this call {reason.text}: threads would run different numbers of its "
+                              f"iterations, so some indices would never be visited", hint)
+            else:
+                for k, a in enumerate(e.args):
+                    if self.varying(a, state):
+                        self.error(e, f"{why}, but argument {k + 1} of this call ('{self.text(a)}') differs "
+                                      f"between threads: its loop could run differently on different threads, "
+                                      f"so some indices would never be visited",
+                                   "pass values that are the same on every thread (arrays, the step index, "
+                                   "scalar arguments, reduction results)")
+                        break
+        if h.updates and not self.guard:
+            self.helper_updates(e, h)
+
+    def context_vars(self) -> set:
+        """The names whose distinct values make updates distinct here: the enclosing parallel
+        loop's index variables, or a helper's parameters at its top level."""
+        if self.region is not None:
+            return self.region["vars"]
+        return self.own_params if self.helper_params is not None else set()
+
+    def dim(self, e, names):
+        """One index dimension: ``("var", name, c)`` for ``name + c`` with ``name`` in
+        ``names``, ``("tid", None, c)`` for the thread's own ``lk.thread_id() + c``, else None."""
+        base, c = _offset(e)
+        if isinstance(base, ast.Name) and base.id in names:
+            return ("var", base.id, c)
+        if marker_of(base) == "thread_id" and not base.args:
+            return ("tid", None, c)
+        if isinstance(base, ast.Name) and base.id in self.strided:
+            return ("tid", None, c + self.strided[base.id])
+        return None
+
+    @staticmethod
+    def owned(dims, names) -> bool:
+        if any(d is not None and d[0] == "tid" for d in dims):
+            return True
+        return bool(names) and set(names) <= {d[1] for d in dims if d is not None and d[0] == "var"}
+
+    def consistent(self, node, arr, dims):
+        """Every update of ``arr`` here uses the same offsets: ``a[i] += 1`` and ``a[i + 1] += 1``
+        in one loop meet at one element in iterations ``i`` and ``i + 1``."""
+        pattern = tuple(dims)
+        first, line = (self.region or self.top)["patterns"].setdefault(arr, (pattern, node.lineno))
+        if first != pattern:
+            self.error(node, f"'{arr}' is updated here at other offsets than at line {line}: iterations a few "
+                             f"indices apart would update the same element", _UPDATE_HINT)
+
+    def record(self, arr, dims, text):
+        """A helper's update at its top level, for its callers to check."""
+        params = list(self.helper_params)
+        out = [("param", params.index(d[1]), d[2]) if d is not None and d[0] == "var" else d for d in dims]
+        self.updates.append((params.index(arr) if arr in self.own_params else None, tuple(out), text))
+
+    def check_update(self, target):
+        """``target`` (``a[k]``) is read and written by this thread: fine only where no other
+        thread can update the same element at once."""
+        if self.guard:
+            return
+        arr = target.value.id
+        names = self.context_vars()
+        dims = [self.dim(e, names) for e in _index_dims(target.slice)]
+        what = f"'{self.text(target)}'"
+        if self.region is not None:
+            if self.owned(dims, names):
+                self.consistent(target, arr, dims)
+                return
+            loop_vars = " and ".join(f"'{v}'" for v in sorted(names)) or "the loop's index"
+            self.error(target, f"{what} is read and written (updated) in the parallel loop at line "
+                               f"{self.region['line']}, at an element that is not provably this iteration's own "
+                               f"(its index would be {loop_vars}, plus or minus a constant, in some dimension)",
+                       _UPDATE_HINT)
+        elif self.helper_params is not None:
+            self.record(arr, dims, f"{what} at line {target.lineno}")
+        elif self.parallel:
+            if self.owned(dims, names):
+                self.consistent(target, arr, dims)
+                return
+            self.error(target, f"{what} is read and written (updated) outside any parallel loop of a step that "
+                               f"runs on many threads: every thread makes this update, and updates of one element "
+                               f"made at once are lost", _GUARD_HINT)
+
+    def helper_updates(self, e, h):
+        """Check helper ``h``'s own updates at this call, its arguments substituted."""
+        if self.region is None and self.helper_params is None and not self.parallel:
+            return      # a sequential step: one thread
+        names = self.context_vars()
+        for arr_k, dims, text in h.updates:
+            arg = e.args[arr_k] if arr_k is not None and arr_k < len(e.args) else None
+            arr = arg.id if isinstance(arg, ast.Name) else None
+            sub = []
+            for d in dims:
+                if d is None or d[0] == "tid":
+                    sub.append(d)
+                    continue
+                a = e.args[d[1]] if d[1] < len(e.args) else None
+                x = self.dim(a, names) if a is not None else None
+                sub.append(None if x is None else (x[0], x[1], x[2] + d[2]))
+            if self.region is None and self.helper_params is not None:
+                if arr is not None:
+                    self.record(arr, sub, text)
+                else:
+                    self.updates.append((None, tuple(sub), text))
+                continue
+            if arr is not None and self.owned(sub, names):
+                self.consistent(e, arr, sub)
+                continue
+            if self.region is not None:
+                where = (f"called in the parallel loop at line {self.region['line']} with these arguments, that "
+                         f"element is not provably this iteration's own")
+                hint = (f"pass the loop index ({' and '.join(sorted(names))}, plus or minus a constant) for the "
+                        f"index parameter, or use lk.atomic.add(a, idx, x) (or lk.atomic.max/min) in the helper")
+            else:
+                where = "this call is outside any parallel loop of a step that runs on many threads"
+                hint = _GUARD_HINT.replace("guard it", "guard the call")
+            self.error(e, f"helper '{h.name}' updates {text} (a read, then a write of one element); {where}: "
+                          f"several threads may update the same element at once", hint)
+
+    def single_thread(self, test, state) -> bool:
+        """``test`` is true on one thread at most: ``lk.thread_id() == <uniform value>`` (or a
+        grid-stride name in its place), alone or as one operand of ``and``."""
+        if isinstance(test, ast.BoolOp) and isinstance(test.op, ast.And):
+            return any(self.single_thread(v, state) for v in test.values)
+        if not (isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], ast.Eq)):
+            return False
+        for a, b in ((test.left, test.comparators[0]), (test.comparators[0], test.left)):
+            d = self.dim(a, set())
+            if d is not None and d[0] == "tid" and not self.varying(b, state):
+                return True
+        return False
 
     # -- statements ------------------------------------------------------------------------
     def block(self, stmts, state: set, reason):
@@ -760,25 +1193,42 @@ class _Uniformity:
         state = set(state)
         if isinstance(s, ast.Assign):
             self.check_barriers(s.value, state, reason)
+            self.note_reads(s.value)
+            for t in s.targets:
+                for sub in _subscript_targets(t):
+                    self.check_barriers(sub.slice, state, reason)
+                    self.note_reads(sub.slice)
+            reads = (self.region or self.top)["reads"]
+            for t in s.targets:
+                for sub in _subscript_targets(t):
+                    if (sub.value.id, ast.dump(sub.slice)) in reads:
+                        self.check_update(sub)
             for t in s.targets:
                 if isinstance(t, ast.Tuple) and isinstance(s.value, ast.Tuple) and len(t.elts) == len(s.value.elts):
                     flags = [self.varying(v, state) for v in s.value.elts]
                     for tt, f in zip(t.elts, flags):
                         self.assign(tt, f, state, reason)
                 else:
-                    if isinstance(t, ast.Subscript):
-                        self.check_barriers(t.slice, state, reason)
                     self.assign(t, self.varying(s.value, state), state, reason)
         elif isinstance(s, ast.AugAssign):
             self.check_barriers(s.value, state, reason)
+            self.note_reads(s.value)
             if isinstance(s.target, ast.Name):
                 self.assign(s.target, s.target.id in state or self.varying(s.value, state), state, reason)
+            elif isinstance(s.target, ast.Subscript) and isinstance(s.target.value, ast.Name):
+                self.check_barriers(s.target.slice, state, reason)
+                self.note_reads(s.target.slice)
+                self.check_update(s.target)
         elif isinstance(s, ast.Expr):
             self.check_barriers(s.value, state, reason)
+            self.note_reads(s.value)
         elif isinstance(s, ast.Return):
             if s.value is not None:
                 self.check_barriers(s.value, state, reason)
-            if reason is not None:
+                self.note_reads(s.value)
+            if self.helper_params is not None:
+                pass        # a helper's return only ends the helper
+            elif reason is not None:
                 self.error(s, f"'return' {reason[0]}: every thread must stop at the same step",
                            "compute the condition with a reduction (e.g. lk.max) and return it at the top level")
             elif s.value is not None and self.varying(s.value, state):
@@ -787,11 +1237,15 @@ class _Uniformity:
                            "reduce it first, e.g. 'return lk.max(err) > tol'")
         elif isinstance(s, ast.If):
             self.check_barriers(s.test, state, reason)
+            self.note_reads(s.test)
             r = reason
             if r is None and self.varying(s.test, state):
-                r = (f"is under an 'if' at line {s.lineno} whose condition differs between threads",
-                     "move it out of the 'if' (compute on every thread, use the result conditionally)")
+                r = _Why(f"is under an 'if' at line {s.lineno} whose condition differs between threads",
+                         "move it out of the 'if' (compute on every thread, use the result conditionally)", "if")
+            guard = int(self.single_thread(s.test, state))
+            self.guard += guard
             a = self.block(s.body, state, r)
+            self.guard -= guard
             b = self.block(s.orelse, state, r)
             state = a | b
         elif isinstance(s, (ast.For, ast.While)):
@@ -803,14 +1257,22 @@ class _Uniformity:
 
     def loop(self, s, state, reason):
         own = None
+        region = None
         if isinstance(s, ast.For):
             self.check_barriers(s.iter, state, reason)
-            if s.iter.func.id in (INTRINSIC_PREFIX + "range", INTRINSIC_PREFIX + "grid"):
-                own = (f"is inside the parallel loop at line {s.lineno}, where threads run different "
-                       f"numbers of iterations", "move it after the loop (the loop is each thread's share of the work)")
+            self.note_reads(s.iter)
+            if marker_of(s.iter) in _PARALLEL_LOOPS:
+                if reason is not None:
+                    self.nested_parallel(s, reason)
+                own = _Why(f"is inside the parallel loop at line {s.lineno}, where threads run different "
+                           f"numbers of iterations",
+                           "move it after the loop (the loop is each thread's share of the work)", "parallel")
+                index_vars = {n.id for n in ast.walk(s.target) if isinstance(n, ast.Name)}
+                region = {"vars": index_vars - _stored_names(s.body), "line": s.lineno, "reads": set(),
+                          "patterns": {}}
             elif any(self.varying(a, state) for a in s.iter.args):
-                own = (f"is inside a loop at line {s.lineno} whose bounds differ between threads",
-                       "loop over bounds that are the same on every thread")
+                own = _Why(f"is inside a loop at line {s.lineno} whose bounds differ between threads",
+                           "loop over bounds that are the same on every thread", "bounds")
         targets = [] if isinstance(s, ast.While) else (
             [s.target] if isinstance(s.target, ast.Name) else list(s.target.elts))
         early_exit = None
@@ -818,23 +1280,29 @@ class _Uniformity:
         while True:   # to a fixpoint: the varying set and the reasons only grow
             if isinstance(s, ast.While):
                 self.check_barriers(s.test, cur, reason)
+                self.note_reads(s.test)
                 if own is None and self.varying(s.test, cur):
-                    own = (f"is inside a while loop at line {s.lineno} whose condition differs between threads",
-                           "reduce the condition first (e.g. with lk.max)")
+                    own = _Why(f"is inside a while loop at line {s.lineno} whose condition differs between threads",
+                               "reduce the condition first (e.g. with lk.max)", "while")
             r = reason or own or early_exit
             body_in = set(cur)
             for t in targets:
                 (body_in.add if r else body_in.discard)(t.id)
             frame = {"reason": r, "varying_exit": False}
             self.loops.append(frame)
+            outer_region = self.region
+            if region is not None:
+                self.region = region
             out = self.block(s.body, body_in, r)
+            self.region = outer_region
             self.loops.pop()
             new = cur | out
             changed = new != cur
             cur = new
             if frame["varying_exit"] and early_exit is None:
-                early_exit = ("is inside a loop that some threads leave early (break/continue under a "
-                              "thread-varying condition)", "make the exit condition the same on every thread")
+                early_exit = _Why("is inside a loop that some threads leave early (break/continue under a "
+                                  "thread-varying condition)", "make the exit condition the same on every thread",
+                                  "exit")
                 changed = True
             if isinstance(s, ast.While) and own is None and self.varying(s.test, cur):
                 changed = True
@@ -891,25 +1359,57 @@ def validate_step(fn, swap=()) -> StepSpec:
             ctx.diagnostics.append(parsed.diagnostic(
                 r, ctx.step_name, f"this 'return' has no value, but the return at line {with_value[0].lineno} "
                                   f"returns a condition", "return the condition (True to continue) on every path"))
-    _Uniformity(ctx, parsed).block(body, set(), None)
+    _report_param_stores(parsed, ctx, norm, index_param, swapped)
 
-    if ctx.diagnostics:
-        ctx.diagnostics.sort(key=lambda d: (d.filename != parsed.filename, d.filename, d.line, d.col))
-        raise StepSyntaxError(ctx.diagnostics)
     def markers(stmts):
         return {n.func.id[len(INTRINSIC_PREFIX):] for n in ast.walk(ast.Module(body=list(stmts), type_ignores=[]))
                 if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id.startswith(INTRINSIC_PREFIX)}
     used = markers(body).union(*(markers(h.body) for h in ctx.helpers.values()))
+    # lk.atomic and lk.random do not make a step parallel (the spec's definition): in a
+    # sequential step the one thread updates, and its draws do not depend on the thread
+    parallel = bool(used - _ATOMICS - {"random_uniform", "random_normal"})
+    _Uniformity(ctx, parsed, parallel=parallel).run(body)
+
+    if ctx.diagnostics:
+        ctx.diagnostics.sort(key=lambda d: (d.filename != parsed.filename, d.filename, d.line, d.col))
+        raise StepSyntaxError(ctx.diagnostics)
     uses_barrier = bool(used & _BARRIERS)
     step = FunctionSpec(parsed.name, f"{RESERVED_PREFIX}step", tuple(names), tuple(body), parsed.filename,
                         parsed.tree.lineno, norm.thread_varying,
-                        frozenset(i for i, p in enumerate(names) if p in norm.array_uses))
+                        frozenset(i for i, p in enumerate(names) if p in norm.array_uses),
+                        frozenset(i for i, p in enumerate(names) if p in norm.written),
+                        {i: norm.arity[p][0] for i, p in enumerate(names) if p in norm.arity},
+                        atomic_params=frozenset(i for i, p in enumerate(names) if p in norm.atomic),
+                        has_parallel_loop=any(isinstance(n, ast.For) and marker_of(n.iter) in _PARALLEL_LOOPS
+                                              for st in body for n in ast.walk(st)))
     return StepSpec(
         name=parsed.name, filename=parsed.filename, lineno=parsed.tree.lineno, index_param=index_param,
-        params=tuple(ParamSpec(p, k, norm.arity.get(p, (0, 0))[0], norm.arity.get(p, (0, 0))[1], p in norm.written)
+        params=tuple(ParamSpec(p, k, norm.arity.get(p, (0, 0))[0], norm.arity.get(p, (0, 0))[1], p in norm.written,
+                               p in norm.atomic)
                      for p, k in zip(params, kinds)), step=step,
         helpers=tuple(ctx.helpers.values()), returns_condition=bool(with_value), swap=tuple(swap_idx),
-        uses_barrier=uses_barrier, parallel=bool(used))
+        uses_barrier=uses_barrier, parallel=parallel)
+
+
+def _report_param_stores(parsed, ctx, norm, index_param, swapped):
+    """A value assigned to one of the step's parameters is lost when the step ends (each step
+    gets the arguments again), so such an assignment is a mistake: say what to do instead."""
+    for node in norm.param_stores:
+        name = node.id
+        if name == index_param:
+            msg = (f"'{name}' is the step index, a parameter of the step: parameters are inputs, and a value "
+                   f"assigned to it is lost when the step ends (the loop counts the steps itself)")
+            hint = f"use a new local name, e.g. `k = {name} + 1`"
+        elif name in norm.array_uses or name in swapped:
+            msg = (f"'{name}' is a parameter of the step: parameters are inputs, and assigning to it rebinds the "
+                   f"name for the rest of this step only (the caller's array is unchanged)")
+            hint = f"write into its elements instead (`{name}[i] = ...`), or use a new local name"
+        else:
+            msg = (f"'{name}' is a parameter of the step: parameters are inputs, and a value assigned to it is "
+                   f"lost when the step ends")
+            hint = (f"to return a number, pass a 1-element array and write `{name}[0] = ...` (guarded by "
+                    f"`if lk.thread_id() == 0:`)")
+        ctx.diagnostics.append(parsed.diagnostic(node, ctx.step_name, msg, hint))
 
 
 def _check_swap(parsed, ctx, params, swap):

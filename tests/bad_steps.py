@@ -121,7 +121,7 @@ def undefined_name(t, u):
 
 
 def uses_numpy_function(t, u):
-    u[0] = np.sum(u)  # ERR: cannot be called in step code
+    u[0] = np.sum(u)  # ERR: NumPy functions are not supported in step code
 
 
 def reserved_name(t, u):
@@ -165,3 +165,104 @@ def reduction_after_loop_is_fine(t, u, out):
     if lk.thread_id() == 0:
         out[0] = total * SCALE
     return total > 1.0
+
+
+# ---------------------------------------------------------------- parallel loops every thread must reach
+def nested_parallel_loops(t, a):
+    for i in lk.range(a.shape[0]):
+        for j in lk.range(a.shape[1]):  # ERR: is inside the parallel loop at line
+            a[i, j] = 1.0
+
+
+def parallel_loop_under_varying_if(t, a):
+    if lk.thread_id() == 0:
+        for i in lk.range(a.shape[0]):  # ERR: under an 'if' at line
+            a[i] = 1.0
+
+
+def parallel_loop_after_varying_break(t, a):
+    k = 0
+    while k < 4:
+        if a[k] > 0.5:
+            break
+        for i in lk.range(a.shape[0]):  # ERR: some threads leave early
+            a[i] = 0.0
+        k += 1
+
+
+def fill(a):
+    for i in lk.range(a.shape[0]):
+        a[i] = 0.0
+
+
+def helper_loop_in_parallel_loop(t, a, b):
+    for i in lk.range(b.shape[0]):
+        b[i] = 1.0
+        fill(a)  # ERR: helper 'fill' runs a parallel loop
+
+
+def helper_loop_under_varying_if(t, a):
+    if a[0] > 0.5:
+        fill(a)  # ERR: helper 'fill' runs a parallel loop
+
+
+# ---------------------------------------------------------------- racing read-modify-writes
+def racing_histogram(t, data, hist):
+    for i in lk.range(data.shape[0]):
+        b = int(data[i] * hist.shape[0])
+        hist[b] += 1  # ERR: not provably this iteration's own
+
+
+def racing_read_then_write(t, a, idx):
+    for i in lk.range(idx.shape[0]):
+        c = a[idx[i]]
+        a[idx[i]] = c + 1.0  # ERR: not provably this iteration's own
+
+
+def racing_offsets(t, a):
+    for i in lk.range(a.shape[0] - 1):
+        a[i] += 1.0
+        a[i + 1] += 1.0  # ERR: at other offsets than at line
+
+
+def racing_top_level(t, a, count):
+    for i in lk.range(a.shape[0]):
+        a[i] = 0.0
+    count[0] += 1  # ERR: outside any parallel loop of a step that runs on many threads
+
+
+def bump(a, k):
+    a[k] += 1.0
+
+
+def racing_in_helper(t, a, idx):
+    for i in lk.range(idx.shape[0]):
+        bump(a, i)
+        bump(a, idx[i])  # ERR: helper 'bump' updates 'a[k]'
+
+
+# ---------------------------------------------------------------- assignments to parameters
+def assigns_parameters(t, u, total):
+    s = 0.0
+    for i in lk.range(u.shape[0]):
+        s += u[i]
+    total = lk.sum(s)  # ERR: 'total' is a parameter of the step
+    t = t + 1  # ERR: 't' is the step index, a parameter of the step
+    u = total  # ERR: 'u' is a parameter of the step
+
+
+# ---------------------------------------------------------------- modules, NumPy functions, lk.atomic
+def math_not_imported(t, u):
+    for i in lk.range(u.shape[0]):
+        u[i] = math.sin(u[i])  # ERR: name 'math' is not defined in the step's module  # noqa: F821
+
+
+def numpy_function(t, u):
+    for i in lk.range(u.shape[0]):
+        u[i] = np.sqrt(u[i])  # ERR: NumPy functions are not supported in step code
+
+
+def bad_atomics(t, h, u):
+    for i in lk.range(u.shape[0]):
+        lk.atomic.add(h, i)  # ERR: takes 3 arguments (array, index, value), got 2
+        lk.atomic.max(u[i], 0, 1.0)  # ERR: the first argument of lk.atomic.max() must be an array

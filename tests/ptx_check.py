@@ -41,9 +41,15 @@ CASES = [
     ("two_phase", W.two_phase_step, [], [np.zeros(8), np.zeros(8), np.zeros(8)], ("grid", "block")),
     ("normalize", W.normalize_step, [], [np.zeros(8), np.zeros((3, 4))], ("grid", "block")),
     ("helper", W.helper_step, [("u", "v")], [np.zeros(8), np.zeros(8), 0.3], ("grid",)),
-    ("random", R.draws, [], [np.zeros((2, 8)), np.zeros((2, 8, 2))], ("grid",)),
+    ("random", R.draws, [], [0, 0, 7, np.zeros((2, 8)), np.zeros((2, 8, 2))], ("grid",)),
     ("logistic", W.logistic_step, [], [np.zeros(8), 2.9], ("thread",)),
+    # lk.atomic: integer add (a histogram); float add, max and min, 2-D and negative indices, values
+    # cast to the array's dtype, the old value used
+    ("histogram", W.histogram_step, [], [np.zeros(8, f32), np.zeros(4, i32), f32(0.0), f32(0.25)], ("grid", "block")),
+    ("scatter", W.scatter_step, [], [np.zeros(8, i64), np.zeros(8, f32), np.zeros(4), np.zeros((2, 2), f32),
+                                     np.zeros(4, i32), np.zeros(1, np.uint32), np.zeros(8, i64)], ("grid", "block")),
 ]
+ATOMIC_KERNELS = {"histogram", "scatter"}
 SCRATCH = (types.float64[:, ::1], types.int64[:, ::1], types.uint32[::1])
 
 
@@ -70,11 +76,13 @@ for name, fn, swap, args, scopes in CASES:
                     params.append(scalar_type(a))
             # ..., seed, info (stop-decision slots), control block [, debug record]
             control = (types.int64[::1], types.int64[::1]) + ((types.int64[::1],) if debug else ())
+            # step count and first step index (start=), the arguments, scratch, seed, control
             if refs is None:
-                sig = (types.int64, *params, *SCRATCH, types.uint64, *control)
+                sig = (types.int64, types.int64, *params, *SCRATCH, types.uint64, *control)
             else:
-                sig = (types.int64[::1], *params, *SCRATCH, types.uint32[::1], *control)
-            rec = dict(kernel=name, scope=scope, by_ref=bool(by_ref), debug=debug, staged=bool(staged))
+                sig = (types.int64[::1], types.int64[::1], *params, *SCRATCH, types.uint32[::1], *control)
+            rec = dict(kernel=name, scope=scope, by_ref=bool(by_ref), debug=debug, staged=bool(staged),
+                       atomics=name in ATOMIC_KERNELS)
             try:
                 src = codegen.render_kernel(k.spec, "cuda", scope, cache=False, by_ref=refs, debug=debug,
                                             staged=staged)
@@ -83,7 +91,11 @@ for name, fn, swap, args, scopes in CASES:
                            shuffles=ptx.count("shfl.sync"), globaltimer=ptx.count("%globaltimer"),
                            volatile_host=ptx.count("st.volatile.u64"), sys_fence=ptx.count("membar.sys"),
                            bounds_records=ptx.count("atom.global.cas") + ptx.count("atom.cas"),
-                           dynamic_shared=ptx.count(".extern .shared"), extern_funcs=ptx.count(".extern .func"))
+                           dynamic_shared=ptx.count(".extern .shared"), extern_funcs=ptx.count(".extern .func"),
+                           # lk.atomic: hardware atomics (float max/min are compare-and-swap loops)
+                           atom_add=ptx.count("atom.global.add") + ptx.count("red.global.add"),
+                           atom_minmax=ptx.count("atom.global.max") + ptx.count("atom.global.min"),
+                           atom_cas=ptx.count("atom.global.cas"))
             except Exception as exc:
                 rec.update(ok=False, error=f"{type(exc).__name__}: {exc}"[:2000])
             print(json.dumps(rec), flush=True)

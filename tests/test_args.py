@@ -72,8 +72,18 @@ def test_keyword_arguments_bind_by_name(heat, rng):
 def test_jax_array_points_to_kernel_jax(heat):
     class FakeJax:   # what matters is the module JAX arrays come from
         __module__ = "jaxlib.xla_extension"
-    with pytest.raises(lk.ArgumentError, match="JAX arrays are immutable"):
+    with pytest.raises(lk.ArgumentError, match="JAX arrays are immutable") as info:
         heat(FakeJax(), FakeJax(), 0.25, steps=1, backend="cpu")
+    assert "call kernel.jax(...) instead" in str(info.value) and "planned" not in str(info.value)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_python_list_suggests_np_asarray(heat, rng, backend):
+    u, v, pristine = arrays(rng)
+    with pytest.raises(lk.ArgumentError) as info:
+        heat(u, [0.0] * 32, 0.25, steps=1, backend=backend)
+    assert "argument 'v': got a Python list" in str(info.value) and "np.asarray(v)" in str(info.value)
+    np.testing.assert_array_equal(u, pristine)
 
 
 def test_gpu_array_on_cpu_backend(heat, rng):
@@ -90,8 +100,12 @@ def test_swap_pairs_must_have_same_layout_on_cpu(rng):
     k = lk.megakernel(W.heat_step, swap=[("u", "v")])
     u = rng.random(40)
     v = rng.random(80)[::2]
-    with pytest.raises(lk.ArgumentError, match="same type"):
+    with pytest.raises(lk.ArgumentError) as info:
         k(u, v, 0.25, steps=2, backend="cpu")
+    msg = str(info.value)
+    # NumPy's words, not Numba's type names such as array(float64, 1d, A)
+    assert "same memory layout" in msg and "'u': float64, 1-D, C-contiguous" in msg
+    assert "'v': float64, 1-D, non-contiguous (strides (16,))" in msg and "array(" not in msg
 
 
 @pytest.mark.sim
@@ -226,7 +240,8 @@ def test_read_only_array_that_the_step_writes(rng, backend):
     k = lk.megakernel(two_d_step)
     out = np.zeros((3, 3))
     out.flags.writeable = False
-    with pytest.raises(lk.ArgumentError, match="argument 'out': the step writes into it"):
+    with pytest.raises(lk.ArgumentError, match=r"argument 'out': the NumPy array is read-only \(flags.writeable "
+                                               r"is False\), but the step writes into it"):
         k(rng.random((3, 3)), out, steps=1, backend=backend)
     src = rng.random((3, 3))
     src.flags.writeable = False        # read-only inputs the step only reads are fine
@@ -237,5 +252,74 @@ def test_read_only_array_that_the_step_writes(rng, backend):
     assert h.spec.params[1].written and not h.spec.params[0].written
     dst = np.zeros(4)
     dst.flags.writeable = False
-    with pytest.raises(lk.ArgumentError, match="argument 'dst': the step writes into it"):
+    with pytest.raises(lk.ArgumentError, match="argument 'dst': the NumPy array is read-only"):
         h(np.zeros(4), dst, steps=1, backend=backend)
+
+
+def reads_u_writes_v(t, u, v):
+    for i in lk.range(u.shape[0]):
+        v[i] = u[i] + 1.0
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("which", ["u", "v"])
+def test_read_only_swap_buffer_is_refused(rng, backend, which):
+    # the kernel exchanges the pair's contents, so both are written, even 'u' that the step only reads
+    k = lk.megakernel(reads_u_writes_v, swap=[("u", "v")])
+    assert not k.spec.params[0].written
+    u, v = rng.random(16), rng.random(16)
+    before = dict(u=u.copy(), v=v.copy())
+    dict(u=u, v=v)[which].flags.writeable = False
+    with pytest.raises(lk.ArgumentError) as info:
+        k(u, v, steps=3, backend=backend)
+    msg = str(info.value)
+    assert msg.startswith(f"argument '{which}': the NumPy array is read-only (flags.writeable is False)")
+    assert ("swap buffer" in msg) == (which == "u") and "contiguous" not in msg
+    np.testing.assert_array_equal(u, before["u"])
+    np.testing.assert_array_equal(v, before["v"])
+
+
+def atomic_histogram(t, data, hist):
+    for i in lk.range(data.shape[0]):
+        lk.atomic.add(hist, int(data[i]), 1)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [np.bool_, np.int8, np.int16, np.uint8, np.uint16])
+def test_atomic_on_unsupported_dtype_is_refused_before_running(rng, backend, dtype):
+    k = lk.megakernel(atomic_histogram)
+    data = rng.integers(0, 4, 20).astype(np.float64)
+    hist = np.zeros(4, dtype)
+    with pytest.raises(lk.ArgumentError) as info:
+        k(data, hist, steps=1, backend=backend)
+    msg = str(info.value)
+    assert msg.startswith("argument 'hist': the step updates it with lk.atomic")
+    assert "float32, float64, int32, int64, uint32 and uint64" in msg and f"got dtype {np.dtype(dtype)}" in msg
+    assert not hist.any()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_read_only_atomic_target_is_refused(rng, backend):
+    k = lk.megakernel(atomic_histogram)
+    hist = np.zeros(4, np.int64)
+    hist.flags.writeable = False
+    with pytest.raises(lk.ArgumentError, match="argument 'hist': the NumPy array is read-only .*lk.atomic"):
+        k(np.zeros(3), hist, steps=1, backend=backend)
+
+
+def test_read_only_gpu_array_is_refused():
+    from loopkern.api import check_writable
+    from loopkern.interop.arrays import classify
+
+    class ReadOnlyDevice:
+        __cuda_array_interface__ = dict(shape=(4,), typestr="<f8", data=(1 << 30, True), strides=None, version=3)
+    p = lk.megakernel(reads_u_writes_v).spec.params[1]
+    a = classify("v", ReadOnlyDevice())
+    assert a.readonly
+    with pytest.raises(lk.ArgumentError, match="argument 'v': the GPU array is read-only"):
+        check_writable(p, a, swapped=False)
+
+
+def test_hang_error_documents_its_run():
+    doc = lk.HangError.__doc__
+    assert "run:" in doc and "Run" in doc and "None" in doc

@@ -4,6 +4,7 @@ line, a caret and a hint; all problems of a step together."""
 import inspect
 import re
 
+import numpy as np
 import pytest
 
 import loopkern as lk
@@ -153,3 +154,329 @@ def test_math_and_numpy_casts_allowed():
     np = __import__("numpy")
     src = lk.megakernel(step).source("cuda")
     assert "_lk_math.sin" in src and "_lk_math.sqrt" in src and "_lk_np.float32" in src
+
+
+# ---------------------------------------------------------------- parallel loops every thread reaches
+def _diagnostic(fn, **kw):
+    with pytest.raises(lk.StepSyntaxError) as info:
+        lk.megakernel(fn, **kw)
+    (d,) = info.value.diagnostics
+    return d
+
+
+def test_nested_parallel_loop_says_why_and_suggests_one_grid():
+    d = _diagnostic(B.nested_parallel_loops)
+    assert "threads run different numbers of iterations" in d.message and "never be visited" in d.message
+    assert d.hint == "use one lk.grid over both dimensions: `for i, j in lk.grid(n, m):`"
+    assert d.source_line.strip().startswith("for j in lk.range")
+
+
+def test_parallel_loop_under_varying_if_suggests_moving_the_condition():
+    d = _diagnostic(B.parallel_loop_under_varying_if)
+    assert "some indices would never be visited" in d.message
+    assert "move the condition inside the loop" in d.hint
+
+
+def test_helper_with_parallel_loop_must_be_called_by_every_thread():
+    d = _diagnostic(B.helper_loop_in_parallel_loop)
+    assert "lk.grid" in d.hint and "outside the parallel loop" in d.hint
+
+    def varying_argument(t, a):
+        k = lk.thread_id()
+        fill_upto(a, k)
+    d = _diagnostic(varying_argument)
+    assert "argument 2 of this call ('k') differs between threads" in d.message
+
+
+def fill_upto(a, n):
+    for i in lk.range(n):
+        a[i] = 0.0
+
+
+def nested_in_helper(a):
+    for i in lk.range(a.shape[0]):
+        for j in lk.range(a.shape[1]):
+            a[i, j] = 0.0
+
+
+def calls_fill(a):
+    fill_upto(a, a.shape[0])
+
+
+def test_parallel_loops_nested_inside_a_helper_are_rejected_there():
+    def step(t, a):
+        nested_in_helper(a)
+    d = _diagnostic(step)
+    assert d.where == "in helper 'nested_in_helper'" and "lk.grid" in d.hint
+    # a helper that calls a helper with a parallel loop runs one too
+    assert lk.megakernel(lambda_free_step_calls_helper).spec.helpers[-1].has_parallel_loop
+
+    def in_loop(t, a, b):
+        for i in lk.range(b.shape[0]):
+            calls_fill(a)
+    assert "helper 'calls_fill' runs a parallel loop" in _diagnostic(in_loop).message
+
+
+def lambda_free_step_calls_helper(t, a):
+    calls_fill(a)
+
+
+def uniform_control_flow(t, a, alpha, count):
+    # parallel loops under uniform control flow: every thread runs them the same number of times
+    for k in range(3):
+        if t % 2 == 0 and alpha > 0.0:
+            for i in lk.range(a.shape[0]):
+                a[i] = a[i] + alpha
+    total = lk.max(1)
+    while total > 0:
+        for i, j in lk.grid(count.shape[0], 2):
+            count[i, j] += 1
+        total -= 1
+    fill_upto(a, a.shape[0] if t > 2 else 0)
+
+
+def test_parallel_loops_under_uniform_control_flow_are_accepted():
+    k = lk.megakernel(uniform_control_flow)
+    assert k.spec.parallel and [p.kind for p in k.spec.params] == ["array", "scalar", "array"]
+
+
+@pytest.mark.parametrize("backend", [pytest.param("cpu"), pytest.param("cuda", marks=pytest.mark.sim)])
+def test_uniform_control_flow_runs_every_index(rng, backend):
+    a0 = rng.random(37)
+    a, count = a0.copy(), np.zeros((5, 2), np.int64)
+    lk.megakernel(uniform_control_flow)(a, 0.5, count, steps=2, backend=backend)
+    ref = a0 + 3 * 0.5                       # step 0 adds 3 times, step 1 (odd) not at all
+    np.testing.assert_allclose(a, ref, rtol=1e-12)
+    assert (count == 2).all()                # one pass of the while loop per step, every (i, j)
+
+
+# ---------------------------------------------------------------- racing read-modify-writes
+def test_racing_update_hint_names_lk_atomic():
+    for fn in (B.racing_histogram, B.racing_read_then_write, B.racing_offsets):
+        d = _diagnostic(fn)
+        assert d.hint == ("several iterations may update the same element at once: use lk.atomic.add(a, idx, x) "
+                          "(or lk.atomic.max/min)"), fn
+    d = _diagnostic(B.racing_histogram)
+    assert "'hist[b]'" in d.message and d.source_line.strip().startswith("hist[b] += 1")
+    d = _diagnostic(B.racing_top_level)
+    assert "every thread makes this update" in d.message
+    assert "`if lk.thread_id() == 0:`" in d.hint and "lk.atomic.add" in d.hint
+
+
+def own_updates(t, a, g, h, c):
+    n = a.shape[0]
+    for i in lk.range(1, n - 1):
+        a[i] += 1.0                          # the iteration's own element
+        a[i] = a[i] * 0.5
+        v = g[i - 1, 0]
+        g[i - 1, 0] = v + 1.0                # an offset, the same one each time
+        for k in range(3):
+            h[k, i] += a[i]                  # other dimensions may be anything
+        c[lk.thread_id()] += 1               # the thread's own element
+    for p in lk.grid(g.shape[0], g.shape[1]):
+        g[p] += 1.0
+    for i, j in lk.grid(g.shape[0], g.shape[1]):
+        g[i, j] = g[i, j] - 1.0
+    if lk.thread_id() == 0:
+        c[0] = c[0] + 1                      # one thread
+    m = lk.thread_id()
+    while m < c.shape[0]:                    # the grid-stride idiom: each thread its own elements
+        c[m] += 1
+        m += lk.num_threads()
+    for i in lk.range(n):
+        c[int(a[i]) % c.shape[0]] = 0       # a plain store at a computed index is not an update
+
+
+def test_updates_of_own_elements_are_accepted():
+    k = lk.megakernel(own_updates)
+    assert [p.written for p in k.spec.params] == [True, True, True, True]
+
+
+def test_sequential_steps_update_freely():
+    def seq(t, x, c, r):
+        x[t + 1] = r * x[t] * (1.0 - x[t])
+        c[0] = c[0] + 1
+        c[int(x[t] * 3)] += 1
+    assert not lk.megakernel(seq).spec.parallel
+
+
+def add_at(a, k, x):
+    a[k] += x
+
+
+def add_next(a, k, x):
+    add_at(a, k + 1, x)
+
+
+def test_helper_updates_are_checked_with_the_call_arguments():
+    def own(t, a, b):
+        for i in lk.range(1, b.shape[0]):
+            add_at(a, i - 1, b[i])
+            add_next(a, i - 2, b[i])         # a[i - 1] as well: the same element
+    lk.megakernel(own)
+
+    def racing(t, a, b, idx):
+        for i in lk.range(b.shape[0]):
+            add_at(a, idx[i], b[i])
+    d = _diagnostic(racing)
+    assert "helper 'add_at' updates 'a[k]'" in d.message and "lk.atomic.add" in d.hint
+
+    def shifted(t, a, b):
+        for i in lk.range(b.shape[0] - 1):
+            add_at(a, i, b[i])
+            add_next(a, i, b[i])
+    assert "other offsets" in _diagnostic(shifted).message
+
+    def top_level(t, a, b):
+        for i in lk.range(b.shape[0]):
+            b[i] = 0.0
+        add_at(a, 0, 1.0)
+    assert "guard the call" in _diagnostic(top_level).hint
+
+    def guarded(t, a, b):
+        for i in lk.range(b.shape[0]):
+            b[i] = 0.0
+        if lk.thread_id() == 0:
+            add_at(a, 0, 1.0)
+    lk.megakernel(guarded)
+
+
+# ---------------------------------------------------------------- assigning to parameters
+def test_assigning_to_a_parameter_says_the_value_is_lost():
+    with pytest.raises(lk.StepSyntaxError) as info:
+        lk.megakernel(B.assigns_parameters)
+    total, t, u = info.value.diagnostics
+    assert "parameters are inputs" in total.message and "lost when the step ends" in total.message
+    assert total.hint == ("to return a number, pass a 1-element array and write `total[0] = ...` (guarded by "
+                          "`if lk.thread_id() == 0:`)")
+    assert "step index" in t.message and "u[i] = ..." in u.hint
+
+
+def rescale(x, s):
+    x = x * s            # a helper's parameters are its own locals, as in Python
+    s = 2
+    return x + s
+
+
+def test_helpers_may_assign_to_their_own_parameters():
+    def step(t, u):
+        for i in lk.range(u.shape[0]):
+            u[i] = rescale(u[i], 0.5)
+    lk.megakernel(step)
+
+
+# ---------------------------------------------------------------- messages
+def test_module_used_without_import_names_the_import():
+    d = _diagnostic(B.math_not_imported)
+    assert d.message == "name 'math' is not defined in the step's module"
+    assert d.hint == "add `import math` at the top of bad_steps.py"
+
+    def uses_np(t, u):
+        for i in lk.range(u.shape[0]):
+            u[i] = numpy_alias.float32(u[i])  # noqa: F821
+    assert "name 'numpy_alias' is not defined" in _diagnostic(uses_np).message
+
+
+def test_numpy_functions_point_to_math():
+    d = _diagnostic(B.numpy_function)
+    assert "'np.sqrt' is a NumPy function; NumPy functions are not supported in step code" in d.message
+    assert d.hint == "use math.sqrt(x) instead"
+    import numpy
+
+    def others(t, u):
+        u[0] = numpy.arctan2(u[0], 1.0)
+        u[1] = numpy.maximum(u[0], u[1])
+        u[2] = numpy.sum(u[1])
+    with pytest.raises(lk.StepSyntaxError) as info:
+        lk.megakernel(others)
+    hints = [d.hint for d in info.value.diagnostics]
+    assert hints == ["use math.atan2(y, x) instead", "use max(x, y) instead",
+                     "write it with a loop over elements; math.* has the scalar functions"]
+
+
+# ---------------------------------------------------------------- lk.atomic in the front end
+def test_atomic_resolves_and_marks_parameters():
+    from loopkern import atomic
+
+    def step(t, data, hist, lo, hi):
+        for i in lk.range(data.shape[0]):
+            old = lk.atomic.add(hist, int(data[i]), 1)
+            atomic.max(hi, (0, i % 2), data[i] + old)
+            atomic.min(lo, -1, data[i])
+    k = lk.megakernel(step)
+    flags = {p.name: (p.kind, p.written, p.atomic, p.min_ndim) for p in k.spec.params}
+    assert flags == dict(data=("array", False, False, 1), hist=("array", True, True, 1),
+                         lo=("array", True, True, 1), hi=("array", True, True, 2))
+
+
+def atomic_helper(h, k):
+    return lk.atomic.add(h, k, 1)
+
+
+def test_atomic_in_a_helper_and_in_a_sequential_step():
+    def step(t, data, hist):
+        for i in lk.range(data.shape[0]):
+            atomic_helper(hist, int(data[i]))
+    k = lk.megakernel(step)
+    assert k.spec.params[1].atomic and k.spec.params[1].written
+
+    def seq(t, c):
+        lk.atomic.add(c, 0, 1)          # one thread: it does not make the step parallel
+    assert not lk.megakernel(seq).spec.parallel
+
+
+def test_atomic_outside_a_step_and_as_a_value():
+    with pytest.raises(lk.LoopkernError, match=r"lk.atomic.add\(\) can only be used inside a step"):
+        lk.atomic.add(None, 0, 1)
+
+    def step(t, u):
+        f = lk.atomic
+        u[0] = 1.0
+    assert "cannot be used in step code" in _diagnostic(step).message
+
+
+def test_guard_may_be_one_operand_of_and():
+    def step(t, a, count):
+        for i in lk.range(a.shape[0]):
+            a[i] = 0.0
+        if t > 2 and lk.thread_id() == a.shape[0] - 1:
+            count[0] += 1
+    lk.megakernel(step)
+
+
+def test_read_then_write_of_the_same_element_is_an_update():
+    def step(t, a, idx):
+        for i in lk.range(idx.shape[0]):
+            a[idx[i]] = a[idx[i]] + 1.0
+    d = _diagnostic(step)
+    assert "'a[idx[i]]' is read and written" in d.message
+
+
+def test_helper_with_parallel_loop_in_a_varying_conditional_expression():
+    def step(t, a):
+        x = fill_and_count(a) if lk.thread_id() == 0 else 0
+        a[0] = x
+    d = _diagnostic(step)
+    assert "conditional expression" in d.message and "helper 'fill_and_count' runs a parallel loop" in d.message
+
+
+def fill_and_count(a):
+    for i in lk.range(a.shape[0]):
+        a[i] = 1.0
+    return a.shape[0]
+
+
+def test_numpy_used_without_import_names_the_import(tmp_path, monkeypatch):
+    import importlib
+    (tmp_path / "no_numpy_step.py").write_text(
+        "import loopkern as lk\n\n\n"
+        "def step(t, u):\n"
+        "    for i in lk.range(u.shape[0]):\n"
+        "        u[i] = np.float32(u[i]) * np.pi\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    mod = importlib.import_module("no_numpy_step")
+    with pytest.raises(lk.StepSyntaxError) as info:
+        lk.megakernel(mod.step)
+    assert [(d.message, d.hint) for d in info.value.diagnostics] == \
+        [("name 'np' is not defined in the step's module",
+          "add `import numpy as np` at the top of no_numpy_step.py")] * 2

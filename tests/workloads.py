@@ -249,3 +249,38 @@ def count_step(t, c, slow_at, spin):
             acc = acc * 0.5 + 1.0
         c[1] = acc
     c[0] = c[0] + 1
+
+
+# ---------------------------------------------------------------- lk.atomic: histogram, scatter
+def histogram_step(t, data, hist, lo, width):
+    # several iterations land in one bin: their increments must all count (lk.atomic.add)
+    nb = hist.shape[0]
+    for i in lk.range(data.shape[0]):
+        b = int((data[i] - lo) / width)
+        lk.atomic.add(hist, min(max(b, 0), nb - 1), 1)
+
+
+def histogram_ref(data, nbins, lo, width, steps=1):
+    b = np.clip(((data.astype(np.float64) - lo) / width).astype(np.int64), 0, nbins - 1)
+    return steps * np.bincount(b, minlength=nbins)
+
+
+def scatter_step(t, idx, vals, acc, hi, lo, count, order):
+    # scatter-add, max and min into the elements idx[i] picks (a 2-D index and a negative one);
+    # a counter hands out one slot per iteration
+    for i in lk.range(idx.shape[0]):
+        k = idx[i]
+        lk.atomic.add(acc, k, vals[i])
+        lk.atomic.max(hi, (k % 2, k // 2), vals[i])
+        lk.atomic.min(lo, -1 - k, vals[i])
+        slot = lk.atomic.add(count, 0, 1)
+        order[slot % order.shape[0]] = i
+
+
+def scatter_ref(idx, vals, acc, hi, lo):
+    """acc, hi, lo after one scatter_step (float64 references, from copies of the inputs)."""
+    acc, hi, lo = acc.astype(np.float64), hi.astype(np.float64), lo.astype(np.float64)
+    np.add.at(acc, idx, vals.astype(np.float64))
+    np.maximum.at(hi, (idx % 2, idx // 2), vals.astype(np.float64))
+    np.minimum.at(lo, -1 - idx, vals.astype(np.float64))
+    return acc, hi, lo

@@ -29,6 +29,7 @@ class ArrayArg:
     dtype: np.dtype
     strides: tuple | None
     ptr: int
+    readonly: bool = False   # the kernel must not write it (a NumPy array's flags.writeable is False)
 
     @property
     def size(self) -> int:
@@ -62,20 +63,26 @@ def classify(name: str, value):
     """Return an :class:`ArrayArg` or :class:`ScalarArg` for one argument, or raise ArgumentError."""
     if _is_jax_array(value):
         raise ArgumentError(f"argument '{name}' is a JAX array; JAX arrays are immutable, so kernel(...) cannot "
-                            f"update it in place. Pass a NumPy array or a GPU array that allows writes (CuPy, PyTorch, Numba); "
-                            f"a functional kernel.jax(...) entry point is planned but not built yet")
+                            f"update it in place: call kernel.jax(...) instead (functional: JAX arrays in, new JAX "
+                            f"arrays out, eagerly or inside jax.jit), or pass a NumPy array or a writable GPU array "
+                            f"(CuPy, PyTorch, Numba)")
+    if isinstance(value, (list, tuple)):
+        kind = type(value).__name__
+        raise ArgumentError(f"argument '{name}': got a Python {kind}; kernel(...) takes arrays and numbers, and "
+                            f"updates arrays in place: pass a NumPy array, e.g. np.asarray({name}) (with the dtype "
+                            f"you want, e.g. np.asarray({name}, dtype=np.float32)), and read the results from it")
     if isinstance(value, np.ndarray):
         if value.ndim == 0:
             raise ArgumentError(f"argument '{name}': got a 0-d array; pass a Python or NumPy scalar instead")
         check_dtype(name, value.dtype)
         return ArrayArg(name, value, HOST, value.shape, value.dtype, value.strides,
-                        value.__array_interface__["data"][0])
+                        value.__array_interface__["data"][0], readonly=not value.flags.writeable)
     if type(value).__name__ == "FakeCUDAArray" and hasattr(value, "_ary"):
         # Numba's CUDA simulator: its "device" arrays wrap a NumPy array and have no CAI
         host = value._ary
         check_dtype(name, host.dtype)
         return ArrayArg(name, value, DEVICE, host.shape, host.dtype, host.strides,
-                        host.__array_interface__["data"][0])
+                        host.__array_interface__["data"][0], readonly=not host.flags.writeable)
     cai = getattr(value, "__cuda_array_interface__", None) if not isinstance(value, type) else None
     if cai is not None:
         shape = tuple(cai["shape"])
@@ -84,7 +91,8 @@ def classify(name: str, value):
         dtype = np.dtype(cai["typestr"])
         check_dtype(name, dtype)
         strides = tuple(cai["strides"]) if cai.get("strides") else None
-        return ArrayArg(name, value, DEVICE, shape, dtype, strides, int(cai["data"][0]))
+        return ArrayArg(name, value, DEVICE, shape, dtype, strides, int(cai["data"][0]),
+                        readonly=bool(cai["data"][1]))
     if isinstance(value, (bool, np.bool_)):
         return ScalarArg(name, np.bool_(value))
     if isinstance(value, np.generic):

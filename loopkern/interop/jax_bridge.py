@@ -46,7 +46,7 @@ def _prepare(mk, args, kwargs, steps, max_steps):
         raise ArgumentError(f"{spec.name}.jax(): pass exactly one of steps= or max_steps=")
     nsteps = _step_count("steps" if steps is not None else "max_steps", steps if steps is not None else max_steps)
     bound = mk._bind_names(args, kwargs)
-    from ..api import check_array_use, check_kind, check_swap_pair
+    from ..api import check_array_use, check_atomic_dtype, check_kind, check_swap_pair
     arrays, scalars = {}, {}
     for i, p in enumerate(spec.params):
         v = bound[p.name]
@@ -54,6 +54,8 @@ def _prepare(mk, args, kwargs, steps, max_steps):
             check_kind(p, True, f"an array of shape {v.shape}")
             check_dtype(p.name, np.dtype(v.dtype))
             check_array_use(p, v.shape, spec.filename)
+            if p.atomic:
+                check_atomic_dtype(p, np.dtype(v.dtype))
             arrays[i] = v
         elif isinstance(v, np.ndarray) and v.ndim > 0 or hasattr(v, "__cuda_array_interface__"):
             raise ArgumentError(f"argument '{p.name}': kernel.jax takes JAX arrays, got {type(v).__name__}; "

@@ -1,4 +1,5 @@
-"""CPU-backend runtime: one thread covers the whole grid, so a reduction is its own value."""
+"""CPU-backend runtime: one thread covers the whole grid, so a reduction is its own value and an
+``lk.atomic`` update a plain read-modify-write."""
 
 import numba
 import numpy as np
@@ -91,3 +92,36 @@ def _claim(dbg):
 from . import bounds as _bounds  # noqa: E402
 
 checked, in_bounds = _bounds.build_numba(overload, "cpu", _claim)
+
+
+# -- lk.atomic: one thread runs the whole step, so a plain read-modify-write is atomic ---------
+@numba.njit
+def _rmw_add(a, idx, v):
+    old = a[idx]
+    a[idx] = old + v
+    return old
+
+
+@numba.njit
+def _rmw_max(a, idx, v):
+    old = a[idx]
+    if v > old:
+        a[idx] = v
+    return old
+
+
+@numba.njit
+def _rmw_min(a, idx, v):
+    old = a[idx]
+    if v < old:
+        a[idx] = v
+    return old
+
+
+from . import atomics as _atomics  # noqa: E402
+
+_ATOMIC = _atomics.build_numba(overload, "cpu", lambda op: f"_rmw_{op}(a, idx, w)",
+                               dict(_rmw_add=_rmw_add, _rmw_max=_rmw_max, _rmw_min=_rmw_min), in_bounds)
+atomic_add, atomic_max, atomic_min = _ATOMIC["atomic_add"], _ATOMIC["atomic_max"], _ATOMIC["atomic_min"]
+atomic_add_checked, atomic_max_checked, atomic_min_checked = (
+    _ATOMIC["atomic_add_checked"], _ATOMIC["atomic_max_checked"], _ATOMIC["atomic_min_checked"])

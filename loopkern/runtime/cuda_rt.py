@@ -1,4 +1,4 @@
-"""CUDA-backend runtime: barriers and reductions called by generated kernels.
+"""CUDA-backend runtime: barriers, reductions and ``lk.atomic`` updates called by generated kernels.
 
 Reductions (``grid_sum`` ... ``block_min``) take the thread's value, the global partial-result
 slots ``redf`` (float64[2, blocks]) and ``redi`` (int64[2, blocks]), ``st``, a per-thread
@@ -244,6 +244,9 @@ if SIMULATOR:
     def _st_volatile(arr, idx, val):
         arr[idx] = val
 
+    # a device function, so that the simulator gives it the kernel's cuda module while it runs
+    # (cuda.atomic exists only there); the plain-Python bounds checks call it from kernel code
+    @cuda.jit(device=True)
     def _claim(dbg):
         return cuda.atomic.compare_and_swap(dbg, 0, 1) == 0
 else:
@@ -366,6 +369,26 @@ if SIMULATOR:
 else:
     checked, in_bounds = _bounds.build_numba(overload, "cuda", _claim)
 
+
+# -- lk.atomic: the GPU's atomic read-modify-write instructions -------------------------------
+from . import atomics as _atomics  # noqa: E402
+
+if SIMULATOR:
+    def _sim_rmw(op):
+        # a device function: the simulator gives it the kernel's cuda module (cuda.atomic)
+        if op == "add":
+            return cuda.jit(device=True)(lambda a, idx, v: cuda.atomic.add(a, idx, v))
+        if op == "max":
+            return cuda.jit(device=True)(lambda a, idx, v: cuda.atomic.max(a, idx, v))
+        return cuda.jit(device=True)(lambda a, idx, v: cuda.atomic.min(a, idx, v))
+
+    _ATOMIC = _atomics.build_python({op: _sim_rmw(op) for op in _atomics.OPS}, in_bounds)
+else:
+    _ATOMIC = _atomics.build_numba(overload, "cuda", lambda op: f"cuda.atomic.{op}(a, idx, w)", dict(cuda=cuda),
+                                   in_bounds)
+atomic_add, atomic_max, atomic_min = _ATOMIC["atomic_add"], _ATOMIC["atomic_max"], _ATOMIC["atomic_min"]
+atomic_add_checked, atomic_max_checked, atomic_min_checked = (
+    _ATOMIC["atomic_add_checked"], _ATOMIC["atomic_max_checked"], _ATOMIC["atomic_min_checked"])
 
 
 # -- block scope with the arrays held in shared memory ----------------------------------------
