@@ -12,7 +12,9 @@ scan(unroll=16), the same JAX loops with XLA's WHILE command buffers (a subproce
 kernel launch per step, a CUDA graph of per-step kernels, a hand-written CUDA C++ cooperative
 kernel (heat), and Numba on the CPU (quadratic map).
 
-Every variant is checked against a float64 NumPy reference (a short run) before it is timed.
+Every variant is checked against a float64 NumPy reference at every size before it is timed
+(heat: 100 steps, also at 16M; Jacobi: the whole run to convergence, whose step count every
+timed call must repeat); a wrong result is listed at the end and makes the exit status 1.
 Timing: one warm-up call, then the median of --reps calls, each on freshly reset inputs; GPU
 variants without their own synchronisation are timed with CUDA events, the others by
 blocking on the result. Compile time is measured in fresh processes: first call with an empty
@@ -92,7 +94,12 @@ class Impl:
 
 @dataclass
 class Case:
-    """One workload at one size: inputs, the check, and how many steps to time."""
+    """One workload at one size: inputs, the check, and how many steps to time.
+
+    The check run uses check_steps (steps, or max_steps for a loop to a condition). When it
+    equals steps (a loop run to convergence), every timed call must stop at the step count
+    of the checked one, and converged(steps_done) says whether it got there before max_steps.
+    """
 
     workload: str
     n: int
@@ -101,6 +108,7 @@ class Case:
     check: Callable                 # check(impl_result, steps_done) -> (ok, detail)
     data: dict
     bytes_per_step: int = 0
+    converged: Callable | None = None
 
 
 class Bench:
@@ -136,8 +144,8 @@ class Bench:
         once()
         samples = [once() for _ in range(self.args.reps)]
         ts = [s for s, _ in samples]
-        done = samples[0][1]
-        return statistics.median(ts), ts, steps if done is None else done
+        dones = [steps if d is None else int(d) for _, d in samples]
+        return statistics.median(ts), ts, dones
 
     def measure(self, case: Case, variants):
         for name, make in variants:
@@ -150,14 +158,23 @@ class Bench:
                 if impl.sync:
                     impl.sync()
                 row["first_call_s"] = round(time.perf_counter() - t0, 4)
-                ok, detail = case.check(impl.result(), case.check_steps if done is None else done)
+                checked = case.check_steps if done is None else int(done)
+                ok, detail = case.check(impl.result(), checked)
                 row["check"] = detail
                 if not ok:
                     row["error"] = f"wrong result: {detail}"
                     self.emit(row)
                     continue
-                med, ts, done = self.time_calls(impl, case.steps)
-                row.update(steps=int(done), us_per_step=med / max(done, 1) * 1e6, call_s=med, runs_s=ts)
+                med, ts, dones = self.time_calls(impl, case.steps)
+                done = dones[0]
+                row.update(steps=done, us_per_step=med / max(done, 1) * 1e6, call_s=med, runs_s=ts)
+                if case.converged is not None:
+                    row["converged"] = bool(case.converged(done))
+                expect = checked if case.check_steps == case.steps else case.steps
+                if any(d != expect for d in dones) or not row.get("converged", True):
+                    row["error"] = (f"wrong result: timed calls ran {sorted(set(dones))} steps, the checked "
+                                    f"run {expect}" + ("" if row.get("converged", True) else
+                                                       f" (did not converge within {case.steps})"))
                 if case.bytes_per_step:
                     row["GBps"] = case.bytes_per_step / (med / max(done, 1)) / 1e9
                 row.update(impl.info)
@@ -270,12 +287,36 @@ ALPHA = np.float32(0.25)
 
 
 def heat_ref(u0, steps):
-    u = u0.astype(np.float64).copy()
+    """The heat stencil with fixed ends in float64, step by step (in place: fast enough at 16M)."""
+    u = u0.astype(np.float64)
+    v = u.copy()
+    lap = np.empty(max(u.size - 2, 0))
     for _ in range(steps):
-        v = u.copy()
-        v[1:-1] = u[1:-1] + float(ALPHA) * (u[:-2] - 2 * u[1:-1] + u[2:])
-        u = v
+        np.subtract(u[:-2], 2 * u[1:-1], out=lap)
+        lap += u[2:]
+        lap *= float(ALPHA)
+        np.add(u[1:-1], lap, out=v[1:-1])
+        u, v = v, u
     return u
+
+
+def heat_exact(u0, steps, alpha=float(ALPHA)):
+    """The same after any number of steps, from the stencil's eigen-decomposition: the ends'
+    straight line is a fixed point and sine mode k is multiplied by 1 - 4 alpha sin^2(pi k / 2(n-1))
+    per step (a DST-I through the FFT), in O(n log n) whatever the step count."""
+    u0 = np.asarray(u0, np.float64)
+    n = u0.size
+    line = u0[0] + (u0[-1] - u0[0]) * np.arange(n) / (n - 1)
+    m = n - 2
+
+    def dst1(x):
+        y = np.zeros(2 * (m + 1))
+        y[1:m + 1], y[m + 2:] = x, -x[::-1]
+        return -np.fft.fft(y)[1:m + 1].imag / 2.0
+    mu = 1.0 - 4.0 * alpha * np.sin(np.pi * np.arange(1, m + 1) / (2.0 * (m + 1))) ** 2
+    out = line.copy()
+    out[1:-1] += dst1(dst1(u0[1:-1] - line[1:-1]) * mu ** float(steps)) * 2.0 / (m + 1)
+    return out
 
 
 def heat_kernel():
@@ -356,12 +397,17 @@ def numba_heat_variants():
         def run(steps):
             for _ in range(steps // chunk):
                 g.launch(stream)
-            return (steps // chunk) * chunk
+            a, b = du, dv                 # the rest (none in timed runs) one launch at a time
+            for _ in range(steps % chunk):
+                heat_once[bpg, tpb, nstream](a, b, ALPHA)
+                a, b = b, a
+            box["r"] = a
 
         def reset():
             du.copy_to_device(u0)
             dv.copy_to_device(u0)
-        return Impl(run, lambda: du.copy_to_host(), reset, sync=stream.synchronize)
+        box = {"r": du}
+        return Impl(run, lambda: box["r"].copy_to_host(), reset, sync=stream.synchronize)
 
     out = [("numba launch per step", per_step)]
     if have("cupy"):
@@ -374,11 +420,12 @@ def cpp_heat_variant(args):
     exe = Path(tempfile.gettempdir()) / "loopkern_heat_coop"
 
     def make(case):
-        if not exe.exists():
+        if not exe.exists() or exe.stat().st_mtime < src.stat().st_mtime:
             subprocess.run(["nvcc", "-O3", "-arch=sm_90", "-o", str(exe), str(src)], check=True,
                            capture_output=True, text=True)
-        p = subprocess.run([str(exe), str(case.n), str(case.steps), str(args.reps)], capture_output=True,
-                           text=True, check=True)
+        # the binary checks every block count it times: check_steps steps against a float64 host loop
+        p = subprocess.run([str(exe), str(case.n), str(case.steps), str(args.reps), str(case.check_steps)],
+                           capture_output=True, text=True, check=True)
         res = json.loads(p.stdout.strip().splitlines()[-1])
         return res
     return make
@@ -392,14 +439,13 @@ def bench_heat(b: Bench):
     for n in sizes:
         u0 = rng.random(n).astype(np.float32)
         steps = 200 if args.quick else 20000 if n <= 65536 else 5000 if n <= 1 << 20 else 500
-        ref = heat_ref(u0, 100) if n <= 1 << 20 else None   # 100: a whole number of graph chunks
+        check_steps = 100                 # at every size (a whole number of graph chunks)
+        ref = heat_ref(u0, check_steps)
 
-        def check(res, done, ref=ref):
-            if ref is None:
-                return bool(np.isfinite(res).all()), "finite (no float64 reference at this size)"
+        def check(res, done, ref=ref, check_steps=check_steps):
             e = rel_err(res, ref)
-            return e < 1e-4, f"rel_err={e:.2e}"
-        case = Case("heat1d", n, steps, 100 if ref is not None else 2, check, dict(u0=u0), bytes_per_step=8 * n)
+            return e < 1e-4 and done == check_steps, f"rel_err={e:.2e} after {done} steps"
+        case = Case("heat1d", n, steps, check_steps, check, dict(u0=u0), bytes_per_step=8 * n)
         scopes = (["auto", "grid"] + (["block"] if n <= 65536 else [])) if gpu else ["auto"]
         variants = loopkern_variants(gpu, heat_kernel, lambda c: dict(u=c.data["u0"], v=c.data["u0"]),
                                      lambda c: (ALPHA,), ["u", "v"], scopes,
@@ -420,27 +466,59 @@ def bench_heat(b: Bench):
             row = dict(workload="heat1d", n=n, variant="CUDA C++ cooperative")
             try:
                 r = cpp_heat_variant(args)(case)
-                row.update(steps=steps, us_per_step=r["us_per_step"], blocks=r["blocks"], threads=r["threads"],
-                           check=f"rel_err={r['rel_err']:.2e}" if r["rel_err"] >= 0 else "not checked at this size",
-                           GBps=8 * n / (r["us_per_step"] * 1e-6) / 1e9)
-                if r["rel_err"] >= 1e-4:
-                    row["error"] = "wrong result"
+                checked = r.get("checked_blocks", 0)
+                row.update(check=f"rel_err={r['rel_err']:.2e} (worst of {checked} block counts, "
+                                 f"{case.check_steps} steps)")
+                if not 0 <= r["rel_err"] < 1e-4 or checked < 1:
+                    row["error"] = f"wrong result: {row['check']}"
+                else:
+                    row.update(steps=steps, us_per_step=r["us_per_step"], blocks=r["blocks"], threads=r["threads"],
+                               GBps=8 * n / (r["us_per_step"] * 1e-6) / 1e9)
             except Exception as exc:
                 row["error"] = f"{type(exc).__name__}: {exc}"[:300]
             b.emit(row)
 
 
 # =============================================================================== 2D Jacobi
+JACOBI_TOL = np.float32(1e-5)
+
+
+def jacobi_problem(n, rng):
+    """A Laplace problem that Jacobi iteration solves to JACOBI_TOL in about a thousand steps at
+    every size. The boundary values and the exact solution are h = x^2 - y^2, which the
+    five-point average maps to itself; the interior starts as h plus four sine modes with random
+    amplitudes (up to 0.1) and frequencies from n/40 to n/20, so that each mode loses the same
+    fraction per step at every n (random noise would need ~n^2 steps: Jacobi barely damps its
+    smoothest and its checkerboard modes)."""
+    x = np.arange(n) / (n - 1)
+    h = x[:, None] ** 2 - x[None, :] ** 2
+    kmin = max(1, n // 40)
+    u0 = h.copy()
+    for _ in range(4):
+        k, m = rng.integers(kmin, 2 * kmin + 1, 2)
+        u0 += rng.uniform(-0.1, 0.1) * np.outer(np.sin(np.pi * k * x), np.sin(np.pi * m * x))
+    u0[0, :], u0[-1, :], u0[:, 0], u0[:, -1] = h[0, :], h[-1, :], h[:, 0], h[:, -1]
+    return u0.astype(np.float32)
+
+
 def jacobi_ref(u0, tol, max_steps):
-    u = u0.astype(np.float64).copy()
+    """Float64 Jacobi to tolerance: (state, steps, max update of each step)."""
+    u = u0.astype(np.float64)
+    v = u.copy()
+    new = np.empty((u.shape[0] - 2, u.shape[1] - 2))
+    errs = []
     for k in range(max_steps):
-        v = u.copy()
-        v[1:-1, 1:-1] = 0.25 * (u[:-2, 1:-1] + u[2:, 1:-1] + u[1:-1, :-2] + u[1:-1, 2:])
-        err = np.abs(v - u).max()
-        u = v
-        if not err > tol:
-            return u, k + 1
-    return u, max_steps
+        np.add(u[:-2, 1:-1], u[2:, 1:-1], out=new)      # the kernel's order of additions
+        new += u[1:-1, :-2]
+        new += u[1:-1, 2:]
+        new *= 0.25
+        v[1:-1, 1:-1] = new
+        new -= u[1:-1, 1:-1]
+        errs.append(float(np.abs(new, out=new).max()))
+        u, v = v, u
+        if not errs[-1] > tol:
+            break
+    return u, len(errs), errs
 
 
 def jacobi_kernel():
@@ -514,20 +592,30 @@ def numba_jacobi_per_step(u0, tol):
 def bench_jacobi(b: Bench):
     args, gpu = b.args, b.gpu
     sizes = [64] if args.quick else [256, 2048]
-    tol = np.float32(1e-5)
+    tol = JACOBI_TOL
     rng = np.random.default_rng(1)
     for n in sizes:
-        u0 = np.zeros((n, n), np.float32)
-        u0[0, :], u0[-1, :], u0[:, 0], u0[:, -1] = (rng.random(n) for _ in range(4))
-        u0[1:-1, 1:-1] = rng.random((n - 2, n - 2))
-        max_steps = 300 if args.quick else 5000 if n <= 256 else 500
-        check_steps = 60
-        ref, ref_steps = jacobi_ref(u0, float(tol), check_steps)
+        u0 = jacobi_problem(n, rng)
+        max_steps = 20000
+        ref, ref_steps, errs = jacobi_ref(u0, float(tol), max_steps)
+        if ref_steps >= max_steps:
+            raise RuntimeError(f"jacobi2d n={n}: the float64 reference did not converge in {max_steps} steps")
+        # float32 rounding (a few units of 2**-24 in each update) moves the step where the update
+        # falls below tol by at most this many steps, at the reference's final decay rate
+        rate = errs[-1] / errs[-2]
+        slack = int(np.ceil(np.log1p(8 * 2.0 ** -24 * float(np.abs(u0).max()) / float(tol)) / -np.log(rate))) + 1
+        print(f"jacobi2d n={n}: float64 reference converges in {ref_steps} steps (float32 variants: "
+              f"+-{slack})", flush=True)
 
-        def check(res, done, ref=ref, ref_steps=ref_steps):
-            e = rel_err(res, ref)
-            return e < 1e-4 and done == ref_steps, f"rel_err={e:.2e}, steps={done} (reference {ref_steps})"
-        case = Case("jacobi2d", n * n, max_steps, check_steps, check, dict(u0=u0), bytes_per_step=8 * n * n)
+        def check(res, done, ref=ref, ref_steps=ref_steps, slack=slack):
+            # every step changes the state by at most its update (about tol near the end)
+            e = float(np.abs(np.asarray(res, np.float64) - ref).max())
+            ok = done < max_steps and abs(done - ref_steps) <= slack and e <= 1e-5 + 1.1 * float(tol) * abs(
+                done - ref_steps)
+            return ok, (f"converged in {done} steps (float64 reference {ref_steps}, +-{slack}), "
+                        f"max |u - ref|={e:.1e}")
+        case = Case("jacobi2d", n * n, max_steps, max_steps, check, dict(u0=u0), bytes_per_step=8 * n * n,
+                    converged=lambda done: done < max_steps)
         scopes = (["auto", "grid"] + (["block"] if n <= 256 else [])) if gpu else ["auto"]
         variants = loopkern_variants(gpu, jacobi_kernel, lambda c: dict(u=c.data["u0"], v=c.data["u0"]),
                                      lambda c: (tol,), ["u", "v"], scopes)
@@ -820,7 +908,19 @@ def bench_overhead(b: Bench):
     }
     g = jax.jit(jax_heat_step)
     calls["jax.jit of one heat step, blocking"] = lambda: jax.block_until_ready(g(ju))
+    results = {  # the state after the first call of each, from fresh inputs
+        "loopkern direct call (launch, wait, read the step count)": lambda: to_host(b.gpu, du),
+        "loopkern kernel.jax in jax.jit (FFI custom call), blocking": lambda: np.asarray(f(ju, jv)[0]),
+        "jax.jit of one heat step, blocking": lambda: np.asarray(g(ju)),
+    }
+    ref = heat_ref(u0, 1)
     for name, fn in calls.items():
+        fn()
+        e = rel_err(results[name](), ref)
+        if not e < 1e-5:
+            b.emit(dict(workload="call_overhead", n=4096, variant=name, check=f"rel_err={e:.2e} after one step",
+                        error=f"wrong result: rel_err={e:.2e} after one step"))
+            continue
         for _ in range(20):
             fn()
         ts = []
@@ -829,10 +929,29 @@ def bench_overhead(b: Bench):
             fn()
             ts.append(time.perf_counter() - t0)
         b.emit(dict(workload="call_overhead", n=4096, variant=name, us_per_step=statistics.median(ts) * 1e6,
-                    steps=1))
+                    steps=1, check=f"rel_err={e:.2e} after one step"))
 
 
 # =============================================================================== run control
+def philox_draws(kind, seed, step, keys, site, subkey=0):
+    """lk.random's draws from an independent Philox4x32-10 (Salmon et al. 2011; Random123's
+    constants): counter (key low, key high, subkey, step low), key (seed low, seed high XOR the
+    low word of site * 0x85EBCA6B); uniform from 53 bits of words 0-1, normal by Box-Muller on 2-3."""
+    m32 = np.uint64(0xFFFFFFFF)
+    keys = np.asarray(keys, np.uint64)
+    c = [keys & m32, keys >> np.uint64(32), np.full_like(keys, subkey), np.full_like(keys, step & 0xFFFFFFFF)]
+    k0, k1 = np.uint64(seed & 0xFFFFFFFF), np.uint64(((seed >> 32) ^ (site * 0x85EBCA6B)) & 0xFFFFFFFF)
+    for r in range(10):
+        if r:
+            k0, k1 = (k0 + np.uint64(0x9E3779B9)) & m32, (k1 + np.uint64(0xBB67AE85)) & m32
+        p0, p1 = np.uint64(0xD2511F53) * c[0], np.uint64(0xCD9E8D57) * c[2]
+        c = [(p1 >> np.uint64(32)) ^ c[1] ^ k0, p1 & m32, (p0 >> np.uint64(32)) ^ c[3] ^ k1, p0 & m32]
+    if kind == "uniform":
+        return ((c[0] >> np.uint64(5)).astype(np.float64) * 2.0 ** 26 + (c[1] >> np.uint64(6))) / 2.0 ** 53
+    u1 = (c[2].astype(np.float64) + 1.0) / 2.0 ** 32
+    return np.sqrt(-2.0 * np.log(u1)) * np.cos(2.0 * np.pi * c[3].astype(np.float64) / 2.0 ** 32)
+
+
 def rng_kernel(kind):
     import loopkern as lk
     if kind == "normal":
@@ -870,11 +989,19 @@ def bench_control(b: Bench):
         gpu, heat_kernel(), arrays(c), (ALPHA,), ["u", "v"], backend=backend, _control=False)))
     b.measure(case, variants)
 
-    # cancellation latency: from cancel() to wait() returning, on a run that would last minutes
+    # cancellation latency: from cancel() to wait() returning, on a run that would last minutes;
+    # float64, so that each cancelled state can be checked against the exact solution after the
+    # steps it reports (heat_exact: any step count)
     k = heat_kernel()
-    du, dv = on_device(gpu, u0), on_device(gpu, u0)
-    lat, steps_done = [], []
+    x0 = u0.astype(np.float64)
+    du, dv = on_device(gpu, x0), on_device(gpu, x0)
+    lat, steps_done, worst = [], [], 0.0
     for _ in range(args.reps):
+        for a in (du, dv):
+            if gpu:
+                a.copy_to_device(x0)
+            else:
+                a[...] = x0
         h = k.start(du, dv, ALPHA, steps=10 ** 9, backend=backend)
         time.sleep(0.3)
         t0 = time.perf_counter()
@@ -882,9 +1009,16 @@ def bench_control(b: Bench):
         run = h.wait()
         lat.append(time.perf_counter() - t0)
         steps_done.append(run.steps)
-    b.emit(dict(workload="cancel", n=n, variant="loopkern[auto] cancel() -> wait() latency (ms)",
-                us_per_step=statistics.median(lat) * 1e3, latency_ms=[round(x * 1e3, 3) for x in lat],
-                steps=int(statistics.median(steps_done)), stopped=run.stopped))
+        worst = max(worst, rel_err(to_host(gpu, du), heat_exact(x0, run.steps)))
+        if run.stopped != "cancelled":
+            worst = float("inf")
+    row = dict(workload="cancel", n=n, variant="loopkern[auto] cancel() -> wait() latency (ms), float64 heat",
+               us_per_step=statistics.median(lat) * 1e3, latency_ms=[round(x * 1e3, 3) for x in lat],
+               steps=int(statistics.median(steps_done)), stopped=run.stopped,
+               check=f"cancelled states against the exact solution: rel_err <= {worst:.1e}")
+    if not worst < 1e-9:
+        row["error"] = f"wrong result: {row['check']}"
+    b.emit(row)
 
     # random numbers: one float32 draw per element per step, written out
     m = (1 << 24) if gpu else (1 << 16)
@@ -893,9 +1027,15 @@ def bench_control(b: Bench):
         rk = rng_kernel(kind)
         x = on_device(gpu, np.zeros(m, np.float32))
         rk(x, steps=1, backend=backend, seed=1)
-        vals = to_host(gpu, x)
-        ok = (abs(vals.mean() - (0.5 if kind == "uniform" else 0.0)) < 0.01 and
-              abs(vals.std() - (np.sqrt(1 / 12) if kind == "uniform" else 1.0)) < 0.01)
+        vals = to_host(gpu, x).astype(np.float64)
+        # the first 65536 draws against an independent Philox4x32-10 (step 0, key i, call site 1),
+        # all of them against the moments (5 standard errors)
+        ref = philox_draws(kind, seed=1, step=0, keys=np.arange(min(m, 65536)), site=1).astype(np.float32)
+        mismatch = int(np.sum(np.abs(vals[:ref.size] - ref) > 2e-7 * np.maximum(1.0, np.abs(ref))))
+        mean, var = (0.5, 1 / 12) if kind == "uniform" else (0.0, 1.0)
+        var_sd = np.sqrt((1 / 80 - 1 / 144) / m) if kind == "uniform" else np.sqrt(2 / m)
+        ok = (mismatch == 0 and abs(vals.mean() - mean) < 5 * np.sqrt(var / m)
+              and abs(vals.var() - var) < 5 * var_sd)
         ts = []
         for _ in range(args.reps):
             if gpu:
@@ -907,9 +1047,10 @@ def bench_control(b: Bench):
         med = statistics.median(ts)
         row = dict(workload="rng", n=m, variant=f"loopkern lk.random.{kind} (float32 out)",
                    us_per_step=med / rsteps * 1e6, numbers_per_s=m * rsteps / med, steps=rsteps,
-                   check=f"mean {vals.mean():.4f} std {vals.std():.4f}")
+                   check=f"{mismatch} of {ref.size} differ from Philox4x32-10; mean {vals.mean():.4f} "
+                         f"var {vals.var():.4f}")
         if not ok:
-            row["error"] = "wrong result: moments off"
+            row["error"] = f"wrong result: {row['check']}"
         b.emit(row)
     if have("jax") and not args.no_jax:
         import jax
@@ -921,15 +1062,20 @@ def bench_control(b: Bench):
                 return acc + jax.random.normal(jax.random.fold_in(key, i), (m,), jnp.float32)
             return jax.lax.fori_loop(0, rsteps, body, jnp.zeros((m,), jnp.float32))
         key = jax.random.PRNGKey(0)
-        jax.block_until_ready(draws(key))
+        vals = np.asarray(draws(key), np.float64) / np.sqrt(rsteps)   # a sum of rsteps normals, scaled
+        ok = abs(vals.mean()) < 5 / np.sqrt(m) and abs(vals.var() - 1.0) < 5 * np.sqrt(2 / m)
         ts = []
         for _ in range(args.reps):
             t0 = time.perf_counter()
             jax.block_until_ready(draws(key))
             ts.append(time.perf_counter() - t0)
         med = statistics.median(ts)
-        b.emit(dict(workload="rng", n=m, variant="jax.random.normal in fori_loop (float32, added to a carry)",
-                    us_per_step=med / rsteps * 1e6, numbers_per_s=m * rsteps / med, steps=rsteps))
+        row = dict(workload="rng", n=m, variant="jax.random.normal in fori_loop (float32, added to a carry)",
+                   us_per_step=med / rsteps * 1e6, numbers_per_s=m * rsteps / med, steps=rsteps,
+                   check=f"mean {vals.mean():.4f} var {vals.var():.4f}")
+        if not ok:
+            row["error"] = f"wrong result: {row['check']}"
+        b.emit(row)
 
 
 # =============================================================================== compile time
@@ -946,9 +1092,11 @@ COMPILE_SCRIPT = textwrap.dedent("""
         from numba import cuda
         cuda.current_context()
     t3 = time.perf_counter()
+    u0 = u.copy()
     r = k(u, v, np.float32(0.25), steps=10, backend={backend!r})
     t4 = time.perf_counter()
-    print(json.dumps(dict(import_s=t1 - t0, context_s=t3 - t2, first_call_s=t4 - t3, backend=r.backend)))
+    print(json.dumps(dict(import_s=t1 - t0, context_s=t3 - t2, first_call_s=t4 - t3, backend=r.backend,
+                          rel_err=bench.rel_err(u, bench.heat_ref(u0, 10)), steps=r.steps)))
 """)
 
 
@@ -962,6 +1110,9 @@ def bench_compile(b: Bench):
                 p = subprocess.run([sys.executable, "-c", COMPILE_SCRIPT.format(here=str(HERE), backend=backend)],
                                    env=env, capture_output=True, text=True, check=True, timeout=300)
                 row.update(json.loads(p.stdout.strip().splitlines()[-1]))
+                row["check"] = f"rel_err={row['rel_err']:.2e} after {row['steps']} steps"
+                if not (row["rel_err"] < 1e-5 and row["steps"] == 10):
+                    row["error"] = f"wrong result: {row['check']}"
             except Exception as exc:
                 row["error"] = f"{type(exc).__name__}: {getattr(exc, 'stderr', exc)}"[-400:]
             b.emit(row)
@@ -975,7 +1126,8 @@ def write_outputs(results, meta, outdir: Path):
     lines = [f"# loopkern bench: {meta['device']}, {meta['date']}", "",
              f"µs per step, median of {meta['reps']} calls after a warm-up; (ratio) = variant time / "
              f"loopkern[auto] time at the same size. Every variant was checked against a float64 NumPy "
-             f"reference first.", ""]
+             f"reference at every size first; for loops to a tolerance, the steps to convergence follow "
+             f"the time.", ""]
     for wl in dict.fromkeys(r["workload"] for r in results):
         rows = [r for r in results if r["workload"] == wl]
         if wl == "compile":
@@ -1008,6 +1160,8 @@ def write_outputs(results, meta, outdir: Path):
                         extra += f", {r['numbers_per_s'] / 1e9:.3g}e9 numbers/s"
                     if "latency_ms" in r:
                         extra += f" (runs: {', '.join(f'{x:.2f}' for x in r['latency_ms'])})"
+                    if "converged" in r:      # a loop to tolerance: how many steps it took
+                        extra += f", {r['steps']} steps" + ("" if r["converged"] else " (NOT converged)")
                     cells.append(f"{r['us_per_step']:.3g}{ratio}{extra}")
             lines.append(f"| {v} | " + " | ".join(cells) + " |")
         lines.append("")
@@ -1053,12 +1207,29 @@ def run_cmdbuf_subprocess(args) -> list[dict]:
     if args.sizes:
         cmd += ["--sizes", args.sizes]
     p = subprocess.run(cmd, env=env, capture_output=True, text=True)
-    if p.returncode != 0 or not out.exists():
-        return [dict(workload="heat1d", n=0, variant="jax [WHILE command buffers]", error=p.stderr[-400:])]
-    rows = json.loads(out.read_text())["results"]
+    rows = json.loads(out.read_text())["results"] if out.exists() else []
     for r in rows:
         r["variant"] += " [WHILE cmd buffers]"
+    if not out.exists() or (p.returncode != 0 and not any(wrong_result(r) for r in rows)):
+        rows.append(dict(workload="heat1d", n=0, variant="jax [WHILE command buffers]",
+                         error=f"exit status {p.returncode}: {p.stderr[-400:]}"))
     return rows
+
+
+def wrong_result(row) -> bool:
+    return row.get("error", "").startswith("wrong result")
+
+
+def report_wrong_results(results) -> int:
+    """Name every variant and size whose result was wrong, on stderr; 1 if there was one."""
+    bad = [r for r in results if wrong_result(r)]
+    for r in bad:
+        print(f"bench.py: WRONG RESULT: {r['workload']} n={r['n']} variant {r['variant']!r}: "
+              f"{r['error'][len('wrong result: '):] or r.get('check', '')}", file=sys.stderr, flush=True)
+    if bad:
+        print(f"bench.py: {len(bad)} variant(s) failed their check against the float64 NumPy reference "
+              f"(their times are not reported)", file=sys.stderr, flush=True)
+    return 1 if bad else 0
 
 
 def main(argv=None):
@@ -1079,9 +1250,10 @@ def main(argv=None):
     if args.merge:
         docs = [json.loads(Path(f).read_text()) for f in args.merge]
         meta = dict(docs[0]["meta"], merged=args.merge)
-        md = write_outputs([r for d in docs for r in d["results"]], meta, Path(args.out))
+        results = [r for d in docs for r in d["results"]]
+        md = write_outputs(results, meta, Path(args.out))
         print(md.read_text())
-        return 0
+        return report_wrong_results(results)
     gpu = gpu_available() and not args.quick
     b = Bench(args, gpu)
     meta = dict(device=device_name(gpu), date=_dt.date.today().isoformat(), reps=args.reps,
@@ -1095,10 +1267,10 @@ def main(argv=None):
             b.emit(row)
     if args.json:
         Path(args.json).write_text(json.dumps(dict(meta=meta, results=b.results)))
-        return 0
+        return report_wrong_results(b.results)
     md = write_outputs(b.results, meta, Path(args.out))
     print(md.read_text())
-    return 1 if any("wrong result" in r.get("error", "") for r in b.results) else 0
+    return report_wrong_results(b.results)
 
 
 if __name__ == "__main__":

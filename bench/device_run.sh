@@ -4,7 +4,10 @@
 #   sh bench/device_run.sh [tests] [ncu:N:SCOPE] [PART:WORKLOADS[:FLAG+FLAG...] ...]
 # e.g.  sh bench/device_run.sh tests heat:heat,control:--sweep+--no-cmdbuf quad:quadratic
 # .whl/ (not in git; carried along) holds wheels the machine's Python lacks (see DEVICE.md).
+# The GPU tests run with LOOPKERN_REQUIRE_GPU=1 (a skipped GPU test fails: this machine has a GPU);
+# bench.py exits 1 when a variant fails its check. The script's exit status is 1 if any part failed.
 set -u
+status=0
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -18,8 +21,10 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv 
 for part in "$@"; do
     start=$(date -u +%H:%M:%S)
     if [ "$part" = tests ]; then
-        python3 -m pytest -m gpu -q tests/gpu -p no:warnings -s > "$OUT/gpu-tests.log" 2>&1
-        echo "tests: rc=$? $start-$(date -u +%H:%M:%S)" | tee -a "$OUT/parts.txt"
+        LOOPKERN_REQUIRE_GPU=1 python3 -m pytest -m gpu -q -rfEs tests/gpu -p no:warnings -s \
+            > "$OUT/gpu-tests.log" 2>&1
+        rc=$?; [ $rc -ne 0 ] && status=1
+        echo "tests: rc=$rc $start-$(date -u +%H:%M:%S)" | tee -a "$OUT/parts.txt"
         tail -3 "$OUT/gpu-tests.log"
         continue
     fi
@@ -39,6 +44,9 @@ for part in "$@"; do
     flags=""; [ "$rest" != "$workloads" ] && flags=$(echo "${rest#*:}" | tr '+' ' ')
     # shellcheck disable=SC2086
     python3 bench.py --workloads "$workloads" $flags --json "$OUT/$name.json" > "$OUT/$name.log" 2>&1
-    echo "$name: rc=$? $start-$(date -u +%H:%M:%S)" | tee -a "$OUT/parts.txt"
+    rc=$?; [ $rc -ne 0 ] && status=1
+    echo "$name: rc=$rc $start-$(date -u +%H:%M:%S)" | tee -a "$OUT/parts.txt"
+    grep "WRONG RESULT" "$OUT/$name.log"
     tail -2 "$OUT/$name.log"
 done
+exit $status

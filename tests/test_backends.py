@@ -133,17 +133,27 @@ def test_integer_counter_exact(backend, scope, rng):
 @pytest.mark.parametrize("backend,scope", list(cases()))
 def test_thread_id_and_num_threads_cover_every_index(backend, scope, rng):
     @lk.megakernel
-    def spmd(t, hits):
+    def spmd(t, hits, who, nt):
         n = hits.shape[0]
         i = lk.thread_id()
         while i < n:
             hits[i] += 1
+            who[i] = lk.thread_id()
             i += lk.num_threads()
+        if lk.thread_id() == 0:
+            nt[0] = lk.num_threads()
 
-    hits = np.zeros(100 if small(backend) else 5000, np.int64)
-    run = spmd(hits, steps=3, backend=backend, scope=scope)
-    assert np.all(hits == 3)
-    assert run.threads * run.blocks >= 1
+    n = 100 if small(backend) else 5000
+    h0 = rng.integers(-50, 50, n)
+    hits, who, nt = h0.copy(), np.full(n, -1, np.int64), np.zeros(1, np.int64)
+    run = spmd(hits, who, nt, steps=3, backend=backend, scope=scope)
+    np.testing.assert_array_equal(hits, h0 + 3)               # every index exactly once per step
+    assert nt[0] == run.threads * run.blocks                  # num_threads() is the launch's thread count
+    np.testing.assert_array_equal(who, np.arange(n) % nt[0])  # thread k takes k, k + nt, ...
+    if backend == "cpu":
+        assert (run.threads, run.blocks) == (1, 1)
+    else:                                                     # the simulator runs one block
+        assert run.blocks == 1 and run.threads % 32 == 0 and 32 <= run.threads <= 1024
 
 
 @pytest.mark.parametrize("backend,scope", list(cases()))
@@ -220,28 +230,33 @@ def test_step_index_and_early_uniform_return(backend, scope, rng):
             log[t] = t * 10
         return t + 1 < stop_at
 
-    log = np.full(20, -1, np.int64)
-    run = count(log, 6, max_steps=20, backend=backend, scope=scope)
-    assert (run.steps, run.stopped) == (6, "condition")
-    np.testing.assert_array_equal(log[:6], np.arange(6) * 10)
-    assert np.all(log[6:] == -1)
+    stop_at = int(rng.integers(1, 19))
+    log0 = rng.integers(-100, -1, 20)
+    log = log0.copy()
+    run = count(log, stop_at, max_steps=20, backend=backend, scope=scope)
+    assert (run.steps, run.stopped) == (stop_at, "condition")
+    expect = log0.copy()
+    expect[:stop_at] = np.arange(stop_at) * 10
+    np.testing.assert_array_equal(log, expect)
 
 
 @pytest.mark.parametrize("backend,scope", list(cases()))
 def test_while_loop_swap_parity(backend, scope, rng):
-    # a while loop that stops after an odd number of steps: the first buffer must be newest
+    # a while loop that stops after an odd or even number of steps: the first buffer is newest
     @lk.megakernel(swap=[("u", "v")])
     def inc(t, u, v, limit):
         for i in lk.range(u.shape[0]):
             v[i] = u[i] + 1.0
         return lk.max(v[0] if lk.thread_id() == 0 else -1.0) < limit
 
-    u0 = rng.random(37)
-    u0[0] = 0.0
-    u, v = u0.copy(), u0.copy()
-    run = inc(u, v, 5.0, max_steps=100, backend=backend, scope=scope)
-    assert (run.steps, run.stopped) == (5, "condition")
-    np.testing.assert_allclose(u, u0 + 5)
+    for stop in (int(rng.integers(1, 6)) * 2 + 1, int(rng.integers(1, 6)) * 2):
+        u0 = rng.random(37)
+        u0[0] = 0.0
+        u, v = u0.copy(), u0.copy()
+        run = inc(u, v, stop - 0.5, max_steps=100, backend=backend, scope=scope)
+        assert (run.steps, run.stopped) == (stop, "condition")
+        np.testing.assert_allclose(u, u0 + stop, rtol=1e-15)
+        np.testing.assert_allclose(v, u0 + stop - 1, rtol=1e-15)   # the state one step before
 
 
 @pytest.mark.sim
@@ -310,4 +325,5 @@ def test_grid_continue_and_empty_dimension(backend, scope, rng):
         expect[i, i, :] = 0.0
     np.testing.assert_array_equal(b, expect)
     empty = np.zeros((0, 4, 3))
-    offdiag(empty, empty.copy(), steps=2, backend=backend, scope=scope)   # no iteration, no error
+    run = offdiag(empty, empty.copy(), steps=2, backend=backend, scope=scope)   # no iteration, no error
+    assert (run.steps, run.stopped) == (2, "steps")

@@ -92,24 +92,27 @@ def test_templates_are_installed_and_have_no_logic():
     assert {"cuda_kernel.py.tmpl", "cpu_kernel.py.tmpl"} <= set(names)
 
 
-def test_disk_cache_is_reused_by_a_new_process(tmp_path):
+def test_disk_cache_is_reused_by_a_new_process(tmp_path, rng):
+    seed = int(rng.integers(0, 2 ** 32))
     script = textwrap.dedent(f"""
         import sys, numpy as np
         sys.path.insert(0, {str(Path(__file__).parent)!r})
         import loopkern as lk, workloads as W
         k = lk.megakernel(W.heat_step, swap=[("u", "v")])
-        u = np.random.rand(64); v = u.copy()
+        u0 = np.random.default_rng({seed}).random(64); u = u0.copy(); v = u.copy()
         k(u, v, 0.25, steps=3, backend="cpu")
         d = k._compiled[("cpu", "grid", None, False, (), True, None)].dispatcher
-        print(sum(d.stats.cache_hits.values()), sum(d.stats.cache_misses.values()))
+        print(sum(d.stats.cache_hits.values()), sum(d.stats.cache_misses.values()),
+              float(np.abs(u - W.heat_ref(u0, 3, 0.25)).max()))
     """)
     env = dict(os.environ, LOOPKERN_CACHE_DIR=str(tmp_path), NUMBA_ENABLE_CUDASIM="0")
     runs = [subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True)
             for _ in range(2)]
-    first = [int(x) for x in runs[0].stdout.split()]
-    second = [int(x) for x in runs[1].stdout.split()]
+    first = [float(x) for x in runs[0].stdout.split()]
+    second = [float(x) for x in runs[1].stdout.split()]
     assert first[0] == 0 and first[1] >= 1      # compiled and stored
     assert second[0] >= 1 and second[1] == 0    # loaded from disk
+    assert first[2] < 1e-14 and second[2] < 1e-14   # and both compute the float64 reference
     assert list(tmp_path.glob("kernels/*.py"))
 
 
@@ -204,3 +207,88 @@ def test_the_step_barrier_is_left_out_only_after_a_final_reduction(fn, elided):
     src = lk.megakernel(fn).source("cuda")
     loop = src.split("while _lk_t < _lk_nsteps:")[1]
     assert ("_lk_rt.grid_sync(_lk_bar)" not in loop) == elided
+
+
+def _shares(n, nt):
+    """The indices each of nt threads takes in a grid-stride loop over range(n)."""
+    return [np.arange(k, n, nt) for k in range(nt)]
+
+
+# each unrolling case against NumPy: on the CPU (one thread) and under the simulator with 32
+# threads and more than 4 * 32 elements, so that the unrolled loop and its remainder both run
+UNROLL_BACKENDS = [pytest.param("cpu", None, id="cpu"), pytest.param("cuda", 32, id="sim", marks=pytest.mark.sim)]
+
+
+@pytest.mark.parametrize("backend,threads", UNROLL_BACKENDS)
+def test_every_unrolling_case_computes_what_numpy_does(backend, threads, rng):
+    n = 4 * 32 * 2 + int(rng.integers(1, 32))
+    u = rng.random(n)
+    nt = 1 if backend == "cpu" else threads
+    shares = _shares(n, nt)
+    opts = dict(steps=1, backend=backend, threads=threads)
+
+    v, acc = np.zeros(n), np.zeros(nt)
+    lk.megakernel(unroll_ok)(u, v, acc, **opts)
+    np.testing.assert_allclose(v, 2 * u + 1, rtol=1e-15)
+    np.testing.assert_allclose(acc, [(2 * u[s]).sum() for s in shares], rtol=1e-12)
+
+    v = np.zeros(n)
+    lk.megakernel(unroll_carried_twice)(u, v, **opts)
+    expect = np.zeros(n)
+    for s in shares:                      # each thread's running sum over its own share
+        expect[s] = np.cumsum(u[s])
+    np.testing.assert_allclose(v, expect, rtol=1e-12)
+
+    v0 = rng.random(n)
+    v = v0.copy()
+    lk.megakernel(unroll_control_flow)(u, v, **opts)
+    np.testing.assert_array_equal(v, np.where(u > 0.5, 1.0, v0))
+
+    # v[0] is written by every thread after its loop (a race between threads by design): it
+    # holds one of the values a thread wrote there
+    v = np.zeros(n)
+    lk.megakernel(unroll_temp_used_after)(u, v, **opts)
+    np.testing.assert_array_equal(v[1:], u[1:])
+    assert v[0] in {u[0]} | {u[s[-1]] for s in shares}
+
+    # the second loop's v[i] (i a multiple of 7) races with another thread's store of 2 u[i] in
+    # the first loop (no barrier between them), except where one thread owns both; v starts at
+    # 2 u, so whichever order the race takes, the load reads 2 u[i]
+    v = 2 * u
+    lk.megakernel(unroll_index_reused_by_a_later_loop)(u, v, **opts)
+    idx = np.arange(n)
+    sevens = idx % 7 == 0
+    np.testing.assert_array_equal(v[~sevens], 2 * u[~sevens])
+    assert np.all((v[sevens] == 2 * u[sevens] + 1) | (v[sevens] == 2 * u[sevens]))
+    own = sevens & ((idx // 7) % nt == idx % nt)           # the same thread stores, then adds
+    assert own.any()
+    np.testing.assert_array_equal(v[own], 2 * u[own] + 1)
+
+    v = np.zeros(n)
+    lk.megakernel(unroll_index_read_after)(u, v, **opts)
+    np.testing.assert_array_equal(v[1:], 2 * u[1:])
+    assert v[0] in {2 * u[0]} | {float(s[-1]) for s in shares}
+
+    v = np.zeros(n)
+    lk.megakernel(unroll_index_read_by_a_later_loop_header)(u, v, **opts)
+    np.testing.assert_array_equal(v[1:], 2 * u[1:])
+    assert v[0] in {2 * u[0]} | {float(s[-1]) for s in shares}
+
+
+@pytest.mark.parametrize("backend,threads", UNROLL_BACKENDS)
+def test_steps_without_a_final_barrier_stop_where_numpy_says(backend, threads, rng):
+    n = int(rng.integers(40, 200))
+    u = rng.standard_normal(n)
+    half = 0.5 * np.abs(u).max()          # each step's err: max |0.5 u - u|
+    opts = dict(max_steps=50, backend=backend, threads=threads)
+    for fn, small_tol_steps in ((ends_after_an_early_return, (5, "condition")),   # t > 3 returns False
+                                (ends_in_two_reductions, (50, "steps"))):
+        k = lk.megakernel(fn)
+        v = np.zeros(n)
+        run = k(u, v, half * 0.9, **opts)                   # err > tol: continue
+        assert (run.steps, run.stopped) == small_tol_steps
+        np.testing.assert_allclose(v, 0.5 * u, rtol=1e-15)
+        v = np.zeros(n)
+        run = k(u, v, half * 1.1, **opts)                   # err <= tol: stop after one step
+        assert (run.steps, run.stopped) == (1, "condition")
+        np.testing.assert_allclose(v, 0.5 * u, rtol=1e-15)

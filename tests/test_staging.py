@@ -16,23 +16,26 @@ def _plan(step, swap, *values):
     return launch.plan_staging(k.spec, argv)
 
 
-def test_swap_pair_and_same_dtype_arrays_are_staged():
-    u = np.zeros(1000, np.float32)
-    assert _plan(W.heat_step, [("u", "v")], u, u.copy(), 0.25) == ((0, 1), 8000)
+def test_swap_pair_and_same_dtype_arrays_are_staged(rng):
+    n = int(rng.integers(2, launch.STAGE_MAX_BYTES // 8))        # a float32 pair that fits
+    u = rng.random(n).astype(np.float32)
+    assert _plan(W.heat_step, [("u", "v")], u, u.copy(), 0.25) == ((0, 1), 2 * 4 * n)
     # two phases: x, tmp and out, all float64
-    x = np.zeros(100)
-    assert _plan(W.two_phase_step, [], x, x.copy(), x.copy()) == ((0, 1, 2), 2400)
+    m = int(rng.integers(1, launch.STAGE_MAX_BYTES // 24))
+    x = rng.random(m)
+    assert _plan(W.two_phase_step, [], x, x.copy(), x.copy()) == ((0, 1, 2), 3 * 8 * m)
 
 
-def test_nothing_is_staged_when_the_pair_does_not_fit_or_memory_is_shared():
-    big = np.zeros(launch.STAGE_MAX_BYTES // 8, np.float64)
+def test_nothing_is_staged_when_the_pair_does_not_fit_or_memory_is_shared(rng):
+    big = rng.random(int(rng.integers(launch.STAGE_MAX_BYTES // 16 + 1, launch.STAGE_MAX_BYTES // 4)))
     assert _plan(W.heat_step, [("u", "v")], big, big.copy(), 0.25) == ((), 0)
-    x = np.zeros(100)
+    x = rng.random(int(rng.integers(1, 500)))
     assert _plan(W.two_phase_step, [], x, x, x.copy()) == ((), 0)        # x passed twice
     # an array of another dtype is left in global memory
-    a = np.zeros((8, 8), np.int32)
+    k = int(rng.integers(2, 30))
+    a = (rng.random((k, k)) < 0.5).astype(np.int32)
     pop = np.zeros(3, np.int64)
-    assert _plan(W.life_step, [("a", "b")], a, a.copy(), pop) == ((0, 1), 512)
+    assert _plan(W.life_step, [("a", "b")], a, a.copy(), pop) == ((0, 1), 2 * 4 * k * k)
 
 
 @pytest.mark.sim

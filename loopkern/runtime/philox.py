@@ -22,6 +22,7 @@ _TWO26 = np.uint64(67108864)
 _INV53 = 1.0 / 9007199254740992.0
 _INV32 = 1.0 / 4294967296.0
 _SITE = np.uint64(0x85EBCA6B)
+_STEP_HI = np.uint64(0xC2B2AE35)
 
 
 def build(jit):
@@ -43,11 +44,16 @@ def build(jit):
 
     @jit
     def draw(seed, t, key, subkey, site):
-        """The four 32-bit words for one (seed, step, key, subkey, call site)."""
+        """The four 32-bit words for one (seed, step, key, subkey, call site).
+
+        The step's low word is the counter's last word; its high word (zero below 2**32
+        steps, so those draws do not depend on it) is mixed into the Philox key with the
+        call site, so steps 2**32 apart draw different numbers."""
         s = np.uint64(seed)
         k = np.uint64(key)
-        return philox4x32_10(k & _MASK, k >> _S32, np.uint64(subkey) & _MASK, np.uint64(t) & _MASK,
-                             s & _MASK, ((s >> _S32) ^ (np.uint64(site) * _SITE)) & _MASK)
+        st = np.uint64(t)
+        return philox4x32_10(k & _MASK, k >> _S32, np.uint64(subkey) & _MASK, st & _MASK, s & _MASK,
+                             ((s >> _S32) ^ (np.uint64(site) * _SITE) ^ ((st >> _S32) * _STEP_HI)) & _MASK)
 
     @jit
     def uniform(seed, t, key, subkey, site):

@@ -1,5 +1,9 @@
 """kernel.jax on the GPU: the XLA FFI custom call inside jax.jit, zero copy under donation,
-traced scalars and steps, pipelines, vmap, and a race test against XLA's own ops."""
+traced scalars and steps, pipelines, vmap, several block counts, and a race test against XLA's
+own ops; every result against a float64 NumPy reference or a closed form (tests/refs.py).
+
+Without JAX, or with a JAX that has no GPU backend, these tests skip; LOOPKERN_REQUIRE_GPU=1
+makes that a failure (tests/conftest.py)."""
 
 import os
 
@@ -7,21 +11,29 @@ import numpy as np
 import pytest
 
 import loopkern as lk
+import refs
 import workloads as W
 
 pytestmark = pytest.mark.gpu
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-jax = pytest.importorskip("jax")
-jnp = jax.numpy
+try:                      # a missing JAX skips each test (a failure under LOOPKERN_REQUIRE_GPU=1)
+    import jax
+    import jax.numpy as jnp
+except ImportError as exc:
+    jax = jnp = None
+    JAX_ERROR = f"{type(exc).__name__}: {exc}"
 
 HEAT = lk.megakernel(W.heat_step, swap=[("u", "v")])
 JACOBI = lk.megakernel(W.jacobi_step, swap=[("u", "v")])
+SHIFT = lk.megakernel(refs.shift_step, swap=[("u", "v")])
 
 
 @pytest.fixture(autouse=True)
 def gpu_jax():
+    if jax is None:
+        pytest.skip(f"JAX is not installed ({JAX_ERROR})")
     if jax.default_backend() != "gpu":
-        pytest.skip("JAX has no GPU backend here")
+        pytest.skip(f"JAX has no GPU backend here (default backend: {jax.default_backend()}): install jax[cuda13]")
 
 
 def rel_err(a, ref):
@@ -31,11 +43,25 @@ def rel_err(a, ref):
 @pytest.mark.parametrize("n,steps", [(4096, 333), (1 << 20, 41)])
 def test_heat_in_jit_matches_reference(n, steps, rng):
     u0 = rng.random(n).astype(np.float32)
+    ref = W.heat_ref(u0, steps, 0.25)
     f = jax.jit(lambda u, v, s: HEAT.jax(u, v, np.float32(0.25), steps=s))
     u, v = f(jnp.asarray(u0), jnp.asarray(u0), steps)
-    assert rel_err(u, W.heat_ref(u0, steps, 0.25)) < 1e-5
+    assert rel_err(u, ref) < 1e-5
     u2, _ = HEAT.jax(jnp.asarray(u0), jnp.asarray(u0), np.float32(0.25), steps=steps)   # eager
-    np.testing.assert_array_equal(np.asarray(u2), np.asarray(u))
+    assert rel_err(u2, ref) < 1e-5
+    np.testing.assert_array_equal(np.asarray(u2), np.asarray(u))      # and the same kernel both ways
+
+
+@pytest.mark.parametrize("blocks", [2, 7, None])
+def test_several_block_counts_in_jit(blocks, rng):
+    n = 1 << 18
+    a0 = rng.integers(-10 ** 6, 10 ** 6, n).astype(np.int32)
+    f = jax.jit(lambda u, s: SHIFT.jax(u, u, steps=s, scope="grid", blocks=blocks)[0])
+    for steps in (1, 2, int(rng.integers(100, 400))):
+        np.testing.assert_array_equal(np.asarray(f(jnp.asarray(a0), steps)), refs.shift_ref(a0, steps))
+    u0 = rng.random(n).astype(np.float32)
+    g = jax.jit(lambda u: HEAT.jax(u, u, np.float32(0.25), steps=57, scope="grid", blocks=blocks)[0])
+    assert rel_err(g(jnp.asarray(u0)), W.heat_ref(u0, 57, 0.25)) < 1e-5
 
 
 def test_donation_is_zero_copy(rng):
@@ -96,31 +122,32 @@ def test_race_with_xla_ops_before_and_after(rng):
         np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-4)
 
 
-def test_cpu_array_with_forced_cuda_is_an_error():
+def test_cpu_array_with_forced_cuda_is_an_error(rng):
     cpu = jax.devices("cpu")[0]
-    u = jax.device_put(jnp.zeros(16, jnp.float32), cpu)
+    u = jax.device_put(jnp.asarray(rng.random(16).astype(np.float32)), cpu)
     with pytest.raises(lk.ArgumentError, match="platforms|backend='cuda'"):
         HEAT.jax(u, u, 0.25, steps=1, backend="cuda")
 
 
 def test_timeout_and_seed_inside_jit(rng):
     import time
-    u0 = rng.random(1 << 16).astype(np.float32)
-    f = jax.jit(lambda u, v: HEAT.jax(u, v, np.float32(0.25), steps=10 ** 9, timeout=0.3))
-    jax.block_until_ready(f(jnp.asarray(u0), jnp.asarray(u0)))       # compile
+    a0 = rng.integers(-10 ** 6, 10 ** 6, 1 << 16).astype(np.int32)
+    f = jax.jit(lambda u, v: SHIFT.jax(u, v, steps=10 ** 9, timeout=0.3))
+    jax.block_until_ready(f(jnp.asarray(a0), jnp.asarray(a0)))       # compile
     t0 = time.perf_counter()
-    u, v, done = jax.block_until_ready(f(jnp.asarray(u0), jnp.asarray(u0)))
+    u, v, done = jax.block_until_ready(f(jnp.asarray(a0), jnp.asarray(a0)))
     elapsed = time.perf_counter() - t0
     done = int(done)
     print(f"kernel.jax timeout=0.3: {elapsed:.3f} s, {done} steps")
     assert 0 < done < 10 ** 9 and 0.3 <= elapsed < 1.5
-    # exactly the state after 'done' steps
-    u2, _ = HEAT.jax(jnp.asarray(u0), jnp.asarray(u0), np.float32(0.25), steps=done)
-    np.testing.assert_array_equal(np.asarray(u), np.asarray(u2))
-    # seed= reaches the kernel: the same draws as a direct call with that seed
+    # exactly the state after 'done' steps (a closed form), every element
+    np.testing.assert_array_equal(np.asarray(u), refs.shift_ref(a0, done))
+    # seed= reaches the kernel: the draws of an independent Philox for that seed
     import test_random as R
-    shape = (3, 5000)
-    a, b = R.DRAWS.jax(jnp.zeros(shape, jnp.float32), jnp.zeros(shape + (2,), jnp.float32), steps=3, seed=99)
-    ha, hb = np.zeros(shape, np.float32), np.zeros(shape + (2,), np.float32)
-    R.DRAWS(ha, hb, steps=3, backend="cpu", seed=99)
-    np.testing.assert_array_equal(np.asarray(a), ha)
+    n, steps = 5000, 3
+    call = dict(R._random_call(rng), koff=int(rng.integers(0, 1 << 30)), sub=int(rng.integers(1, 1 << 31)))
+    a, b = R.DRAWS.jax(call["start"], call["koff"], call["sub"], jnp.zeros((steps, n), jnp.float32),
+                       jnp.zeros((steps, n, 2), jnp.float32), steps=steps, start=call["start"], seed=call["seed"])
+    ref_u, ref_z = R.reference_draws(n=n, steps=steps, **call)
+    np.testing.assert_array_equal(np.asarray(a), ref_u.astype(np.float32))
+    np.testing.assert_allclose(np.asarray(b), ref_z.astype(np.float32), rtol=1e-6, atol=1e-7)
