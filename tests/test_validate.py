@@ -358,11 +358,17 @@ def rescale(x, s):
     return x + s
 
 
-def test_helpers_may_assign_to_their_own_parameters():
+def test_helpers_may_assign_to_their_own_parameters(rng):
     def step(t, u):
         for i in lk.range(u.shape[0]):
             u[i] = rescale(u[i], 0.5)
-    lk.megakernel(step)
+    u0 = rng.random(50) * 4.0
+    u = u0.copy()
+    lk.megakernel(step)(u, steps=3, backend="cpu")
+    want = u0.copy()
+    for _ in range(3):
+        want = np.array([rescale(x, 0.5) for x in want])    # the helper as plain Python
+    np.testing.assert_array_equal(u, want)
 
 
 # ---------------------------------------------------------------- messages
@@ -441,7 +447,11 @@ def test_guard_may_be_one_operand_of_and():
             a[i] = 0.0
         if t > 2 and lk.thread_id() == a.shape[0] - 1:
             count[0] += 1
-    lk.megakernel(step)
+    k = lk.megakernel(step)
+    assert k.spec.parallel
+    a, count = np.ones(1), np.zeros(1, np.int64)
+    k(a, count, steps=6, backend="cpu")     # one thread, whose id is 0 == a.shape[0] - 1
+    assert count[0] == 3 and a[0] == 0.0
 
 
 def test_read_then_write_of_the_same_element_is_an_update():
