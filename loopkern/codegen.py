@@ -158,7 +158,7 @@ class _Lower(ast.NodeTransformer):
             if name in ("sum", "max", "min"):
                 if self.backend == "cpu":
                     return _rt_call(f"reduce_{name}", node.args, node)
-                extra = [ast.Name(id=f"{_P}{n}", ctx=ast.Load()) for n in ("redf", "redi", "st", "bar")]
+                extra = [ast.Name(id=f"{_P}{n}", ctx=ast.Load()) for n in ("redf", "redi", "st", "bar", "shf", "shi")]
                 return _rt_call(f"{self.scope}_{name}", node.args + extra, node)
             if name in ("atomic_add", "atomic_max", "atomic_min"):
                 # the runtime casts the value to the array's dtype and returns the old value
@@ -583,7 +583,8 @@ def render_kernel(spec: StepSpec, backend: str, scope: str = "grid", *, cache: b
                          f"parallel loops, lk.thread_id/num_threads, lk.sync or reductions")
     dev_opts, ker_opts = _jit_options(backend, cache)
     dbg_ctx = list(_DEBUG_CTX) if debug else []
-    ctx_params = [f"{_P}tid", f"{_P}nt"] + ([f"{_P}redf", f"{_P}redi", f"{_P}st", f"{_P}bar"] if backend == "cuda"
+    ctx_params = [f"{_P}tid", f"{_P}nt"] + ([f"{_P}redf", f"{_P}redi", f"{_P}st", f"{_P}bar", f"{_P}shf", f"{_P}shi"]
+                                          if backend == "cuda"
                                           else []) + [f"{_P}seed"] + dbg_ctx
     helper_ctx = [f"{_P}tid", f"{_P}nt"] + dbg_ctx
     device_deco = "@cuda.jit(device=True)" if backend == "cuda" else f"@numba.njit({dev_opts})"

@@ -43,6 +43,7 @@ CASES = [
     ("helper", W.helper_step, [("u", "v")], [np.zeros(8), np.zeros(8), 0.3], ("grid",)),
     ("random", R.draws, [], [0, 0, 7, np.zeros((2, 8)), np.zeros((2, 8, 2))], ("grid",)),
     ("logistic", W.logistic_step, [], [np.zeros(8), 2.9], ("thread",)),
+    ("mixed_reductions", W.mixed_reductions_step, [], [np.zeros(8, f32), np.zeros((3, 4))], ("grid", "block")),
     # lk.atomic: integer add (a histogram); float add, max and min, 2-D and negative indices, values
     # cast to the array's dtype, the old value used
     ("histogram", W.histogram_step, [], [np.zeros(8, f32), np.zeros(4, i32), f32(0.0), f32(0.25)], ("grid", "block")),

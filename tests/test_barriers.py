@@ -133,3 +133,15 @@ def _expr(text):
 ])
 def test_always_reduces(text, always):
     assert codegen.always_reduces(_expr(text)) == always
+
+
+@pytest.mark.parametrize("backend,scope", BACKENDS)
+def test_reductions_of_several_value_types_in_one_step(backend, scope, rng):
+    import workloads as W
+    n, steps = (50, 3) if backend == "cuda" else (500, 4)
+    x0 = rng.random(n).astype(np.float32)
+    x, out = x0.copy(), np.zeros((steps, 4))
+    lk.megakernel(W.mixed_reductions_step)(x, out, steps=steps, backend=backend, scope=scope)
+    want_x, want_out = W.mixed_reductions_ref(x0, steps)
+    np.testing.assert_array_equal(x, want_x)
+    np.testing.assert_allclose(out, want_out, rtol=1e-6)

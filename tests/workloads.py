@@ -284,3 +284,40 @@ def scatter_ref(idx, vals, acc, hi, lo):
     np.maximum.at(hi, (idx % 2, idx // 2), vals.astype(np.float64))
     np.minimum.at(lo, -1 - idx, vals.astype(np.float64))
     return acc, hi, lo
+
+
+# ---------------------------------------------------------------- reductions of several value types
+def mixed_reductions_step(t, x, out):
+    # one lk.max and one lk.sum each over two value types in one kernel (float32 and float64,
+    # int32 and int64): the GPU once rejected such kernels as invalid IR
+    n = x.shape[0]
+    m32 = np.float32(-1e30)
+    m64 = -1e300
+    c32 = np.int32(0)
+    c64 = 0
+    for i in lk.range(n):
+        m32 = max(m32, x[i])
+        m64 = max(m64, np.float64(x[i]) * 2.0)
+        if x[i] > 0.5:
+            c32 += np.int32(1)
+            c64 += 2
+    a = lk.max(m32)
+    b = lk.max(m64)
+    c = lk.sum(c32)
+    d = lk.sum(c64)
+    if lk.thread_id() == 0:
+        out[t, 0] = a
+        out[t, 1] = b
+        out[t, 2] = c
+        out[t, 3] = d
+    for i in lk.range(n):
+        x[i] = x[i] * np.float32(0.5)
+
+
+def mixed_reductions_ref(x0, steps):
+    x = x0.copy()
+    out = np.zeros((steps, 4))
+    for t in range(steps):
+        out[t] = (x.max(), 2.0 * x.astype(np.float64).max(), (x > 0.5).sum(), 2 * (x > 0.5).sum())
+        x = x * np.float32(0.5)
+    return x, out

@@ -109,7 +109,8 @@ if SIMULATOR:
 
     def _make(op, grid):
         @cuda.jit(device=True)
-        def reduce(x, redf, redi, st, bar):
+        def reduce(x, redf, redi, st, bar, shf, shi):
+            # the kernel's per-warp slots are for the GPU's warp shuffles; here one slot per thread
             is_float = isinstance(x, (float, np.floating))
             slot = st[0] & 1
             st[0] += 1
@@ -168,13 +169,17 @@ else:
                 off >>= 1
             return v
 
+        # ``sh`` (the per-warp slots, _SHARED_SLOTS of ``dtype``) is the kernel's own shared
+        # array, passed in: a shared array allocated here would be one global symbol in each
+        # compiled copy of this function, and reductions of two value types in one kernel
+        # (a float32 and a float64 lk.max, an int32 and an int64 lk.sum) link two copies,
+        # which NVVM rejects as invalid IR
         @cuda.jit(device=True)
-        def core(v, red, st, bar):
+        def core(v, red, st, bar, sh):
             slot = st[0] & 1
             st[0] += 1
             lane = cuda.threadIdx.x & 31
             warp = cuda.threadIdx.x >> 5
-            sh = cuda.shared.array(_SHARED_SLOTS, dtype)
             v = warp_all(v)
             if lane == 0:
                 sh[slot * _MAX_WARPS + warp] = v
@@ -196,20 +201,20 @@ else:
         core_f = _make_core(op, grid, np.float64)
         core_i = _make_core(op, grid, np.int64)
 
-        def reduce(x, redf, redi, st, bar):
+        def reduce(x, redf, redi, st, bar, shf, shi):
             raise NotImplementedError("only callable from a loopkern kernel")
 
         @overload(reduce, target="cuda")
-        def _reduce_impl(x, redf, redi, st, bar):
+        def _reduce_impl(x, redf, redi, st, bar, shf, shi):
             if isinstance(x, types.Float):
                 out = x
 
-                def impl(x, redf, redi, st, bar):
-                    return out(core_f(float64(x), redf, st, bar))
+                def impl(x, redf, redi, st, bar, shf, shi):
+                    return out(core_f(float64(x), redf, st, bar, shf))
                 return impl
             if isinstance(x, (types.Integer, types.Boolean)):
-                def impl(x, redf, redi, st, bar):
-                    return core_i(int64(x), redi, st, bar)
+                def impl(x, redf, redi, st, bar, shf, shi):
+                    return core_i(int64(x), redi, st, bar, shi)
                 return impl
             return None
         return reduce

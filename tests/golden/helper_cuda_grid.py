@@ -18,7 +18,7 @@ def _lk_fn_laplacian(u, i, _lk_tid, _lk_nt):  # line 153
 
 
 @cuda.jit(device=True)
-def _lk_step(t, u, v, alpha, _lk_tid, _lk_nt, _lk_redf, _lk_redi, _lk_st, _lk_bar, _lk_seed):
+def _lk_step(t, u, v, alpha, _lk_tid, _lk_nt, _lk_redf, _lk_redi, _lk_st, _lk_bar, _lk_shf, _lk_shi, _lk_seed):
     n = u.shape[0]  # line 158
     _lk_r1_hi = n - 1  # line 159
     _lk_u1 = 1 + _lk_tid  # line 159
@@ -55,6 +55,10 @@ def _lk_kernel(_lk_nsteps, _lk_t0, _lk_a0, _lk_a1, _lk_a2, _lk_redf, _lk_redi, _
 
     _lk_st = cuda.local.array(1, _lk_np.int32)
     _lk_st[0] = 0
+    # the reductions' per-warp slots (two of 32): allocated once here, so that reductions of
+    # several value types in one kernel share them (see cuda_rt._make_core)
+    _lk_shf = cuda.shared.array(64, _lk_np.float64)
+    _lk_shi = cuda.shared.array(64, _lk_np.int64)
     _lk_code = _lk_pc = _lk_pn = _lk_pd = _lk_np.int64(0)   # the leader's poll state
     _lk_lead = _lk_tid == 0
     _lk_why = 0
@@ -65,7 +69,7 @@ def _lk_kernel(_lk_nsteps, _lk_t0, _lk_a0, _lk_a1, _lk_a2, _lk_redf, _lk_redi, _
         if _lk_lead:
             _lk_code, _lk_pc, _lk_pn, _lk_pd = _lk_rt.poll(_lk_t, _lk_host, _lk_pc, _lk_pn, _lk_pd, _lk_code)
             _lk_info[_lk_t & 1] = _lk_code
-        _lk_go = _lk_step(_lk_t0 + _lk_t, _lk_a0, _lk_a1, _lk_a2, _lk_tid, _lk_nt, _lk_redf, _lk_redi, _lk_st, _lk_bar, _lk_seed)
+        _lk_go = _lk_step(_lk_t0 + _lk_t, _lk_a0, _lk_a1, _lk_a2, _lk_tid, _lk_nt, _lk_redf, _lk_redi, _lk_st, _lk_bar, _lk_shf, _lk_shi, _lk_seed)
         _lk_rt.grid_sync(_lk_bar)
         _lk_t += 1
         _lk_a0, _lk_a1 = _lk_a1, _lk_a0

@@ -148,7 +148,7 @@ def test_debug_reports_a_planted_out_of_bounds_write(scope, rng):
         k(_device(u), v, 1, steps=100, backend="cuda", scope=scope, debug=True)
     msg = str(info.value)
     print(msg)
-    assert "out-of-bounds store to 'v' at step 2 by thread " in msg and f"index ({n},) is outside shape ({n},)" in msg
+    assert "out-of-bounds store to 'v' at step t=2 by thread " in msg and f"index ({n},) is outside shape ({n},)" in msg
     host = buf.copy_to_host()
     assert np.all(host[n:] == 7.0)                      # nothing written past the end
     # step 2's in-bounds stores were made (v[i + 1] = u[i] / 2); v[0] keeps step 1's u[0] / 2
