@@ -10,75 +10,18 @@ import pytest
 import loopkern as lk
 from loopkern import codegen
 from loopkern.spec import INTRINSIC_PREFIX
+import workloads as W
 
 BACKENDS = [pytest.param("cpu", None, id="cpu"),
             pytest.param("cuda", "grid", id="sim-grid", marks=pytest.mark.sim),
             pytest.param("cuda", "block", id="sim-block", marks=pytest.mark.sim)]
 
 
-# Each step smooths u into v (swap) and stops when the change is small. The first three
-# evaluate the reduction only on some steps; the last on every step.
-def stop_or_later(t, u, v, tol):
-    n = u.shape[0]
-    err = 0.0
-    for i in lk.range(1, n - 1):
-        new = 0.5 * u[i] + 0.25 * (u[i - 1] + u[i + 1])
-        v[i] = new
-        err = max(err, abs(new - u[i]))
-    return t < 5 or lk.max(err) > tol
-
-
-def reduce_only_after_first(t, u, v, tol):
-    n = u.shape[0]
-    err = 0.0
-    for i in lk.range(1, n - 1):
-        new = 0.5 * u[i] + 0.25 * (u[i - 1] + u[i + 1])
-        v[i] = new
-        err = max(err, abs(new - u[i]))
-    return lk.max(err) > tol if t > 0 else True
-
-
-def chained(t, u, v, tol):
-    n = u.shape[0]
-    err = 0.0
-    for i in lk.range(1, n - 1):
-        new = 0.5 * u[i] + 0.25 * (u[i - 1] + u[i + 1])
-        v[i] = new
-        err = max(err, abs(new - u[i]))
-    return t < 1000000 < lk.max(err) + 1000000 + tol or t < 6
-
-
-def reduce_every_step(t, u, v, tol):
-    n = u.shape[0]
-    err = 0.0
-    for i in lk.range(1, n - 1):
-        new = 0.5 * u[i] + 0.25 * (u[i - 1] + u[i + 1])
-        v[i] = new
-        err = max(err, abs(new - u[i]))
-    return lk.max(err) > tol or t < 5
-
-
-def smooth_ref(u0, tol, max_steps, keep_going):
-    """float64 NumPy: the same iteration; ``keep_going(t, err)`` is the step's verdict."""
-    u = u0.astype(np.float64).copy()
-    prev = u.copy()
-    steps = 0
-    while steps < max_steps:
-        v = u.copy()
-        v[1:-1] = 0.5 * u[1:-1] + 0.25 * (u[:-2] + u[2:])
-        err = np.abs(v[1:-1] - u[1:-1]).max()
-        prev, u = u, v
-        steps += 1
-        if not keep_going(steps - 1, err):
-            break
-    return u, prev, steps
-
-
 CASES = [
-    (stop_or_later, lambda t, e, tol: t < 5 or e > tol, False),
-    (reduce_only_after_first, lambda t, e, tol: e > tol if t > 0 else True, False),
-    (chained, lambda t, e, tol: t < 1000000 < e + 1000000 + tol or t < 6, False),
-    (reduce_every_step, lambda t, e, tol: e > tol or t < 5, True),
+    (W.stop_or_later, lambda t, e, tol: t < 5 or e > tol, False),
+    (W.reduce_only_after_first, lambda t, e, tol: e > tol if t > 0 else True, False),
+    (W.chained, lambda t, e, tol: t < 1000000 < e + 1000000 + tol or t < 6, False),
+    (W.reduce_every_step, lambda t, e, tol: e > tol or t < 5, True),
 ]
 
 
@@ -99,11 +42,11 @@ def test_short_circuited_reductions_match_numpy(fn, verdict, elided, backend, sc
     n = 60 if backend == "cuda" else 400
     tol = 1e-3
     u0 = rng.random(n)
-    ref_u, ref_prev, ref_steps = smooth_ref(u0, tol, 40, lambda t, e: verdict(t, e, tol))
+    ref_u, ref_prev, ref_steps = W.smooth_ref(u0, tol, 40, lambda t, e: verdict(t, e, tol))
     for steps in (7, 40):
         u, v = u0.copy(), u0.copy()
         run = lk.megakernel(fn, swap=[("u", "v")])(u, v, tol, max_steps=steps, backend=backend, scope=scope)
-        want_u, want_prev, want_steps = smooth_ref(u0, tol, steps, lambda t, e: verdict(t, e, tol))
+        want_u, want_prev, want_steps = W.smooth_ref(u0, tol, steps, lambda t, e: verdict(t, e, tol))
         assert run.steps == want_steps
         np.testing.assert_allclose(u, want_u, rtol=1e-13, atol=1e-13)
         np.testing.assert_allclose(v, want_prev, rtol=1e-13, atol=1e-13)
@@ -137,7 +80,6 @@ def test_always_reduces(text, always):
 
 @pytest.mark.parametrize("backend,scope", BACKENDS)
 def test_reductions_of_several_value_types_in_one_step(backend, scope, rng):
-    import workloads as W
     n, steps = (50, 3) if backend == "cuda" else (500, 4)
     x0 = rng.random(n).astype(np.float32)
     x, out = x0.copy(), np.zeros((steps, 4))

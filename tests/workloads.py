@@ -321,3 +321,63 @@ def mixed_reductions_ref(x0, steps):
         out[t] = (x.max(), 2.0 * x.astype(np.float64).max(), (x > 0.5).sum(), 2 * (x > 0.5).sum())
         x = x * np.float32(0.5)
     return x, out
+
+
+# ---------------------------------------------------------------- reductions that may be short-circuited
+# Each step smooths u into v (swap) and stops when the change is small. The first three
+# evaluate the reduction only on some steps (they need the barrier between steps); the last on
+# every step (its reduction's barrier replaces it).
+def stop_or_later(t, u, v, tol):
+    n = u.shape[0]
+    err = 0.0
+    for i in lk.range(1, n - 1):
+        new = 0.5 * u[i] + 0.25 * (u[i - 1] + u[i + 1])
+        v[i] = new
+        err = max(err, abs(new - u[i]))
+    return t < 5 or lk.max(err) > tol
+
+
+def reduce_only_after_first(t, u, v, tol):
+    n = u.shape[0]
+    err = 0.0
+    for i in lk.range(1, n - 1):
+        new = 0.5 * u[i] + 0.25 * (u[i - 1] + u[i + 1])
+        v[i] = new
+        err = max(err, abs(new - u[i]))
+    return lk.max(err) > tol if t > 0 else True
+
+
+def chained(t, u, v, tol):
+    n = u.shape[0]
+    err = 0.0
+    for i in lk.range(1, n - 1):
+        new = 0.5 * u[i] + 0.25 * (u[i - 1] + u[i + 1])
+        v[i] = new
+        err = max(err, abs(new - u[i]))
+    return t < 1000000 < lk.max(err) + 1000000 + tol or t < 6
+
+
+def reduce_every_step(t, u, v, tol):
+    n = u.shape[0]
+    err = 0.0
+    for i in lk.range(1, n - 1):
+        new = 0.5 * u[i] + 0.25 * (u[i - 1] + u[i + 1])
+        v[i] = new
+        err = max(err, abs(new - u[i]))
+    return lk.max(err) > tol or t < 5
+
+
+def smooth_ref(u0, tol, max_steps, keep_going):
+    """float64 NumPy: the same iteration; ``keep_going(t, err)`` is the step's verdict."""
+    u = u0.astype(np.float64).copy()
+    prev = u.copy()
+    steps = 0
+    while steps < max_steps:
+        v = u.copy()
+        v[1:-1] = 0.5 * u[1:-1] + 0.25 * (u[:-2] + u[2:])
+        err = np.abs(v[1:-1] - u[1:-1]).max()
+        prev, u = u, v
+        steps += 1
+        if not keep_going(steps - 1, err):
+            break
+    return u, prev, steps

@@ -9,43 +9,13 @@ import numpy as np
 import pytest
 
 import loopkern as lk
+import workloads as W
 
 pytestmark = pytest.mark.gpu
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 
-def smooth_until(t, u, v, tol):
-    # the reduction is skipped on steps 0-4: those steps need the barrier between steps
-    n = u.shape[0]
-    err = 0.0
-    for i in lk.range(1, n - 1):
-        new = 0.5 * u[i] + 0.25 * (u[i - 1] + u[i + 1])
-        v[i] = new
-        err = max(err, abs(new - u[i]))
-    return t < 5 or lk.max(err) > tol
-
-
-def smooth_until_ifexp(t, u, v, tol):
-    n = u.shape[0]
-    err = 0.0
-    for i in lk.range(1, n - 1):
-        new = 0.5 * u[i] + 0.25 * (u[i - 1] + u[i + 1])
-        v[i] = new
-        err = max(err, abs(new - u[i]))
-    return lk.max(err) > tol if t > 3 else True
-
-
-def smooth_ref(u0, steps):
-    u = u0.astype(np.float64).copy()
-    prev = u.copy()
-    for _ in range(steps):
-        v = u.copy()
-        v[1:-1] = 0.5 * u[1:-1] + 0.25 * (u[:-2] + u[2:])
-        prev, u = u, v
-    return u, prev
-
-
-@pytest.mark.parametrize("fn", [smooth_until, smooth_until_ifexp])
+@pytest.mark.parametrize("fn", [W.stop_or_later, W.reduce_only_after_first])
 @pytest.mark.parametrize("n,blocks", [(4096, None), (4096, 1), (4096, 16), (1 << 20, None), (1 << 20, 264)])
 def test_short_circuited_reduction_keeps_the_barrier(fn, n, blocks, rng):
     u0 = rng.random(n)
@@ -53,7 +23,7 @@ def test_short_circuited_reduction_keeps_the_barrier(fn, n, blocks, rng):
     run = lk.megakernel(fn, swap=[("u", "v")])(u, v, 0.0, max_steps=7, backend="cuda", scope="grid",
                                                blocks=blocks)
     assert (run.steps, run.stopped) == (7, "steps")
-    want_u, want_v = smooth_ref(u0, 7)
+    want_u, want_v, _ = W.smooth_ref(u0, 0.0, 7, lambda t, e: True)
     np.testing.assert_allclose(u, want_u, rtol=1e-12, atol=1e-13)
     np.testing.assert_allclose(v, want_v, rtol=1e-12, atol=1e-13)
 
