@@ -22,7 +22,7 @@ from __future__ import annotations
 import ast
 import copy
 
-from .spec import marker_of
+from .spec import int_constant, marker_of
 
 _KEEPS_BOUND = object()     # a binding that leaves the name's other bindings' bound standing
 
@@ -186,7 +186,7 @@ class _Bounds:
         # range() takes integers only (anything else fails to compile), so the stop needs no check
         if len(args) == 1:
             return 0
-        step = _int_constant(args[2]) if len(args) == 3 else 1
+        step = int_constant(args[2]) if len(args) == 3 else 1
         start, stop = self.lower(args[0]), self.lower(args[1])
         if step is not None and step > 0:
             return start
@@ -197,7 +197,7 @@ class _Bounds:
 
     def lower(self, e) -> int | None:
         """A lower bound of the integer expression ``e``, or None."""
-        c = _int_constant(e)
+        c = int_constant(e)
         if c is not None:
             return c
         if isinstance(e, ast.Name):
@@ -224,7 +224,7 @@ class _Bounds:
         if isinstance(e.op, ast.Add):
             return a + b
         if isinstance(e.op, ast.Sub):
-            c = _int_constant(e.right)
+            c = int_constant(e.right)
             return a - c if c is not None else None
         if isinstance(e.op, ast.Mult):
             return a * b if a >= 0 and b >= 0 else None
@@ -253,12 +253,3 @@ class _Bounds:
         if f == "abs" and len(lows) == 1:
             return max(lows[0], 0)
         return None
-
-
-def _int_constant(e):
-    if isinstance(e, ast.Constant) and isinstance(e.value, int) and not isinstance(e.value, bool):
-        return e.value
-    if isinstance(e, ast.UnaryOp) and isinstance(e.op, ast.USub):
-        c = _int_constant(e.operand)
-        return -c if c is not None else None
-    return None

@@ -32,6 +32,16 @@ def marker_of(node) -> str | None:
     return None
 
 
+def int_constant(e) -> int | None:
+    """The value of an integer literal (``3``, ``-3``) in a normalized body, else None."""
+    if isinstance(e, ast.Constant) and isinstance(e.value, int) and not isinstance(e.value, bool):
+        return e.value
+    if isinstance(e, ast.UnaryOp) and isinstance(e.op, ast.USub):
+        c = int_constant(e.operand)
+        return -c if c is not None else None
+    return None
+
+
 def is_helper_call(node) -> bool:
     """A call of one of the step's helper functions (by its generated symbol)."""
     return isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id.startswith(HELPER_PREFIX)

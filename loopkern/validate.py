@@ -38,7 +38,7 @@ from . import dsl
 from .errors import Diagnostic, StepSyntaxError
 from .frontend import ParsedFunction, parse_step
 from .spec import (ANY, ARRAY, HELPER_PREFIX, INTRINSIC_PREFIX, RESERVED_PREFIX, SCALAR, FunctionSpec,
-                   ParamSpec, StepSpec, is_helper_call, marker_of)
+                   ParamSpec, StepSpec, int_constant, is_helper_call, marker_of)
 
 _BUILTINS = {"abs", "min", "max", "int", "float", "bool", "len", "range", "round"}
 _BUILTIN_CONSTS = {"True", "False", "None"}
@@ -806,22 +806,13 @@ _CONDITION_INSIDE = ("move the condition inside the loop: run `for i in lk.range
                      "it per index with `if ...:` in the loop's body")
 
 
-def _int_constant(e):
-    if isinstance(e, ast.Constant) and isinstance(e.value, int) and not isinstance(e.value, bool):
-        return e.value
-    if isinstance(e, ast.UnaryOp) and isinstance(e.op, ast.USub):
-        c = _int_constant(e.operand)
-        return -c if c is not None else None
-    return None
-
-
 def _offset(e):
     """``(base, c)`` for ``base + c``, ``base - c`` or ``c + base`` (c an integer literal), else ``(e, 0)``."""
     if isinstance(e, ast.BinOp) and isinstance(e.op, (ast.Add, ast.Sub)):
-        r = _int_constant(e.right)
+        r = int_constant(e.right)
         if r is not None:
             return e.left, r if isinstance(e.op, ast.Add) else -r
-        left = _int_constant(e.left)
+        left = int_constant(e.left)
         if left is not None and isinstance(e.op, ast.Add):
             return e.right, left
     return e, 0
