@@ -466,9 +466,10 @@ class MegaKernel:
                        f"out-of-bounds {verb} '{site.array}' at step t={int(dbg[1])} by thread {int(dbg[2])}: "
                        f"index {index} is outside shape {shape_text}",
                        hint=f"valid indices of a dimension of length n are -n to n - 1. {what.capitalize()}, and "
-                            f"debug=True stopped the run at the first step boundary every thread could see the "
-                            f"stop (threads learn of it one step later): this call ran {steps} step(s), "
-                            f"t={start} to t={start + steps - 1}, and the arrays hold the state after them",
+                            f"debug=True stopped the run at the first step boundary where every thread could "
+                            f"stop together (up to two steps after the bad access): this call ran {steps} "
+                            f"step(s), t={start} to t={start + steps - 1}, and the arrays hold the state after "
+                            f"them",
                        source_line=linecache.getline(site.filename, site.line),
                        where="" if site.function == self.spec.name else f"in helper '{site.function}'")
         return d.format()
