@@ -195,8 +195,9 @@ class _Phase:
 class Gen:
     """Draws one program. ``draw`` is hypothesis's."""
 
-    def __init__(self, draw, *, atomics, sequential_ok, max_phases):
+    def __init__(self, draw, *, atomics, sequential_ok, max_phases, kinds=None):
         self.draw = draw
+        self.kinds = kinds
         self.atomics = atomics
         self.lines = []
         self.features = set()
@@ -237,7 +238,7 @@ class Gen:
     # -- the whole program ------------------------------------------------------------------
     def program(self):
         d = self.draw
-        self.kind = self.choice(["int", "int", "float64", "float64", "float32"])
+        self.kind = self.choice(list(self.kinds) if self.kinds else ["int", "float32", "float64", "int", "float64"])
         self.is_int = self.kind == "int"
         self.dtype = {"int": "int64", "float64": "float64", "float32": "float32"}[self.kind]
         self.sequential = self.sequential_ok and self.chance(0.12)
@@ -1039,14 +1040,15 @@ class Gen:
 
 
 @st.composite
-def programs(draw, atomics=False, sequential_ok=True, max_phases=3):
+def programs(draw, atomics=False, sequential_ok=True, max_phases=3, kinds=None):
     """A random valid step program (a :class:`Program`), sized for the simulator (1-D mostly up
     to 24 elements, sometimes 129-150; 2-D up to 7x7); ``Program.args(shape)`` runs it bigger.
 
     atomics: use ``lk.atomic`` (scatters into bins, atomics on own elements).
     sequential_ok: sometimes a step with no parallel construct (CUDA runs it on one thread).
+    kinds: the value kinds to draw from ("int", "float64", "float32"; default all three).
     """
-    return Gen(draw, atomics=atomics, sequential_ok=sequential_ok, max_phases=max_phases).program()
+    return Gen(draw, atomics=atomics, sequential_ok=sequential_ok, max_phases=max_phases, kinds=kinds).program()
 
 
 # ------------------------------------------------------------------------------ test support
@@ -1162,3 +1164,75 @@ try:
         _write_counts(tmp_path_factory.getbasetemp() / "fuzz_counts.json")
 except ImportError:       # pragma: no cover - stepgen without pytest
     pass
+
+
+# ------------------------------------------------------------------------------ PTX (no GPU)
+def compile_programs_to_ptx(count, atomics, seed=None):
+    """Generate ``count`` programs and compile each one's CUDA kernels (grid and block scope;
+    thread scope for a sequential step) to PTX with NVVM, in THIS process, which must not have
+    imported numba with the simulator on. A stand-in device reporting compute capability 9.0
+    stands in for a GPU, as in tests/ptx_check.py, whose kernel signature this repeats. Prints
+    one JSON line per kernel: CUDA-only compile errors (IR that NVVM rejects, say) show up on a
+    machine without a GPU, where the simulator runs Python instead."""
+    import json
+
+    os.environ["NUMBA_ENABLE_CUDASIM"] = "0"
+    import numba.cuda.api as _api
+    import numba.cuda.dispatcher as _disp
+    from numba import cuda, typeof, types
+
+    class _Device:
+        compute_capability = (9, 0)
+        id = 0
+        name = b"stand-in for compiling only"
+
+    _api.get_current_device = _disp.get_current_device = lambda: _Device()
+    import loopkern as lk
+    from hypothesis import HealthCheck, Phase, given, settings
+    from hypothesis import seed as hseed
+    from loopkern import codegen
+    from loopkern.compile import compile_kernel
+
+    scratch = (types.float64[:, ::1], types.int64[:, ::1], types.uint32[::1])
+    control = (types.int64[::1], types.int64[::1])
+    progs = []
+
+    for kind in ("float32", "int", "float64"):     # as many of each (float32 mixes widths most)
+        @settings(max_examples=max(count // 3, 1), derandomize=seed is None, database=None,
+                  phases=[Phase.generate], suppress_health_check=list(HealthCheck), deadline=None)
+        @given(programs(atomics=atomics, kinds=(kind,)))
+        def collect(prog):
+            progs.append(prog)
+
+        (hseed(seed)(collect) if seed is not None else collect)()
+    for prog in progs:
+        args = prog.args()
+        floats = {a.dtype for a in args if isinstance(a, np.ndarray) and a.dtype.kind == "f"}
+        float_type = "float32" if floats == {np.dtype(np.float32)} else None
+        params = []
+        for a in args:
+            if isinstance(a, np.ndarray):
+                params.append(typeof(a))
+            elif isinstance(a, float):
+                params.append(types.float32 if float_type else types.float64)
+            else:
+                params.append(typeof(a))
+        sig = (types.int64, types.int64, *params, *scratch, types.uint64, *control)
+        kernel = lk.megakernel(load(prog), swap=prog.swap)
+        for scope in (("thread",) if prog.sequential else ("grid", "block")):
+            rec = dict(scope=scope, kind=prog.kind)
+            try:
+                src = codegen.render_kernel(kernel.spec, "cuda", scope, cache=False, float_type=float_type)
+                cuda.compile_ptx(compile_kernel(src).dispatcher.py_func, sig, cc=(9, 0))
+                rec.update(ok=True)
+            except Exception as exc:
+                rec.update(ok=False, error=f"{type(exc).__name__}: {exc}"[:1500], source=prog.source)
+            print(json.dumps(rec), flush=True)
+
+
+if __name__ == "__main__":
+    # python tests/stepgen.py ptx COUNT [atomics] [SEED]
+    if len(sys.argv) >= 3 and sys.argv[1] == "ptx":
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        compile_programs_to_ptx(int(sys.argv[2]), atomics="atomics" in sys.argv[3:],
+                                seed=int(sys.argv[4]) if len(sys.argv) > 4 else None)

@@ -2,7 +2,9 @@
 the CUDA code path under Numba's simulator (grid and block scope; thread scope for a step without
 parallel constructs), each compared with the plain-Python reference interpreter (tests/interp.py):
 integer programs bit for bit, float programs to a tight tolerance, and the step count, stop reason
-and next start index exactly.
+and next start index exactly. More generated programs are compiled for the GPU (PTX, with NVVM:
+no GPU needed) to catch CUDA-only compile errors, and hand-written steps return a reduction's
+verdict under short-circuits and conditional expressions (the step barrier must stay).
 
 Hypothesis runs derandomized (the same programs every run, no example database), so a failure
 reproduces; the falsifying example prints the program's source. Environment:
@@ -15,6 +17,11 @@ reproduces; the falsifying example prints the program's source. Environment:
 How many programs ran is printed in the terminal summary ("loopkern fuzzing") and written to
 ``fuzz_counts.json`` in pytest's base temporary directory.
 """
+
+import json
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -29,8 +36,9 @@ from stepgen import fuzz_counter, fuzz_settings  # noqa: F401 (a fixture)
 # every program runs on each of these (a step without parallel constructs: CUDA's thread scope)
 BACKENDS = [("cpu", None), ("cuda", "grid"), ("cuda", "block")]
 
-CORE_EXAMPLES = 60        # 1-2 seconds each on one CPU core (compiling the CPU kernel is most)
-ATOMIC_EXAMPLES = 20
+CORE_EXAMPLES = 100       # 1-2 seconds each on one CPU core (compiling the CPU kernel is most)
+ATOMIC_EXAMPLES = 30
+PTX_PROGRAMS = 15         # compiled for the GPU with NVVM: about 1 second per kernel
 
 
 def threads_for(prog, threads):
@@ -52,6 +60,27 @@ def test_random_programs_match_interpreter(fuzz_counter, prog, threads):
 def test_random_programs_with_atomics_match_interpreter(fuzz_counter, prog, threads):
     stepgen.check_program(prog, [(backend, scope, threads_for(prog, threads), None) for backend, scope in BACKENDS])
     fuzz_counter("test_fuzz lk.atomic (cpu, sim grid, sim block)", prog)
+
+
+def test_random_programs_compile_to_ptx(fuzz_counter):
+    # The simulator runs the CUDA path as Python: IR that NVVM rejects only shows when the kernel
+    # is compiled for a GPU. Compile generated programs (a third each int64, float64 and float32:
+    # float32 steps mix float32 and float64 values the most) to PTX with NVVM, no GPU needed.
+    n = int(os.environ.get("LOOPKERN_FUZZ_EXAMPLES", PTX_PROGRAMS))
+    cmd = [sys.executable, stepgen.__file__, "ptx", str(n), "atomics"]
+    if os.environ.get("LOOPKERN_FUZZ_SEED"):
+        cmd.append(os.environ["LOOPKERN_FUZZ_SEED"])
+    p = subprocess.run(cmd, env=dict(os.environ, NUMBA_ENABLE_CUDASIM="0"), capture_output=True, text=True,
+                       timeout=1800)
+    assert p.returncode == 0, p.stderr[-3000:]
+    recs = [json.loads(line) for line in p.stdout.splitlines() if line.startswith("{")]
+    assert len(recs) >= n
+    if all(not r["ok"] and r["error"].startswith(("DynamicLibNotFoundError", "NvvmSupportError")) for r in recs):
+        pytest.skip("NVVM is not installed (pip install 'cuda-toolkit[nvvm,nvrtc]==13.*')")
+    failed = [r for r in recs if not r["ok"]]
+    assert not failed, "\n\n".join(f"{r['scope']} scope: {r['error']}\n{r['source']}" for r in failed[:3])
+    for _ in range(n):
+        fuzz_counter("test_fuzz PTX with NVVM (grid and block scope)")
 
 
 # ------------------------------------------------- a reduction the final return may skip
