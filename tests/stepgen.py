@@ -753,15 +753,8 @@ class Gen:
         if op == "//":
             a, ba = self.expr(depth - 1)
             return f"({a} // {self.choice([2, 3, 5])})", ba
-        if op == "abs":
-            a, ba = self.expr(depth - 1)
-            return f"abs({a})", ba
-        if op == "minmax":
-            (a, ba), (b, bb) = self.expr(depth - 1), self.expr(depth - 1)
-            return f"{self.choice(['min', 'max'])}({a}, {b})", max(ba, bb)
-        if op == "ifexp":
-            (a, ba), (b, bb) = self.expr(depth - 1), self.expr(depth - 1)
-            return f"({a} if {self.cond(depth - 1)} else {b})", max(ba, bb)
+        if op in ("abs", "minmax", "ifexp"):
+            return self.shared_op(op, depth)
         if op == "and7":
             a, ba = self.expr(depth - 1)
             return f"({a} & 7)", 7
@@ -774,6 +767,17 @@ class Gen:
             return f"imix({a}, {b})", M
         self.helpers_used.add("int")
         return f"ipick({a}, {b})", ba + bb
+
+    def shared_op(self, op, depth):
+        """The operations integer and float expressions share: (text, bound on |value|)."""
+        if op == "abs":
+            a, ba = self.expr(depth - 1)
+            return f"abs({a})", ba
+        if op == "minmax":
+            (a, ba), (b, bb) = self.expr(depth - 1), self.expr(depth - 1)
+            return f"{self.choice(['min', 'max'])}({a}, {b})", max(ba, bb)
+        (a, ba), (b, bb) = self.expr(depth - 1), self.expr(depth - 1)     # ifexp
+        return f"({a} if {self.cond(depth - 1)} else {b})", max(ba, bb)
 
     def float_op(self, depth):
         ops = ["+", "+", "-", "*", "scale", "abs", "minmax", "ifexp", "helper", "div"]
@@ -790,15 +794,8 @@ class Gen:
             a, ba = self.expr(depth - 1)
             c = self.choice([0.5, 0.25, -0.75, 1.25])
             return f"{_flit(c)} * {a}", abs(c) * ba
-        if op == "abs":
-            a, ba = self.expr(depth - 1)
-            return f"abs({a})", ba
-        if op == "minmax":
-            (a, ba), (b, bb) = self.expr(depth - 1), self.expr(depth - 1)
-            return f"{self.choice(['min', 'max'])}({a}, {b})", max(ba, bb)
-        if op == "ifexp":
-            (a, ba), (b, bb) = self.expr(depth - 1), self.expr(depth - 1)
-            return f"({a} if {self.cond(depth - 1)} else {b})", max(ba, bb)
+        if op in ("abs", "minmax", "ifexp"):
+            return self.shared_op(op, depth)
         if op == "div":
             (a, ba), (b, bb) = self.expr(depth - 1), self.expr(depth - 1)
             return f"({a} / (1.0 + abs({b})))", ba
