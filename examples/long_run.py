@@ -60,7 +60,7 @@ def main():
     p.add_argument("--steps", type=int, default=200_000)
     p.add_argument("--backend", default="auto")
     args = p.parse_args()
-    from loopkern import launch
+    from loopkern.dispatch import config as launch
     backend = launch.choose_backend(args.backend)
     rng = np.random.default_rng(1)
     u0 = rng.random(args.n)

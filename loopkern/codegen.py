@@ -565,7 +565,7 @@ def render_kernel(spec: StepSpec, backend: str, scope: str = "grid", *, cache: b
             one-thread CUDA kernel polls every few steps, see ``cuda_rt.poll_strided``);
             False only to measure what that costs.
         float_type: ``"float32"`` to give float literals in the step that precision (when the
-            arrays are float32: see ``interop.arrays.weak_float_type``); None keeps float64.
+            arrays are float32: see ``dispatch.args.weak_float_type``); None keeps float64.
 
     Returns:
         The :class:`KernelSource`.

@@ -64,7 +64,7 @@ def runtime_fingerprint() -> str:
     # read, not imported: importing cuda_rt would load numba.cuda for a CPU-only run
     h = hashlib.sha256(f"{__version__} numba {numba.__version__}".encode())
     here = Path(__file__).resolve().parent / "runtime"
-    for name in ("cpu_rt.py", "cuda_rt.py", "philox.py", "bounds.py", "lowering.py", "atomics.py"):
+    for name in ("cpu_rt.py", "cuda_rt.py", "philox.py", "bounds.py", "lowering.py", "atomics.py", "layout.py"):
         h.update((here / name).read_bytes())
     return h.hexdigest()[:16]
 
@@ -115,7 +115,10 @@ class CompiledKernel:
         compiled kernel (CUDA), or the dispatcher (simulator). Calling those directly skips
         the dispatcher's own per-call type resolution.
         """
-        types = self.types_of(args)
+        return self.specialize_types(self.types_of(args))
+
+    def specialize_types(self, types: tuple):
+        """:meth:`specialize` for the Numba types of the arguments."""
         hit = self._specialized.get(types)
         if hit is not None:
             return hit

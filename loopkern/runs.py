@@ -1,25 +1,30 @@
 """A megakernel run in flight: waiting, progress, cancellation, timeouts and the watchdog.
 
-:class:`RunHandle` is what ``kernel.start(...)`` returns; a blocking ``kernel(...)`` call is
-``start`` followed by :meth:`RunHandle.wait`. The kernel and the host talk through the run's
-control block (``host``, int64, layout in ``runtime/cuda_rt.py``): the kernel publishes its
-step count and, when it ends, why it stopped; the host writes a request (cancel, or a timeout
-on the CPU backend) that the kernel reads at a step boundary.
+The kernel and the host talk through the run's control block (``host``, int64; slots and
+stop codes in ``runtime/layout.py``): the kernel publishes its step count and, when it ends,
+why it stopped; the host writes a request (cancel, a timeout on the CPU backend, a pause) that
+the kernel reads at a step boundary.
+
+- :class:`RunHandle` is what ``kernel.start(...)`` returns (and what a call with
+  ``progress=`` waits on): the kernel runs while Python goes on.
+- :func:`wait_cuda` is a blocking call's wait on a GPU: it watches the done flag the kernel
+  writes into mapped host memory, spinning briefly and then sleeping a little longer each time.
+- :func:`run_inline` is a blocking call on the CPU backend: the kernel runs in the calling
+  thread. One process-wide :class:`Ticker` thread, idle when no run needs it, writes the
+  timeout and watchdog requests, and asks a long run to pause every ``PAUSE_EVERY_S`` so that
+  the calling thread can see Ctrl-C; a paused run continues where it stopped (``start=``
+  semantics: the result is the same bit for bit).
 """
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from dataclasses import dataclass
 
 from .errors import BoundsError, HangError, LaunchError
-
-#: Run.stopped for each stop code the kernel writes
-STOPPED = ("steps", "condition", "cancelled", "timeout", "error")
-CANCEL, TIMEOUT = 2, 3
-# control block slots
-STEPS, REQUEST, WHY, DONE, TIMEOUT_NS = 0, 1, 2, 3, 4
+from .runtime.layout import (BOUNDS, CANCEL, DONE, PAUSE, REQUEST, STEPS, STOPPED, TIMEOUT, WHY)
 #: when the watchdog fires it cancels the run and gives the kernel this long to reach a step
 #: boundary before reporting it as stuck
 WATCHDOG_GRACE_S = 5.0
@@ -62,7 +67,7 @@ class EventWaiter:
 
     QUERY_EVERY_S = 0.05
 
-    def __init__(self, event, host):
+    def __init__(self, event: int, host):
         self.event = event
         self.host = host
         self.next_query = time.monotonic() + self.QUERY_EVERY_S
@@ -74,18 +79,15 @@ class EventWaiter:
         if now < self.next_query:
             return False
         self.next_query = now + self.QUERY_EVERY_S
-        return self._event_done()
-
-    def _event_done(self) -> bool:
-        # the driver binding directly: Numba's Event.query logs CUDA_ERROR_NOT_READY as an error
-        from cuda.bindings import driver
-        (err,) = driver.cuEventQuery(self.event.handle)
-        if err == driver.CUresult.CUDA_ERROR_NOT_READY:
-            return False
-        return True      # done, or failed: finish() synchronizes and raises the failure
+        from .dispatch import driver
+        # done, or failed: finish() synchronizes and raises the failure
+        return driver.driver().event_query(self.event) != driver.CUDA_ERROR_NOT_READY
 
     def finish(self):
-        self.event.synchronize()
+        from .dispatch import driver
+        r = driver.driver().event_synchronize(self.event)
+        if r != driver.CUDA_SUCCESS:
+            raise LaunchError(f"the kernel failed while running: {driver.error_name(r)} ({r})")
 
 
 class ThreadWaiter:
@@ -250,17 +252,9 @@ class RunHandle:
         while time.monotonic() < end:
             if self._waiter.is_done():
                 run = self._finish()
-                raise HangError(
-                    f"{self.name}: the watchdog saw no progress for {idle:.1f} s (watchdog={watchdog} s) at "
-                    f"step {steps}, so it cancelled the run; the kernel stopped after {run.steps} steps, so a step "
-                    f"takes longer than the watchdog interval. The arrays hold the state after {run.steps} steps. "
-                    f"Pass a larger watchdog= (or watchdog=None) for steps this slow.", run=run)
+                raise HangError(slow_step_message(self.name, idle, watchdog, steps, run), run=run)
             time.sleep(1e-3)
-        raise HangError(
-            f"{self.name}: the watchdog saw no progress for {idle:.1f} s (watchdog={watchdog} s) at step "
-            f"{steps}, and the kernel did not stop within {grace:.1f} s of being cancelled: a step never "
-            f"finishes (e.g. a while loop whose condition stays true). The {self._backend} device is still "
-            f"running it; it cannot be stopped from here, so the process must exit to free it.", run=None)
+        raise HangError(stuck_message(self.name, idle, watchdog, steps, grace, self._backend), run=None)
 
     def _finish(self) -> Run:
         try:
@@ -276,7 +270,7 @@ class RunHandle:
                 self._on_finish()
         finally:
             self._close(steps)
-        if why == 4 and self._describe_error is not None:
+        if why == BOUNDS and self._describe_error is not None:
             self._error = BoundsError(self._describe_error(steps))
             raise self._error
         plan = self._plan
@@ -290,3 +284,276 @@ class RunHandle:
                     self._reporter.update(steps, final=True)
                 self._reporter.close()
                 self._reporter = None
+
+
+def slow_step_message(name, idle, watchdog, steps, run) -> str:
+    """HangError text: the watchdog cancelled a run and it stopped (a step is just slow)."""
+    return (f"{name}: the watchdog saw no progress for {idle:.1f} s (watchdog={watchdog} s) at "
+            f"step {steps}, so it cancelled the run; the kernel stopped after {run.steps} steps, so a step "
+            f"takes longer than the watchdog interval. The arrays hold the state after {run.steps} steps. "
+            f"Pass a larger watchdog= (or watchdog=None) for steps this slow.")
+
+
+def stuck_message(name, idle, watchdog, steps, grace, backend) -> str:
+    """HangError text: the watchdog cancelled a run and it did not stop (a step never ends)."""
+    return (f"{name}: the watchdog saw no progress for {idle:.1f} s (watchdog={watchdog} s) at step "
+            f"{steps}, and the kernel did not stop within {grace:.1f} s of being cancelled: a step never "
+            f"finishes (e.g. a while loop whose condition stays true). The {backend} device is still "
+            f"running it; it cannot be stopped from here, so the process must exit to free it.")
+
+
+def note_cancelled(exc: BaseException, name: str, run: Run):
+    """Attach the cancelled run to a KeyboardInterrupt (``exc.loopkern_run``) and say so."""
+    exc.loopkern_run = run
+    if hasattr(exc, "add_note"):
+        exc.add_note(f"loopkern: {name} was cancelled after {run.steps} steps; the arrays hold the "
+                     f"state after those steps")
+
+
+# -- a blocking call on a GPU --------------------------------------------------------------------
+#: a blocking wait spins this long on the done flag (a short run returns without a sleep)...
+SPIN_S = 2e-3
+#: ...then sleeps, a little longer each time, up to this long between looks
+MAX_SLEEP_S = 5e-4
+
+
+def wait_cuda(host, event: int, name: str, watchdog, interruptible=True):
+    """Wait until the kernel behind ``host`` (a mapped control block) is done; returns nothing.
+
+    Spins on the done flag for SPIN_S, then sleeps up to MAX_SLEEP_S between looks and asks
+    the launch's ``event`` every EventWaiter.QUERY_EVERY_S whether the kernel ended without
+    marking itself done (it faulted). The watchdog (``watchdog`` seconds without a new step)
+    cancels the run, waits WATCHDOG_GRACE_S and raises HangError; Ctrl-C propagates (the
+    caller cancels and waits again with ``interruptible=False``). Synchronizes ``event`` at
+    the end, raising LaunchError if the kernel failed.
+    """
+    from .dispatch import driver
+    d = driver.driver()
+    if host[DONE] != 1:
+        begin = last_change = time.monotonic()
+        spin_end = begin + SPIN_S
+        next_query = begin + EventWaiter.QUERY_EVERY_S
+        pause, last_steps = 0.0, host[STEPS]
+        while host[DONE] != 1:
+            now = time.monotonic()
+            if now < spin_end:
+                continue
+            if now >= next_query:
+                next_query = now + EventWaiter.QUERY_EVERY_S
+                if d.event_query(event) != driver.CUDA_ERROR_NOT_READY:
+                    break
+                steps = host[STEPS]
+                if steps != last_steps:
+                    last_steps, last_change = steps, now
+                elif interruptible and watchdog is not None and steps >= 0 and now - last_change > watchdog:
+                    _cuda_stalled(host, event, name, watchdog, int(steps), now - last_change)
+            pause = min(max(pause * 1.5, 2e-5), MAX_SLEEP_S)
+            time.sleep(pause)
+    r = d.event_synchronize(event)
+    if r != driver.CUDA_SUCCESS:
+        raise LaunchError(f"{name}: the kernel failed while running: {driver.error_name(r)} ({r})")
+
+
+def _cuda_stalled(host, event, name, watchdog, steps, idle):
+    from .dispatch import driver
+    host[REQUEST] = CANCEL
+    end = time.monotonic() + WATCHDOG_GRACE_S
+    while time.monotonic() < end:
+        if host[DONE] == 1 or driver.driver().event_query(event) != driver.CUDA_ERROR_NOT_READY:
+            raise _Stalled(idle, steps)
+        time.sleep(1e-3)
+    raise HangError(stuck_message(name, idle, watchdog, steps, WATCHDOG_GRACE_S, "cuda"), run=None)
+
+
+class _Stalled(Exception):
+    """The watchdog cancelled a run that then stopped: the caller finishes it and raises HangError."""
+
+    def __init__(self, idle, steps, result=None):
+        super().__init__(idle, steps)
+        self.idle, self.steps = idle, steps
+        self.result = result        # (steps, stop code) of a run in the calling thread
+
+
+# -- a blocking call on the CPU: the kernel in the calling thread --------------------------------
+#: a run in the calling thread is asked to pause (so that Python sees Ctrl-C) this long after it
+#: started, and then this often
+FIRST_PAUSE_S = 0.25
+PAUSE_EVERY_S = 0.5
+#: the control block's slot (free in the kernel's layout) where the host notes the step index
+#: the current slice started at
+SLICE_START = 5
+
+
+class InlineRun:
+    """The host's view of one run in the calling thread; the Ticker reads and writes it."""
+
+    def __init__(self, host, start, deadline, watchdog):
+        self.host = host
+        self.t_next = start          # the step index the next slice starts at
+        self.final = None            # the stop code, once the run has ended
+        self.deadline = deadline     # monotonic seconds, or None
+        self.watchdog = watchdog
+        now = time.monotonic()
+        self.next_pause = now + FIRST_PAUSE_S
+        self.last_steps, self.last_change = None, now
+        self.fired = None            # (steps, idle) once the watchdog cancelled the run
+        self.fired_at = 0.0
+        self.warned = False
+
+    def absorb(self, lock):
+        """Take in a finished slice (idempotent: safe to repeat after an interruption)."""
+        h = self.host
+        if h[DONE] != 1:
+            return
+        end = int(h[SLICE_START]) + int(h[STEPS])
+        if end > self.t_next:
+            self.t_next = end
+        why = int(h[WHY])
+        if why != PAUSE:
+            self.final = why
+        else:
+            with lock:
+                if h[REQUEST] == PAUSE:
+                    h[REQUEST] = 0
+
+
+class Ticker:
+    """One daemon thread for every run in a calling thread: it writes the timeout, watchdog and
+    pause requests into their control blocks.
+
+    Adding a run does not wake the thread unless the run needs it sooner than it will wake
+    anyway: waking another thread costs the calling thread tens of microseconds (the GIL
+    changes hands twice), more than a short call. While calls keep coming the thread wakes
+    every TICK_S; after IDLE_S without a run it waits until one comes.
+    """
+
+    TICK_S = 0.1
+    IDLE_S = 2.0
+
+    def __init__(self):
+        self.cond = threading.Condition()
+        self.runs: dict = {}
+        self.thread = None
+        self.wakes_at = 0.0          # when the thread looks next (inf: only when notified)
+
+    def add(self, run: InlineRun, name: str, backend: str):
+        self.runs[id(run)] = (run, name, backend)       # a dict store is atomic under the GIL
+        due = run.next_pause if run.deadline is None else min(run.next_pause, run.deadline)
+        if run.watchdog is not None:
+            due = min(due, run.last_change + run.watchdog)
+        if due >= self.wakes_at and self.thread is not None:
+            return
+        with self.cond:
+            if self.thread is None or not self.thread.is_alive():
+                self.thread = threading.Thread(target=self._loop, name="loopkern-ticker", daemon=True)
+                self.thread.start()
+            if due < self.wakes_at:
+                self.wakes_at = due
+                self.cond.notify()
+
+    def remove(self, run: InlineRun):
+        self.runs.pop(id(run), None)
+
+    def _loop(self):
+        idle_since = time.monotonic()
+        with self.cond:
+            while True:
+                now = time.monotonic()
+                if not self.runs:
+                    if now - idle_since > self.IDLE_S:
+                        # announce the long sleep before the last look: an add() that missed
+                        # the announcement stored its run before it, so the look sees it
+                        self.wakes_at = float("inf")
+                        if not self.runs:
+                            self.cond.wait()
+                        continue
+                    wake = now + self.TICK_S
+                else:
+                    idle_since = now
+                    wake = now + self.TICK_S
+                    for run, name, backend in list(self.runs.values()):
+                        wake = min(wake, self._tick(run, name, backend, now))
+                self.wakes_at = wake
+                self.cond.wait(max(wake - time.monotonic(), 1e-3))
+
+    @staticmethod
+    def _tick(run: InlineRun, name, backend, now) -> float:
+        h = run.host
+        wake = run.next_pause
+        if run.deadline is not None:
+            if now >= run.deadline:
+                if h[REQUEST] in (0, PAUSE):
+                    h[REQUEST] = TIMEOUT
+            else:
+                wake = min(wake, run.deadline)
+        steps = int(h[SLICE_START]) + int(h[STEPS])
+        if steps != run.last_steps:
+            run.last_steps, run.last_change = steps, now
+        if run.watchdog is not None and run.fired is None:
+            idle = now - run.last_change
+            if idle > run.watchdog:
+                run.fired, run.fired_at = (steps, idle), now
+                h[REQUEST] = CANCEL
+            else:
+                wake = min(wake, run.last_change + run.watchdog + 1e-3)
+        elif run.fired is not None and not run.warned:
+            if now - run.fired_at > WATCHDOG_GRACE_S:
+                run.warned = True
+                # the calling thread is inside the step and cannot be interrupted: say so
+                print(stuck_message(name, run.fired[1], run.watchdog, run.fired[0], WATCHDOG_GRACE_S, backend)
+                      + " (It runs in the calling thread; use kernel.start(...) to keep control of a run "
+                        "that may hang.)", file=sys.stderr, flush=True)
+            else:
+                wake = min(wake, run.fired_at + WATCHDOG_GRACE_S + 1e-3)
+        if now >= run.next_pause:
+            if h[REQUEST] == 0:
+                h[REQUEST] = PAUSE
+            run.next_pause = now + PAUSE_EVERY_S
+            wake = min(wake, run.next_pause)
+        return wake
+
+
+TICKER = Ticker()
+
+
+def run_inline(call, host, nsteps: int, start: int, *, name, timeout, watchdog, backend="cpu") -> tuple[int, int]:
+    """Run a CPU kernel in the calling thread; returns (steps, stop code).
+
+    ``call(n, t0)`` runs at most ``n`` steps from step index ``t0``, writing its step count,
+    stop code and done flag into ``host``. The run goes in slices: the Ticker asks for a pause
+    every PAUSE_EVERY_S, and the next slice continues at the step after the last one.
+
+    Ctrl-C cancels the run at its next step boundary, waits for it and re-raises
+    KeyboardInterrupt with ``_lk_result = (steps, code)``; the watchdog raises HangError
+    (``run`` is filled in by the caller) via :class:`_Stalled`.
+    """
+    deadline = time.monotonic() + timeout if timeout is not None else None
+    run = InlineRun(host, start, deadline, watchdog)
+    end = start + nsteps
+    TICKER.add(run, name, backend)
+    try:
+        try:
+            _slices(call, run, end)
+        except KeyboardInterrupt as exc:
+            with TICKER.cond:
+                host[REQUEST] = CANCEL
+            _slices(call, run, end)
+            exc._lk_result = (run.t_next - start, run.final)
+            raise
+    finally:
+        TICKER.remove(run)
+    if run.fired is not None:
+        raise _Stalled(run.fired[1], run.fired[0], (run.t_next - start, run.final))
+    return run.t_next - start, run.final
+
+
+def _slices(call, run: InlineRun, end: int):
+    host = run.host
+    while True:
+        run.absorb(TICKER.cond)
+        if run.final is not None:
+            return
+        t = run.t_next
+        host[DONE] = 0
+        host[SLICE_START] = t
+        call(end - t, t)

@@ -133,7 +133,7 @@ def test_block_scope_is_one_block(heat, rng):
 
 
 def test_cuda_backend_without_gpu_is_clear(monkeypatch, heat, rng):
-    from loopkern import launch
+    from loopkern.dispatch import config as launch
     monkeypatch.setattr(launch, "cuda_usable", lambda: False)
     u, v, pristine = arrays(rng)
     with pytest.raises(lk.BackendError, match="no usable CUDA GPU"):
@@ -159,7 +159,7 @@ def test_simulator_device_arrays_in_place(heat, rng):
 
 
 def test_auto_block_count_follows_problem_size():
-    from loopkern.launch import auto_blocks
+    from loopkern.dispatch.config import auto_blocks
     sms, limit = 132, 660
     assert auto_blocks(4096, 256, limit, sms) == 16
     assert auto_blocks(1000, 256, limit, sms) == 4
@@ -173,18 +173,18 @@ def test_auto_block_count_follows_problem_size():
 
 
 def test_auto_scope_and_block_threads_follow_problem_size():
-    from loopkern.launch import AUTO_BLOCK_SCOPE_MAX_ELEMENTS, plan_cuda, resolve_scope
+    from loopkern.dispatch.config import AUTO_BLOCK_SCOPE_MAX_ELEMENTS, cuda_config, resolve_scope
 
-    class Kernel:       # what plan_cuda asks of a compiled kernel in block scope
+    class Kernel:       # what cuda_config asks of a compiled kernel in block scope
         max_threads_per_block = 1024
     assert resolve_scope("auto", 4096) == "block" and resolve_scope("auto", AUTO_BLOCK_SCOPE_MAX_ELEMENTS) == "block"
     assert resolve_scope("auto", AUTO_BLOCK_SCOPE_MAX_ELEMENTS + 1) == "grid"
     assert resolve_scope("auto", 10, parallel=False) == "thread" and resolve_scope("grid", 10) == "grid"
-    threads = {n: plan_cuda(Kernel(), "block", n, None, None, simulator=False).threads
+    threads = {n: cuda_config(Kernel(), "block", n, None, None, simulator=False).threads
                for n in (1, 300, 4096, 8192, 1 << 20)}
     assert threads == {1: 32, 300: 64, 4096: 512, 8192: 1024, 1 << 20: 1024}
     Kernel.max_threads_per_block = 896            # many registers: fewer threads fit
-    assert plan_cuda(Kernel(), "block", 1 << 20, None, None, simulator=False).threads == 896
+    assert cuda_config(Kernel(), "block", 1 << 20, None, None, simulator=False).threads == 896
 
 
 def all_pairs_step(t, x, f):
@@ -197,7 +197,7 @@ def all_pairs_step(t, x, f):
 
 
 def test_auto_scope_keeps_heavy_steps_on_a_grid():
-    from loopkern.launch import resolve_scope
+    from loopkern.dispatch.config import resolve_scope
     light = {name: lk.megakernel(fn).spec.light_elements
              for name, fn in (("heat", W.heat_step), ("jacobi", W.jacobi_step), ("life", W.life_step),
                               ("helper", W.helper_step), ("nbody", all_pairs_step))}
@@ -308,8 +308,8 @@ def test_read_only_atomic_target_is_refused(rng, backend):
 
 
 def test_read_only_gpu_array_is_refused():
-    from loopkern.api import check_writable
-    from loopkern.interop.arrays import classify
+    from loopkern.dispatch.checks import check_writable
+    from loopkern.dispatch.args import classify
 
     class ReadOnlyDevice:
         __cuda_array_interface__ = dict(shape=(4,), typestr="<f8", data=(1 << 30, True), strides=None, version=3)

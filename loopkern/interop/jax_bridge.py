@@ -14,9 +14,10 @@ import numbers
 
 import numpy as np
 
+from ..dispatch import checks
+from ..dispatch.args import check_dtype, weak_float_type
 from ..errors import ArgumentError, LoopkernError
-from ..runs import TIMEOUT_NS
-from .arrays import check_dtype, weak_float_type
+from ..runtime.layout import HOST_SIZE, TIMEOUT_NS
 
 _SCRATCH_VIEW = 8   # redf, redi and info are 8-byte elements, passed to XLA as bytes
 
@@ -45,8 +46,9 @@ def _prepare(mk, args, kwargs, steps, max_steps):
     if (steps is None) == (max_steps is None):
         raise ArgumentError(f"{spec.name}.jax(): pass exactly one of steps= or max_steps=")
     nsteps = _step_count("steps" if steps is not None else "max_steps", steps if steps is not None else max_steps)
-    bound = mk._bind_names(args, kwargs)
-    from ..api import check_array_use, check_atomic_dtype, check_kind, check_swap_pair
+    bound = mk.dispatcher.bind_names(args, kwargs)
+    check_array_use, check_atomic_dtype, check_kind, check_swap_pair = (
+        checks.check_array_use, checks.check_atomic_dtype, checks.check_kind, checks.check_swap_pair)
     arrays, scalars = {}, {}
     for i, p in enumerate(spec.params):
         v = bound[p.name]
@@ -54,8 +56,7 @@ def _prepare(mk, args, kwargs, steps, max_steps):
             check_kind(p, True, f"an array of shape {v.shape}")
             check_dtype(p.name, np.dtype(v.dtype))
             check_array_use(p, v.shape, spec.filename)
-            if p.atomic:
-                check_atomic_dtype(p, np.dtype(v.dtype))
+            check_atomic_dtype(p, np.dtype(v.dtype))
             arrays[i] = v
         elif isinstance(v, np.ndarray) and v.ndim > 0 or hasattr(v, "__cuda_array_interface__"):
             raise ArgumentError(f"argument '{p.name}': kernel.jax takes JAX arrays, got {type(v).__name__}; "
@@ -90,7 +91,7 @@ def _platform(mk, arrays, backend):
         raise ArgumentError(f"kernel.jax(): the arrays are on different platforms: {sorted(devices)}")
     platform = devices.pop() if devices else jax.default_backend()
     platform = "cuda" if platform in ("gpu", "cuda") else platform
-    backend = backend or mk._defaults["backend"]
+    backend = backend or mk.dispatcher.defaults["backend"]
     if backend == "cuda" and platform != "cuda":
         raise ArgumentError(f"backend='cuda' but the JAX arrays are on '{platform}'; put them on a GPU "
                             f"(jax.device_put) or use backend='cpu'/'auto'")
@@ -106,9 +107,8 @@ def jax_call(mk, args, kwargs, *, steps=None, max_steps=None, start=0, backend=N
     """Implementation of :meth:`loopkern.MegaKernel.jax` (see there)."""
     import jax
 
-    from ..api import check_seconds, check_seed
-    seed = check_seed(seed)
-    timeout = check_seconds("timeout", timeout)
+    seed = checks.check_seed(seed)
+    timeout = checks.check_seconds("timeout", timeout)
     arrays, scalars, nsteps = _prepare(mk, args, kwargs, steps, max_steps)
     t0 = _step_count("start", start)
     platform = _platform(mk, arrays, backend)
@@ -166,18 +166,18 @@ def _cuda_core(mk, arrays, scalars, nsteps, t0, scope, threads, blocks, seed, ti
     import jax.numpy as jnp
     from numba import types
 
-    from .. import launch
-    from ..api import check_thread_scope
+    from ..dispatch.config import cuda_config, resolve_scope
     from . import xla_ffi
 
     spec = mk.spec
     n = len(spec.params)
     arr_idx = [i for i in range(n) if i in arrays]
     work = max([math.prod(arrays[i].shape) for i in arr_idx] or [1])
-    scope = launch.resolve_scope(scope or mk._defaults["scope"], work, spec.parallel, spec.light_elements)
-    check_thread_scope(spec, scope)
+    defaults = mk.dispatcher.defaults
+    scope = resolve_scope(scope or defaults["scope"], work, spec.parallel, spec.light_elements)
+    checks.check_thread_scope(spec, scope)
     by_ref = frozenset(scalars)
-    compiled = mk._kernel("cuda", scope, by_ref=by_ref,
+    compiled = mk.dispatcher.kernels.get("cuda", scope, by_ref=by_ref,
                           float_type=weak_float_type(a.dtype for a in arrays.values()))
 
     def nb(dtype, ndim):
@@ -190,8 +190,8 @@ def _cuda_core(mk, arrays, scalars, nsteps, t0, scope, threads, blocks, seed, ti
     sig += [types.float64[:, ::1], types.int64[:, ::1], types.uint32[::1], types.uint32[::1], types.int64[::1],
             types.int64[::1]]
     kernel, func = compiled.load_for_ffi(tuple(sig), xla_ffi)
-    plan = launch.plan_cuda(kernel, scope, work, threads or mk._defaults["threads"],
-                            blocks or mk._defaults["blocks"], simulator=False)
+    plan = cuda_config(kernel, scope, work, threads or defaults["threads"], blocks or defaults["blocks"],
+                       simulator=False)
     xla_ffi.register_cuda_target()
 
     # inputs: nsteps, start, params (arrays and 1-element scalars) in order, zeroed barrier counter, seed,
@@ -204,7 +204,7 @@ def _cuda_core(mk, arrays, scalars, nsteps, t0, scope, threads, blocks, seed, ti
                 jax.ShapeDtypeStruct((2, plan.blocks * _SCRATCH_VIEW), jnp.uint8),
                 jax.ShapeDtypeStruct((2, plan.blocks * _SCRATCH_VIEW), jnp.uint8),
                 jax.ShapeDtypeStruct((2 * _SCRATCH_VIEW,), jnp.uint8),
-                jax.ShapeDtypeStruct((2 * launch.HOST_SIZE,), jnp.uint32)]
+                jax.ShapeDtypeStruct((2 * HOST_SIZE,), jnp.uint32)]
     aliases = {2 + i: arr_idx.index(i) for i in arr_idx}
     aliases[2 + n] = na
     aliases[4 + n] = na + 4
@@ -214,7 +214,7 @@ def _cuda_core(mk, arrays, scalars, nsteps, t0, scope, threads, blocks, seed, ti
     layout += [1, na + 1, _SCRATCH_VIEW, 1, na + 2, _SCRATCH_VIEW, 1, na, 0, 0, n + 3, 0, 1, na + 3, _SCRATCH_VIEW,
                1, na + 4, _SCRATCH_VIEW]
     seed_words = np.array([seed & 0xFFFFFFFF, seed >> 32], np.uint32)
-    control = np.zeros(launch.HOST_SIZE, np.int64)
+    control = np.zeros(HOST_SIZE, np.int64)
     control[TIMEOUT_NS] = int(timeout * 1e9) if timeout is not None else 0
     call = jax.ffi.ffi_call(xla_ffi.TARGET, tuple(results), input_output_aliases=aliases,
                             vmap_method="sequential")

@@ -3,18 +3,15 @@
 Generated debug kernels index arrays through ``checked(a, idx, ...)`` (loads) and guard stores
 with ``in_bounds(a, idx, ...)``. An index outside ``a.shape`` (Python semantics: ``-n <= i < n``)
 is never used: a load reads element 0 instead, a store is skipped, and the first offence is
-recorded in the ``dbg`` buffer (int64[DBG_SIZE]):
+recorded in the ``dbg`` buffer (int64[DBG_SIZE], slots named in ``layout``: the flag, step,
+thread, site, number of indices, the index and the array's shape).
 
-    [0] 1 once something was recorded   [1] step   [2] thread   [3] site (see codegen)
-    [4] number of indices               [5:13] the index        [13:21] the array's shape
-
-The kernel's leader sees ``dbg[0]`` at a step boundary and stops every thread there.
+The kernel's leader sees the flag at a step boundary and stops every thread there.
 """
 
 import numpy as np
 
-DBG_SIZE = 24
-MAX_DIMS = 8
+from .layout import DBG_INDEX, DBG_NDIM, DBG_SHAPE, DBG_SITE, DBG_SIZE, DBG_STEP, DBG_THREAD, MAX_DIMS  # noqa: F401
 
 
 def build_python(claim):
@@ -30,10 +27,10 @@ def build_python(claim):
     def _record(a, idx, dbg, site, t, tid):
         if claim(dbg):
             ix = idx if isinstance(idx, tuple) else (idx,)
-            dbg[1], dbg[2], dbg[3], dbg[4] = t, tid, site, min(len(ix), MAX_DIMS)
+            dbg[DBG_STEP], dbg[DBG_THREAD], dbg[DBG_SITE], dbg[DBG_NDIM] = t, tid, site, min(len(ix), MAX_DIMS)
             for k in range(min(len(ix), MAX_DIMS)):
-                dbg[5 + k] = int(ix[k]) if isinstance(ix[k], (int, np.integer)) else 0
-                dbg[13 + k] = a.shape[k] if k < a.ndim else 0
+                dbg[DBG_INDEX + k] = int(ix[k]) if isinstance(ix[k], (int, np.integer)) else 0
+                dbg[DBG_SHAPE + k] = a.shape[k] if k < a.ndim else 0
 
     def checked(a, idx, dbg, site, t, tid):
         if not _bad(a, idx):
@@ -77,12 +74,12 @@ def build_numba(overload, target, claim):
             lines.append("        ok = False")
         ok_value = "idx" if want_index else "True"
         lines += ["    if ok:", f"        return {ok_value}", "    if claim(dbg):",
-                  "        dbg[1] = t", "        dbg[2] = tid", "        dbg[3] = site",
-                  f"        dbg[4] = {min(len(kinds), MAX_DIMS)}"]
+                  f"        dbg[{DBG_STEP}] = t", f"        dbg[{DBG_THREAD}] = tid", f"        dbg[{DBG_SITE}] = site",
+                  f"        dbg[{DBG_NDIM}] = {min(len(kinds), MAX_DIMS)}"]
         for k in range(min(len(kinds), MAX_DIMS)):
             value = items[k] if k in checks else "0"
-            lines.append(f"        dbg[{5 + k}] = {value}")
-            lines.append(f"        dbg[{13 + k}] = {f'a.shape[{k}]' if k < ndim else '0'}")
+            lines.append(f"        dbg[{DBG_INDEX + k}] = {value}")
+            lines.append(f"        dbg[{DBG_SHAPE + k}] = {f'a.shape[{k}]' if k < ndim else '0'}")
         if not want_index:
             lines.append("    return False")
         elif is_tuple:

@@ -6,6 +6,7 @@ import numpy as np
 from numba import types
 from numba.extending import overload
 
+from .layout import BOUNDS, DBG_FLAG, DONE, REQUEST, STEPS, WHY
 from .philox import build
 
 
@@ -28,9 +29,10 @@ reduce_sum = reduce_max = reduce_min = _reduce_value
 _, random_uniform, random_normal = build(numba.njit)
 
 
-# -- run control (see cuda_rt for the control block's layout) ---------------------------------
+# -- run control (the control block's layout is in layout.py) ---------------------------------
 # One thread runs every step, so the kernel publishes its step count and reads the host's
-# request at every step; a timeout arrives as a request (code 3) from the waiting thread.
+# request at every step; a timeout (and, for a run in the calling thread, a pause) arrives as a
+# request from the host.
 from numba.extending import intrinsic  # noqa: E402
 
 from .lowering import element_ptr  # noqa: E402
@@ -64,28 +66,28 @@ def _store_relaxed(typingctx, arr, idx, val):
 def poll(t, host, last, publish, deadline, code):
     """Publish the steps done before step ``t``; the host's request is the decision (the GPU
     leader's other state is unused here)."""
-    _store_relaxed(host, 0, t)
-    return _load_relaxed(host, 1), last, publish, deadline
+    _store_relaxed(host, STEPS, t)
+    return _load_relaxed(host, REQUEST), last, publish, deadline
 
 
 @numba.njit
 def poll_debug(t, host, last, publish, deadline, code, dbg):
     code, last, publish, deadline = poll(t, host, last, publish, deadline, code)
-    return (4 if dbg[0] != 0 else code), last, publish, deadline
+    return (BOUNDS if dbg[DBG_FLAG] != 0 else code), last, publish, deadline
 
 
 @numba.njit
 def finish(host, t, why):
-    _store_relaxed(host, 0, t)
-    _store_relaxed(host, 2, why)
-    _store_relaxed(host, 3, 1)
+    _store_relaxed(host, STEPS, t)
+    _store_relaxed(host, WHY, why)
+    _store_relaxed(host, DONE, 1)
 
 
 @numba.njit
 def _claim(dbg):
-    if dbg[0] != 0:
+    if dbg[DBG_FLAG] != 0:
         return False
-    dbg[0] = 1
+    dbg[DBG_FLAG] = 1
     return True
 
 

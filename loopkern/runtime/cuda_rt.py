@@ -19,12 +19,14 @@ import math
 import numpy as np
 from numba import config, cuda
 
+from .layout import BOUNDS, DBG_FLAG, DONE, REQUEST, STEPS, TIMEOUT, TIMEOUT_NS, WHY
 from .philox import build
 
 SIMULATOR = bool(config.ENABLE_CUDASIM)
 _OPS = ("sum", "max", "min")
+#: warps per block at most; the kernel's per-warp reduction slots are two of this many (the
+#: templates' cuda.shared.array(64, ...) must be 2 * _MAX_WARPS)
 _MAX_WARPS = 32
-_SHARED_SLOTS = 2 * _MAX_WARPS   # a literal for cuda.shared.array
 
 
 if SIMULATOR:
@@ -169,7 +171,7 @@ else:
                 off >>= 1
             return v
 
-        # ``sh`` (the per-warp slots, _SHARED_SLOTS of ``dtype``) is the kernel's own shared
+        # ``sh`` (the per-warp slots, 2 * _MAX_WARPS of ``dtype``) is the kernel's own shared
         # array, passed in: a shared array allocated here would be one global symbol in each
         # compiled copy of this function, and reductions of two value types in one kernel
         # (a float32 and a float64 lk.max, an int32 and an int64 lk.sum) link two copies,
@@ -228,10 +230,7 @@ block_sum, block_max, block_min = (_make(op, False) for op in _OPS)
 # -- run control: progress, cancellation, timeouts, debug stops ------------------------------
 #
 # ``host`` (int64[HOST_SIZE]) is the run's control block, in mapped pinned host memory for
-# kernel(...) (a device buffer under kernel.jax):
-#   [0] steps done (published while running, final at the end)   [1] request from the host
-#   (0 none, 2 cancel, 3 timeout)   [2] why the run stopped (Run.stopped codes)   [3] 1 when the
-#   kernel is done   [4] timeout in ns from the kernel's start (0: none)
+# kernel(...) (a device buffer under kernel.jax); its slots and the stop codes are in layout.py.
 # The leader (thread 0) polls once per step: the cycle counter rate-limits reads of the global
 # timer, and those rate-limit the PCIe round trip to the host block to one per PUBLISH_NS.
 POLL_CYCLES = 65536
@@ -253,7 +252,7 @@ if SIMULATOR:
     # (cuda.atomic exists only there); the plain-Python bounds checks call it from kernel code
     @cuda.jit(device=True)
     def _claim(dbg):
-        return cuda.atomic.compare_and_swap(dbg, 0, 1) == 0
+        return cuda.atomic.compare_and_swap(dbg, DBG_FLAG, 1) == 0
 else:
     @intrinsic
     def _special_u64(typingctx, which):
@@ -297,7 +296,7 @@ else:
 
     @cuda.jit(device=True)
     def _claim(dbg):
-        return cuda.atomic.compare_and_swap(dbg, 0, 1) == 0
+        return cuda.atomic.compare_and_swap(dbg, DBG_FLAG, 1) == 0
 
 
 @cuda.jit(device=True)
@@ -311,7 +310,7 @@ def poll(t, host, last, publish, deadline, code):
     c = _special_u64("clock64")
     if t == 0:
         publish, code = 0, 0
-        timeout = _ld_volatile(host, 4)
+        timeout = _ld_volatile(host, TIMEOUT_NS)
         deadline = _special_u64("globaltimer") + timeout if timeout > 0 else 0
     elif c - last < POLL_CYCLES:
         return code, last, publish, deadline
@@ -319,12 +318,12 @@ def poll(t, host, last, publish, deadline, code):
     now = _special_u64("globaltimer")
     if now >= publish:
         publish = now + PUBLISH_NS
-        _st_volatile(host, 0, t)
-        req = _ld_volatile(host, 1)
+        _st_volatile(host, STEPS, t)
+        req = _ld_volatile(host, REQUEST)
         if req != 0 and code == 0:
             code = req
     if deadline != 0 and now >= deadline and code == 0:
-        code = 3
+        code = TIMEOUT
     return code, last, publish, deadline
 
 
@@ -355,16 +354,16 @@ def poll_strided(t, host, last, publish, deadline, code, stride):
 @cuda.jit(device=True)
 def poll_debug(t, host, last, publish, deadline, code, dbg):
     code, last, publish, deadline = poll(t, host, last, publish, deadline, code)
-    return (4 if _ld_volatile(dbg, 0) != 0 else code), last, publish, deadline
+    return (BOUNDS if _ld_volatile(dbg, DBG_FLAG) != 0 else code), last, publish, deadline
 
 
 @cuda.jit(device=True)
 def finish(host, t, why):
     """Publish the final step count and stop code, then mark the run done."""
-    _st_volatile(host, 0, t)
-    _st_volatile(host, 2, why)
+    _st_volatile(host, STEPS, t)
+    _st_volatile(host, WHY, why)
     cuda.threadfence_system()
-    _st_volatile(host, 3, 1)
+    _st_volatile(host, DONE, 1)
 
 
 from . import bounds as _bounds  # noqa: E402

@@ -1,7 +1,7 @@
-"""Classify and check call arguments, and move them to where a backend needs them.
+"""Classify call arguments: arrays (where they live, shape, dtype, strides, pointer) and numbers.
 
-Every check runs before anything is copied or launched; conversion to device arrays happens
-only after all arguments have passed.
+Every check runs before anything is copied or launched; moving arrays to where a backend
+needs them is ``buffers.to_cuda``, after every argument has passed.
 """
 
 from __future__ import annotations
@@ -108,59 +108,9 @@ def classify(name: str, value):
     if isinstance(value, numbers.Complex):
         raise ArgumentError(f"argument '{name}': complex numbers are not supported yet")
     if hasattr(value, "__dlpack__"):
-        return _classify_dlpack(name, value)
+        from ..interop.dlpack import import_dlpack
+        return classify(name, import_dlpack(name, value))
     raise ArgumentError(f"argument '{name}': expected an array or a number, got {type(value).__name__}")
-
-
-class _DLPackDeviceArray:
-    """A GPU array imported through DLPack, seen through __cuda_array_interface__ (zero copy).
-
-    Holds the exporter and the view so the memory stays alive while loopkern uses it.
-    """
-
-    def __init__(self, owner, view, cai):
-        self.owner, self.view = owner, view
-        self.__cuda_array_interface__ = cai
-
-
-def _strided_memory_view():
-    try:
-        from cuda.core.utils import StridedMemoryView
-    except ImportError:   # older cuda-core
-        from cuda.core.experimental.utils import StridedMemoryView
-    return StridedMemoryView
-
-
-#: the stream loopkern launches on, as DLPack names it: 1 is CUDA's legacy default stream
-#: (never -1, which JAX passes to cuStreamWaitEvent as a handle)
-LAUNCH_STREAM_DLPACK = 1
-
-
-def _classify_dlpack(name: str, value):
-    """An object that offers only ``__dlpack__``: a GPU array wrapped zero-copy, or a host array."""
-    try:
-        kind, _ = value.__dlpack_device__()
-    except Exception:
-        kind = None
-    if kind == 1:   # kDLCPU
-        return classify(name, np.from_dlpack(value))
-    if kind not in (2, 13):   # kDLCUDA, kDLCUDAManaged
-        raise ArgumentError(f"argument '{name}': {type(value).__name__} is a DLPack array on device type "
-                            f"{kind}; expected a CUDA GPU array or a host array")
-    try:
-        view = _strided_memory_view().from_dlpack(value, stream_ptr=LAUNCH_STREAM_DLPACK)
-    except Exception as exc:
-        raise ArgumentError(f"argument '{name}': could not import {type(value).__name__} through DLPack: {exc}") from exc
-    dtype = np.dtype(view.dtype)
-    shape = tuple(int(x) for x in view.shape)
-    if not shape:
-        raise ArgumentError(f"argument '{name}': got a 0-d GPU array; pass a Python or NumPy scalar instead")
-    check_dtype(name, dtype)
-    strides = None if view.strides is None else tuple(int(s) * dtype.itemsize for s in view.strides)
-    if getattr(view, "readonly", False):
-        raise ArgumentError(f"argument '{name}': the DLPack array is read-only; kernel(...) updates arrays in place")
-    cai = dict(shape=shape, typestr=dtype.str, data=(int(view.ptr), False), strides=strides, version=3)
-    return ArrayArg(name, _DLPackDeviceArray(value, view, cai), DEVICE, shape, dtype, strides, int(view.ptr))
 
 
 def _extent(a: ArrayArg) -> tuple[int, int]:
@@ -199,38 +149,3 @@ def apply_weak_floats(argv, float_type):
         return argv
     return [ScalarArg(a.name, np.dtype(float_type).type(a.value)) if isinstance(a, ScalarArg) and a.weak else a
             for a in argv]
-
-
-def to_cuda(args: list, stream=0):
-    """Device arrays for every array argument: NumPy ones copied in, GPU ones wrapped zero-copy.
-
-    Returns (kernel args, copy_back) where ``copy_back()`` writes results into NumPy inputs.
-    """
-    from numba import cuda
-
-    out, back, seen = [], [], {}
-    for a in args:
-        if isinstance(a, ScalarArg):
-            out.append(a.value)
-        elif a.where == DEVICE:
-            out.append(a.value if type(a.value).__name__ == "FakeCUDAArray" else cuda.as_cuda_array(a.value))
-        else:
-            key = id(a.value)
-            if key not in seen:
-                host = a.value
-                dev = cuda.to_device(np.ascontiguousarray(host), stream=stream)
-                seen[key] = dev
-                if host.flags.writeable:
-                    back.append((host, dev))
-            out.append(seen[key])
-
-    def copy_back():
-        for host, dev in back:
-            if host.flags.c_contiguous:
-                dev.copy_to_host(host, stream=stream)
-            else:
-                host[...] = dev.copy_to_host(stream=stream)
-        if stream:
-            stream.synchronize()
-
-    return out, copy_back

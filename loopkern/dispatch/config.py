@@ -1,4 +1,4 @@
-"""Launch configuration and launching: backend choice, occupancy, grid size, scope, scratch.
+"""Launch configuration: backend choice, scope, occupancy, grid size, shared-memory staging.
 
 Grid scope runs at most as many blocks as the device can hold at once (a grid barrier with a
 block that is not resident would wait forever), sized to the problem. Block scope runs one
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .errors import BackendError, LaunchError
+from ..errors import BackendError, LaunchError
 
 log = logging.getLogger("loopkern")
 
@@ -43,25 +43,35 @@ _auto_logged = False
 _lock = threading.Lock()
 
 
+_usable: list = []
+
+
 def cuda_usable() -> bool:
-    """True if Numba can use a CUDA GPU here (or its simulator is on)."""
-    try:
-        from numba import cuda
-        return bool(cuda.is_available())
-    except Exception:  # no driver, broken install: the CPU backend still works
-        return False
+    """True if Numba can use a CUDA GPU here (or its simulator is on); asked once per process."""
+    if not _usable:
+        try:
+            from numba import cuda
+            ok = bool(cuda.is_available())
+        except Exception:  # no driver, broken install: the CPU backend still works
+            ok = False
+        _usable.append(ok)
+    return _usable[0]
 
 
 def choose_backend(backend: str) -> str:
-    """Resolve ``"auto"`` to ``"cuda"`` or ``"cpu"``; check that the named backend is usable."""
+    """Resolve ``"auto"`` to ``"cuda"`` or ``"cpu"``; check that the named backend is usable.
+
+    Whether a GPU is usable is decided once per process (by the first call that asks).
+    """
     global _auto_logged
     if backend == "auto":
         chosen = "cuda" if cuda_usable() else "cpu"
-        with _lock:
-            if not _auto_logged:
-                _auto_logged = True
-                log.info("loopkern: backend='auto' chose '%s'%s", chosen,
-                         "" if chosen == "cuda" else " (no usable CUDA GPU)")
+        if not _auto_logged:
+            with _lock:
+                if not _auto_logged:
+                    _auto_logged = True
+                    log.info("loopkern: backend='auto' chose '%s'%s", chosen,
+                             "" if chosen == "cuda" else " (no usable CUDA GPU)")
         return chosen
     if backend == "cuda" and not cuda_usable():
         raise BackendError("backend='cuda' but no usable CUDA GPU was found (numba.cuda.is_available() is "
@@ -70,8 +80,8 @@ def choose_backend(backend: str) -> str:
 
 
 @dataclass(frozen=True)
-class LaunchPlan:
-    """How one run is launched.
+class LaunchConfig:
+    """The grid a run is launched with.
 
     Attributes:
         scope: ``"grid"``, ``"block"`` or ``"cpu"``.
@@ -98,7 +108,7 @@ def plan_staging(spec, argv) -> tuple[tuple, int]:
     staged if a swap pair does not fit or if a staged array shares memory with another
     argument (the copies would then diverge).
     """
-    from .interop.arrays import ArrayArg, overlaps
+    from .args import ArrayArg, overlaps
     arrays = {i: a for i, a in enumerate(argv) if isinstance(a, ArrayArg)}
     if not arrays:
         return (), 0
@@ -137,8 +147,8 @@ def resolve_scope(scope: str, work: int, parallel: bool = True, light: bool = Tr
     return "block" if light and work <= AUTO_BLOCK_SCOPE_MAX_ELEMENTS else "grid"
 
 
-def plan_cuda(kernel, scope: str, work: int, threads: int | None, blocks: int | None,
-              simulator: bool, shared: int = 0) -> LaunchPlan:
+def cuda_config(kernel, scope: str, work: int, threads: int | None, blocks: int | None,
+              simulator: bool, shared: int = 0) -> LaunchConfig:
     """Pick blocks and threads for a CUDA launch and check that they can run.
 
     Args:
@@ -156,7 +166,7 @@ def plan_cuda(kernel, scope: str, work: int, threads: int | None, blocks: int | 
     if scope == "thread":
         if threads not in (None, 1) or blocks not in (None, 1):
             raise LaunchError(f"threads={threads}, blocks={blocks}: scope='thread' runs one thread")
-        return LaunchPlan("thread", 1, 1)
+        return LaunchConfig("thread", 1, 1)
     max_tpb = 1024 if simulator else int(kernel.max_threads_per_block)
     if threads is None:
         if simulator:
@@ -176,12 +186,12 @@ def plan_cuda(kernel, scope: str, work: int, threads: int | None, blocks: int | 
     if scope == "block":
         if blocks not in (None, 1):
             raise LaunchError(f"blocks={blocks}: scope='block' runs exactly one block; use scope='grid' for more")
-        return LaunchPlan("block", 1, threads, shared)
+        return LaunchConfig("block", 1, threads, shared)
     if simulator:
         if blocks not in (None, 1):
             raise LaunchError(f"blocks={blocks}: Numba's CUDA simulator can run only one cooperative block; "
                               f"pass blocks=1 (or leave it out)")
-        return LaunchPlan("grid", 1, threads)
+        return LaunchConfig("grid", 1, threads)
     limit = _coresident_limit(kernel, threads)
     if limit < 1:
         raise LaunchError(f"threads={threads}: not even one block of this kernel fits on the device")
@@ -193,7 +203,7 @@ def plan_cuda(kernel, scope: str, work: int, threads: int | None, blocks: int | 
         raise LaunchError(f"blocks={blocks}: at most {limit} blocks of {threads} threads of this kernel can be "
                           f"resident on the device at once, and a grid barrier needs every block resident; "
                           f"pass blocks<={limit} (or fewer threads)")
-    return LaunchPlan("grid", blocks, threads)
+    return LaunchConfig("grid", blocks, threads)
 
 
 def auto_blocks(work: int, threads: int, limit: int, sms: int) -> int:
@@ -225,104 +235,3 @@ def _coresident_limit(kernel, threads: int) -> int:
 def _sm_count() -> int:
     from numba import cuda
     return int(cuda.get_current_device().MULTIPROCESSOR_COUNT)
-
-
-class Scratch:
-    """Device buffers a kernel needs besides the user's arrays: reduction slots, the barrier
-    counter and the stop-decision slots. One run uses one at a time (the barrier counter is
-    shared by the run's blocks); each kernel hands them out from a :class:`FreeList`."""
-
-    def __init__(self):
-        self._bufs: dict = {}
-
-    def cuda(self, blocks: int):
-        from numba import cuda
-        key = ("cuda", cuda.get_current_device().id if not _sim() else 0)
-        have = self._bufs.get(key)
-        if have is None or have[0].shape[1] < blocks:
-            n = max(blocks, 1)
-            have = (cuda.device_array((2, n), np.float64), cuda.device_array((2, n), np.int64),
-                    cuda.to_device(np.zeros(1, np.uint32)), cuda.device_array(2, np.int64))
-            self._bufs[key] = have
-        return have
-
-
-class FreeList:
-    """Objects for runs in flight: a run takes one and gives it back when it has finished, so
-    runs started one after another reuse the same one and overlapping runs never share."""
-
-    def __init__(self, make):
-        self._make = make
-        self._free: list = []
-        self._lock = threading.Lock()
-
-    def take(self):
-        with self._lock:
-            if self._free:
-                return self._free.pop()
-        return self._make()
-
-    def give(self, item):
-        with self._lock:
-            self._free.append(item)
-
-
-#: int64 slots of a run's control block (layout in runtime/cuda_rt.py)
-HOST_SIZE = 8
-
-
-def _new_control_block(backend: str):
-    if backend == "cpu":
-        return np.zeros(HOST_SIZE, np.int64)
-    from numba import cuda
-    return cuda.mapped_array(HOST_SIZE, np.int64)
-
-
-_CONTROL_BLOCKS = {b: FreeList(functools.partial(_new_control_block, b)) for b in ("cpu", "cuda")}
-
-
-def take_control_block(backend: str):
-    """A fresh control block for one run: (what the kernel gets, a NumPy view of it).
-
-    CUDA: mapped pinned host memory, which the kernel writes and the host reads while it runs
-    (the simulator's equivalent under NUMBA_ENABLE_CUDASIM). CPU: a NumPy array.
-    """
-    block = _CONTROL_BLOCKS[backend].take()
-    view = block._ary if hasattr(block, "_ary") else block   # the simulator's array wraps NumPy
-    view[:] = 0
-    view[0] = -1    # steps done: -1 until the kernel has started
-    return block, view
-
-
-def give_control_block(backend: str, block):
-    _CONTROL_BLOCKS[backend].give(block)
-
-
-def _sim() -> bool:
-    from numba import config
-    return bool(config.ENABLE_CUDASIM)
-
-
-def launch_cuda(dispatcher, kernel, plan: LaunchPlan, args: tuple, stream=0):
-    """Launch the kernel with its full argument list; returns without waiting for it, except
-    under Numba's simulator, which runs the kernel before returning.
-
-    ``kernel`` is the compiled overload for these argument types: grid scope marks it for a
-    cooperative launch, so the driver refuses (rather than hangs on) a grid that cannot be
-    co-resident, even though the barrier is loopkern's own.
-    """
-    if plan.scope == "grid" and not _sim():
-        kernel.cooperative = True
-    if hasattr(kernel, "launch"):   # the compiled kernel itself: no per-call type dispatch
-        from numba.cuda.cudadrv import driver
-        kernel.launch(args, (plan.blocks, 1, 1), (plan.threads, 1, 1), driver._to_core_stream(stream), plan.shared)
-    else:                           # Numba's simulator
-        dispatcher[plan.blocks, plan.threads, stream, plan.shared](*args)
-
-
-def record_event(stream=0):
-    """An event recorded on ``stream`` after what was launched there so far."""
-    from numba import cuda
-    event = cuda.event(timing=False)
-    event.record(stream or cuda.default_stream())
-    return event

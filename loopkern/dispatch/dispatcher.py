@@ -1,0 +1,385 @@
+"""The call path of one kernel: options, arguments, the plan cache, and running a plan.
+
+``MegaKernel.__call__`` and ``MegaKernel.start`` bind their arguments and hand them to a
+:class:`Dispatcher`. A call:
+
+1. checks the per-call values (``steps``, ``start``, ``seed``, ``timeout``, ...) with cheap
+   type tests, falling back to the full checks (``checks.py``) for anything unusual;
+2. computes the call's signature (``signature.call_key``) and looks its plan up;
+3. on a miss (or for arguments without a cheap key), takes the full path: classifies and
+   checks every argument (``args.py``, ``checks.py``), picks the backend, scope, staging and
+   grid (``config.py``), compiles (``kernels.py``) and makes a plan (``plan.py``), cached
+   under the signature;
+4. runs the plan: per-call value checks (int64 range, pointers of swap pairs), then the
+   launch and the wait.
+
+Every bad-input error of the full path is raised before anything is written or launched; a
+cached plan is only used for arguments whose signature equals the one that passed them.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import numpy as np
+
+from ..compile import simulator_enabled
+from ..errors import ArgumentError, BoundsError, HangError
+from ..progress import check_progress
+from ..runs import (Run, RunHandle, EventWaiter, ThreadWaiter, _Stalled, note_cancelled, run_inline,
+                    slow_step_message, wait_cuda)
+from ..runtime.layout import BOUNDS, CANCEL, DBG_SIZE, HOST_SIZE, REQUEST, STEPS, STOPPED, WHY
+from . import checks, driver
+from .args import ArrayArg, apply_weak_floats, classify, weak_float_type
+from .config import LaunchConfig, choose_backend, cuda_config, plan_staging, resolve_scope
+from .kernels import KernelCache, check_types
+from .plan import PlanCache, make_plan
+from .signature import call_key
+
+CPU_CONFIG = LaunchConfig("cpu", 1, 1)
+
+
+def _simulator() -> bool:
+    return simulator_enabled()
+
+
+class Options:
+    """One call's options, checked. ``key`` is the part a plan depends on."""
+
+    __slots__ = ("label", "nsteps", "start", "seed", "timeout", "watchdog", "backend", "scope", "threads",
+                 "blocks", "debug", "control", "progress", "key")
+
+
+class Dispatcher:
+    """Everything between a :class:`~loopkern.api.MegaKernel` call and its kernel."""
+
+    def __init__(self, spec, defaults: dict):
+        self.spec = spec
+        self.defaults = defaults
+        self.kernels = KernelCache(spec)
+        self.plans = PlanCache()
+        self.nparams = len(spec.params)
+        self.signature = inspect.Signature(
+            [inspect.Parameter(p.name, inspect.Parameter.POSITIONAL_OR_KEYWORD) for p in spec.params])
+        self._swapped = {i for pair in spec.swap for i in pair}
+        self._launch_options: dict = {}
+
+    # -- binding -------------------------------------------------------------------------------
+    def bind_names(self, args, kwargs) -> dict:
+        """Parameter name -> value, or an ArgumentError naming what is missing or extra."""
+        try:
+            return dict(self.signature.bind(*args, **kwargs).arguments)
+        except TypeError as exc:
+            names = ", ".join(p.name for p in self.spec.params)
+            raise ArgumentError(f"{self.spec.name}(): {exc}; the step takes ({names}) after the step index "
+                                f"'{self.spec.index_param}', plus steps= or max_steps=") from None
+
+    def values(self, args, kwargs):
+        """The arguments in parameter order."""
+        if not kwargs and len(args) == self.nparams:
+            return args
+        bound = self.bind_names(args, kwargs)
+        return [bound[p.name] for p in self.spec.params]
+
+    def classify(self, values) -> list:
+        """Full classification and checks of every argument (ArgumentError on the first problem)."""
+        spec = self.spec
+        out = []
+        for k, p in enumerate(spec.params):
+            a = classify(p.name, values[k])
+            is_array = isinstance(a, ArrayArg)
+            checks.check_kind(p, is_array, f"an array of shape {a.shape}" if is_array
+                              else f"a scalar {type(a.value).__name__}")
+            if is_array:
+                checks.check_array_use(p, a.shape, spec.filename)
+                checks.check_atomic_dtype(p, a.dtype)
+                checks.check_writable(p, a, k in self._swapped)
+            out.append(a)
+        for i, j in spec.swap:
+            a, b = out[i], out[j]
+            pair = f"swap pair ('{a.name}', '{b.name}')"
+            if not isinstance(a, ArrayArg) or not isinstance(b, ArrayArg):
+                raise ArgumentError(f"{pair}: both must be arrays")
+            checks.check_swap_pair((a.name, b.name), a.shape, a.dtype, b.shape, b.dtype)
+            if a.where != b.where:
+                raise ArgumentError(f"{pair}: one array is on the GPU and the other on the host")
+            from .args import overlaps
+            if a.value is b.value or overlaps(a, b):
+                raise ArgumentError(f"{pair}: the two arrays share memory; pass two separate buffers")
+        return out
+
+    # -- options -------------------------------------------------------------------------------
+    def options(self, steps, max_steps, start, backend, scope, threads, blocks, seed, progress, timeout, debug,
+                watchdog, control) -> Options:
+        """The call's options, checked (ArgumentError naming the option otherwise). The common
+        values pass plain type tests; the launch options are checked once per combination."""
+        o = Options()
+        if max_steps is None and type(steps) is int and steps >= 0:
+            o.label, o.nsteps = "steps", steps
+        else:
+            if steps is not None and max_steps is not None:
+                raise ArgumentError("pass either steps= or max_steps=, not both")
+            if steps is None and max_steps is None:
+                raise ArgumentError(f"{self.spec.name}(): pass steps=N (or max_steps=N for a step that returns a "
+                                    f"condition)")
+            o.label = "steps" if steps is not None else "max_steps"
+            o.nsteps = checks.check_count(o.label, steps if steps is not None else max_steps, allow_none=False)
+        o.start = start if type(start) is int and 0 <= start < 2 ** 62 else checks.check_start(start)
+        o.seed = seed if type(seed) is int and 0 <= seed < 2 ** 64 else checks.check_seed(seed)
+        o.progress = progress if progress is False else check_progress(progress)
+        o.timeout = None if timeout is None else checks.check_seconds("timeout", timeout)
+        o.watchdog = watchdog if type(watchdog) is float and watchdog > 0 else checks.check_seconds(
+            "watchdog", watchdog)
+        try:
+            launch = self._launch_options[(backend, scope, threads, blocks, debug, control)]
+        except (KeyError, TypeError):
+            launch = self._check_launch_options(backend, scope, threads, blocks, debug, control)
+        o.backend, o.scope, o.threads, o.blocks, o.debug, o.control = launch
+        ctx = 0
+        if o.backend == "cuda" and not _simulator():
+            driver.ensure_context()
+            ctx = driver.current_context()
+        o.key = launch + (ctx,)
+        return o
+
+    def _check_launch_options(self, backend, scope, threads, blocks, debug, control) -> tuple:
+        d = self.defaults
+        b = checks.check_choice("backend", backend if backend is not None else d["backend"], checks.BACKENDS)
+        s = checks.check_choice("scope", scope if scope is not None else d["scope"], checks.SCOPES)
+        t = checks.check_count("threads", threads if threads is not None else d["threads"], minimum=1)
+        n = checks.check_count("blocks", blocks if blocks is not None else d["blocks"], minimum=1)
+        if debug is not True and debug is not False:
+            raise ArgumentError(f"debug={debug!r}: expected True or False")
+        launch = (choose_backend(b), s, t, n, debug, bool(control))
+        try:
+            # "auto" is resolved once per process, so the resolved backend may be remembered
+            self._launch_options[(backend, scope, threads, blocks, debug, control)] = launch
+        except TypeError:
+            pass
+        return launch
+
+    # -- plans ---------------------------------------------------------------------------------
+    def plan(self, values, o: Options):
+        """(the plan for this call, the values to run it with). A cached plan if the signature
+        matches one seen before and the values pass its per-call checks; else the full path."""
+        try:
+            sig = call_key(values)
+        except TypeError:         # an unhashable attribute somewhere: no cheap key
+            sig = None
+        key = None if sig is None else o.key + sig
+        if key is not None:
+            plan = self.plans.get(key)
+            if plan is not None and plan.check_values(values):
+                return plan, values
+        plan, run_values = self._make_plan(values, o)
+        if key is not None and plan.check_values(run_values):
+            self.plans.put(key, plan)
+        return plan, run_values
+
+    def _make_plan(self, values, o: Options):
+        spec = self.spec
+        argv = self.classify(values)
+        float_type = weak_float_type(a.dtype for a in argv if isinstance(a, ArrayArg))
+        argv = apply_weak_floats(argv, float_type)
+        run_values = [a.value for a in argv]
+        if o.backend == "cpu":
+            for a in argv:
+                if isinstance(a, ArrayArg) and a.where != "host":
+                    raise ArgumentError(f"argument '{a.name}' is on the GPU, but backend='cpu' needs NumPy arrays; "
+                                        f"copy it to the host or use backend='cuda'")
+            compiled = self.kernels.get("cpu", "grid", debug=o.debug, control=o.control, float_type=float_type)
+            check_types(spec, compiled, compiled.types_of(run_values), run_values)
+            host = np.zeros(HOST_SIZE, np.int64)
+            full = (np.int64(0), np.int64(0), *run_values, np.uint64(0), host) + \
+                ((np.zeros(DBG_SIZE, np.int64),) if o.debug else ())
+            entry = compiled.specialize(full)
+            return make_plan(spec, "cpu", argv, compiled, entry, CPU_CONFIG, debug=o.debug, staged=(),
+                             simulator=False), run_values
+        from ..compile import simulator_enabled
+        sim = simulator_enabled()
+        work = max([a.size for a in argv if isinstance(a, ArrayArg)] or [1])
+        checks.check_thread_scope(spec, o.scope)
+        scope = resolve_scope(o.scope, work, spec.parallel, spec.light_elements)
+        staged, stage_bytes = plan_staging(spec, argv) if scope == "block" else ((), 0)
+        compiled = self.kernels.get("cuda", scope, debug=o.debug, staged=staged, control=o.control,
+                                    float_type=float_type)
+        types = _cuda_param_types(compiled, argv)
+        check_types(spec, compiled, types, run_values)
+        kernel = compiled.specialize_types(_cuda_kernel_types(types, o.debug))
+        config = cuda_config(kernel, scope, work, o.threads, o.blocks, sim, shared=stage_bytes)
+        return make_plan(spec, "cuda", argv, compiled, kernel, config, debug=o.debug, staged=staged,
+                         simulator=sim), run_values
+
+    # -- running -------------------------------------------------------------------------------
+    def call(self, args, kwargs, **opts) -> Run:
+        """A blocking call (see ``MegaKernel.__call__``)."""
+        o = self.options(**opts)
+        if o.progress is not False:
+            return self._start(self.values(args, kwargs), o, monitor=False).wait()
+        plan, values = self.plan(self.values(args, kwargs), o)
+        if plan.backend == "cpu":
+            return self._run_cpu(plan, values, o)
+        if plan.simulator:
+            return self._launch_simulator(plan, values, o).wait()
+        return self._run_cuda(plan, values, o)
+
+    def start(self, args, kwargs, monitor=True, **opts) -> RunHandle:
+        """A run started in the background (see ``MegaKernel.start``)."""
+        return self._start(self.values(args, kwargs), self.options(**opts), monitor)
+
+    def _start(self, values, o: Options, monitor) -> RunHandle:
+        from ..progress import make_reporter
+        plan, values = self.plan(values, o)
+        reporter = make_reporter(o.progress, None if self.spec.returns_condition else o.nsteps, self.spec.name)
+        if plan.backend == "cpu":
+            handle = self._start_cpu(plan, values, o, reporter)
+        elif plan.simulator:
+            handle = self._launch_simulator(plan, values, o, reporter)
+        else:
+            handle = self._start_cuda(plan, values, o, reporter)
+        if monitor:
+            handle.monitor()
+        return handle
+
+    def _finish_run(self, plan, slot, steps, why, o, dbg=None) -> Run:
+        """The Run of a finished blocking call (the slot goes back to the plan), or BoundsError."""
+        if why == BOUNDS and plan.debug:
+            if dbg is None:
+                dbg = slot.dbg if plan.backend == "cpu" else slot.dbg.copy_to_host()
+            message = plan.describe_bounds(dbg, steps, o.start)
+            plan.slots.give(slot)
+            raise BoundsError(message)
+        plan.slots.give(slot)
+        c = plan.config
+        return Run(steps, STOPPED[why], plan.backend, c.scope, c.blocks, c.threads, o.start)
+
+    def _run_cpu(self, plan, values, o: Options) -> Run:
+        slot = plan.slots.take()
+        plan.prepare_slot(slot, None)
+        args = plan.cpu_args(values, slot, o.seed)
+        entry = plan.kernel
+
+        def call(n, t0):
+            args[0] = n
+            args[1] = t0
+            entry(*args)
+        try:
+            steps, why = run_inline(call, slot.view, o.nsteps, o.start, name=self.spec.name, timeout=o.timeout,
+                                    watchdog=o.watchdog)
+        except KeyboardInterrupt as exc:
+            steps, why = exc._lk_result
+            note_cancelled(exc, self.spec.name, self._finish_run(plan, slot, steps, why, o))
+            raise
+        except _Stalled as st:
+            run = self._finish_run(plan, slot, *st.result, o)
+            raise HangError(slow_step_message(self.spec.name, st.idle, o.watchdog, st.steps, run), run=run) from None
+        return self._finish_run(plan, slot, steps, why, o)
+
+    def _run_cuda(self, plan, values, o: Options) -> Run:
+        from . import driver
+        slot = self._launch_cuda(plan, values, o)
+        view = slot.view
+        try:
+            wait_cuda(view, slot.event, self.spec.name, o.watchdog)
+        except KeyboardInterrupt as exc:
+            view[REQUEST] = CANCEL
+            wait_cuda(view, slot.event, self.spec.name, None, interruptible=False)
+            plan.copy_out(values, slot)
+            note_cancelled(exc, self.spec.name, self._finish_run(plan, slot, int(view[STEPS]), int(view[WHY]), o))
+            raise
+        except _Stalled as st:
+            driver.driver().event_synchronize(slot.event)
+            plan.copy_out(values, slot)
+            run = self._finish_run(plan, slot, int(view[STEPS]), int(view[WHY]), o)
+            raise HangError(slow_step_message(self.spec.name, st.idle, o.watchdog, st.steps, run), run=run) from None
+        plan.copy_out(values, slot)
+        return self._finish_run(plan, slot, int(view[STEPS]), int(view[WHY]), o)
+
+    def _launch_cuda(self, plan, values, o: Options):
+        """Fill a slot and launch through the driver; returns the slot (the kernel is running)."""
+        from . import driver
+        slot = plan.slots.take()
+        try:
+            plan.prepare_slot(slot, o.timeout)
+            if plan.hosts:
+                plan.copy_in(values, slot)
+            plan.fill_words(values, slot, o.nsteps, o.start, o.seed)
+            c = plan.config
+            driver.launch(plan.func, c.blocks, c.threads, c.shared, slot.params, c.scope == "grid")
+            driver.check(driver.driver().event_record(slot.event, 0), "cuEventRecord")
+        except BaseException:
+            plan.slots.give(slot)
+            raise
+        return slot
+
+    def _start_cuda(self, plan, values, o, reporter) -> RunHandle:
+        slot = self._launch_cuda(plan, values, o)
+
+        def on_finish():
+            try:
+                plan.copy_out(values, slot)
+            finally:
+                plan.slots.give(slot)
+        return RunHandle(name=self.spec.name, host=slot.view, waiter=EventWaiter(slot.event, slot.view),
+                         backend="cuda", plan=plan.config, on_finish=on_finish, reporter=reporter,
+                         watchdog=o.watchdog, start=o.start,
+                         describe_error=(lambda steps: plan.describe_bounds(slot.dbg.copy_to_host(), steps, o.start))
+                         if plan.debug else None)
+
+    def _start_cpu(self, plan, values, o, reporter) -> RunHandle:
+        import time
+        slot = plan.slots.take()
+        plan.prepare_slot(slot, None)
+        args = plan.kernel_args(values, slot, o.nsteps, o.start, o.seed)
+        entry = plan.kernel
+        waiter = ThreadWaiter(lambda: entry(*args))
+        return RunHandle(name=self.spec.name, host=slot.view, waiter=waiter, backend="cpu", plan=plan.config,
+                         deadline=time.monotonic() + o.timeout if o.timeout is not None else None,
+                         on_finish=lambda: plan.slots.give(slot), reporter=reporter, watchdog=o.watchdog,
+                         start=o.start,
+                         describe_error=(lambda steps: plan.describe_bounds(slot.dbg, steps, o.start))
+                         if plan.debug else None)
+
+    def _launch_simulator(self, plan, values, o, reporter=None) -> RunHandle:
+        """Numba's CUDA simulator: the launch runs the kernel in Python, on a worker thread."""
+        slot = plan.slots.take()
+        plan.prepare_slot(slot, o.timeout)
+        plan.copy_in(values, slot)
+        args = plan.kernel_args(values, slot, o.nsteps, o.start, o.seed)
+        c = plan.config
+        launcher = plan.kernel[c.blocks, c.threads, 0, c.shared]
+
+        def on_finish():
+            try:
+                plan.copy_out(values, slot)
+            finally:
+                plan.slots.give(slot)
+        return RunHandle(name=self.spec.name, host=slot.view, waiter=ThreadWaiter(lambda: launcher(*args)),
+                         backend="cuda", plan=c, on_finish=on_finish, reporter=reporter, watchdog=o.watchdog,
+                         start=o.start,
+                         describe_error=(lambda steps: plan.describe_bounds(slot.dbg.copy_to_host(), steps, o.start))
+                         if plan.debug else None)
+
+
+def _cuda_param_types(compiled, argv) -> tuple:
+    """The Numba types the CUDA kernel sees for the step's parameters: a NumPy argument becomes a
+    C-contiguous device copy; GPU arrays and numbers are typed as they are."""
+    from numba import types
+    from numba.np.numpy_support import from_dtype
+    out = []
+    for a in argv:
+        if isinstance(a, ArrayArg) and a.where == "host":
+            out.append(types.Array(from_dtype(a.dtype), len(a.shape), "C"))
+        else:
+            out.append(compiled.type_of(a.value))
+    return tuple(out)
+
+
+def _cuda_kernel_types(param_types, debug) -> tuple:
+    """The CUDA kernel's whole signature: step count and start, the parameters, the scratch
+    (redf, redi, bar), the seed, the stop slots, the control block and the debug buffer."""
+    from numba import types
+    i64 = types.Array(types.int64, 1, "C")
+    return ((types.int64, types.int64) + tuple(param_types)
+            + (types.Array(types.float64, 2, "C"), types.Array(types.int64, 2, "C"), types.Array(types.uint32, 1, "C"),
+               types.uint64, i64, i64) + ((i64,) if debug else ()))

@@ -1,0 +1,136 @@
+"""Launching and waiting through the CUDA driver directly (``libcuda`` via ctypes).
+
+A cached :class:`~loopkern.dispatch.plan.LaunchPlan` holds the kernel's parameter words; a call
+only writes its pointers and scalars into them and launches, so Numba's per-call argument
+marshalling (tens of microseconds) is left out. Numba still compiles the kernel, loads its
+module and owns the context: the kernel handle comes from Numba's compiled kernel, and a
+thread that has no current context gets Numba's (the device's primary context) first.
+
+Under Numba's CUDA simulator nothing here is used: the simulator runs Python.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+
+from ..errors import LaunchError
+
+CUDA_SUCCESS = 0
+CUDA_ERROR_NOT_READY = 600
+CU_EVENT_DISABLE_TIMING = 2
+
+_lock = threading.Lock()
+_lib: list = []
+_threads_with_context: set = set()
+
+
+class _Driver:
+    """The few driver entry points the launch path needs, with their ctypes signatures."""
+
+    def __init__(self, lib):
+        vp, u, sz = ctypes.c_void_p, ctypes.c_uint, ctypes.c_size_t
+
+        def fn(name, *argtypes):
+            f = getattr(lib, name)
+            f.argtypes, f.restype = list(argtypes), ctypes.c_int
+            return f
+
+        self.launch = fn("cuLaunchKernel", vp, u, u, u, u, u, u, u, vp, vp, vp)
+        self.launch_cooperative = fn("cuLaunchCooperativeKernel", vp, u, u, u, u, u, u, u, vp, vp)
+        self.ctx_get_current = fn("cuCtxGetCurrent", ctypes.POINTER(vp))
+        self.event_create = fn("cuEventCreate", ctypes.POINTER(vp), u)
+        self.event_record = fn("cuEventRecord", vp, vp)
+        self.event_query = fn("cuEventQuery", vp)
+        self.event_synchronize = fn("cuEventSynchronize", vp)
+        self.memcpy_htod = fn("cuMemcpyHtoD_v2", ctypes.c_uint64, vp, sz)
+        self.memcpy_dtoh = fn("cuMemcpyDtoH_v2", vp, ctypes.c_uint64, sz)
+        self.memset_d8 = fn("cuMemsetD8_v2", ctypes.c_uint64, ctypes.c_ubyte, sz)
+        self.get_error_name = fn("cuGetErrorName", ctypes.c_int, ctypes.POINTER(ctypes.c_char_p))
+
+
+def driver() -> _Driver:
+    """The process's libcuda bindings (loaded on first use; Numba has already initialised CUDA)."""
+    if not _lib:
+        with _lock:
+            if not _lib:
+                try:
+                    lib = ctypes.CDLL("libcuda.so.1")
+                except OSError:
+                    lib = ctypes.CDLL("nvcuda.dll" if hasattr(ctypes, "WinDLL") else "libcuda.so")
+                _lib.append(_Driver(lib))
+    return _lib[0]
+
+
+def error_name(code: int) -> str:
+    name = ctypes.c_char_p()
+    if driver().get_error_name(code, ctypes.byref(name)) == CUDA_SUCCESS and name.value:
+        return name.value.decode()
+    return f"CUDA error {code}"
+
+
+def check(code: int, what: str):
+    """LaunchError naming the driver's error unless ``code`` is CUDA_SUCCESS."""
+    if code != CUDA_SUCCESS:
+        raise LaunchError(f"{what} failed: {error_name(code)} ({code})")
+
+
+def ensure_context():
+    """Make Numba's context current on this thread (once per thread): the driver calls below use
+    the calling thread's current context, which a new thread does not have."""
+    ident = threading.get_ident()
+    if ident not in _threads_with_context:
+        from numba import cuda
+        cuda.current_context()
+        _threads_with_context.add(ident)
+
+
+def current_context() -> int:
+    """The calling thread's current CUDA context handle (0 if none)."""
+    ctx = ctypes.c_void_p()
+    driver().ctx_get_current(ctypes.byref(ctx))
+    return ctx.value or 0
+
+
+def kernel_handle(kernel) -> int:
+    """The driver handle (CUfunction, or a CUkernel, which the launch calls also accept) of a
+    Numba-compiled kernel in the current context."""
+    kernel.bind()
+    return int(kernel._codelibrary.get_cufunc().handle)
+
+
+def new_event() -> int:
+    ev = ctypes.c_void_p()
+    check(driver().event_create(ctypes.byref(ev), CU_EVENT_DISABLE_TIMING), "cuEventCreate")
+    return ev.value
+
+
+class ParamBlock:
+    """A kernel's parameters as 8-byte words, with the pointer array the launch call takes.
+
+    Every Numba kernel parameter is at most 8 bytes (an array is 5 + 2*ndim of them), and the
+    driver reads each through its own pointer with the size the kernel declares, so a value
+    smaller than 8 bytes sits in the low bytes of its word (little-endian).
+    """
+
+    def __init__(self, nwords: int):
+        import numpy as np
+        self.words = np.zeros(max(nwords, 1), np.uint64)
+        base = self.words.ctypes.data
+        self.params = (ctypes.c_void_p * max(nwords, 1))(*[base + 8 * k for k in range(max(nwords, 1))])
+        self.i64 = self.words.view(np.int64)
+        # by dtype char: the words seen as that type; word k is element k * (8 // itemsize)
+        self.views = {c: self.words.view(np.dtype(c)) for c in "?bBhHiIlLqQfd"}
+
+
+def launch(func: int, blocks: int, threads: int, shared: int, params: ParamBlock, cooperative: bool, stream=0):
+    """Launch ``func`` on ``stream`` (0: the legacy default stream, Numba's default)."""
+    d = driver()
+    if cooperative:
+        r = d.launch_cooperative(func, blocks, 1, 1, threads, 1, 1, shared, stream, params.params)
+    else:
+        r = d.launch(func, blocks, 1, 1, threads, 1, 1, shared, stream, params.params, None)
+    if r != CUDA_SUCCESS:
+        raise LaunchError(f"launching the megakernel failed: {error_name(r)} ({r})"
+                          + ("; a cooperative launch needs every block resident at once"
+                             if r == 720 else ""))   # CUDA_ERROR_COOPERATIVE_LAUNCH_TOO_LARGE

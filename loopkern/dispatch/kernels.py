@@ -1,0 +1,52 @@
+"""The compiled kernels of one step: rendered and loaded once per variant (backend, scope,
+scalars by reference, debug, staged arrays, run control, float type), compiled by Numba once
+per argument-type signature."""
+
+from __future__ import annotations
+
+import threading
+
+from .. import codegen
+from ..errors import ArgumentError
+from .checks import describe_array
+
+
+class KernelCache:
+    """The variants of one step's kernel that calls have needed so far."""
+
+    def __init__(self, spec):
+        self.spec = spec
+        self.variants: dict = {}
+        self._lock = threading.Lock()
+
+    def get(self, backend, scope, by_ref=None, debug=False, staged=(), control=True, float_type=None):
+        """The :class:`~loopkern.compile.CompiledKernel` of one variant (rendered and loaded on
+        first use; Numba compiles it per argument types in ``specialize``)."""
+        from ..compile import compile_kernel, runtime_fingerprint, simulator_enabled
+        key = (backend, scope, by_ref, debug, staged, control, float_type)
+        k = self.variants.get(key)
+        if k is None:
+            with self._lock:
+                k = self.variants.get(key)
+                if k is None:
+                    cache = not (backend == "cuda" and simulator_enabled())
+                    src = codegen.render_kernel(self.spec, backend, scope, cache=cache,
+                                                fingerprint=f"runtime {runtime_fingerprint()}", by_ref=by_ref,
+                                                debug=debug, staged=staged, control=control,
+                                                float_type=float_type)
+                    k = self.variants[key] = compile_kernel(src)
+        return k
+
+
+def check_types(spec, compiled, types, kargs):
+    """ArgumentError unless the two arrays of each swap pair have the same compiled type (in
+    ``types``, those of the values ``kargs``): the kernel exchanges them, so they must agree in
+    layout too, not only in shape and dtype."""
+    for i, j in spec.swap:
+        ta, tb = types[i], types[j]
+        if ta != tb:
+            a, b = spec.params[i].name, spec.params[j].name
+            raise ArgumentError(f"swap pair ('{a}', '{b}'): the two arrays must have the same memory layout, "
+                                f"got '{a}': {describe_array(kargs[i], ta)} and '{b}': "
+                                f"{describe_array(kargs[j], tb)}; make both C-contiguous, e.g. with "
+                                f"numpy.ascontiguousarray")

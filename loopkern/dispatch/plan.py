@@ -1,0 +1,396 @@
+"""Launch plans: what the first call with a signature decided, kept so that later calls only
+fill in pointers and numbers and launch.
+
+A :class:`LaunchPlan` is made by :func:`make_plan` after the full checks of a call have
+passed. It holds the specialised kernel, the grid, and a free list of :class:`Slot`\\ s: per
+run in flight, the scratch buffers, the control block, the debug buffer, device copies of
+NumPy arguments and (on a GPU) the kernel's parameter words with everything but the per-call
+values already written. Plans are cached per call signature (``signature.call_key`` plus the
+call options) by :class:`PlanCache`.
+
+Running a plan:
+
+- CPU, blocking: the kernel runs in the calling thread (``runs.run_inline``).
+- CPU, ``start()`` or ``progress=``: the kernel runs on a worker thread (``runs.ThreadWaiter``).
+- CUDA: the launch goes through the driver (``driver.launch``) with the slot's parameter
+  words; a blocking call then waits for the kernel's done flag in the mapped control block
+  (``runs.wait_cuda``), ``start()`` returns a handle on the launch's event.
+- Numba's CUDA simulator: the launch goes through Numba's dispatcher on a worker thread.
+"""
+
+from __future__ import annotations
+
+import linecache
+import math
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..errors import ArgumentError, Diagnostic
+from ..runtime.layout import (DBG_INDEX, DBG_NDIM, DBG_SHAPE, DBG_SITE, DBG_SIZE, DBG_STEP, DBG_THREAD,
+                              TIMEOUT_NS)
+from . import buffers
+from .args import ArrayArg
+from .config import LaunchConfig
+from .signature import INT64_MAX, INT64_MIN, _cai_ptr, probe
+
+#: plans kept per kernel (least recently used dropped first)
+PLANS_PER_KERNEL = 64
+
+
+class PlanCache:
+    """Plans of one kernel by call signature, least recently used dropped beyond a bound."""
+
+    def __init__(self, size: int = PLANS_PER_KERNEL):
+        self.size = size
+        self._plans: OrderedDict = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, key):
+        plan = self._plans.get(key)
+        if plan is not None and len(self._plans) > 1:
+            try:
+                self._plans.move_to_end(key)
+            except KeyError:       # dropped by another thread meanwhile
+                pass
+        return plan
+
+    def put(self, key, plan):
+        with self._lock:
+            self._plans[key] = plan
+            while len(self._plans) > self.size:
+                self._plans.popitem(last=False)
+
+    def __len__(self):
+        return len(self._plans)
+
+
+@dataclass
+class Param:
+    """One step parameter as the plan passes it.
+
+    Attributes:
+        kind: ``"array"`` (the user's array is passed as it is: NumPy on the CPU, a GPU array on
+            CUDA), ``"host"`` (a NumPy array on CUDA: copied to a slot's device buffer and back)
+            or ``"scalar"``.
+        dtype: the element or value type the kernel sees.
+        shape, strides: an array's (strides in bytes, as the kernel sees them).
+        word: CUDA: the index of the parameter's first word (an array's data pointer is at
+            ``word + 4``).
+        ptr: a GPU array's pointer getter.
+        extent: a GPU array's [lo, hi) byte range relative to its pointer.
+    """
+
+    kind: str
+    name: str
+    dtype: np.dtype
+    shape: tuple = ()
+    strides: tuple = ()
+    word: int = 0
+    ptr: object = None
+    extent: tuple = (0, 0)
+    writable_host: bool = False
+
+
+def _extent(shape, strides, itemsize) -> tuple[int, int]:
+    if math.prod(shape) == 0:
+        return 0, 0
+    lo = sum(min(0, (n - 1) * s) for n, s in zip(shape, strides))
+    hi = sum(max(0, (n - 1) * s) for n, s in zip(shape, strides)) + itemsize
+    return lo, hi
+
+
+def _c_strides(shape, itemsize) -> tuple:
+    return tuple(math.prod(shape[i + 1:]) * itemsize for i in range(len(shape)))
+
+
+class Slot:
+    """The buffers of one run in flight (see the module docstring)."""
+
+    def __init__(self, plan):
+        from ..compile import simulator_enabled
+        self.block, self.view = buffers.control_block(plan.backend)
+        self.dbg = None
+        self.dev = {}                   # param index -> device buffer of a NumPy argument
+        self.scratch = ()
+        self.params = None
+        self.event = None
+        self.cpu_args = None
+        if plan.backend == "cpu":
+            if plan.debug:
+                self.dbg = np.zeros(DBG_SIZE, np.int64)
+            return
+        from numba import cuda
+        self.scratch = buffers.cuda_scratch(plan.config.blocks)
+        if plan.debug:
+            self.dbg = cuda.to_device(np.zeros(DBG_SIZE, np.int64))
+        for i, p in enumerate(plan.params):
+            if p.kind == "host":
+                first = plan.same_as.get(i, i)
+                self.dev[i] = self.dev[first] if first in self.dev else cuda.device_array(p.shape, p.dtype)
+        if simulator_enabled():
+            return
+        from . import driver
+        self.event = driver.new_event()
+        self.params = driver.ParamBlock(plan.nwords)
+        w = self.params.words
+        for i, p in enumerate(plan.params):
+            if p.kind == "scalar":
+                continue
+            nd = len(p.shape)
+            w[p.word:p.word + 5] = (0, 0, math.prod(p.shape), p.dtype.itemsize, 0)
+            w[p.word + 5:p.word + 5 + nd] = p.shape
+            w[p.word + 5 + nd:p.word + 5 + 2 * nd] = np.array(p.strides, np.int64).view(np.uint64)
+            if p.kind == "host":
+                w[p.word + 4] = self.dev[i].device_ctypes_pointer.value or 0
+        for word, buf in zip(plan.tail_words, self.tail_arrays()):
+            nd = buf.ndim
+            w[word:word + 5] = (0, 0, buf.size, buf.dtype.itemsize, buf.device_ctypes_pointer.value or 0)
+            w[word + 5:word + 5 + nd] = buf.shape
+            w[word + 5 + nd:word + 5 + 2 * nd] = buf.strides
+
+    def tail_arrays(self) -> list:
+        """The array parameters after the user's, in kernel order, except the seed (a number)."""
+        redf, redi, bar, info = self.scratch
+        return [redf, redi, bar, info, self.block] + ([self.dbg] if self.dbg is not None else [])
+
+
+class LaunchPlan:
+    """Everything a call with one signature needs, decided once (see the module docstring).
+
+    Attributes:
+        backend: ``"cuda"`` or ``"cpu"``.
+        config: the grid (:class:`~loopkern.dispatch.config.LaunchConfig`).
+        compiled: the :class:`~loopkern.compile.CompiledKernel`.
+        kernel: what runs: the compiled overload's entry point (CPU), Numba's compiled kernel
+            (CUDA) or the dispatcher (simulator).
+        params: a :class:`Param` per step parameter.
+        debug: bounds-checked kernel.
+    """
+
+    def __init__(self, *, spec, backend, config, compiled, kernel, params, debug, staged, same_as, simulator):
+        self.spec = spec
+        self.name = spec.name
+        self.backend = backend
+        self.config = config
+        self.compiled = compiled
+        self.kernel = kernel
+        self.params = params
+        self.debug = debug
+        self.staged = staged
+        self.same_as = same_as           # param index -> index of the same NumPy object, passed earlier
+        self.simulator = simulator
+        self.func = 0
+        self.nwords = 0
+        self.tail_words = ()
+        self.seed_word = 0
+        n = len(params)
+        self.scalars = [(i, p.dtype.type) for i, p in enumerate(params) if p.kind == "scalar"]
+        self.int_scalars = [i for i, p in enumerate(params) if p.kind == "scalar" and p.dtype.kind in "iu"]
+        self.devices = [i for i, p in enumerate(params) if p.kind == "array" and backend == "cuda"]
+        self.hosts = [i for i, p in enumerate(params) if p.kind == "host"]
+        self.swap_checks = [(a, b) for a, b in spec.swap if a < n and b < n]
+        self.staged_checks = [(i, j) for i in staged for j in self.devices if j != i] if backend == "cuda" else []
+        self.scalar_words = []
+        if backend == "cuda" and not simulator:
+            self._layout_words()
+            for i, p in enumerate(params):
+                if p.kind == "scalar":
+                    self.scalar_words.append((i, p.dtype.char, p.word * (8 // p.dtype.itemsize)))
+            from . import driver
+            self.func = driver.kernel_handle(kernel)
+        self.slots = buffers.FreeList(lambda: Slot(self))
+
+    # -- the parameter words (CUDA) ---------------------------------------------------------
+    def _layout_words(self):
+        w = 2                                       # nsteps, start
+        for p in self.params:
+            p.word = w
+            w += 1 if p.kind == "scalar" else 5 + 2 * len(p.shape)
+        tail = []
+        for ndim in (2, 2, 1):                      # redf, redi, bar
+            tail.append(w)
+            w += 5 + 2 * ndim
+        self.seed_word = w                          # the seed, a number, comes between bar and info
+        w += 1
+        for _ in range(3 if self.debug else 2):     # info, host (the control block), dbg
+            tail.append(w)
+            w += 7
+        self.tail_words = tuple(tail)
+        self.nwords = w
+
+    # -- per call ---------------------------------------------------------------------------
+    def check_values(self, values):
+        """Per-call checks that depend on values, not on the signature: integers that must fit
+        int64, and pointers (swap pairs that share memory). Raises ArgumentError; returns False
+        if the plan does not apply to these values (a staged array shares memory with another
+        argument), so the call must take the full path."""
+        for i in self.int_scalars:
+            v = values[i]
+            if type(v) is int and not INT64_MIN <= v <= INT64_MAX:
+                raise ArgumentError(f"argument '{self.params[i].name}': integer {v} does not fit in int64")
+        for a, b in self.swap_checks:
+            if self._overlap(values, a, b):
+                raise ArgumentError(f"swap pair ('{self.params[a].name}', '{self.params[b].name}'): the two arrays "
+                                    f"share memory; pass two separate buffers")
+        for a, b in self.staged_checks:
+            if self._overlap(values, a, b):
+                return False
+        return True
+
+    def _overlap(self, values, a, b) -> bool:
+        x, y = values[a], values[b]
+        if x is y:
+            return True
+        pa, pb = self.params[a], self.params[b]
+        if pa.kind == "host" or self.backend == "cpu":
+            if pa.kind == "host" and self.same_as.get(b) == a:
+                return True
+            # two NumPy arrays (on the GPU path each is copied on its own, so only the same
+            # object ends up shared, which `same_as` says)
+            return self.backend == "cpu" and np.may_share_memory(x, y)
+        ax, bx = pa.ptr(x), pb.ptr(y)
+        return ax + pa.extent[0] < bx + pb.extent[1] and bx + pb.extent[0] < ax + pa.extent[1]
+
+    def kernel_args(self, values, slot, nsteps, start, seed) -> tuple:
+        """The full argument tuple for a launch through Numba (CPU, simulator)."""
+        args = [np.int64(nsteps), np.int64(start)]
+        for i, p in enumerate(self.params):
+            v = values[i]
+            if p.kind == "scalar":
+                args.append(p.dtype.type(v))
+            elif p.kind == "host":
+                args.append(slot.dev[i])
+            else:
+                args.append(v)
+        if self.backend == "cpu":
+            args += [np.uint64(seed), slot.block]
+            if self.debug:
+                args.append(slot.dbg)
+            return tuple(args)
+        redf, redi, bar, info = slot.scratch
+        args += [redf, redi, bar, np.uint64(seed), info, slot.block]
+        if self.debug:
+            args.append(slot.dbg)
+        return tuple(args)
+
+    def cpu_args(self, values, slot, seed) -> list:
+        """The CPU kernel's arguments, step count and start left to fill (slots 0 and 1).
+
+        The compiled entry point converts Python numbers itself (a float to float32 rounds to
+        nearest, as NumPy does), so they are passed as they are."""
+        args = slot.cpu_args
+        if args is None:
+            args = slot.cpu_args = list(self.kernel_args(values, slot, 0, 0, seed))
+        args[2:2 + len(values)] = values
+        args[2 + len(values)] = seed
+        return args
+
+    def fill_words(self, values, slot, nsteps, start, seed):
+        """Write this call's values into the slot's parameter words (CUDA)."""
+        pb = slot.params
+        i64 = pb.i64
+        i64[0] = nsteps
+        i64[1] = start
+        pb.words[self.seed_word] = seed
+        params = self.params
+        for i in self.devices:
+            p = params[i]
+            i64[p.word + 4] = p.ptr(values[i])
+        for i, view, index in self.scalar_words:
+            pb.views[view][index] = values[i]
+
+    def describe_bounds(self, dbg, steps, start) -> str:
+        """The BoundsError message for the offence a debug kernel recorded in ``dbg``."""
+        site = self.compiled.source.sites[int(dbg[DBG_SITE])]
+        n = int(dbg[DBG_NDIM])
+        index = tuple(int(v) for v in dbg[DBG_INDEX:DBG_INDEX + n])
+        shape = tuple(int(v) for v in dbg[DBG_SHAPE:DBG_SHAPE + n])
+        for p in self.params:
+            if p.kind != "scalar" and p.name == site.array:
+                shape = tuple(p.shape)
+        verb = "load from" if site.kind == "load" else "store to"
+        what = "the load read element 0 instead" if site.kind == "load" else "the store was skipped"
+        d = Diagnostic(site.filename, site.line, site.col, self.name,
+                       f"out-of-bounds {verb} '{site.array}' at step t={int(dbg[DBG_STEP])} by thread "
+                       f"{int(dbg[DBG_THREAD])}: index {index} is outside shape {shape}",
+                       hint=f"valid indices of a dimension of length n are -n to n - 1. {what.capitalize()}, and "
+                            f"debug=True stopped the run at the first step boundary where every thread could "
+                            f"stop together (up to two steps after the bad access): this call ran {steps} "
+                            f"step(s), t={start} to t={start + steps - 1}, and the arrays hold the state after "
+                            f"them",
+                       source_line=linecache.getline(site.filename, site.line),
+                       where="" if site.function == self.name else f"in helper '{site.function}'")
+        return d.format()
+
+    def prepare_slot(self, slot, timeout):
+        """Ready a slot's control block (and debug buffer) for a new run."""
+        buffers.reset_control_block(slot.view)
+        slot.view[TIMEOUT_NS] = int(timeout * 1e9) if timeout is not None and self.backend == "cuda" else 0
+        if self.debug:
+            if self.backend == "cpu":
+                slot.dbg[:] = 0
+            else:
+                slot.dbg.copy_to_device(np.zeros(DBG_SIZE, np.int64))
+
+    def copy_in(self, values, slot):
+        """NumPy arguments into the slot's device buffers (CUDA)."""
+        for i in self.hosts:
+            if self.same_as.get(i, i) != i:
+                continue
+            host = np.ascontiguousarray(values[i])
+            dev = slot.dev[i]
+            if self.simulator:
+                dev.copy_to_device(host)
+            else:
+                from . import driver
+                driver.check(driver.driver().memcpy_htod(dev.device_ctypes_pointer.value or 0, host.ctypes.data,
+                                                         host.nbytes), "copying a NumPy argument to the GPU")
+
+    def copy_out(self, values, slot):
+        """The slot's device buffers back into writable NumPy arguments (CUDA)."""
+        for i in self.hosts:
+            p = self.params[i]
+            if not p.writable_host or self.same_as.get(i, i) != i:
+                continue
+            host, dev = values[i], slot.dev[i]
+            if self.simulator:
+                dev.copy_to_host(host) if host.flags.c_contiguous else host.__setitem__(Ellipsis, dev.copy_to_host())
+                continue
+            from . import driver
+            target = host if host.flags.c_contiguous else np.empty(host.shape, host.dtype)
+            driver.check(driver.driver().memcpy_dtoh(target.ctypes.data, dev.device_ctypes_pointer.value or 0,
+                                                     target.nbytes), "copying a result back from the GPU")
+            if target is not host:
+                host[...] = target
+
+
+def make_plan(spec, backend, argv, compiled, kernel, config: LaunchConfig, *, debug, staged, simulator) -> LaunchPlan:
+    """A plan for calls like the one whose checked arguments are ``argv`` (after the full path
+    has classified and checked them, compiled ``kernel`` and chosen ``config``)."""
+    params, same_as, ids = [], {}, {}
+    for i, a in enumerate(argv):
+        if not isinstance(a, ArrayArg):
+            params.append(Param("scalar", a.name, np.asarray(a.value).dtype))
+            continue
+        on_host = a.where == "host"
+        if on_host and backend == "cuda":
+            first = ids.setdefault(id(a.value), i)
+            if first != i:
+                same_as[i] = first
+            params.append(Param("host", a.name, a.dtype, tuple(a.shape), _c_strides(a.shape, a.dtype.itemsize),
+                                writable_host=not a.readonly))
+            continue
+        strides = tuple(a.strides) if a.strides else _c_strides(a.shape, a.dtype.itemsize)
+        ptr = (probe(type(a.value))[1] or _cai_ptr) if not on_host else None
+        params.append(Param("array", a.name, a.dtype, tuple(a.shape), strides, ptr=ptr,
+                            extent=_extent(a.shape, strides, a.dtype.itemsize)))
+    return LaunchPlan(spec=spec, backend=backend, config=config, compiled=compiled, kernel=kernel, params=params,
+                      debug=debug, staged=staged, same_as=same_as, simulator=simulator)
+
+
+def now() -> float:
+    return time.monotonic()
