@@ -1,0 +1,106 @@
+"""Variants shared by the workloads: loopkern in its scopes, kernel.jax inside jax.jit, and
+jitted JAX loops."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .harness import Impl, on_device, to_host
+
+
+def loopkern_impl(gpu, kernel, arrays: dict, scalars: tuple, order, swap_first=None, **opts):
+    """An Impl that calls ``kernel`` on device copies of ``arrays`` (in ``order``)."""
+    init = {k: np.array(v) for k, v in arrays.items()}
+    dev = {k: on_device(gpu, v) for k, v in init.items()}
+    info = {}
+
+    def run(steps):
+        args = [dev[k] for k in order] + list(scalars)
+        kw = dict(opts)
+        if kernel.spec.returns_condition:
+            r = kernel(*args, max_steps=steps, **kw)
+        else:
+            r = kernel(*args, steps=steps, **kw)
+        info.update(scope=r.scope, blocks=r.blocks, threads=r.threads)
+        return r.steps
+
+    def reset():
+        for k, v in init.items():
+            if gpu:
+                dev[k].copy_to_device(v)
+            else:
+                dev[k][...] = v
+
+    return Impl(run, lambda: to_host(gpu, dev[swap_first or order[0]]), reset, None, info)
+
+
+def loopkern_variants(gpu, make_kernel, arrays, scalars, order, scopes, sweep_blocks=(), sweep_threads=()):
+    out = []
+    for scope in scopes:
+        out.append((f"loopkern[{scope}]" if gpu else "loopkern[cpu]",
+                    lambda case, s=scope: loopkern_impl(gpu, make_kernel(), arrays(case), scalars(case), order,
+                                                        scope=s if gpu else None,
+                                                        backend="cuda" if gpu else "cpu")))
+    for b in sweep_blocks:
+        out.append((f"loopkern[grid,blocks={b}]",
+                    lambda case, b=b: loopkern_impl(gpu, make_kernel(), arrays(case), scalars(case), order,
+                                                    scope="grid", blocks=b, threads=256)))
+    for t in sweep_threads:
+        out.append((f"loopkern[block,threads={t}]",
+                    lambda case, t=t: loopkern_impl(gpu, make_kernel(), arrays(case), scalars(case), order,
+                                                    scope="block", threads=t)))
+    return out
+
+
+def jax_impl(fn, init, result_index=0, steps_index=None):
+    """An Impl for a jitted JAX function of (state..., steps) built per step count."""
+    import jax
+    import jax.numpy as jnp
+    state = tuple(jnp.asarray(x) for x in init)
+    cache, box = {}, {}
+
+    def run(steps):
+        if steps not in cache:
+            cache[steps] = jax.jit(lambda *s: fn(*s, steps))
+        box["r"] = cache[steps](*state)
+        if steps_index is not None:
+            return int(box["r"][steps_index])
+        return None
+
+    def sync():
+        jax.block_until_ready(box["r"])
+
+    def result():
+        r = box["r"]
+        return np.asarray(r[result_index] if isinstance(r, tuple) else r)
+    return Impl(run, result, sync=sync)
+
+
+def loopkern_jax_variant(make_kernel, inputs, scalars, result_index=0):
+    """loopkern through kernel.jax inside jax.jit (the XLA FFI custom call on a GPU)."""
+    def make(case):
+        import jax
+        import jax.numpy as jnp
+        k = make_kernel()
+        state = [jnp.asarray(x) for x in inputs(case)]
+        cache, box = {}, {}
+
+        def run(steps):
+            if steps not in cache:
+                kw = "max_steps" if k.spec.returns_condition else "steps"
+                cache[steps] = jax.jit(lambda *xs: k.jax(*xs, *scalars(case), **{kw: steps}))
+            box["r"] = cache[steps](*state)
+            return int(box["r"][-1]) if k.spec.returns_condition else None
+        return Impl(run, lambda: np.asarray(box["r"][result_index]), sync=lambda: jax.block_until_ready(box["r"]))
+    return ("loopkern kernel.jax in jax.jit", make)
+
+def jax_loop_variants(step, unpack=lambda s: s):
+    import jax
+    return [
+        ("jax.lax.fori_loop", lambda case: jax_impl(
+            lambda u, steps: jax.lax.fori_loop(0, steps, lambda i, x: step(x), u), [case.data["u0"]])),
+        ("jax.lax.scan(unroll=16)", lambda case: jax_impl(
+            lambda u, steps: jax.lax.scan(lambda x, _: (step(x), None), u, None, length=steps, unroll=16)[0],
+            [case.data["u0"]])),
+    ]
+
