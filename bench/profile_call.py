@@ -1,10 +1,12 @@
-"""Where the host time of one kernel(...) call goes (cProfile over many one-step calls).
+"""Where the host time of one kernel(...) call goes: a per-stage breakdown of the call path
+(median µs of each stage over many one-step calls), then cProfile's view.
 
-    python bench/profile_call.py [--backend cuda|cpu]
+    python bench/profile_call.py [--backend cuda|cpu] [--calls N]
 """
 import argparse
 import cProfile
 import pstats
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -16,17 +18,65 @@ import bench  # noqa: E402
 
 p = argparse.ArgumentParser()
 p.add_argument("--backend", default="cuda")
+p.add_argument("--calls", type=int, default=2000)
 args = p.parse_args()
 k = bench.heat_kernel()
 u0 = np.random.default_rng(0).random(4096).astype(np.float32)
-u, v = bench.on_device(args.backend == "cuda", u0), bench.on_device(args.backend == "cuda", u0)
-for _ in range(20):
+gpu = args.backend == "cuda"
+u, v = bench.on_device(gpu, u0), bench.on_device(gpu, u0)
+for _ in range(50):
     k(u, v, bench.ALPHA, steps=1, backend=args.backend)
-t0 = time.perf_counter()
+
+d = k.dispatcher
+opts = dict(steps=1, max_steps=None, start=0, backend=args.backend, scope=None, threads=None, blocks=None, seed=0,
+            progress=False, timeout=None, debug=False, watchdog=60.0, control=True)
+vals = (u, v, bench.ALPHA)
+pc = time.perf_counter_ns
+stages = {"options": [], "plan lookup": [], "run (fill, launch, wait, finish)": [], "whole call": []}
+for _ in range(args.calls):
+    t0 = pc()
+    o = d.options(**opts)
+    t1 = pc()
+    plan, values = d.plan(vals, o)
+    t2 = pc()
+    (d._run_cuda if gpu else d._run_cpu)(plan, values, o)
+    t3 = pc()
+    k(u, v, bench.ALPHA, steps=1, backend=args.backend)
+    t4 = pc()
+    for name, dt in zip(stages, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
+        stages[name].append(dt / 1e3)
+if gpu:
+    from loopkern.dispatch import driver
+    from loopkern.runs import wait_cuda
+    slot = plan.slots.take()
+    more = {"fill_words": [], "launch": [], "event_record": [], "wait (kernel + done flag)": [],
+            "event_synchronize": [], "prepare_slot": [], "check_values": [], "call_key": []}
+    from loopkern.dispatch.signature import call_key
+    dr = driver.driver()
+    c = plan.config
+    for _ in range(args.calls):
+        ts = [pc()]
+        call_key(vals); ts.append(pc())
+        plan.check_values(vals); ts.append(pc())
+        plan.prepare_slot(slot, None); ts.append(pc())
+        plan.fill_words(vals, slot, 1, 0, 0); ts.append(pc())
+        driver.launch(plan.func, c.blocks, c.threads, c.shared, slot.params, c.scope == "grid"); ts.append(pc())
+        dr.event_record(slot.event, 0); ts.append(pc())
+        while slot.view[3] != 1:
+            pass
+        ts.append(pc())
+        dr.event_synchronize(slot.event); ts.append(pc())
+        for name, a, b in zip(("call_key", "check_values", "prepare_slot", "fill_words", "launch", "event_record",
+                               "wait (kernel + done flag)", "event_synchronize"), ts, ts[1:]):
+            more[name].append((b - a) / 1e3)
+    plan.slots.give(slot)
+    stages.update(more)
+for name, xs in stages.items():
+    print(f"{name:40s} median {statistics.median(xs):7.2f} us   p10 {np.percentile(xs, 10):7.2f}   "
+          f"p90 {np.percentile(xs, 90):7.2f}")
 prof = cProfile.Profile()
 prof.enable()
-for _ in range(200):
+for _ in range(500):
     k(u, v, bench.ALPHA, steps=1, backend=args.backend)
 prof.disable()
-print(f"{(time.perf_counter() - t0) / 200 * 1e6:.1f} us per call (profiled)")
-pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+pstats.Stats(prof).sort_stats("tottime").print_stats(30)

@@ -5,12 +5,26 @@ Numba-compiled kernel on XLA's own stream. Array parameters are aliased to the o
 under ``donate_argnums`` no buffer is copied; scalars and the step count travel as 1-element
 device buffers, so they may be traced values. On JAX's CPU backend the same call runs the
 CPU-compiled kernel through ``jax.pure_callback`` (Python once per call, not per step).
+
+Every call checks its arguments (cheap: types, shapes, dtypes), then looks its *signature* up
+in a small cache on the kernel (:class:`CallCache`, on ``mk.dispatcher``): the platform and
+device, each parameter's shape and dtype (arrays) or dtype (scalars), the dtypes of the step
+count and start, the resolved scope, threads and blocks, the seed, the timeout and whether the
+step returns a condition. An entry (:class:`JaxCall`) holds what was built for that signature:
+the compiled kernel and its launch configuration, the result shapes, aliases and ``layout``
+attribute, the ``ffi_call`` (or the ``pure_callback`` host function), the ``custom_jvp``
+wrapper, and a ``jax.jit`` of all of it for eager calls. So a second trace (a new jitted
+function with the same shapes) or an eager call does no occupancy query, no cubin load and no
+custom-call construction; an eager call with a signature seen before is one dispatch of an
+already compiled executable.
 """
 
 from __future__ import annotations
 
 import math
 import numbers
+import threading
+from collections import OrderedDict
 
 import numpy as np
 
@@ -20,6 +34,10 @@ from ..errors import ArgumentError, LoopkernError
 from ..runtime.layout import HOST_SIZE, TIMEOUT_NS
 
 _SCRATCH_VIEW = 8   # redf, redi and info are 8-byte elements, passed to XLA as bytes
+CALLS_PER_KERNEL = 64   # signatures kept per kernel (least recently used dropped beyond)
+_NUMERIC_KINDS = "biuf"
+_F64, _I64, _BOOL = np.dtype(np.float64), np.dtype(np.int64), np.dtype(np.bool_)
+_INT_BOUNDS = {np.dtype(t): (int(np.iinfo(t).min), int(np.iinfo(t).max)) for t in (np.int32, np.int64)}
 
 
 def _is_jax_array(x) -> bool:
@@ -27,37 +45,75 @@ def _is_jax_array(x) -> bool:
     return isinstance(x, jax.Array)
 
 
+def _canonical(dtype):
+    """The dtype JAX gives a value of NumPy dtype ``dtype`` (64-bit types are 32-bit without x64)."""
+    import jax
+    return np.dtype(jax.dtypes.canonicalize_dtype(dtype))
+
+
+def _number(v):
+    """(the value to hand to JAX, its dtype as ``jnp.asarray(v)`` would give it) for a number or
+    a 0-d JAX array. The common Python and NumPy numbers are passed as they are (JAX converts
+    them, to the same dtype and value as ``jnp.asarray``); anything else goes through
+    ``jnp.asarray`` here, so its errors (an out-of-range Python int, ...) are those of JAX."""
+    t = type(v)
+    if t is float:
+        return v, _canonical(_F64)
+    if t is bool:
+        return v, _BOOL
+    if t is int:
+        dt = _canonical(_I64)
+        lo, hi = _INT_BOUNDS[dt]
+        if lo <= v <= hi:
+            return v, dt
+    elif isinstance(v, np.generic) and v.dtype.kind in _NUMERIC_KINDS:
+        return v, _canonical(v.dtype)
+    elif _is_jax_array(v):
+        return v, np.dtype(v.dtype)
+    import jax.numpy as jnp
+    s = jnp.asarray(v)
+    return s, np.dtype(s.dtype)
+
+
 def _step_count(label, value):
-    """``steps``/``max_steps``/``start``: an int >= 0 or a 0-d integer JAX array, as a 1-element array."""
+    """``steps``/``max_steps``/``start``: an int >= 0 or a 0-d integer JAX array; returns
+    (the value, its JAX dtype); the call makes it a 1-element array."""
     import jax.numpy as jnp
     if isinstance(value, bool) or not (isinstance(value, numbers.Integral) or (
             _is_jax_array(value) and value.ndim == 0 and jnp.issubdtype(value.dtype, jnp.integer))):
         raise ArgumentError(f"{label}={value!r}: expected an int or a 0-d integer JAX array")
     if isinstance(value, numbers.Integral) and value < 0:
         raise ArgumentError(f"{label}={value}: must be >= 0")
-    return jnp.asarray(value).reshape(1)
+    return _number(value)
 
 
 def _prepare(mk, args, kwargs, steps, max_steps):
-    """Check the call and split it into arrays, scalars and the step count (all JAX values)."""
+    """Check the call. Returns (arrays: index -> JAX array, the values in parameter order,
+    the parameters' signature: (shape, dtype) per array, (None, dtype) per number, the step
+    count and its dtype)."""
     import jax.numpy as jnp
 
     spec = mk.spec
     if (steps is None) == (max_steps is None):
         raise ArgumentError(f"{spec.name}.jax(): pass exactly one of steps= or max_steps=")
     nsteps = _step_count("steps" if steps is not None else "max_steps", steps if steps is not None else max_steps)
-    bound = mk.dispatcher.bind_names(args, kwargs)
+    d = mk.dispatcher
+    if kwargs or len(args) != len(spec.params):
+        bound = d.bind_names(args, kwargs)
+        args = [bound[p.name] for p in spec.params]
     check_array_use, check_atomic_dtype, check_kind, check_swap_pair = (
         checks.check_array_use, checks.check_atomic_dtype, checks.check_kind, checks.check_swap_pair)
-    arrays, scalars = {}, {}
+    arrays, values, sig = {}, [], []
     for i, p in enumerate(spec.params):
-        v = bound[p.name]
+        v = args[i]
         if _is_jax_array(v) and v.ndim > 0:
+            dtype = np.dtype(v.dtype)
             check_kind(p, True, f"an array of shape {v.shape}")
-            check_dtype(p.name, np.dtype(v.dtype))
+            check_dtype(p.name, dtype)
             check_array_use(p, v.shape, spec.filename)
-            check_atomic_dtype(p, np.dtype(v.dtype))
+            check_atomic_dtype(p, dtype)
             arrays[i] = v
+            sig.append((tuple(v.shape), dtype))
         elif isinstance(v, np.ndarray) and v.ndim > 0 or hasattr(v, "__cuda_array_interface__"):
             raise ArgumentError(f"argument '{p.name}': kernel.jax takes JAX arrays, got {type(v).__name__}; "
                                 f"convert it with jnp.asarray, or call the kernel itself to update it in place")
@@ -67,16 +123,17 @@ def _prepare(mk, args, kwargs, steps, max_steps):
                 raise ArgumentError(f"argument '{p.name}': complex numbers are not supported yet")
             if not (isinstance(v, (numbers.Real, np.generic)) or _is_jax_array(v)):
                 raise ArgumentError(f"argument '{p.name}': expected a JAX array or a number, got {type(v).__name__}")
-            s = jnp.asarray(v)
-            check_dtype(p.name, np.dtype(s.dtype), "scalar")
-            scalars[i] = s.reshape(1)
+            v, dtype = _number(v)
+            check_dtype(p.name, dtype, "scalar")
+            sig.append((None, dtype))
+        values.append(v)
     for a, b in spec.swap:
         x, y = arrays.get(a), arrays.get(b)
         names = (spec.params[a].name, spec.params[b].name)
         if x is None or y is None:
             raise ArgumentError(f"swap pair {names}: both must be JAX arrays")
         check_swap_pair(names, x.shape, x.dtype, y.shape, y.dtype)
-    return arrays, scalars, nsteps
+    return arrays, values, tuple(sig), nsteps
 
 
 def _platform(mk, arrays, backend):
@@ -102,6 +159,92 @@ def _platform(mk, arrays, backend):
     return platform
 
 
+def _cuda_options(mk, sig, scope, threads, blocks):
+    """(resolved scope, threads, blocks, the CUDA device the kernel is loaded on) of a CUDA call."""
+    from numba import cuda
+
+    from ..dispatch.config import resolve_scope
+    spec = mk.spec
+    defaults = mk.dispatcher.defaults
+    work = max([math.prod(shape) for shape, _ in sig if shape is not None] or [1])
+    scope = resolve_scope(scope or defaults["scope"], work, spec.parallel, spec.light_elements)
+    checks.check_thread_scope(spec, scope)
+    # the cubin is loaded into (and the occupancy asked of) Numba's current device, for traced
+    # and concrete arrays alike (CompiledKernel.load_for_ffi): what the built call depends on
+    device = cuda.get_current_device().id
+    return scope, threads or defaults["threads"], blocks or defaults["blocks"], device
+
+
+# ------------------------------------------------------------------------------ the cache
+class JaxCall:
+    """What ``kernel.jax`` built for one signature.
+
+    ``fn(nsteps, start, *params)`` takes the step count, the start and the parameters as the
+    caller gave them (arrays, and numbers or 0-d arrays, traced or not), makes the numbers
+    1-element arrays and runs the custom call (``custom_jvp``-wrapped: no derivative rule);
+    it returns the new arrays and, for a step that returns a condition or a call with a
+    timeout, the number of steps done. ``eager`` is ``jax.jit(fn)``, for calls outside a trace.
+    """
+
+    __slots__ = ("key", "fn", "eager", "config", "__weakref__")
+
+    def __init__(self, key, fn, config=None):
+        import jax
+        self.key = key
+        self.fn = fn
+        self.eager = jax.jit(fn)
+        self.config = config      # the CUDA LaunchConfig (None on the CPU)
+
+
+class CallCache:
+    """A kernel's :class:`JaxCall` entries by signature, least recently used dropped beyond ``size``."""
+
+    def __init__(self, size: int = CALLS_PER_KERNEL):
+        self.size = size
+        self._entries: OrderedDict = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, key):
+        entry = self._entries.get(key)
+        if entry is not None and len(self._entries) > 1:
+            try:
+                self._entries.move_to_end(key)
+            except KeyError:       # dropped by another thread meanwhile
+                pass
+        return entry
+
+    def put(self, key, entry):
+        with self._lock:
+            self._entries[key] = entry
+            while len(self._entries) > self.size:
+                self._entries.popitem(last=False)
+
+    def keys(self):
+        return list(self._entries)
+
+    def clear(self):
+        with self._lock:
+            self._entries.clear()
+
+    def __len__(self):
+        return len(self._entries)
+
+
+_create_lock = threading.Lock()
+
+
+def call_cache(mk) -> CallCache:
+    """The kernel's cache of ``kernel.jax`` calls (created on first use, kept on its dispatcher)."""
+    d = mk.dispatcher
+    cache = getattr(d, "_jax_calls", None)
+    if cache is None:
+        with _create_lock:
+            cache = getattr(d, "_jax_calls", None)
+            if cache is None:
+                cache = d._jax_calls = CallCache()
+    return cache
+
+
 def jax_call(mk, args, kwargs, *, steps=None, max_steps=None, start=0, backend=None, scope=None, threads=None,
              blocks=None, seed=0, timeout=None):
     """Implementation of :meth:`loopkern.MegaKernel.jax` (see there)."""
@@ -109,17 +252,45 @@ def jax_call(mk, args, kwargs, *, steps=None, max_steps=None, start=0, backend=N
 
     seed = checks.check_seed(seed)
     timeout = checks.check_seconds("timeout", timeout)
-    arrays, scalars, nsteps = _prepare(mk, args, kwargs, steps, max_steps)
-    t0 = _step_count("start", start)
+    arrays, values, sig, (nsteps, n_dtype) = _prepare(mk, args, kwargs, steps, max_steps)
+    t0, t0_dtype = _step_count("start", start)
     platform = _platform(mk, arrays, backend)
-    order = [i for i in range(len(mk.spec.params))]
-    arr_idx = [i for i in order if i in arrays]
-    inputs = [nsteps, t0] + [arrays[i] if i in arrays else scalars[i] for i in order]
-
     if platform == "cuda":
-        core = _cuda_core(mk, arrays, scalars, nsteps, t0, scope, threads, blocks, seed, timeout)
+        scope, threads, blocks, device = _cuda_options(mk, sig, scope, threads, blocks)
     else:
-        core = _cpu_core(mk, arrays, scalars, nsteps, seed, timeout)
+        scope = threads = blocks = device = None
+    key = (platform, device, sig, n_dtype, t0_dtype, scope, threads, blocks, seed, timeout,
+           bool(mk.spec.returns_condition))
+    cache = call_cache(mk)
+    try:
+        entry = cache.get(key)
+    except TypeError:           # an unhashable option (threads=[...]): no caching
+        entry, cache = None, None
+    if entry is None:
+        entry = _build(mk, key)
+        if cache is not None:
+            cache.put(key, entry)
+    inputs = (nsteps, t0, *values)
+    if any(isinstance(x, jax.core.Tracer) for x in inputs):
+        return entry.fn(*inputs)       # inside a trace (jit, vmap, grad, ...): trace the call inline
+    return entry.eager(*inputs)
+
+
+# ------------------------------------------------------------------------------ building
+def _build(mk, key) -> JaxCall:
+    """Build the call of one signature (see :class:`JaxCall`)."""
+    import jax
+    import jax.numpy as jnp
+
+    platform, device, sig, n_dtype, t0_dtype, scope, threads, blocks, seed, timeout, returns_condition = key
+    arr_set = frozenset(i for i, (shape, _) in enumerate(sig) if shape is not None)
+    na = len(arr_set)
+    with_count = returns_condition or timeout is not None
+    if platform == "cuda":
+        core, config = _cuda_core(mk, sig, n_dtype, t0_dtype, scope, threads, blocks, seed, timeout)
+    else:
+        core, config = _cpu_core(mk, sig, seed, timeout), None
+    name = mk.spec.name
 
     @jax.custom_jvp
     def call(*xs):
@@ -127,29 +298,42 @@ def jax_call(mk, args, kwargs, *, steps=None, max_steps=None, start=0, backend=N
 
     @call.defjvp
     def _no_derivative(primals, tangents):
-        raise LoopkernError(f"kernel.jax: differentiating through megakernel '{mk.spec.name}' is not "
+        raise LoopkernError(f"kernel.jax: differentiating through megakernel '{name}' is not "
                             f"supported yet (no derivative rule); use jax.lax.stop_gradient on its inputs "
                             f"or differentiate a JAX version of the loop")
 
-    outs = call(*inputs)
-    result = tuple(outs[: len(arr_idx)])
-    if mk.spec.returns_condition or timeout is not None:
-        result = result + (outs[-1],)
-    return result
+    dtypes = [dt for _, dt in sig]
+
+    def as_buffer(v, dtype):
+        x = jnp.asarray(v)
+        if np.dtype(x.dtype) != dtype:      # the kernel was built for 'dtype': never run it on another
+            raise LoopkernError(f"kernel.jax: internal error: a {x.dtype} value where the call was built "
+                                f"for {dtype}")
+        return x.reshape(1)
+
+    def fn(nsteps, t0, *vals):
+        n_buf = as_buffer(nsteps, n_dtype)
+        bufs = [v if i in arr_set else as_buffer(v, dtypes[i]) for i, v in enumerate(vals)]
+        outs = call(n_buf, as_buffer(t0, t0_dtype), *bufs)
+        return tuple(outs[:na]) + ((outs[-1],) if with_count else ())
+
+    return JaxCall(key, fn, config)
 
 
-def _cpu_core(mk, arrays, scalars, nsteps, seed, timeout):
+def _cpu_core(mk, sig, seed, timeout):
     import jax
     import jax.numpy as jnp
 
-    arr_idx = [i for i in range(len(mk.spec.params)) if i in arrays]
-    shapes = [jax.ShapeDtypeStruct(arrays[i].shape, arrays[i].dtype) for i in arr_idx]
+    arr_set = frozenset(i for i, (shape, _) in enumerate(sig) if shape is not None)
+    arr_idx = sorted(arr_set)
+    shapes = [jax.ShapeDtypeStruct(sig[i][0], sig[i][1]) for i in arr_idx]
     shapes.append(jax.ShapeDtypeStruct((), jnp.int32))
+    shapes = tuple(shapes)
 
     def host(n, t0, *vals):
         call_args = []
         for i, v in enumerate(vals):
-            call_args.append(np.array(v) if i in arrays else np.asarray(v).reshape(())[()])
+            call_args.append(np.array(v) if i in arr_set else np.asarray(v).reshape(())[()])
         # a traced negative start runs no step (as a traced negative step count does)
         t0 = int(np.asarray(t0).reshape(()))
         n = int(np.asarray(n).reshape(())) if t0 >= 0 else 0
@@ -157,41 +341,37 @@ def _cpu_core(mk, arrays, scalars, nsteps, seed, timeout):
         return tuple(call_args[i] for i in arr_idx) + (np.int32(run.steps),)
 
     def core(n, t0, *vals):
-        return jax.pure_callback(host, tuple(shapes), n, t0, *vals, vmap_method="sequential")
+        return jax.pure_callback(host, shapes, n, t0, *vals, vmap_method="sequential")
     return core
 
 
-def _cuda_core(mk, arrays, scalars, nsteps, t0, scope, threads, blocks, seed, timeout):
+def _cuda_core(mk, sig, n_dtype, t0_dtype, scope, threads, blocks, seed, timeout):
     import jax
     import jax.numpy as jnp
     from numba import types
+    from numba.np.numpy_support import from_dtype
 
-    from ..dispatch.config import cuda_config, resolve_scope
+    from ..dispatch.config import cuda_config
     from . import xla_ffi
 
     spec = mk.spec
     n = len(spec.params)
-    arr_idx = [i for i in range(n) if i in arrays]
-    work = max([math.prod(arrays[i].shape) for i in arr_idx] or [1])
-    defaults = mk.dispatcher.defaults
-    scope = resolve_scope(scope or defaults["scope"], work, spec.parallel, spec.light_elements)
-    checks.check_thread_scope(spec, scope)
-    by_ref = frozenset(scalars)
+    arr_idx = [i for i in range(n) if sig[i][0] is not None]
+    work = max([math.prod(sig[i][0]) for i in arr_idx] or [1])
+    by_ref = frozenset(i for i in range(n) if sig[i][0] is None)
     compiled = mk.dispatcher.kernels.get("cuda", scope, by_ref=by_ref,
-                          float_type=weak_float_type(a.dtype for a in arrays.values()))
+                                         float_type=weak_float_type(sig[i][1] for i in arr_idx))
 
     def nb(dtype, ndim):
-        from numba.np.numpy_support import from_dtype
         return types.Array(from_dtype(np.dtype(dtype)), ndim, "C")
 
-    sig = [nb(nsteps.dtype, 1), nb(t0.dtype, 1)]
-    for i in range(n):
-        sig.append(nb(arrays[i].dtype, arrays[i].ndim) if i in arrays else nb(scalars[i].dtype, 1))
-    sig += [types.float64[:, ::1], types.int64[:, ::1], types.uint32[::1], types.uint32[::1], types.int64[::1],
-            types.int64[::1]]
-    kernel, func = compiled.load_for_ffi(tuple(sig), xla_ffi)
-    plan = cuda_config(kernel, scope, work, threads or defaults["threads"], blocks or defaults["blocks"],
-                       simulator=False)
+    nbsig = [nb(n_dtype, 1), nb(t0_dtype, 1)]
+    for shape, dtype in sig:
+        nbsig.append(nb(dtype, len(shape)) if shape is not None else nb(dtype, 1))
+    nbsig += [types.float64[:, ::1], types.int64[:, ::1], types.uint32[::1], types.uint32[::1], types.int64[::1],
+              types.int64[::1]]
+    kernel, func = compiled.load_for_ffi(tuple(nbsig), xla_ffi)
+    plan = cuda_config(kernel, scope, work, threads, blocks, simulator=False)
     xla_ffi.register_cuda_target()
 
     # inputs: nsteps, start, params (arrays and 1-element scalars) in order, zeroed barrier counter, seed,
@@ -199,7 +379,7 @@ def _cuda_core(mk, arrays, scalars, nsteps, t0, scope, threads, blocks, seed, ti
     # results: arrays (aliased), barrier (aliased), redf, redi, info (bytes, viewed as 8-byte),
     # the control block (aliased)
     na = len(arr_idx)
-    results = [jax.ShapeDtypeStruct(arrays[i].shape, arrays[i].dtype) for i in arr_idx]
+    results = [jax.ShapeDtypeStruct(sig[i][0], sig[i][1]) for i in arr_idx]
     results += [jax.ShapeDtypeStruct((1,), jnp.uint32),
                 jax.ShapeDtypeStruct((2, plan.blocks * _SCRATCH_VIEW), jnp.uint8),
                 jax.ShapeDtypeStruct((2, plan.blocks * _SCRATCH_VIEW), jnp.uint8),
@@ -210,12 +390,13 @@ def _cuda_core(mk, arrays, scalars, nsteps, t0, scope, threads, blocks, seed, ti
     aliases[4 + n] = na + 4
     layout = [0, 0, 0, 0, 1, 0]
     for i in range(n):
-        layout += [1, arr_idx.index(i), 0] if i in arrays else [0, 2 + i, 0]
+        layout += [1, arr_idx.index(i), 0] if i in arr_idx else [0, 2 + i, 0]
     layout += [1, na + 1, _SCRATCH_VIEW, 1, na + 2, _SCRATCH_VIEW, 1, na, 0, 0, n + 3, 0, 1, na + 3, _SCRATCH_VIEW,
                1, na + 4, _SCRATCH_VIEW]
     seed_words = np.array([seed & 0xFFFFFFFF, seed >> 32], np.uint32)
     control = np.zeros(HOST_SIZE, np.int64)
     control[TIMEOUT_NS] = int(timeout * 1e9) if timeout is not None else 0
+    control_words = control.view(np.uint32)
     call = jax.ffi.ffi_call(xla_ffi.TARGET, tuple(results), input_output_aliases=aliases,
                             vmap_method="sequential")
     attrs = dict(func=np.int64(func), blocks=np.int64(plan.blocks), threads=np.int64(plan.threads),
@@ -223,8 +404,8 @@ def _cuda_core(mk, arrays, scalars, nsteps, t0, scope, threads, blocks, seed, ti
 
     def core(nsteps_buf, t0_buf, *vals):
         outs = call(nsteps_buf, t0_buf, *vals, jnp.zeros((1,), jnp.uint32), jnp.asarray(seed_words),
-                    jnp.asarray(control.view(np.uint32)), **attrs)
+                    jnp.asarray(control_words), **attrs)
         # slot 0 of the control block is the int64 step count; its low 32 bits (little-endian)
         steps_done = jax.lax.bitcast_convert_type(outs[-1][0], jnp.int32)
         return tuple(outs[:na]) + (steps_done,)
-    return core
+    return core, plan

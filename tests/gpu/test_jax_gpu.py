@@ -151,3 +151,73 @@ def test_timeout_and_seed_inside_jit(rng):
     ref_u, ref_z = R.reference_draws(n=n, steps=steps, **call)
     np.testing.assert_array_equal(np.asarray(a), ref_u.astype(np.float32))
     np.testing.assert_allclose(np.asarray(b), ref_z.astype(np.float32), rtol=1e-6, atol=1e-7)
+
+
+def test_repeated_traces_reuse_one_cached_call(rng, monkeypatch):
+    """A signature is built once (kernel load, occupancy query, custom call): new jitted
+    functions with the same shapes and eager calls reuse it, and every result is right."""
+    from loopkern import compile as lk_compile
+    from loopkern.dispatch import config as lk_config
+    from loopkern.interop import jax_bridge
+
+    entries = jax_bridge.call_cache(HEAT)
+    entries.clear()
+    counts = dict(build=0, load=0, occupancy=0)
+
+    def counting(name, fn):
+        def wrapped(*a, **k):
+            counts[name] += 1
+            return fn(*a, **k)
+        return wrapped
+    monkeypatch.setattr(jax_bridge, "_build", counting("build", jax_bridge._build))
+    monkeypatch.setattr(lk_compile.CompiledKernel, "load_for_ffi",
+                        counting("load", lk_compile.CompiledKernel.load_for_ffi))
+    monkeypatch.setattr(lk_config, "cuda_config", counting("occupancy", lk_config.cuda_config))
+
+    n = 1 << 16
+    for _ in range(3):
+        u0 = rng.random(n).astype(np.float32)
+        steps = int(rng.integers(10, 300))
+        ref = W.heat_ref(u0, steps, 0.25)
+        f = jax.jit(lambda u, s: HEAT.jax(u, u, np.float32(0.25), steps=s)[0])     # a new function each time
+        assert rel_err(f(jnp.asarray(u0), steps), ref) < 1e-5
+        g = jax.jit(lambda u, v: HEAT.jax(u, v, np.float32(0.25), steps=steps), donate_argnums=(0, 1))
+        assert rel_err(g(jnp.asarray(u0), jnp.asarray(u0))[0], ref) < 1e-5
+        u, _ = HEAT.jax(jnp.asarray(u0), jnp.asarray(u0), np.float32(0.25), steps=steps)   # eager
+        assert rel_err(u, ref) < 1e-5
+    assert counts == dict(build=1, load=1, occupancy=1)
+    assert len(entries) == 1
+    (key,) = entries.keys()
+    assert entries.get(key).eager._cache_size() == 1          # eager calls: one trace, then dispatch only
+
+    # another shape or block count: one more entry each; the first one is still used
+    a0 = rng.integers(-10 ** 6, 10 ** 6, n // 2).astype(np.int32)
+    for blocks in (3, 3, 5):
+        f = jax.jit(lambda u, s: SHIFT.jax(u, u, steps=s, scope="grid", blocks=blocks)[0])
+        steps = int(rng.integers(1, 200))
+        np.testing.assert_array_equal(np.asarray(f(jnp.asarray(a0), steps)), refs.shift_ref(a0, steps))
+    assert counts["build"] == 3
+    for m in (n // 4, n, n // 4):
+        u0 = rng.random(m).astype(np.float32)
+        u, _ = HEAT.jax(jnp.asarray(u0), jnp.asarray(u0), np.float32(0.25), steps=31)
+        assert rel_err(u, W.heat_ref(u0, 31, 0.25)) < 1e-5
+    assert counts["build"] == 4 and len(entries) == 2
+
+
+def test_timeout_entry_reused_across_traces(rng):
+    """timeout= is part of the signature: each jitted function with it reports the steps done,
+    and the state is exactly that of the reported step count."""
+    from loopkern.interop import jax_bridge
+    entries = jax_bridge.call_cache(SHIFT)
+    entries.clear()
+    a0 = rng.integers(-10 ** 6, 10 ** 6, 1 << 14).astype(np.int32)
+    for _ in range(2):
+        f = jax.jit(lambda u, v: SHIFT.jax(u, v, steps=10 ** 9, timeout=0.1))
+        u, v, done = f(jnp.asarray(a0), jnp.asarray(a0))
+        done = int(done)
+        assert 0 < done < 10 ** 9
+        np.testing.assert_array_equal(np.asarray(u), refs.shift_ref(a0, done))
+    u, v, done = SHIFT.jax(jnp.asarray(a0), jnp.asarray(a0), steps=1000, timeout=30.0)    # eager, finishes
+    assert int(done) == 1000
+    np.testing.assert_array_equal(np.asarray(u), refs.shift_ref(a0, 1000))
+    assert len(entries) == 2
