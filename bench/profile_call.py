@@ -35,11 +35,11 @@ pc = time.perf_counter_ns
 stages = {"options": [], "plan lookup": [], "run (fill, launch, wait, finish)": [], "whole call": []}
 for _ in range(args.calls):
     t0 = pc()
-    o = d.options(**opts)
+    o = d.options(*opts.values())
     t1 = pc()
-    plan, values = d.plan(vals, o)
+    plan, values, ptrs = d.plan(vals, o)
     t2 = pc()
-    (d._run_cuda if gpu else d._run_cpu)(plan, values, o)
+    d._run(plan, values, ptrs, o)
     t3 = pc()
     k(u, v, bench.ALPHA, steps=1, backend=args.backend)
     t4 = pc()
@@ -57,9 +57,9 @@ if gpu:
     for _ in range(args.calls):
         ts = [pc()]
         call_key(vals); ts.append(pc())
-        plan.check_values(vals); ts.append(pc())
+        ptrs = plan.check_values(vals); ts.append(pc())
         plan.prepare_slot(slot, None); ts.append(pc())
-        plan.fill_words(vals, slot, 1, 0, 0); ts.append(pc())
+        plan.fill_words(vals, ptrs, slot, 1, 0, 0); ts.append(pc())
         driver.launch(plan.func, c.blocks, c.threads, c.shared, slot.params, c.scope == "grid"); ts.append(pc())
         dr.event_record(slot.event, 0); ts.append(pc())
         while slot.view[3] != 1:

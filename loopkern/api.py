@@ -95,9 +95,8 @@ class MegaKernel:
             BoundsError: with ``debug=True``, an array was indexed out of bounds.
             HangError: the watchdog fired.
         """
-        return self.dispatcher.call(args, kwargs, steps=steps, max_steps=max_steps, start=start, backend=backend,
-                                    scope=scope, threads=threads, blocks=blocks, seed=seed, progress=progress,
-                                    timeout=timeout, debug=debug, watchdog=watchdog, control=_control)
+        return self.dispatcher.call(args, kwargs, steps, max_steps, start, backend, scope, threads, blocks, seed,
+                                    progress, timeout, debug, watchdog, _control)
 
     def start(self, *args, steps=None, max_steps=None, start=0, backend=None, scope=None, threads=None,
               blocks=None, seed=0, progress=False, timeout=None, debug=False, watchdog=DEFAULT_WATCHDOG_S,

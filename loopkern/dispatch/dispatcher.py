@@ -49,6 +49,14 @@ class Options:
     __slots__ = ("label", "nsteps", "start", "seed", "timeout", "watchdog", "backend", "scope", "threads",
                  "blocks", "debug", "control", "progress", "key")
 
+    def __init__(self, nsteps=0, start=0, seed=0, timeout=None, watchdog=None):
+        self.label, self.nsteps, self.start, self.seed, self.timeout, self.watchdog = \
+            "steps", nsteps, start, seed, timeout, watchdog
+        self.progress = False
+
+
+_START_LIMIT, _SEED_LIMIT = 2 ** 62, 2 ** 64
+
 
 class Dispatcher:
     """Everything between a :class:`~loopkern.api.MegaKernel` call and its kernel."""
@@ -160,8 +168,9 @@ class Dispatcher:
 
     # -- plans ---------------------------------------------------------------------------------
     def plan(self, values, o: Options):
-        """(the plan for this call, the values to run it with). A cached plan if the signature
-        matches one seen before and the values pass its per-call checks; else the full path."""
+        """(the plan for this call, the values to run it with, the GPU arrays' pointers). A cached
+        plan if the signature matches one seen before and the values pass its per-call checks;
+        else the full path (whose plan is cached when its values pass the same checks)."""
         try:
             sig = call_key(values)
         except TypeError:         # an unhashable attribute somewhere: no cheap key
@@ -169,12 +178,17 @@ class Dispatcher:
         key = None if sig is None else o.key + sig
         if key is not None:
             plan = self.plans.get(key)
-            if plan is not None and plan.check_values(values):
-                return plan, values
+            if plan is not None:
+                ptrs = plan.check_values(values)
+                if ptrs is not None:
+                    return plan, values, ptrs
         plan, run_values = self._make_plan(values, o)
-        if key is not None and plan.check_values(run_values):
+        ptrs = plan.check_values(run_values)
+        if ptrs is None:          # staging was planned for these very values: cannot happen
+            raise AssertionError("a new plan refused the values it was made for")
+        if key is not None:
             self.plans.put(key, plan)
-        return plan, run_values
+        return plan, run_values, ptrs
 
     def _make_plan(self, values, o: Options):
         spec = self.spec
@@ -211,17 +225,47 @@ class Dispatcher:
                          simulator=sim), run_values
 
     # -- running -------------------------------------------------------------------------------
-    def call(self, args, kwargs, **opts) -> Run:
-        """A blocking call (see ``MegaKernel.__call__``)."""
-        o = self.options(**opts)
+    def call(self, args, kwargs, steps, max_steps, start, backend, scope, threads, blocks, seed, progress, timeout,
+             debug, watchdog, control) -> Run:
+        """A blocking call (see ``MegaKernel.__call__``).
+
+        The common call (positional arguments, ``steps=``, no progress) with a signature seen
+        before goes straight to its plan; anything else takes :meth:`options` and :meth:`plan`.
+        """
+        if (progress is False and max_steps is None and type(steps) is int and steps >= 0
+                and type(start) is int and 0 <= start < _START_LIMIT and type(seed) is int
+                and 0 <= seed < _SEED_LIMIT and type(watchdog) is float and watchdog > 0
+                and (timeout is None or type(timeout) is float and timeout > 0)
+                and not kwargs and len(args) == self.nparams):
+            try:
+                launch = self._launch_options[(backend, scope, threads, blocks, debug, control)]
+                sig = call_key(args)
+            except (KeyError, TypeError):
+                sig = None
+            if sig is not None:
+                if launch[0] == "cuda" and not _simulator():
+                    driver.ensure_context()
+                    key = launch + (driver.current_context(),) + sig
+                else:
+                    key = launch + (0,) + sig
+                plan = self.plans.get(key)
+                if plan is not None:
+                    ptrs = plan.check_values(args)
+                    if ptrs is not None:
+                        return self._run(plan, args, ptrs, Options(steps, start, seed, timeout, watchdog))
+        o = self.options(steps, max_steps, start, backend, scope, threads, blocks, seed, progress, timeout, debug,
+                         watchdog, control)
         if o.progress is not False:
             return self._start(self.values(args, kwargs), o, monitor=False).wait()
-        plan, values = self.plan(self.values(args, kwargs), o)
+        plan, values, ptrs = self.plan(self.values(args, kwargs), o)
+        return self._run(plan, values, ptrs, o)
+
+    def _run(self, plan, values, ptrs, o: Options) -> Run:
         if plan.backend == "cpu":
             return self._run_cpu(plan, values, o)
         if plan.simulator:
             return self._launch_simulator(plan, values, o).wait()
-        return self._run_cuda(plan, values, o)
+        return self._run_cuda(plan, values, ptrs, o)
 
     def start(self, args, kwargs, monitor=True, **opts) -> RunHandle:
         """A run started in the background (see ``MegaKernel.start``)."""
@@ -229,14 +273,14 @@ class Dispatcher:
 
     def _start(self, values, o: Options, monitor) -> RunHandle:
         from ..progress import make_reporter
-        plan, values = self.plan(values, o)
+        plan, values, ptrs = self.plan(values, o)
         reporter = make_reporter(o.progress, None if self.spec.returns_condition else o.nsteps, self.spec.name)
         if plan.backend == "cpu":
             handle = self._start_cpu(plan, values, o, reporter)
         elif plan.simulator:
             handle = self._launch_simulator(plan, values, o, reporter)
         else:
-            handle = self._start_cuda(plan, values, o, reporter)
+            handle = self._start_cuda(plan, values, ptrs, o, reporter)
         if monitor:
             handle.monitor()
         return handle
@@ -275,9 +319,8 @@ class Dispatcher:
             raise HangError(slow_step_message(self.spec.name, st.idle, o.watchdog, st.steps, run), run=run) from None
         return self._finish_run(plan, slot, steps, why, o)
 
-    def _run_cuda(self, plan, values, o: Options) -> Run:
-        from . import driver
-        slot = self._launch_cuda(plan, values, o)
+    def _run_cuda(self, plan, values, ptrs, o: Options) -> Run:
+        slot = self._launch_cuda(plan, values, ptrs, o)
         view = slot.view
         try:
             wait_cuda(view, slot.event, self.spec.name, o.watchdog)
@@ -295,15 +338,14 @@ class Dispatcher:
         plan.copy_out(values, slot)
         return self._finish_run(plan, slot, int(view[STEPS]), int(view[WHY]), o)
 
-    def _launch_cuda(self, plan, values, o: Options):
+    def _launch_cuda(self, plan, values, ptrs, o: Options):
         """Fill a slot and launch through the driver; returns the slot (the kernel is running)."""
-        from . import driver
         slot = plan.slots.take()
         try:
             plan.prepare_slot(slot, o.timeout)
             if plan.hosts:
                 plan.copy_in(values, slot)
-            plan.fill_words(values, slot, o.nsteps, o.start, o.seed)
+            plan.fill_words(values, ptrs, slot, o.nsteps, o.start, o.seed)
             c = plan.config
             driver.launch(plan.func, c.blocks, c.threads, c.shared, slot.params, c.scope == "grid")
             driver.check(driver.driver().event_record(slot.event, 0), "cuEventRecord")
@@ -312,8 +354,8 @@ class Dispatcher:
             raise
         return slot
 
-    def _start_cuda(self, plan, values, o, reporter) -> RunHandle:
-        slot = self._launch_cuda(plan, values, o)
+    def _start_cuda(self, plan, values, ptrs, o, reporter) -> RunHandle:
+        slot = self._launch_cuda(plan, values, ptrs, o)
 
         def on_finish():
             try:

@@ -187,13 +187,18 @@ class LaunchPlan:
         self.nwords = 0
         self.tail_words = ()
         self.seed_word = 0
-        n = len(params)
-        self.scalars = [(i, p.dtype.type) for i, p in enumerate(params) if p.kind == "scalar"]
         self.int_scalars = [i for i, p in enumerate(params) if p.kind == "scalar" and p.dtype.kind in "iu"]
         self.devices = [i for i, p in enumerate(params) if p.kind == "array" and backend == "cuda"]
         self.hosts = [i for i, p in enumerate(params) if p.kind == "host"]
-        self.swap_checks = [(a, b) for a, b in spec.swap if a < n and b < n]
-        self.staged_checks = [(i, j) for i in staged for j in self.devices if j != i] if backend == "cuda" else []
+        host = {i for i, p in enumerate(params) if p.kind != "scalar" and (backend == "cpu" or p.kind == "host")}
+        # a NumPy pair on the GPU path is two copies, unless it is one object (a new signature)
+        self.host_swaps = [(a, b) for a, b in spec.swap if a in host and b in host]
+        self.device_ptrs = [(i, params[i].ptr) for i in self.devices]
+        self.device_swaps = self._pointer_pairs(spec.swap)
+        swapped = {frozenset(pair) for pair in spec.swap}
+        self.device_staged = self._pointer_pairs(
+            [(i, j) for i in staged for j in self.devices if j != i and (j not in staged or i < j)
+             and frozenset((i, j)) not in swapped])
         self.scalar_words = []
         if backend == "cuda" and not simulator:
             self._layout_words()
@@ -202,6 +207,7 @@ class LaunchPlan:
                     self.scalar_words.append((i, p.dtype.char, p.word * (8 // p.dtype.itemsize)))
             from . import driver
             self.func = driver.kernel_handle(kernel)
+        self.device_words = [params[i].word + 4 for i in self.devices]   # each array's data pointer
         self.slots = buffers.FreeList(lambda: Slot(self))
 
     # -- the parameter words (CUDA) ---------------------------------------------------------
@@ -225,35 +231,44 @@ class LaunchPlan:
     # -- per call ---------------------------------------------------------------------------
     def check_values(self, values):
         """Per-call checks that depend on values, not on the signature: integers that must fit
-        int64, and pointers (swap pairs that share memory). Raises ArgumentError; returns False
-        if the plan does not apply to these values (a staged array shares memory with another
-        argument), so the call must take the full path."""
+        int64, and pointers (swap pairs that share memory: ArgumentError).
+
+        Returns the GPU arrays' pointers (in ``self.devices`` order, for :meth:`fill_words`), or
+        None if the plan does not apply to these values (a staged array shares memory with
+        another argument), so the call must take the full path.
+        """
         for i in self.int_scalars:
             v = values[i]
             if type(v) is int and not INT64_MIN <= v <= INT64_MAX:
                 raise ArgumentError(f"argument '{self.params[i].name}': integer {v} does not fit in int64")
-        for a, b in self.swap_checks:
-            if self._overlap(values, a, b):
-                raise ArgumentError(f"swap pair ('{self.params[a].name}', '{self.params[b].name}'): the two arrays "
-                                    f"share memory; pass two separate buffers")
-        for a, b in self.staged_checks:
-            if self._overlap(values, a, b):
-                return False
-        return True
+        for a, b in self.host_swaps:
+            x, y = values[a], values[b]
+            if x is y or np.may_share_memory(x, y):
+                self._shared(a, b)
+        if not self.devices:
+            return ()
+        ptrs = [ptr(values[i]) for i, ptr in self.device_ptrs]
+        for ka, kb, lo_a, hi_a, lo_b, hi_b, a, b in self.device_swaps:
+            if ptrs[ka] + lo_a < ptrs[kb] + hi_b and ptrs[kb] + lo_b < ptrs[ka] + hi_a:
+                self._shared(a, b)
+        for ka, kb, lo_a, hi_a, lo_b, hi_b, a, b in self.device_staged:
+            if ptrs[ka] + lo_a < ptrs[kb] + hi_b and ptrs[kb] + lo_b < ptrs[ka] + hi_a:
+                return None
+        return ptrs
 
-    def _overlap(self, values, a, b) -> bool:
-        x, y = values[a], values[b]
-        if x is y:
-            return True
-        pa, pb = self.params[a], self.params[b]
-        if pa.kind == "host" or self.backend == "cpu":
-            if pa.kind == "host" and self.same_as.get(b) == a:
-                return True
-            # two NumPy arrays (on the GPU path each is copied on its own, so only the same
-            # object ends up shared, which `same_as` says)
-            return self.backend == "cpu" and np.may_share_memory(x, y)
-        ax, bx = pa.ptr(x), pb.ptr(y)
-        return ax + pa.extent[0] < bx + pb.extent[1] and bx + pb.extent[0] < ax + pa.extent[1]
+    def _shared(self, a, b):
+        raise ArgumentError(f"swap pair ('{self.params[a].name}', '{self.params[b].name}'): the two arrays "
+                            f"share memory; pass two separate buffers")
+
+    def _pointer_pairs(self, pairs) -> list:
+        """(position of a and b among the GPU arrays, their extents, a, b) for pairs of GPU arrays."""
+        at = {i: k for k, i in enumerate(self.devices)}
+        out = []
+        for a, b in pairs:
+            if a in at and b in at:
+                pa, pb = self.params[a], self.params[b]
+                out.append((at[a], at[b], pa.extent[0], pa.extent[1], pb.extent[0], pb.extent[1], a, b))
+        return out
 
     def kernel_args(self, values, slot, nsteps, start, seed) -> tuple:
         """The full argument tuple for a launch through Numba (CPU, simulator)."""
@@ -289,17 +304,16 @@ class LaunchPlan:
         args[2 + len(values)] = seed
         return args
 
-    def fill_words(self, values, slot, nsteps, start, seed):
-        """Write this call's values into the slot's parameter words (CUDA)."""
+    def fill_words(self, values, ptrs, slot, nsteps, start, seed):
+        """Write this call's values into the slot's parameter words (CUDA); ``ptrs`` are the GPU
+        arrays' pointers from :meth:`check_values`."""
         pb = slot.params
         i64 = pb.i64
         i64[0] = nsteps
         i64[1] = start
         pb.words[self.seed_word] = seed
-        params = self.params
-        for i in self.devices:
-            p = params[i]
-            i64[p.word + 4] = p.ptr(values[i])
+        for word, ptr in zip(self.device_words, ptrs):
+            i64[word] = ptr
         for i, view, index in self.scalar_words:
             pb.views[view][index] = values[i]
 
@@ -329,7 +343,8 @@ class LaunchPlan:
     def prepare_slot(self, slot, timeout):
         """Ready a slot's control block (and debug buffer) for a new run."""
         buffers.reset_control_block(slot.view)
-        slot.view[TIMEOUT_NS] = int(timeout * 1e9) if timeout is not None and self.backend == "cuda" else 0
+        # (a timeout beyond 30 years is no timeout; the slot holds int64 nanoseconds)
+        slot.view[TIMEOUT_NS] = int(min(timeout, 1e9) * 1e9) if timeout is not None and self.backend == "cuda" else 0
         if self.debug:
             if self.backend == "cpu":
                 slot.dbg[:] = 0
