@@ -19,16 +19,19 @@ import bench  # noqa: E402
 p = argparse.ArgumentParser()
 p.add_argument("--backend", default="cuda")
 p.add_argument("--calls", type=int, default=2000)
+p.add_argument("--n", type=int, default=4096)
+p.add_argument("--steps", type=int, default=1)
+p.add_argument("--scope", default=None)
 args = p.parse_args()
 k = bench.heat_kernel()
-u0 = np.random.default_rng(0).random(4096).astype(np.float32)
+u0 = np.random.default_rng(0).random(args.n).astype(np.float32)
 gpu = args.backend == "cuda"
 u, v = bench.on_device(gpu, u0), bench.on_device(gpu, u0)
 for _ in range(50):
-    k(u, v, bench.ALPHA, steps=1, backend=args.backend)
+    k(u, v, bench.ALPHA, steps=args.steps, backend=args.backend, scope=args.scope)
 
 d = k.dispatcher
-opts = dict(steps=1, max_steps=None, start=0, backend=args.backend, scope=None, threads=None, blocks=None, seed=0,
+opts = dict(steps=args.steps, max_steps=None, start=0, backend=args.backend, scope=args.scope, threads=None, blocks=None, seed=0,
             progress=False, timeout=None, debug=False, watchdog=60.0, control=True)
 vals = (u, v, bench.ALPHA)
 pc = time.perf_counter_ns
@@ -41,32 +44,29 @@ for _ in range(args.calls):
     t2 = pc()
     d._run(plan, values, ptrs, o)
     t3 = pc()
-    k(u, v, bench.ALPHA, steps=1, backend=args.backend)
+    k(u, v, bench.ALPHA, steps=args.steps, backend=args.backend, scope=args.scope)
     t4 = pc()
     for name, dt in zip(stages, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
         stages[name].append(dt / 1e3)
 if gpu:
     from loopkern.dispatch import driver
-    from loopkern.runs import wait_cuda
     slot = plan.slots.take()
-    more = {"fill_words": [], "launch": [], "event_record": [], "wait (kernel + done flag)": [],
+    more = {"fill_words": [], "launch + event_record": [], "wait (kernel + done flag)": [],
             "event_synchronize": [], "prepare_slot": [], "check_values": [], "call_key": []}
     from loopkern.dispatch.signature import call_key
     dr = driver.driver()
-    c = plan.config
     for _ in range(args.calls):
         ts = [pc()]
         call_key(vals); ts.append(pc())
         ptrs = plan.check_values(vals); ts.append(pc())
         plan.prepare_slot(slot, None); ts.append(pc())
-        plan.fill_words(vals, ptrs, slot, 1, 0, 0); ts.append(pc())
-        driver.launch(plan.func, c.blocks, c.threads, c.shared, slot.params, c.scope == "grid"); ts.append(pc())
-        dr.event_record(slot.event, 0); ts.append(pc())
+        plan.fill_words(vals, ptrs, slot, args.steps, 0, 0); ts.append(pc())
+        plan.launch(slot); ts.append(pc())
         while slot.view[3] != 1:
             pass
         ts.append(pc())
         dr.event_synchronize(slot.event); ts.append(pc())
-        for name, a, b in zip(("call_key", "check_values", "prepare_slot", "fill_words", "launch", "event_record",
+        for name, a, b in zip(("call_key", "check_values", "prepare_slot", "fill_words", "launch + event_record",
                                "wait (kernel + done flag)", "event_synchronize"), ts, ts[1:]):
             more[name].append((b - a) / 1e3)
     plan.slots.give(slot)
@@ -77,6 +77,6 @@ for name, xs in stages.items():
 prof = cProfile.Profile()
 prof.enable()
 for _ in range(500):
-    k(u, v, bench.ALPHA, steps=1, backend=args.backend)
+    k(u, v, bench.ALPHA, steps=args.steps, backend=args.backend, scope=args.scope)
 prof.disable()
 pstats.Stats(prof).sort_stats("tottime").print_stats(30)

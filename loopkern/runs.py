@@ -327,8 +327,7 @@ def wait_cuda(host, event: int, name: str, watchdog, interruptible=True):
     caller cancels and waits again with ``interruptible=False``). Synchronizes ``event`` at
     the end, raising LaunchError if the kernel failed.
     """
-    from .dispatch import driver
-    d = driver.driver()
+    d = _driver()
     if host[DONE] != 1:
         begin = last_change = time.monotonic()
         spin_end = begin + SPIN_S
@@ -340,7 +339,7 @@ def wait_cuda(host, event: int, name: str, watchdog, interruptible=True):
                 continue
             if now >= next_query:
                 next_query = now + EventWaiter.QUERY_EVERY_S
-                if d.event_query(event) != driver.CUDA_ERROR_NOT_READY:
+                if d.event_query(event) != _NOT_READY:
                     break
                 steps = host[STEPS]
                 if steps != last_steps:
@@ -350,8 +349,17 @@ def wait_cuda(host, event: int, name: str, watchdog, interruptible=True):
             pause = min(max(pause * 1.5, 2e-5), MAX_SLEEP_S)
             time.sleep(pause)
     r = d.event_synchronize(event)
-    if r != driver.CUDA_SUCCESS:
+    if r != 0:
+        from .dispatch import driver
         raise LaunchError(f"{name}: the kernel failed while running: {driver.error_name(r)} ({r})")
+
+
+_NOT_READY = 600     # CUDA_ERROR_NOT_READY
+
+
+def _driver():
+    from .dispatch.driver import driver
+    return driver()
 
 
 def _cuda_stalled(host, event, name, watchdog, steps, idle):

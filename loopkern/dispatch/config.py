@@ -14,7 +14,6 @@ import math
 import threading
 from dataclasses import dataclass
 
-import numpy as np
 
 from ..errors import BackendError, LaunchError
 

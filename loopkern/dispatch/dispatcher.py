@@ -346,9 +346,7 @@ class Dispatcher:
             if plan.hosts:
                 plan.copy_in(values, slot)
             plan.fill_words(values, ptrs, slot, o.nsteps, o.start, o.seed)
-            c = plan.config
-            driver.launch(plan.func, c.blocks, c.threads, c.shared, slot.params, c.scope == "grid")
-            driver.check(driver.driver().event_record(slot.event, 0), "cuEventRecord")
+            plan.launch(slot)
         except BaseException:
             plan.slots.give(slot)
             raise

@@ -121,16 +121,3 @@ class ParamBlock:
         self.i64 = self.words.view(np.int64)
         # by dtype char: the words seen as that type; word k is element k * (8 // itemsize)
         self.views = {c: self.words.view(np.dtype(c)) for c in "?bBhHiIlLqQfd"}
-
-
-def launch(func: int, blocks: int, threads: int, shared: int, params: ParamBlock, cooperative: bool, stream=0):
-    """Launch ``func`` on ``stream`` (0: the legacy default stream, Numba's default)."""
-    d = driver()
-    if cooperative:
-        r = d.launch_cooperative(func, blocks, 1, 1, threads, 1, 1, shared, stream, params.params)
-    else:
-        r = d.launch(func, blocks, 1, 1, threads, 1, 1, shared, stream, params.params, None)
-    if r != CUDA_SUCCESS:
-        raise LaunchError(f"launching the megakernel failed: {error_name(r)} ({r})"
-                          + ("; a cooperative launch needs every block resident at once"
-                             if r == 720 else ""))   # CUDA_ERROR_COOPERATIVE_LAUNCH_TOO_LARGE

@@ -12,7 +12,7 @@ Running a plan:
 
 - CPU, blocking: the kernel runs in the calling thread (``runs.run_inline``).
 - CPU, ``start()`` or ``progress=``: the kernel runs on a worker thread (``runs.ThreadWaiter``).
-- CUDA: the launch goes through the driver (``driver.launch``) with the slot's parameter
+- CUDA: the launch goes through the driver (:meth:`LaunchPlan.launch`) with the slot's parameter
   words; a blocking call then waits for the kernel's done flag in the mapped control block
   (``runs.wait_cuda``), ``start()`` returns a handle on the launch's event.
 - Numba's CUDA simulator: the launch goes through Numba's dispatcher on a worker thread.
@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..errors import ArgumentError, Diagnostic
+from ..errors import ArgumentError, Diagnostic, LaunchError
 from ..runtime.layout import (DBG_INDEX, DBG_NDIM, DBG_SHAPE, DBG_SITE, DBG_SIZE, DBG_STEP, DBG_THREAD,
                               TIMEOUT_NS)
 from . import buffers
@@ -207,6 +207,13 @@ class LaunchPlan:
                     self.scalar_words.append((i, p.dtype.char, p.word * (8 // p.dtype.itemsize)))
             from . import driver
             self.func = driver.kernel_handle(kernel)
+            d = driver.driver()
+            c = config
+            if c.scope == "grid":
+                fn, head, tail = d.launch_cooperative, (self.func, c.blocks, 1, 1, c.threads, 1, 1, c.shared, None), ()
+            else:
+                fn, head, tail = d.launch, (self.func, c.blocks, 1, 1, c.threads, 1, 1, c.shared, None), (None,)
+            self._launcher = (fn, head, tail, d.event_record)
         self.device_words = [params[i].word + 4 for i in self.devices]   # each array's data pointer
         self.slots = buffers.FreeList(lambda: Slot(self))
 
@@ -316,6 +323,19 @@ class LaunchPlan:
             i64[word] = ptr
         for i, view, index in self.scalar_words:
             pb.views[view][index] = values[i]
+
+    def launch(self, slot):
+        """Launch on the legacy default stream with the slot's parameter words, and record the
+        slot's event after it (CUDA, through the driver)."""
+        fn, head, tail, record = self._launcher
+        r = fn(*head, slot.params.params, *tail)
+        if r == 0:
+            r = record(slot.event, None)
+            if r == 0:
+                return
+        from . import driver
+        raise LaunchError(f"launching the megakernel failed: {driver.error_name(r)} ({r})"
+                          + ("; a cooperative launch needs every block resident at once" if r == 720 else ""))
 
     def describe_bounds(self, dbg, steps, start) -> str:
         """The BoundsError message for the offence a debug kernel recorded in ``dbg``."""
