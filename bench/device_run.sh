@@ -8,6 +8,9 @@
 # bench.py exits 1 when a variant fails its check. The script's exit status is 1 if any part failed.
 set -u
 status=0
+# loopkern is used from this checkout without installing it: its templates package
+# (templates/, installed as loopkern.templates) is linked into place
+ln -sfn ../templates loopkern/templates
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 if ls .whl/*.whl >/dev/null 2>&1; then

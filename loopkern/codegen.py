@@ -15,8 +15,8 @@ import hashlib
 import string
 from dataclasses import dataclass, field
 from importlib import resources
-from pathlib import Path
 
+from .errors import LoopkernError
 from .index_bounds import mark_nonneg_indices
 from .spec import INTRINSIC_PREFIX, RESERVED_PREFIX, FunctionSpec, StepSpec, is_helper_call, marker_of
 
@@ -87,11 +87,29 @@ _DEBUG_CTX = (f"{_P}dbg", f"{_P}dt")
 
 
 def load_template(name: str) -> string.Template:
-    """Read ``templates/<name>``: installed with the package, or beside it in a source checkout."""
+    """Read the template ``name`` from the package ``loopkern.templates``.
+
+    The ``templates/`` folder is installed as that package (setup.cfg's ``package_dir``); an
+    editable install (``pip install -e .``) maps it too. A bare checkout on ``sys.path`` does
+    not: loopkern must be installed.
+
+    Raises:
+        LoopkernError: the package or the template is missing.
+    """
     try:
-        text = resources.files("loopkern.templates").joinpath(name).read_text()
-    except (ModuleNotFoundError, FileNotFoundError):
-        text = (Path(__file__).resolve().parent.parent / "templates" / name).read_text()
+        folder = resources.files("loopkern.templates")
+    except ModuleNotFoundError as exc:
+        raise LoopkernError(
+            f"loopkern's kernel templates (the package 'loopkern.templates', needed for '{name}') are not "
+            f"importable: loopkern is used from a source folder that is not installed, or from a broken "
+            f"install. Install the package (pip install ., or pip install -e . for a checkout) "
+            f"instead of putting the checkout on PYTHONPATH") from exc
+    try:
+        text = folder.joinpath(name).read_text(encoding="utf-8")
+    except FileNotFoundError as exc:
+        raise LoopkernError(
+            f"loopkern's kernel template '{name}' is missing from the package 'loopkern.templates' "
+            f"({folder}): the install is incomplete or out of date; reinstall loopkern (pip install .)") from exc
     return string.Template(text)
 
 

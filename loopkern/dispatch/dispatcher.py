@@ -234,7 +234,7 @@ class Dispatcher:
         """
         if (progress is False and max_steps is None and type(steps) is int and steps >= 0
                 and type(start) is int and 0 <= start < _START_LIMIT and type(seed) is int
-                and 0 <= seed < _SEED_LIMIT and type(watchdog) is float and watchdog > 0
+                and 0 <= seed < _SEED_LIMIT and (watchdog is None or type(watchdog) is float and watchdog > 0)
                 and (timeout is None or type(timeout) is float and timeout > 0)
                 and not kwargs and len(args) == self.nparams):
             try:

@@ -191,3 +191,19 @@ def test_cupy_and_torch_arrays_through_a_warm_plan(rng):
         tu, tv = torch.tensor(u0, device="cuda"), torch.tensor(u0, device="cuda")
         k(tu, tv, 0.2, steps=9, backend="cuda")
         np.testing.assert_allclose(tu.cpu().numpy(), refs.heat_exact(u0, 9, 0.2), rtol=1e-9, atol=1e-12)
+
+
+def test_the_watchdog_of_a_blocking_gpu_call(rng):
+    # step 2 spins for about a second on one GPU thread; the watchdog (0.2 s) cancels the run,
+    # which then stops after that step: HangError with the Run, and the state after its steps
+    k = lk.megakernel(W.busy_step)
+    x0 = np.array([0.0, rng.random()])
+    x = _cuda().to_device(x0)
+    k(x, 0, 10, steps=1, backend="cuda")                  # compile
+    x = _cuda().to_device(x0)
+    spin = 400_000_000
+    with pytest.raises(lk.HangError, match="a step takes longer than the watchdog") as info:
+        k(x, 2, spin, steps=10 ** 6, backend="cuda", watchdog=0.2)
+    run = info.value.run
+    assert run.stopped == "cancelled" and 2 < run.steps < 10 ** 6
+    np.testing.assert_allclose(x.copy_to_host(), refs.busy_ref(x0, run.steps, 2, spin), rtol=1e-6)
