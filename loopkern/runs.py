@@ -55,6 +55,14 @@ class Run:
     threads: int
     start: int = 0
 
+    @classmethod
+    def _make(cls, steps, stopped, backend, scope, blocks, threads, start):
+        """A Run without the frozen dataclass's per-field checks (the call path makes many)."""
+        run = object.__new__(cls)
+        run.__dict__.update(steps=steps, stopped=stopped, backend=backend, scope=scope, blocks=blocks,
+                            threads=threads, start=start)
+        return run
+
     @property
     def next_start(self) -> int:
         """The step index after the last step run: pass it as ``start=`` to continue."""
@@ -357,9 +365,14 @@ def wait_cuda(host, event: int, name: str, watchdog, interruptible=True):
 _NOT_READY = 600     # CUDA_ERROR_NOT_READY
 
 
+_DRIVER: list = []
+
+
 def _driver():
-    from .dispatch.driver import driver
-    return driver()
+    if not _DRIVER:
+        from .dispatch.driver import driver
+        _DRIVER.append(driver())
+    return _DRIVER[0]
 
 
 def _cuda_stalled(host, event, name, watchdog, steps, idle):

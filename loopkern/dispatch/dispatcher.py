@@ -295,7 +295,7 @@ class Dispatcher:
             raise BoundsError(message)
         plan.slots.give(slot)
         c = plan.config
-        return Run(steps, STOPPED[why], plan.backend, c.scope, c.blocks, c.threads, o.start)
+        return Run._make(steps, STOPPED[why], plan.backend, c.scope, c.blocks, c.threads, o.start)
 
     def _run_cpu(self, plan, values, o: Options) -> Run:
         slot = plan.slots.take()

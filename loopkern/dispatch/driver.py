@@ -85,11 +85,19 @@ def ensure_context():
         _threads_with_context.add(ident)
 
 
+_tls = threading.local()
+
+
 def current_context() -> int:
     """The calling thread's current CUDA context handle (0 if none)."""
-    ctx = ctypes.c_void_p()
-    driver().ctx_get_current(ctypes.byref(ctx))
-    return ctx.value or 0
+    try:
+        get, buf, ref = _tls.ctx
+    except AttributeError:
+        buf = ctypes.c_void_p()
+        get, ref = driver().ctx_get_current, ctypes.byref(buf)
+        _tls.ctx = (get, buf, ref)
+    get(ref)
+    return buf.value or 0
 
 
 def kernel_handle(kernel) -> int:

@@ -30,8 +30,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import ArgumentError, Diagnostic, LaunchError
-from ..runtime.layout import (DBG_INDEX, DBG_NDIM, DBG_SHAPE, DBG_SITE, DBG_SIZE, DBG_STEP, DBG_THREAD,
-                              TIMEOUT_NS)
+from ..runtime.layout import (DBG_INDEX, DBG_NDIM, DBG_SHAPE, DBG_SITE, DBG_SIZE, DBG_STEP, DBG_THREAD, DONE,
+                              REQUEST, STEPS, TIMEOUT_NS)
 from . import buffers
 from .args import ArrayArg
 from .config import LaunchConfig
@@ -362,9 +362,12 @@ class LaunchPlan:
 
     def prepare_slot(self, slot, timeout):
         """Ready a slot's control block (and debug buffer) for a new run."""
-        buffers.reset_control_block(slot.view)
+        view = slot.view
+        view[REQUEST] = 0            # WHY is written before DONE, so it needs no reset
+        view[DONE] = 0
+        view[STEPS] = -1             # until the kernel has started
         # (a timeout beyond 30 years is no timeout; the slot holds int64 nanoseconds)
-        slot.view[TIMEOUT_NS] = int(min(timeout, 1e9) * 1e9) if timeout is not None and self.backend == "cuda" else 0
+        view[TIMEOUT_NS] = int(min(timeout, 1e9) * 1e9) if timeout is not None and self.backend == "cuda" else 0
         if self.debug:
             if self.backend == "cpu":
                 slot.dbg[:] = 0

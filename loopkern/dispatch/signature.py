@@ -18,7 +18,8 @@ _PROBES: dict = {}
 
 
 def _numpy_key(v):
-    return (np.ndarray, v.dtype, v.shape, v.strides, v.flags.writeable, v.flags.aligned)
+    f = v.flags
+    return (np.ndarray, v.dtype, v.shape, v.strides, f.writeable, f.aligned)
 
 
 def _numba_device_key(v):
@@ -137,14 +138,19 @@ def call_key(values) -> tuple | None:
     """The keys of all arguments, with which of them are the same object (a NumPy array passed
     twice is copied to the GPU once, so the plan depends on it); None if any has no key."""
     keys = []
-    ids = {}
-    for k, v in enumerate(values):
-        key = arg_key(v)
+    ids = None
+    probes = _PROBES
+    for v in values:
+        t = type(v)
+        hit = probes.get(t)
+        key = (hit or probe(t))[0](v)
         if key is None:
             return None
-        if key[0] is np.ndarray:
-            first = ids.setdefault(id(v), k)
-            if first != k:
+        if t is np.ndarray:
+            if ids is None:
+                ids = {}
+            first = ids.setdefault(id(v), len(keys))
+            if first != len(keys):
                 key = key + (first,)
         keys.append(key)
     return tuple(keys)
