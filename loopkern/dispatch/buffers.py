@@ -11,7 +11,7 @@ import threading
 
 import numpy as np
 
-from ..runtime.layout import HOST_SIZE, STEPS
+from ..runtime.layout import HOST_SIZE
 
 
 class FreeList:
@@ -56,9 +56,3 @@ def control_block(backend: str) -> tuple:
         block = cuda.mapped_array(HOST_SIZE, np.int64)
     view = block._ary if hasattr(block, "_ary") else block   # the simulator's array wraps NumPy
     return block, view
-
-
-def reset_control_block(view):
-    """Ready a control block for a new run: no request, not done, steps -1 until it starts."""
-    view[:] = 0
-    view[STEPS] = -1
