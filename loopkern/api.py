@@ -55,9 +55,16 @@ class MegaKernel:
                  _control=True, **kwargs) -> Run:
         """Run the loop and wait for it; arrays are updated in place.
 
+        The first call with a given argument signature (kinds, dtypes, shapes, strides and
+        writability of the arguments, and the launch options) checks everything, compiles and
+        keeps a launch plan; later calls with that signature only check what depends on the
+        values (swap pairs sharing memory, integers beyond int64) and launch. On the CPU
+        backend the kernel runs in the calling thread (with ``progress=`` on a worker thread).
+
         Ctrl-C during the call cancels the kernel at a step boundary, waits until it has
         stopped (the arrays are then consistent, NumPy inputs copied back) and re-raises
-        ``KeyboardInterrupt``.
+        ``KeyboardInterrupt`` (on the CPU backend within about half a second: a long run is
+        paused at a step boundary and continued so that Python can see the signal).
 
         Args:
             *args, **kwargs: the step's parameters after the step index.
