@@ -305,3 +305,387 @@ def test_cache_is_bounded(rng, builds, monkeypatch):
         u, _ = SHIFT.jax(jnp.asarray(a0), jnp.asarray(a0), steps=3)
         np.testing.assert_array_equal(np.asarray(u), refs.shift_ref(a0, 3))
     assert len(entries) == 3 and len(builds) == 5        # 10 was dropped, then built again
+
+
+# ------------------------------------------------------------------------------ the CUDA lowering
+# Without a GPU, the CUDA call is still built and lowered: the kernel load and the occupancy
+# query are faked (a made-up CUfunction handle, a fixed grid), and the platform is forced.
+import re  # noqa: E402
+import types  # noqa: E402
+
+
+@pytest.fixture
+def as_if_cuda(monkeypatch):
+    """kernel.jax builds its CUDA call here (nothing is launched); the kernels' call caches
+    are emptied before and after, so no entry with a fake handle outlives the test."""
+    from numba import cuda
+
+    from loopkern import compile as lk_compile
+    from loopkern.dispatch import config as lk_config
+
+    def fake_config(kernel, scope, work, threads, blocks, simulator, shared=0):
+        if scope == "thread":
+            return lk_config.LaunchConfig("thread", 1, 1)
+        return lk_config.LaunchConfig(scope, blocks or (132 if scope == "grid" else 1), threads or 256)
+    monkeypatch.setattr(lk_compile.CompiledKernel, "load_for_ffi", lambda self, types_, xla_ffi: (None, 0x1234))
+    monkeypatch.setattr(lk_config, "cuda_config", fake_config)
+    monkeypatch.setattr(jax_bridge, "_platform", lambda mk, arrays, backend: "cuda")
+    monkeypatch.setattr(cuda, "get_current_device", lambda: types.SimpleNamespace(id=0))
+    kernels = (HEAT, JACOBI, SHIFT)
+    for k in kernels:
+        jax_bridge.call_cache(k).clear()
+    yield
+    for k in kernels:
+        jax_bridge.call_cache(k).clear()
+
+
+# (the jitted function, its arguments, donated arguments, the number of arrays it passes)
+LOWERED = {
+    "numbers": (lambda a, b: HEAT.jax(a, b, 0.25, steps=1), 0, 2),
+    "numpy scalar, grid": (lambda a, b: HEAT.jax(a, b, np.float32(0.25), steps=3, scope="grid", seed=5), 0, 2),
+    "traced scalar and steps": (lambda a, b, al, s: HEAT.jax(a, b, al, steps=s), 2, 2),
+    "timeout": (lambda a, b: SHIFT.jax(a, b, steps=10, timeout=1.5, scope="grid"), 0, 2),
+    "long timeout, start": (lambda a, b: SHIFT.jax(a, b, steps=10, start=3, timeout=10.0), 0, 2),
+    "condition": (lambda a, b: JACOBI.jax(a, b, np.float32(1e-3), max_steps=100, scope="grid"), 0, 2),
+}
+
+
+def _lowered_args(name, n_traced):
+    if name.startswith("condition"):
+        return (jnp.zeros((48, 48), jnp.float32), jnp.ones((48, 48), jnp.float32))
+    dt = jnp.int32 if "timeout" in name else jnp.float32
+    arrays = (jnp.zeros(4096, dt), jnp.ones(4096, dt))
+    return arrays + ((jnp.float32(0.25), 7) if n_traced else ())
+
+
+@pytest.mark.parametrize("name", LOWERED)
+def test_cuda_lowering_is_the_custom_call_alone(name, as_if_cuda):
+    """The StableHLO of a jitted call for the CUDA platform: the custom call, constants, and
+    reshapes of the jitted function's parameters (bitcasts to XLA); no op fills, copies or
+    slices a buffer for it (the control block and the barrier counter are plain results the
+    handler initialises, the step count is one of its results)."""
+    f, n_traced, n_arrays = LOWERED[name]
+    text = jax.jit(f).trace(*_lowered_args(name, n_traced)).lower(lowering_platforms=("cuda",)).as_text()
+    ops = re.findall(r"= stablehlo\.([a-z_]+)", text)
+    assert ops.count("custom_call") == 1, text
+    assert set(ops) <= {"custom_call", "constant", "reshape"}, text
+    # a reshape only where a traced number becomes a 1-element buffer
+    reshaped = re.findall(r"= stablehlo\.reshape (%\S+)", text)
+    assert sorted(reshaped) == [f"%arg{i}" for i in range(2, 2 + n_traced)], text
+    # only the arrays are aliased: XLA need not fill or copy a buffer for the custom call
+    assert text.count("stablehlo.output_operand_alias<") == n_arrays, text
+    # everything returned comes straight from the custom call
+    (call_id,) = re.findall(r"(%\S+?)(?::\d+)? = stablehlo\.custom_call", text)
+    returned = re.search(r"return (.*?) :", text).group(1).split(", ")
+    assert all(r.startswith(call_id + "#") for r in returned), text
+    with_count = "timeout" in name or name.startswith("condition")
+    assert len(returned) == n_arrays + with_count
+    attrs = re.search(r"mhlo\.backend_config = \{(.*?)\}", text).group(1)
+    timeout = {"timeout": 1500000000, "long timeout, start": 10000000000}.get(name, 0)
+    assert f"timeout_ns = {timeout} : i64" in attrs and f"count = {n_arrays + 4 if with_count else -1} : i64" in attrs
+
+
+_cpu_registered = []
+
+
+def _compiled_entry(f, args, donate):
+    """The optimized HLO's entry instructions of ``f`` built for CUDA and compiled by XLA:CPU,
+    minus parameters, constants, bitcasts and tuple plumbing (which run nothing). XLA:CPU runs
+    the same algebraic simplification and copy insertion as XLA:GPU; for it to compile the
+    custom call, the shim's handler is registered for the CPU platform too (never run)."""
+    if not _cpu_registered:
+        import ctypes
+
+        from loopkern.interop import xla_ffi
+        mod = xla_ffi.build_shim()
+        addr = int(mod.ffi.cast("uintptr_t", mod.lib.lk_launch_address()))
+        fn = ctypes.cast(ctypes.c_void_p(addr), ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p))
+        jax.ffi.register_ffi_target(xla_ffi.TARGET, jax.ffi.pycapsule(fn), platform="cpu")
+        _cpu_registered.append(fn)
+    text = jax.jit(f, donate_argnums=donate).trace(*args).lower(lowering_platforms=("cpu",)).compile().as_text()
+    entry = text[text.index("\nENTRY") + 1:]
+    entry = entry[:entry.index("\n}")]
+    return [line.strip() for line in entry.splitlines()[1:]
+            if not re.search(r" (parameter|constant|bitcast|tuple|get-tuple-element)\(", line)]
+
+
+@pytest.mark.parametrize("name", LOWERED)
+def test_cuda_call_compiles_to_the_custom_call_alone(name, as_if_cuda):
+    """After XLA's optimizations, with the arrays donated: the custom call and nothing else (the
+    all-zero default seed stays a constant; no memset, broadcast or copy of an aliased buffer;
+    no slice or bitcast-convert for the step count)."""
+    f, n_traced, _ = LOWERED[name]
+    ops = _compiled_entry(f, _lowered_args(name, n_traced), (0, 1))
+    assert len(ops) == 1 and " custom-call(" in ops[0], "\n".join(ops)
+
+
+def test_undonated_arrays_are_the_only_copies(as_if_cuda):
+    # without donation XLA copies each array into the result the kernel updates in place (JAX
+    # semantics: the inputs stay as they were); nothing else
+    f, n_traced, _ = LOWERED["timeout"]
+    ops = _compiled_entry(f, _lowered_args("timeout", n_traced), ())
+    assert len(ops) == 3 and sum(" copy(" in op for op in ops) == 2, "\n".join(ops)
+
+
+# ------------------------------------------------------------------------------ the handler itself
+# ffi_shim.c's handler, compiled into a small C program with hand-made XLA FFI call frames and
+# linked against a stand-in for libcuda (device pointers are host pointers, every call is
+# logged, a launch runs a fake kernel that records its parameters and writes the control block
+# as the real one does): the driver calls it makes, in order, and what the kernel sees.
+_FAKE_LIBCUDA = r"""
+/* A stand-in for libcuda: device pointers are host pointers, a stream runs its work at once,
+   in order; every call is logged; a launch calls the harness's kernel. */
+#include <stdint.h>
+#include <stdio.h>
+#include <string.h>
+typedef unsigned long long CUdeviceptr;
+char fake_log[8192];
+void (*fake_kernel)(void** params) = 0;
+static void logf_(const char* s) { strncat(fake_log, s, sizeof fake_log - strlen(fake_log) - 1); }
+int cuInit(unsigned f) { (void)f; return 0; }
+int cuDeviceGet(int* d, int o) { *d = o; return 0; }
+int cuDevicePrimaryCtxRetain(void** c, int d) { (void)d; *c = (void*)1; return 0; }
+int cuCtxPushCurrent_v2(void* c) { (void)c; return 0; }
+int cuCtxPopCurrent_v2(void** c) { *c = 0; return 0; }
+int cuModuleLoadData(void** m, const void* i) { (void)i; *m = (void*)1; return 0; }
+int cuModuleGetFunction(void** f, void* m, const char* n) { (void)m; (void)n; *f = (void*)0x1234; return 0; }
+int cuGetErrorName(int r, const char** s) { (void)r; *s = "FAKE_ERROR"; return 0; }
+int cuMemsetD32Async(CUdeviceptr p, unsigned v, size_t n, void* s) {
+  char b[128]; snprintf(b, sizeof b, "memset(+%llu,%u,%zu,%p);", p & 0xFFF, v, n, s); logf_(b);
+  for (size_t i = 0; i < n; ++i) ((uint32_t*)(uintptr_t)p)[i] = v;
+  return 0;
+}
+int cuMemcpyDtoDAsync_v2(CUdeviceptr d, CUdeviceptr s, size_t n, void* st) {
+  char b[128]; snprintf(b, sizeof b, "copy(%zu,%p);", n, st); logf_(b);
+  memcpy((void*)(uintptr_t)d, (void*)(uintptr_t)s, n);
+  return 0;
+}
+static int launch(const char* how, void* f, unsigned g, unsigned t, void* s, void** params) {
+  char b[128]; snprintf(b, sizeof b, "%s(%p,%u,%u,%p);", how, f, g, t, s); logf_(b);
+  if (fake_kernel) fake_kernel(params);
+  return 0;
+}
+int cuLaunchCooperativeKernel(void* f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
+                              unsigned sh, void* s, void** p) {
+  (void)gy; (void)gz; (void)by; (void)bz; (void)sh; return launch("coop", f, gx, bx, s, p);
+}
+int cuLaunchKernel(void* f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
+                   unsigned sh, void* s, void** p, void** e) {
+  (void)gy; (void)gz; (void)by; (void)bz; (void)sh; (void)e; return launch("launch", f, gx, bx, s, p);
+}
+"""
+
+_HARNESS = r"""
+/* Drives lk_launch with hand-made XLA FFI call frames against fake_cuda.c. Prints one line per
+   check; exits nonzero on the first failure. */
+#include "ffi_shim.c"
+#include <stdlib.h>
+
+extern char fake_log[8192];
+extern void (*fake_kernel)(void** params);
+
+static int fails = 0;
+#define CHECK(c, ...) do { if (!(c)) { printf("FAIL %s:%d: ", __FILE__, __LINE__); printf(__VA_ARGS__); printf("\n"); fails++; } } while (0)
+
+static char last_error[512];
+static XLA_FFI_Error* fake_error_create(XLA_FFI_Error_Create_Args* a) {
+  snprintf(last_error, sizeof last_error, "%s", a->message);
+  return (XLA_FFI_Error*)1;
+}
+static XLA_FFI_Error* fake_stream_get(XLA_FFI_Stream_Get_Args* a) { a->stream = (void*)0x5157; return NULL; }
+
+/* a kernel with parameters nsteps, t0, u (2-D), alpha, redf, redi, bar, seed, info, host: it
+   records what it sees and writes the control block as the real one does */
+typedef struct { int64_t nitems, itemsize; char* data; int64_t shape[2], strides[2]; } Arr;
+static Arr seen[10];
+static const int ranks[10] = {1, 1, 2, 1, 2, 2, 1, 1, 1, 1};
+static int64_t seen_timeout, seen_request, seen_steps_before;
+static uint32_t seen_bar;
+static void kernel(void** params) {
+  int k = 0;
+  for (int p = 0; p < 10; ++p) {
+    Arr* a = &seen[p];
+    k += 2;
+    a->nitems = *(int64_t*)params[k++];
+    a->itemsize = *(int64_t*)params[k++];
+    a->data = *(char**)params[k++];
+    for (int d = 0; d < ranks[p]; ++d) a->shape[d] = *(int64_t*)params[k++];
+    for (int d = 0; d < ranks[p]; ++d) a->strides[d] = *(int64_t*)params[k++];
+  }
+  int64_t* host = (int64_t*)seen[9].data;
+  seen_timeout = host[4];
+  seen_request = host[1];
+  seen_steps_before = host[0];
+  seen_bar = *(uint32_t*)seen[6].data;
+  host[0] = 1234567;        /* STEPS */
+  host[2] = 0;              /* WHY */
+  host[3] = 1;              /* DONE */
+}
+
+typedef struct { XLA_FFI_ByteSpan name; XLA_FFI_AttrType type; void* value; } Attr;
+
+static int run(int64_t timeout_ns, int64_t count, int64_t coop, const int64_t* layout, size_t nlayout,
+               uint32_t* ctl_out, int32_t* cnt_out, int32_t* u_data) {
+  /* arguments: nsteps, t0, u (aliased: the result's buffer), alpha, seed[3] */
+  static int32_t nsteps = 10, t0 = 0; static float alpha = 0.25f; static uint32_t seed[3] = {7, 9, 6};
+  int64_t d1 = 1, d3 = 3, du[2] = {4, 6}, dr[2] = {2, 8 * 5}, dinfo = 16, dctl = 17;
+  XLA_FFI_Buffer args[5], rets[7];
+  memset(args, 0, sizeof args); memset(rets, 0, sizeof rets);
+  void* argp[5]; XLA_FFI_ArgType argt[5];
+  XLA_FFI_Buffer* a;
+  a = &args[0]; a->dtype = XLA_FFI_DataType_S32; a->data = &nsteps; a->rank = 1; a->dims = &d1;
+  a = &args[1]; a->dtype = XLA_FFI_DataType_S32; a->data = &t0; a->rank = 1; a->dims = &d1;
+  a = &args[2]; a->dtype = XLA_FFI_DataType_S32; a->data = u_data; a->rank = 2; a->dims = du;
+  a = &args[3]; a->dtype = XLA_FFI_DataType_F32; a->data = &alpha; a->rank = 1; a->dims = &d1;
+  a = &args[4]; a->dtype = XLA_FFI_DataType_U32; a->data = seed; a->rank = 1; a->dims = &d3;
+  for (int i = 0; i < 5; ++i) { argp[i] = &args[i]; argt[i] = XLA_FFI_ArgType_BUFFER; }
+  /* results: u, redf, redi, info (bytes), control (17 words), count */
+  static uint8_t redf[80], redi[80], info[16];
+  a = &rets[0]; *a = args[2];
+  a = &rets[1]; a->dtype = XLA_FFI_DataType_U8; a->data = redf; a->rank = 2; a->dims = dr;
+  a = &rets[2]; a->dtype = XLA_FFI_DataType_U8; a->data = redi; a->rank = 2; a->dims = dr;
+  a = &rets[3]; a->dtype = XLA_FFI_DataType_U8; a->data = info; a->rank = 1; a->dims = &dinfo;
+  a = &rets[4]; a->dtype = XLA_FFI_DataType_U32; a->data = ctl_out; a->rank = 1; a->dims = &dctl;
+  a = &rets[5]; a->dtype = XLA_FFI_DataType_S32; a->data = cnt_out; a->rank = 0; a->dims = NULL;
+  void* retp[6]; XLA_FFI_RetType rett[6];
+  int nrets = count >= 0 ? 6 : 5;
+  for (int i = 0; i < nrets; ++i) { retp[i] = &rets[i]; rett[i] = XLA_FFI_RetType_BUFFER; }
+
+  int64_t func = 0x1234, blocks = 5, threads = 64, control = 4, tslot = 4, sslot = 0;
+  XLA_FFI_Scalar s[10]; XLA_FFI_Array lay = {XLA_FFI_DataType_S64, nlayout, (void*)layout};
+  const char* names[] = {"blocks", "control", "cooperative", "count", "func", "layout", "steps_slot", "threads",
+                         "timeout_ns", "timeout_slot"};
+  int64_t* vals[] = {&blocks, &control, &coop, &count, &func, NULL, &sslot, &threads, &timeout_ns, &tslot};
+  XLA_FFI_ByteSpan spans[10], *spanp[10]; XLA_FFI_AttrType types[10]; void* attrs[10];
+  for (int i = 0; i < 10; ++i) {
+    spans[i].ptr = names[i]; spans[i].len = strlen(names[i]); spanp[i] = &spans[i];
+    if (vals[i]) { s[i].dtype = XLA_FFI_DataType_S64; s[i].value = vals[i]; types[i] = XLA_FFI_AttrType_SCALAR; attrs[i] = &s[i]; }
+    else { types[i] = XLA_FFI_AttrType_ARRAY; attrs[i] = &lay; }
+  }
+  static XLA_FFI_Api api;
+  api.XLA_FFI_Error_Create = fake_error_create;
+  api.XLA_FFI_Stream_Get = fake_stream_get;
+  XLA_FFI_CallFrame cf;
+  memset(&cf, 0, sizeof cf);
+  cf.api = &api;
+  cf.stage = XLA_FFI_ExecutionStage_EXECUTE;
+  cf.args.size = 5; cf.args.types = argt; cf.args.args = argp;
+  cf.rets.size = nrets; cf.rets.types = rett; cf.rets.rets = retp;
+  cf.attrs.size = 10; cf.attrs.types = types; cf.attrs.names = spanp; cf.attrs.attrs = attrs;
+  fake_log[0] = 0; last_error[0] = 0;
+  memset(ctl_out, 0xAB, 17 * 4);    /* what XLA's allocator left there */
+  *cnt_out = -5;
+  return lk_launch(&cf) == NULL ? 0 : -1;
+}
+
+int main(void) {
+  /* the layout jax_bridge builds for this signature (5 numbers per kernel parameter) */
+  const int64_t layout[] = {0, 0, 0, 0, 0,  0, 1, 0, 0, 0,  1, 0, 0, 0, 0,  0, 3, 0, 0, 0,
+                            1, 1, 8, 0, 0,  1, 2, 8, 0, 0,  1, 4, 4, 64, 1,  0, 4, 0, 0, 2,
+                            1, 3, 8, 0, 0,  1, 4, 8, 0, 8};
+  uint32_t* ctl = malloc(17 * 4); int32_t cnt; int32_t u[24];
+  fake_kernel = kernel;
+  char expect[512];
+
+  /* a timeout under 2^32 ns, the step count wanted, cooperative */
+  CHECK(run(1500000000, 5, 1, layout, 50, ctl, &cnt, u) == 0, "call failed: %s", last_error);
+  snprintf(expect, sizeof expect, "memset(+%llu,0,17,0x5157);memset(+%llu,1500000000,1,0x5157);coop(0x1234,5,64,0x5157);copy(4,0x5157);",
+           (unsigned long long)((uintptr_t)ctl & 0xFFF), (unsigned long long)(((uintptr_t)ctl + 32) & 0xFFF));
+  CHECK(!strcmp(fake_log, expect), "driver calls: %s\n  expected %s", fake_log, expect);
+  CHECK(seen_timeout == 1500000000 && seen_request == 0 && seen_steps_before == 0 && seen_bar == 0,
+        "the kernel saw timeout %lld request %lld steps %lld bar %u", (long long)seen_timeout,
+        (long long)seen_request, (long long)seen_steps_before, seen_bar);
+  CHECK(cnt == 1234567, "step count %d", cnt);
+  CHECK(seen[2].data == (char*)u && seen[2].nitems == 24 && seen[2].itemsize == 4 && seen[2].shape[0] == 4 &&
+        seen[2].shape[1] == 6 && seen[2].strides[0] == 24 && seen[2].strides[1] == 4, "u as the kernel saw it");
+  CHECK(seen[4].nitems == 10 && seen[4].itemsize == 8 && seen[4].shape[0] == 2 && seen[4].shape[1] == 5 &&
+        seen[4].strides[0] == 40 && seen[4].strides[1] == 8, "redf as the kernel saw it");
+  CHECK(seen[6].data == (char*)ctl + 64 && seen[6].nitems == 1 && seen[6].itemsize == 4 && seen[6].shape[0] == 1 &&
+        seen[6].strides[0] == 4, "bar as the kernel saw it");
+  CHECK(seen[7].nitems == 2 && seen[7].itemsize == 4 && ((uint32_t*)seen[7].data)[0] == 7 &&
+        ((uint32_t*)seen[7].data)[1] == 9, "the seed as the kernel saw it");
+  CHECK(seen[8].nitems == 2 && seen[8].itemsize == 8, "info as the kernel saw it");
+  CHECK(seen[9].data == (char*)ctl && seen[9].nitems == 8 && seen[9].itemsize == 8 && seen[9].strides[0] == 8,
+        "the control block as the kernel saw it");
+  for (int w = 0; w < 17; ++w)
+    if (w != 0 && w != 1 && w != 6 && w != 8)
+      CHECK(ctl[w] == 0, "control word %d = %#x after the call", w, ctl[w]);
+
+  /* a timeout over 2^32 ns: both words */
+  CHECK(run(10000000000LL, 5, 1, layout, 50, ctl, &cnt, u) == 0, "call failed: %s", last_error);
+  CHECK(seen_timeout == 10000000000LL, "the kernel saw timeout %lld", (long long)seen_timeout);
+  CHECK(strstr(fake_log, ",1410065408,1,") && strstr(fake_log, ",2,1,"), "driver calls: %s", fake_log);
+
+  /* no timeout, no step count, not cooperative: one memset and the launch */
+  CHECK(run(0, -1, 0, layout, 50, ctl, &cnt, u) == 0, "call failed: %s", last_error);
+  CHECK(!strncmp(fake_log, "memset(", 7) && strstr(fake_log, ",0,17,0x5157);launch(0x1234,5,64,0x5157);") &&
+        !strstr(fake_log, "copy") && strlen(strstr(fake_log, ";")) == strlen(strstr(fake_log, ";launch")),
+        "driver calls: %s", fake_log);
+  CHECK(seen_timeout == 0 && seen_request == 0 && seen_bar == 0 && cnt == -5, "no timeout: %lld %lld %u %d",
+        (long long)seen_timeout, (long long)seen_request, seen_bar, cnt);
+
+  /* malformed calls fail before anything is enqueued */
+  int64_t bad[50];
+  memcpy(bad, layout, sizeof bad);
+  bad[33] = 68;          /* the barrier past the end of the control block */
+  CHECK(run(0, 5, 1, bad, 50, ctl, &cnt, u) != 0 && strstr(last_error, "outside its buffer") && !fake_log[0],
+        "a part outside its buffer: %s / %s", last_error, fake_log);
+  CHECK(run(0, 5, 1, layout, 48, ctl, &cnt, u) != 0 && strstr(last_error, "malformed") && !fake_log[0],
+        "a short layout: %s / %s", last_error, fake_log);
+  CHECK(run(0, 9, 1, layout, 50, ctl, &cnt, u) != 0 && strstr(last_error, "step count") && !fake_log[0],
+        "a missing count result: %s / %s", last_error, fake_log);
+  memcpy(bad, layout, sizeof bad);
+  bad[46] = 3;           /* the control block in info's 16 bytes */
+  bad[49] = 8;
+  CHECK(run(0, 5, 1, bad, 50, ctl, &cnt, u) != 0 && strstr(last_error, "outside its buffer") && !fake_log[0],
+        "a control block view larger than its buffer: %s / %s", last_error, fake_log);
+  printf(fails ? "%d FAILED\n" : "ok\n", fails);
+  return fails != 0;
+}
+"""
+
+
+def test_ffi_handler_against_a_fake_driver(tmp_path):
+    import shutil
+    import subprocess
+    import sysconfig
+
+    from loopkern.interop import xla_ffi
+    cc = shutil.which((sysconfig.get_config_var("CC") or "cc").split()[0]) or shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler")
+    (tmp_path / "fake_cuda.c").write_text(_FAKE_LIBCUDA)
+    (tmp_path / "harness.c").write_text(_HARNESS)
+    warn = ["-Wall", "-Wextra", "-Werror"]
+    subprocess.run([cc, *warn, "-shared", "-fPIC", "-Wl,-soname,libcuda.so.1", "fake_cuda.c", "-o", "libcuda.so.1"],
+                   cwd=tmp_path, check=True, capture_output=True)
+    build = subprocess.run([cc, *warn, "-I", jax.ffi.include_dir(), "-I", str(xla_ffi._SRC.parent), "harness.c",
+                            "-o", "harness", "-L.", "-l:libcuda.so.1", "-ldl", f"-Wl,-rpath,{tmp_path}"],
+                           cwd=tmp_path, capture_output=True, text=True)
+    assert build.returncode == 0, build.stderr
+    out = subprocess.run([str(tmp_path / "harness")], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stdout + out.stderr
+
+
+def test_grid_barrier_counter_needs_its_low_bits_clear():
+    """Why the handler zeroes the barrier counter each call (it sits in the zeroed control
+    buffer): cuda_rt.grid_sync's arithmetic (block 0 adds 0x80000000 - (blocks - 1), the others
+    1; a block waits for the top bit to differ from the value it saw) releases every block
+    exactly when the last one arrives, and leaves the low 31 bits as they were, only when those
+    start at zero; from any other value some arrival order releases a block early."""
+    import itertools
+
+    def early(start, blocks):
+        for order in itertools.permutations(range(blocks)):
+            value, seen = start, []
+            for k, b in enumerate(order):
+                seen.append(value)
+                value = (value + (1 if b else 0x80000000 - (blocks - 1))) & 0xFFFFFFFF
+                released = [((old ^ value) & 0x80000000) != 0 for old in seen]
+                if any(released) and k < blocks - 1:
+                    return True
+            assert all(released) and value & 0x7FFFFFFF == start & 0x7FFFFFFF
+        return False
+    for blocks in (2, 3, 5):
+        assert not early(0, blocks) and not early(0x80000000, blocks)
+        assert all(early(v, blocks) for v in (1, 5, 0x7FFFFFFF, 0xFFFFFFFF, 0x12345678))

@@ -34,8 +34,8 @@ class FreeList:
 
 def cuda_scratch(blocks: int) -> tuple:
     """A grid-scope run's device scratch: the reductions' per-block partial results
-    (float64[2, blocks], int64[2, blocks]), the grid barrier's counter (uint32[1]; it works
-    from any value, so it is never reset) and the stop decision's two slots (int64[2])."""
+    (float64[2, blocks], int64[2, blocks]), the grid barrier's counter (uint32[1], zeroed
+    once: a completed barrier leaves its low 31 bits at zero, which the next one needs) and the stop decision's two slots (int64[2])."""
     from numba import cuda
     n = max(blocks, 1)
     return (cuda.device_array((2, n), np.float64), cuda.device_array((2, n), np.int64),

@@ -7,9 +7,26 @@
  * buffers), passed in Numba's array ABI: for each array, 5 + 2*ndim 8-byte parameters
  * (meminfo, parent, nitems, itemsize, data, shape[ndim], strides[ndim] in bytes, row-major).
  * The attribute "layout" lists, for every kernel parameter in order, where its buffer is and
- * how to view it: (0, i, v) for the i-th argument or (1, i, v) for the i-th result; v > 0
- * views the buffer as elements of v bytes (scratch buffers are bytes to XLA, since JAX
- * without x64 has no 64-bit types), v == 0 keeps its own dtype.
+ * how to view it, five numbers each: (0, i, v, off, len) for the i-th argument or
+ * (1, i, v, off, len) for the i-th result; v > 0 views the buffer as elements of v bytes
+ * (scratch buffers are bytes or words to XLA, since JAX without x64 has no 64-bit types),
+ * v == 0 keeps its own dtype; off > 0 or len > 0 (1-D buffers only) passes the part of the
+ * buffer that starts off bytes in, len elements long (0: to the end), so that several
+ * kernel parameters can share one buffer.
+ *
+ * Before the launch the handler zeroes the result "control" (a whole number of 32-bit
+ * words: the run's control block, and the grid barrier's counter, which must start with its
+ * low 31 bits clear) and writes "timeout_ns" into its int64 slot "timeout_slot" (the words
+ * that are not zero, one cuMemsetD32Async each), all on XLA's stream. So XLA needs no op
+ * of its own to initialise them, and no aliased input that it would have to copy or fill.
+ * After the launch, if "count" names a result (an int32 scalar; -1: none), the low 32 bits
+ * of the int64 slot "steps_slot" (the steps done) are copied into it (cuMemcpyDtoDAsync).
+ *
+ * Why memsets and not one cuMemcpyHtoDAsync of a host array: the driver API documents that
+ * an async copy from pageable memory "might be synchronous with respect to host" and that
+ * "if pageable memory must first be staged to pinned memory, the driver may synchronize
+ * with the stream" (API synchronization behavior); memsets of device memory are
+ * asynchronous, and carry their value in the call.
  */
 #include <dlfcn.h>
 #include <stdint.h>
@@ -24,6 +41,7 @@ typedef void* CUcontext;
 typedef void* CUmodule;
 typedef void* CUfunction;
 typedef void* CUstream;
+typedef unsigned long long CUdeviceptr;
 
 static CUresult (*p_cuInit)(unsigned int);
 static CUresult (*p_cuDeviceGet)(CUdevice*, int);
@@ -37,6 +55,8 @@ static CUresult (*p_cuLaunchCooperativeKernel)(CUfunction, unsigned, unsigned, u
 static CUresult (*p_cuLaunchKernel)(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
                                     unsigned, CUstream, void**, void**);
 static CUresult (*p_cuGetErrorName)(CUresult, const char**);
+static CUresult (*p_cuMemsetD32Async)(CUdeviceptr, unsigned int, size_t, CUstream);
+static CUresult (*p_cuMemcpyDtoDAsync)(CUdeviceptr, CUdeviceptr, size_t, CUstream);
 
 static int lk_resolve(char* err, size_t errlen) {
   static void* lib = NULL;
@@ -63,6 +83,8 @@ static int lk_resolve(char* err, size_t errlen) {
   LK_SYM(p_cuLaunchCooperativeKernel, "cuLaunchCooperativeKernel")
   LK_SYM(p_cuLaunchKernel, "cuLaunchKernel")
   LK_SYM(p_cuGetErrorName, "cuGetErrorName")
+  LK_SYM(p_cuMemsetD32Async, "cuMemsetD32Async")
+  LK_SYM(p_cuMemcpyDtoDAsync, "cuMemcpyDtoDAsync_v2")
 #undef LK_SYM
   lib = h;
   return 0;
@@ -125,6 +147,27 @@ static void* lk_attr(XLA_FFI_CallFrame* cf, const char* name, XLA_FFI_AttrType t
 
 #define LK_MAX_WORDS 1024
 
+static int64_t lk_scalar(XLA_FFI_CallFrame* cf, const char* name, int* ok) {
+  XLA_FFI_Scalar* a = (XLA_FFI_Scalar*)lk_attr(cf, name, XLA_FFI_AttrType_SCALAR);
+  if (!a || a->dtype != XLA_FFI_DataType_S64) {
+    *ok = 0;
+    return 0;
+  }
+  return *(int64_t*)a->value;
+}
+
+/* The i-th result if it is a buffer, else NULL. */
+static XLA_FFI_Buffer* lk_result(XLA_FFI_CallFrame* cf, int64_t i) {
+  if (i < 0 || i >= cf->rets.size || cf->rets.types[i] != XLA_FFI_RetType_BUFFER) return NULL;
+  return (XLA_FFI_Buffer*)cf->rets.rets[i];
+}
+
+static int64_t lk_bytes(XLA_FFI_Buffer* b) {
+  int64_t n = lk_itemsize(b->dtype);
+  for (int64_t d = 0; d < b->rank; ++d) n *= b->dims[d];
+  return n;
+}
+
 XLA_FFI_Error* lk_launch(XLA_FFI_CallFrame* cf) {
   if (cf->extension_start && cf->extension_start->type == XLA_FFI_Extension_Metadata) {
     XLA_FFI_Metadata* md = ((XLA_FFI_Metadata_Extension*)cf->extension_start)->metadata;
@@ -138,38 +181,60 @@ XLA_FFI_Error* lk_launch(XLA_FFI_CallFrame* cf) {
   if (cf->stage != XLA_FFI_ExecutionStage_EXECUTE) return NULL;
   if (lk_resolve(err, sizeof err)) return lk_error(api, err);
 
-  XLA_FFI_Scalar* a_func = (XLA_FFI_Scalar*)lk_attr(cf, "func", XLA_FFI_AttrType_SCALAR);
-  XLA_FFI_Scalar* a_blocks = (XLA_FFI_Scalar*)lk_attr(cf, "blocks", XLA_FFI_AttrType_SCALAR);
-  XLA_FFI_Scalar* a_threads = (XLA_FFI_Scalar*)lk_attr(cf, "threads", XLA_FFI_AttrType_SCALAR);
-  XLA_FFI_Scalar* a_coop = (XLA_FFI_Scalar*)lk_attr(cf, "cooperative", XLA_FFI_AttrType_SCALAR);
+  int ok = 1;
+  int64_t func = lk_scalar(cf, "func", &ok), blocks = lk_scalar(cf, "blocks", &ok);
+  int64_t threads = lk_scalar(cf, "threads", &ok), coop = lk_scalar(cf, "cooperative", &ok);
+  int64_t control = lk_scalar(cf, "control", &ok), timeout_ns = lk_scalar(cf, "timeout_ns", &ok);
+  int64_t timeout_slot = lk_scalar(cf, "timeout_slot", &ok), count = lk_scalar(cf, "count", &ok);
+  int64_t steps_slot = lk_scalar(cf, "steps_slot", &ok);
   XLA_FFI_Array* a_layout = (XLA_FFI_Array*)lk_attr(cf, "layout", XLA_FFI_AttrType_ARRAY);
-  if (!a_func || !a_blocks || !a_threads || !a_layout || !a_coop || a_func->dtype != XLA_FFI_DataType_S64 ||
-      a_layout->dtype != XLA_FFI_DataType_S64 || a_layout->size % 3)
-    return lk_error(api, "loopkern: the custom call's attributes are malformed (func, blocks, threads, cooperative, layout)");
-  CUfunction f = (CUfunction)(uintptr_t)(*(int64_t*)a_func->value);
-  int64_t blocks = *(int64_t*)a_blocks->value, threads = *(int64_t*)a_threads->value;
-  int64_t coop = *(int64_t*)a_coop->value;
+  if (!ok || !a_layout || a_layout->dtype != XLA_FFI_DataType_S64 || a_layout->size % 5)
+    return lk_error(api, "loopkern: the custom call's attributes are malformed (func, blocks, threads, cooperative, "
+                         "layout, control, timeout_ns, timeout_slot, count, steps_slot)");
+  CUfunction f = (CUfunction)(uintptr_t)func;
   const int64_t* layout = (const int64_t*)a_layout->data;
+
+  /* the control block: zeroed, then the timeout; the step count's destination */
+  XLA_FFI_Buffer* ctl = lk_result(cf, control);
+  int64_t ctl_bytes = ctl ? lk_bytes(ctl) : 0;
+  if (!ctl || ctl_bytes <= 0 || ctl_bytes % 4 || timeout_slot < 0 || 8 * (timeout_slot + 1) > ctl_bytes ||
+      steps_slot < 0 || 8 * (steps_slot + 1) > ctl_bytes)
+    return lk_error(api, "loopkern: the control block result is missing or too small");
+  XLA_FFI_Buffer* cnt = NULL;
+  if (count >= 0) {
+    cnt = lk_result(cf, count);
+    if (!cnt || lk_itemsize(cnt->dtype) != 4 || lk_bytes(cnt) != 4)
+      return lk_error(api, "loopkern: the step count result must be one 32-bit number");
+  }
 
   uint64_t words[LK_MAX_WORDS];  /* on the stack: calls may run concurrently; the driver copies them */
   void* params[LK_MAX_WORDS];
   int64_t nw = 0;
-  for (size_t p = 0; p < a_layout->size / 3; ++p) {
-    int64_t src = layout[3 * p], idx = layout[3 * p + 1], view = layout[3 * p + 2];
-    XLA_FFI_Buffer* b;
-    if (src == 0 && idx < cf->args.size && cf->args.types[idx] == XLA_FFI_ArgType_BUFFER)
+  for (size_t p = 0; p < a_layout->size / 5; ++p) {
+    const int64_t* e = layout + 5 * p;
+    int64_t src = e[0], idx = e[1], view = e[2], off = e[3], len = e[4];
+    XLA_FFI_Buffer* b = NULL;
+    if (src == 0 && idx >= 0 && idx < cf->args.size && cf->args.types[idx] == XLA_FFI_ArgType_BUFFER)
       b = (XLA_FFI_Buffer*)cf->args.args[idx];
-    else if (src == 1 && idx < cf->rets.size && cf->rets.types[idx] == XLA_FFI_RetType_BUFFER)
-      b = (XLA_FFI_Buffer*)cf->rets.rets[idx];
-    else
-      return lk_error(api, "loopkern: layout names a buffer the call does not have");
+    else if (src == 1)
+      b = lk_result(cf, idx);
+    if (!b) return lk_error(api, "loopkern: layout names a buffer the call does not have");
     int64_t item = lk_itemsize(b->dtype);
     if (!item) return lk_error(api, "loopkern: unsupported buffer dtype");
     int64_t rank = b->rank, nitems = 1, dims[16];
     if (rank < 1 || rank > 16) return lk_error(api, "loopkern: buffers must have 1 to 16 dimensions");
     if (nw + 5 + 2 * rank > LK_MAX_WORDS) return lk_error(api, "loopkern: too many kernel parameters");
     for (int64_t d = 0; d < rank; ++d) dims[d] = b->dims[d];
-    if (view > 0) {
+    char* data = (char*)b->data;
+    if (off || len) {  /* a part of a 1-D buffer: len elements (0: the rest) of the view, off bytes in */
+      int64_t size = view > 0 ? view : item, bytes = rank == 1 ? dims[0] * item : 0;
+      if (rank != 1 || off < 0 || len < 0 || off % size || off > bytes || len > (bytes - off) / size ||
+          (!len && (bytes - off) % size))
+        return lk_error(api, "loopkern: layout names a part outside its buffer");
+      data += off;
+      dims[0] = len ? len : (bytes - off) / size;
+      item = size;
+    } else if (view > 0) {
       if ((dims[rank - 1] * item) % view) return lk_error(api, "loopkern: scratch buffer size is not a whole number of elements");
       dims[rank - 1] = dims[rank - 1] * item / view;
       item = view;
@@ -179,7 +244,7 @@ XLA_FFI_Error* lk_launch(XLA_FFI_CallFrame* cf) {
     words[nw++] = 0;                       /* parent */
     words[nw++] = (uint64_t)nitems;
     words[nw++] = (uint64_t)item;
-    words[nw++] = (uint64_t)(uintptr_t)b->data;
+    words[nw++] = (uint64_t)(uintptr_t)data;
     for (int64_t d = 0; d < rank; ++d) words[nw++] = (uint64_t)dims[d];
     int64_t stride = item;
     for (int64_t d = rank - 1; d >= 0; --d) {  /* row-major strides in bytes */
@@ -196,13 +261,32 @@ XLA_FFI_Error* lk_launch(XLA_FFI_CallFrame* cf) {
   sa.ctx = cf->ctx;
   XLA_FFI_Error* e = api->XLA_FFI_Stream_Get(&sa);
   if (e) return e;
-  CUresult r = coop ? p_cuLaunchCooperativeKernel(f, (unsigned)blocks, 1, 1, (unsigned)threads, 1, 1, 0,
-                                                  (CUstream)sa.stream, params)
-                    : p_cuLaunchKernel(f, (unsigned)blocks, 1, 1, (unsigned)threads, 1, 1, 0, (CUstream)sa.stream,
-                                       params, NULL);
+  CUstream stream = (CUstream)sa.stream;
+
+  /* the control block (and the barrier counter after it) to zero, then the timeout's nonzero
+     words (little-endian: the low word first); the kernel writes the other slots */
+  CUdeviceptr ctl_ptr = (CUdeviceptr)(uintptr_t)ctl->data;
+  CUresult r = p_cuMemsetD32Async(ctl_ptr, 0, (size_t)(ctl_bytes / 4), stream);
+  for (int w = 0; !r && w < 2; ++w) {
+    unsigned int v = (unsigned int)((uint64_t)timeout_ns >> (32 * w));
+    if (v) r = p_cuMemsetD32Async(ctl_ptr + 8 * (CUdeviceptr)timeout_slot + 4 * (CUdeviceptr)w, v, 1, stream);
+  }
+  if (r) {
+    lk_cuda_error("initialising the control block", r, err, sizeof err);
+    return lk_error(api, err);
+  }
+  r = coop ? p_cuLaunchCooperativeKernel(f, (unsigned)blocks, 1, 1, (unsigned)threads, 1, 1, 0, stream, params)
+           : p_cuLaunchKernel(f, (unsigned)blocks, 1, 1, (unsigned)threads, 1, 1, 0, stream, params, NULL);
   if (r) {
     lk_cuda_error("launching the megakernel", r, err, sizeof err);
     return lk_error(api, err);
+  }
+  if (cnt) {
+    r = p_cuMemcpyDtoDAsync((CUdeviceptr)(uintptr_t)cnt->data, ctl_ptr + 8 * (CUdeviceptr)steps_slot, 4, stream);
+    if (r) {
+      lk_cuda_error("reading the step count", r, err, sizeof err);
+      return lk_error(api, err);
+    }
   }
   return NULL;
 }

@@ -3,7 +3,10 @@
 On a GPU the call lowers to an XLA FFI custom call (``xla_ffi.py``) that launches the
 Numba-compiled kernel on XLA's own stream. Array parameters are aliased to the outputs, so
 under ``donate_argnums`` no buffer is copied; scalars and the step count travel as 1-element
-device buffers, so they may be traced values. On JAX's CPU backend the same call runs the
+device buffers, so they may be traced values (numbers known at trace time are constants). The
+custom call is the only operation XLA runs for it: its handler zeroes the control block and the
+grid barrier's counter and writes the timeout on XLA's stream before the launch, and copies the
+step count out after it (``ffi_shim.c``). On JAX's CPU backend the same call runs the
 CPU-compiled kernel through ``jax.pure_callback`` (Python once per call, not per step).
 
 Every call checks its arguments (cheap: types, shapes, dtypes), then looks its *signature* up
@@ -31,12 +34,13 @@ import numpy as np
 from ..dispatch import checks
 from ..dispatch.args import check_dtype, weak_float_type
 from ..errors import ArgumentError, LoopkernError
-from ..runtime.layout import HOST_SIZE, TIMEOUT_NS
+from ..runtime.layout import HOST_SIZE, STEPS, TIMEOUT_NS
 
 _SCRATCH_VIEW = 8   # redf, redi and info are 8-byte elements, passed to XLA as bytes
 CALLS_PER_KERNEL = 64   # signatures kept per kernel (least recently used dropped beyond)
 _NUMERIC_KINDS = "biuf"
 _F64, _I64, _BOOL = np.dtype(np.float64), np.dtype(np.int64), np.dtype(np.bool_)
+_PY_KINDS = {float: "f", int: "i", bool: "b"}   # Python numbers and the dtype kinds _number gives them
 _INT_BOUNDS = {np.dtype(t): (int(np.iinfo(t).min), int(np.iinfo(t).max)) for t in (np.int32, np.int64)}
 
 
@@ -287,7 +291,7 @@ def _build(mk, key) -> JaxCall:
     na = len(arr_set)
     with_count = returns_condition or timeout is not None
     if platform == "cuda":
-        core, config = _cuda_core(mk, sig, n_dtype, t0_dtype, scope, threads, blocks, seed, timeout)
+        core, config = _cuda_core(mk, sig, n_dtype, t0_dtype, scope, threads, blocks, seed, timeout, with_count)
     else:
         core, config = _cpu_core(mk, sig, seed, timeout), None
     name = mk.spec.name
@@ -305,6 +309,11 @@ def _build(mk, key) -> JaxCall:
     dtypes = [dt for _, dt in sig]
 
     def as_buffer(v, dtype):
+        t = type(v)
+        if (t in _PY_KINDS and dtype.kind == _PY_KINDS[t]) or (isinstance(v, np.generic) and v.dtype == dtype):
+            # a number known at trace time (checked by _number: it fits 'dtype'): a constant
+            # operand of the custom call, not a constant reshaped by an XLA op
+            return np.array([v], dtype)
         x = jnp.asarray(v)
         if np.dtype(x.dtype) != dtype:      # the kernel was built for 'dtype': never run it on another
             raise LoopkernError(f"kernel.jax: internal error: a {x.dtype} value where the call was built "
@@ -345,7 +354,7 @@ def _cpu_core(mk, sig, seed, timeout):
     return core
 
 
-def _cuda_core(mk, sig, n_dtype, t0_dtype, scope, threads, blocks, seed, timeout):
+def _cuda_core(mk, sig, n_dtype, t0_dtype, scope, threads, blocks, seed, timeout, with_count):
     import jax
     import jax.numpy as jnp
     from numba import types
@@ -374,38 +383,51 @@ def _cuda_core(mk, sig, n_dtype, t0_dtype, scope, threads, blocks, seed, timeout
     plan = cuda_config(kernel, scope, work, threads, blocks, simulator=False)
     xla_ffi.register_cuda_target()
 
-    # inputs: nsteps, start, params (arrays and 1-element scalars) in order, zeroed barrier counter, seed,
-    # the control block (uint32 words of int64 slots: the timeout in, the step count out)
-    # results: arrays (aliased), barrier (aliased), redf, redi, info (bytes, viewed as 8-byte),
-    # the control block (aliased)
+    # The custom call is the only operation XLA runs for the call: every input is a parameter
+    # of the jitted function, a constant, or a reshape of a parameter (a bitcast); nothing is
+    # aliased but the arrays, so XLA fills or copies no buffer for it.
+    # inputs: nsteps, start, the parameters (arrays and 1-element scalars) in order, the seed
+    # (two uint32 words, and a third that differs from the first: XLA turns a constant whose
+    # elements are all equal, such as the default seed's [0, 0], into a broadcast, an op that
+    # would run every call; the kernel sees the first two)
+    # results: the arrays (aliased to their inputs), redf, redi, info (bytes, viewed as 8-byte
+    # elements), the control block, and the steps done (an int32 scalar) if the call returns them.
+    # The control block is uint32 words: the HOST_SIZE int64 slots, then the grid barrier's
+    # counter (which must start with its low 31 bits clear); the handler zeroes it all and
+    # writes the timeout on XLA's stream before the launch, and copies the low word of the
+    # STEPS slot to the step count after it (ffi_shim.c), so both come without XLA ops.
     na = len(arr_idx)
+    ctl, count = na + 3, na + 4
     results = [jax.ShapeDtypeStruct(sig[i][0], sig[i][1]) for i in arr_idx]
-    results += [jax.ShapeDtypeStruct((1,), jnp.uint32),
-                jax.ShapeDtypeStruct((2, plan.blocks * _SCRATCH_VIEW), jnp.uint8),
+    results += [jax.ShapeDtypeStruct((2, plan.blocks * _SCRATCH_VIEW), jnp.uint8),
                 jax.ShapeDtypeStruct((2, plan.blocks * _SCRATCH_VIEW), jnp.uint8),
                 jax.ShapeDtypeStruct((2 * _SCRATCH_VIEW,), jnp.uint8),
-                jax.ShapeDtypeStruct((2 * HOST_SIZE,), jnp.uint32)]
+                jax.ShapeDtypeStruct((2 * HOST_SIZE + 1,), jnp.uint32)]
+    if with_count:
+        results.append(jax.ShapeDtypeStruct((), jnp.int32))
     aliases = {2 + i: arr_idx.index(i) for i in arr_idx}
-    aliases[2 + n] = na
-    aliases[4 + n] = na + 4
-    layout = [0, 0, 0, 0, 1, 0]
+    # five numbers per kernel parameter: (0: argument / 1: result, index, view as elements of
+    # this many bytes (0: as it is), byte offset, elements (0: all)); see ffi_shim.c
+    layout = [0, 0, 0, 0, 0, 0, 1, 0, 0, 0]
     for i in range(n):
-        layout += [1, arr_idx.index(i), 0] if i in arr_idx else [0, 2 + i, 0]
-    layout += [1, na + 1, _SCRATCH_VIEW, 1, na + 2, _SCRATCH_VIEW, 1, na, 0, 0, n + 3, 0, 1, na + 3, _SCRATCH_VIEW,
-               1, na + 4, _SCRATCH_VIEW]
-    seed_words = np.array([seed & 0xFFFFFFFF, seed >> 32], np.uint32)
-    control = np.zeros(HOST_SIZE, np.int64)
-    control[TIMEOUT_NS] = int(timeout * 1e9) if timeout is not None else 0
-    control_words = control.view(np.uint32)
+        layout += [1, arr_idx.index(i), 0, 0, 0] if i in arr_idx else [0, 2 + i, 0, 0, 0]
+    layout += [1, na, _SCRATCH_VIEW, 0, 0,                  # redf
+               1, na + 1, _SCRATCH_VIEW, 0, 0,              # redi
+               1, ctl, 4, 8 * HOST_SIZE, 1,                 # the barrier counter: the word after the slots
+               0, n + 2, 0, 0, 2,                           # the seed: the first two words
+               1, na + 2, _SCRATCH_VIEW, 0, 0,              # info
+               1, ctl, 8, 0, HOST_SIZE]                     # the control block
+    seed_words = np.array([seed & 0xFFFFFFFF, seed >> 32, (seed & 0xFFFFFFFF) ^ 1], np.uint32)
     call = jax.ffi.ffi_call(xla_ffi.TARGET, tuple(results), input_output_aliases=aliases,
                             vmap_method="sequential")
     attrs = dict(func=np.int64(func), blocks=np.int64(plan.blocks), threads=np.int64(plan.threads),
-                 cooperative=np.int64(1 if plan.scope == "grid" else 0), layout=np.array(layout, np.int64))
+                 cooperative=np.int64(1 if plan.scope == "grid" else 0), layout=np.array(layout, np.int64),
+                 control=np.int64(ctl), timeout_ns=np.int64(int(timeout * 1e9) if timeout is not None else 0),
+                 timeout_slot=np.int64(TIMEOUT_NS), count=np.int64(count if with_count else -1),
+                 steps_slot=np.int64(STEPS))
 
     def core(nsteps_buf, t0_buf, *vals):
-        outs = call(nsteps_buf, t0_buf, *vals, jnp.zeros((1,), jnp.uint32), jnp.asarray(seed_words),
-                    jnp.asarray(control_words), **attrs)
-        # slot 0 of the control block is the int64 step count; its low 32 bits (little-endian)
-        steps_done = jax.lax.bitcast_convert_type(outs[-1][0], jnp.int32)
-        return tuple(outs[:na]) + (steps_done,)
+        outs = call(nsteps_buf, t0_buf, *vals, seed_words, **attrs)
+        # the step count (when there is none, the control block stands in: nobody reads it)
+        return tuple(outs[:na]) + (outs[-1],)
     return core, plan

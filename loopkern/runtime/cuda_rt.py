@@ -74,7 +74,9 @@ else:
         """Barrier across every thread of the grid: one release-add and acquire-spin per block.
 
         Block 0 adds 0x80000000 - (blocks - 1) and every other block adds 1, so the counter's top
-        bit flips exactly when the last block arrives, whatever value it started from. The
+        bit flips exactly when the last block arrives, provided the low 31 bits start at zero (the
+        counter is zeroed when it is allocated, and a completed barrier leaves them at zero;
+        from any other value block 0 could be released early). The
         release/acquire pair orders every write before the barrier (made visible to thread 0
         by the first syncthreads) before every read after it. Requires all blocks resident:
         the launch is cooperative and sized by occupancy. Proven race-free (bitwise against

@@ -221,3 +221,124 @@ def test_timeout_entry_reused_across_traces(rng):
     assert int(done) == 1000
     np.testing.assert_array_equal(np.asarray(u), refs.shift_ref(a0, 1000))
     assert len(entries) == 2
+
+
+# ------------------------------------------------------------------------------ fresh state every call
+# The control block (timeout in, steps out) and the grid barrier's counter are plain results of
+# the custom call, in memory XLA hands out uninitialised; the handler zeroes them and writes the
+# timeout on XLA's stream before each launch. Between the calls below, freed device memory is
+# left holding patterns that would break a call that skipped that: a nonzero stop request
+# (REQUEST), a tiny timeout, a counter with its low bits set (an early barrier release).
+POISON = (0x7FFFFFFF, 0x00000005, 0xFFFFFFFF, 0x80000001)
+
+
+_FILLS = []
+
+
+def _poison(k):
+    """Leave freed device memory of several sizes (large and small allocations come from
+    different pools) holding the k-th pattern."""
+    if not _FILLS:
+        _FILLS.extend(jax.jit(lambda q, m=m: jnp.full((m,), q, jnp.uint32) ^ jnp.uint32(0))
+                      for m in (64, 1024, 1 << 14, 1 << 20))
+    xs = [fill(jnp.uint32(POISON[k % len(POISON)])) for fill in _FILLS]
+    jax.block_until_ready(xs)
+    del xs
+
+
+def test_repeated_jit_calls_grid_scope_many_blocks(rng):
+    """Grid scope at 1<<20 elements (all the co-resident blocks), many jitted calls in a row:
+    every result exact (integer shift, closed form) or against float64 NumPy (heat), and
+    bitwise the same call after call."""
+    n = 1 << 20
+    a0 = rng.integers(-10 ** 6, 10 ** 6, n).astype(np.int32)
+    f = jax.jit(lambda u, v, s: SHIFT.jax(u, v, steps=s, scope="grid"))
+    for k in range(24):
+        _poison(k)
+        steps = (1, 2, 3, 50, 201)[k % 5]
+        u, v = f(jnp.asarray(a0), jnp.asarray(a0), steps)
+        np.testing.assert_array_equal(np.asarray(u), refs.shift_ref(a0, steps), err_msg=f"call {k}")
+        np.testing.assert_array_equal(np.asarray(v), refs.shift_ref(a0, steps - 1), err_msg=f"call {k}")
+    u0 = rng.random(n).astype(np.float32)
+    ref = W.heat_ref(u0, 40, 0.25)
+    g = jax.jit(lambda u, v: HEAT.jax(u, v, np.float32(0.25), steps=40, scope="grid")[0])
+    first = None
+    for k in range(12):
+        _poison(k)
+        out = np.asarray(g(jnp.asarray(u0), jnp.asarray(u0)))
+        assert rel_err(out, ref) < 1e-5, f"call {k}"
+        if first is None:
+            first = out
+        np.testing.assert_array_equal(out, first, err_msg=f"call {k}")
+
+
+def test_repeated_jit_calls_with_timeout(rng):
+    """timeout= inside jit, call after call: a timeout that is not reached reports exactly the
+    steps asked for; one that is reports the steps done, and the state is that of exactly that
+    many steps; a timeout over 2**32 ns (both words of the slot) is honoured too."""
+    import time
+    n = 1 << 20
+    a0 = rng.integers(-10 ** 6, 10 ** 6, n).astype(np.int32)
+    f = jax.jit(lambda u, v, s: SHIFT.jax(u, v, steps=s, timeout=30.0, scope="grid"))
+    for k in range(12):
+        _poison(k)
+        steps = (1, 7, 120)[k % 3]
+        u, _, done = f(jnp.asarray(a0), jnp.asarray(a0), steps)
+        assert done.dtype == jnp.int32 and done.shape == () and int(done) == steps, f"call {k}"
+        np.testing.assert_array_equal(np.asarray(u), refs.shift_ref(a0, steps), err_msg=f"call {k}")
+    g = jax.jit(lambda u, v: SHIFT.jax(u, v, steps=10 ** 9, timeout=0.05, scope="grid"))
+    jax.block_until_ready(g(jnp.asarray(a0), jnp.asarray(a0)))        # compile
+    for k in range(4):
+        _poison(k)
+        t0 = time.perf_counter()
+        u, _, done = jax.block_until_ready(g(jnp.asarray(a0), jnp.asarray(a0)))
+        elapsed = time.perf_counter() - t0
+        done = int(done)
+        assert 0 < done < 10 ** 9 and 0.05 <= elapsed < 1.0, (k, done, elapsed)
+        np.testing.assert_array_equal(np.asarray(u), refs.shift_ref(a0, done), err_msg=f"call {k}")
+    # the heat stencil against the float64 closed form after the steps done
+    u0 = rng.random(1 << 16).astype(np.float32)
+    h = jax.jit(lambda u, v: HEAT.jax(u, v, np.float32(0.2), steps=10 ** 9, timeout=0.05))
+    for k in range(3):
+        _poison(k)
+        u, _, done = h(jnp.asarray(u0), jnp.asarray(u0))
+        done = int(done)
+        assert 0 < done < 10 ** 9
+        np.testing.assert_allclose(np.asarray(u), refs.heat_exact(u0, done, 0.2), rtol=1e-2, atol=1e-4)
+    # 4.5 s = 2**32 ns + 205 ms: a lost high word would stop the run after 0.2 s
+    b0 = a0[:1 << 14]
+    g = jax.jit(lambda u, v, s: SHIFT.jax(u, v, steps=s, timeout=4.5))
+    assert int(g(jnp.asarray(b0), jnp.asarray(b0), 3)[2]) == 3          # compile
+    _poison(0)
+    t0 = time.perf_counter()
+    u, _, done = jax.block_until_ready(g(jnp.asarray(b0), jnp.asarray(b0), 10 ** 9))
+    elapsed = time.perf_counter() - t0
+    done = int(done)
+    assert 0 < done < 10 ** 9 and 4.5 <= elapsed < 8.0, (done, elapsed)
+    np.testing.assert_array_equal(np.asarray(u), refs.shift_ref(b0, done))
+
+
+def test_repeated_jit_calls_condition_step(rng):
+    """A step that returns a condition (a grid-wide max reduction, through the barrier), at
+    grid scope, call after call: the step count and state match the same kernel launched
+    directly, and the float64 reference closely; a run cut short by max_steps reports it."""
+    g0 = rng.random((96, 96)).astype(np.float32)
+    tol = np.float32(1e-3)
+    du, dv = g0.copy(), g0.copy()
+    run = JACOBI(du, dv, tol, max_steps=20000, backend="cuda", scope="grid")
+    ref, ref_steps = W.jacobi_ref(g0, float(tol), 20000)
+    assert abs(run.steps - ref_steps) <= max(2, 0.01 * ref_steps)
+    f = jax.jit(lambda a, b: JACOBI.jax(a, b, tol, max_steps=20000, scope="grid"))
+    for k in range(10):
+        _poison(k)
+        u, _, steps = f(jnp.asarray(g0), jnp.asarray(g0))
+        assert steps.dtype == jnp.int32 and int(steps) == run.steps, (k, int(steps), run.steps)
+        np.testing.assert_array_equal(np.asarray(u), du, err_msg=f"call {k}")
+        assert rel_err(u, ref) < 1e-3
+    short = jax.jit(lambda a, b: JACOBI.jax(a, b, tol, max_steps=7, scope="grid"))
+    ref7, _ = W.jacobi_ref(g0, float(tol), 7)
+    for k in range(4):
+        _poison(k)
+        u, _, steps = short(jnp.asarray(g0), jnp.asarray(g0))
+        assert int(steps) == 7
+        assert rel_err(u, ref7) < 1e-5
