@@ -23,7 +23,7 @@ import time
 import numpy as np
 
 from .harness import Bench, have, on_device, rel_err, to_host
-from .heat import ALPHA, heat_exact, heat_kernel, heat_ref, jax_heat_step
+from .heat import ALPHA, heat_exact, heat_kernel, heat_ref, jax_heat_step, numba_heat_once
 
 CALL_N = 4096
 CALL_WARMUP = 20
@@ -117,14 +117,7 @@ def call_variants(b: Bench, u0):
         def numba_cuda():
             from numba import cuda
 
-            @cuda.jit
-            def heat_once(u, v, a):
-                i = cuda.grid(1)
-                n = u.shape[0]
-                if 0 < i < n - 1:
-                    v[i] = u[i] + a * (u[i - 1] - np.float32(2.0) * u[i] + u[i + 1])
-                elif i < n:
-                    v[i] = u[i]
+            heat_once = numba_heat_once()
             du, dv = cuda.to_device(u0), cuda.to_device(u0)
             tpb = 256
             bpg = (u0.size + tpb - 1) // tpb

@@ -64,7 +64,9 @@ def heat_kernel():
 def jax_heat_step(u):
     return u.at[1:-1].set(u[1:-1] + ALPHA * (u[:-2] - 2 * u[1:-1] + u[2:]))
 
-def numba_heat_variants():
+def numba_heat_once():
+    """One heat step as a plain Numba CUDA kernel, one thread per element (the anchor that
+    launches a kernel per step)."""
     from numba import cuda
 
     @cuda.jit
@@ -75,6 +77,13 @@ def numba_heat_variants():
             v[i] = u[i] + a * (u[i - 1] - np.float32(2.0) * u[i] + u[i + 1])
         elif i < n:
             v[i] = u[i]
+    return heat_once
+
+
+def numba_heat_variants():
+    from numba import cuda
+
+    heat_once = numba_heat_once()
 
     def per_step(case):
         u0 = case.data["u0"]

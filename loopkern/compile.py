@@ -29,10 +29,19 @@ _LOCK = threading.Lock()
 _MODULES: dict[str, object] = {}
 
 
+_NUMBA_CONFIG: list = []
+
+
 def simulator_enabled() -> bool:
-    """True when Numba's CUDA simulator is on (``NUMBA_ENABLE_CUDASIM=1`` at import)."""
-    from numba import config
-    return bool(config.ENABLE_CUDASIM)
+    """True when Numba's CUDA simulator is on (``NUMBA_ENABLE_CUDASIM=1`` at import).
+
+    Asked on every call, so the config module is looked up once (an import statement per call
+    costs more than the rest of the question); the flag itself is read each time.
+    """
+    if not _NUMBA_CONFIG:
+        from numba import config
+        _NUMBA_CONFIG.append(config)
+    return bool(_NUMBA_CONFIG[0].ENABLE_CUDASIM)
 
 
 def cache_dir() -> Path:

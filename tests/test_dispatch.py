@@ -155,7 +155,7 @@ def pause_often(monkeypatch):
 
 
 def _slice_start(k):
-    plan = next(iter(k.dispatcher.plans._plans.values()))
+    plan = k.dispatcher.plans.values()[0]
     return int(plan.slots._free[-1].view[runs.SLICE_START])
 
 

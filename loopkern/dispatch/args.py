@@ -113,14 +113,24 @@ def classify(name: str, value):
     raise ArgumentError(f"argument '{name}': expected an array or a number, got {type(value).__name__}")
 
 
+def c_strides(shape, itemsize) -> tuple:
+    """Byte strides of a C-contiguous array of ``shape``."""
+    return tuple(math.prod(shape[i + 1:]) * itemsize for i in range(len(shape)))
+
+
+def byte_extent(shape, strides, itemsize) -> tuple[int, int]:
+    """[lo, hi) byte range the elements occupy, relative to the pointer of element 0."""
+    if math.prod(shape) == 0:
+        return 0, 0
+    lo = sum(min(0, (n - 1) * s) for n, s in zip(shape, strides))
+    hi = sum(max(0, (n - 1) * s) for n, s in zip(shape, strides)) + itemsize
+    return lo, hi
+
+
 def _extent(a: ArrayArg) -> tuple[int, int]:
     """[lo, hi) byte range an array's elements occupy."""
-    if a.size == 0:
-        return a.ptr, a.ptr
-    strides = a.strides or tuple(math.prod(a.shape[i + 1:]) * a.dtype.itemsize for i in range(len(a.shape)))
-    lo = a.ptr + sum(min(0, (n - 1) * s) for n, s in zip(a.shape, strides))
-    hi = a.ptr + sum(max(0, (n - 1) * s) for n, s in zip(a.shape, strides)) + a.dtype.itemsize
-    return lo, hi
+    lo, hi = byte_extent(a.shape, a.strides or c_strides(a.shape, a.dtype.itemsize), a.dtype.itemsize)
+    return a.ptr + lo, a.ptr + hi
 
 
 def overlaps(a: ArrayArg, b: ArrayArg) -> bool:

@@ -285,12 +285,10 @@ class Dispatcher:
             handle.monitor()
         return handle
 
-    def _finish_run(self, plan, slot, steps, why, o, dbg=None) -> Run:
+    def _finish_run(self, plan, slot, steps, why, o) -> Run:
         """The Run of a finished blocking call (the slot goes back to the plan), or BoundsError."""
         if why == BOUNDS and plan.debug:
-            if dbg is None:
-                dbg = slot.dbg if plan.backend == "cpu" else slot.dbg.copy_to_host()
-            message = plan.describe_bounds(dbg, steps, o.start)
+            message = plan.describe_bounds(plan.read_dbg(slot), steps, o.start)
             plan.slots.give(slot)
             raise BoundsError(message)
         plan.slots.give(slot)
@@ -352,19 +350,23 @@ class Dispatcher:
             raise
         return slot
 
-    def _start_cuda(self, plan, values, ptrs, o, reporter) -> RunHandle:
-        slot = self._launch_cuda(plan, values, ptrs, o)
-
+    def _handle(self, plan, slot, values, o, waiter, reporter, deadline=None) -> RunHandle:
+        """The RunHandle of a run started on ``slot``: when it finishes, NumPy inputs are copied
+        back (CUDA) and the slot goes back to the plan."""
         def on_finish():
             try:
                 plan.copy_out(values, slot)
             finally:
                 plan.slots.give(slot)
-        return RunHandle(name=self.spec.name, host=slot.view, waiter=EventWaiter(slot.event, slot.view),
-                         backend="cuda", plan=plan.config, on_finish=on_finish, reporter=reporter,
-                         watchdog=o.watchdog, start=o.start,
-                         describe_error=(lambda steps: plan.describe_bounds(slot.dbg.copy_to_host(), steps, o.start))
+        return RunHandle(name=self.spec.name, host=slot.view, waiter=waiter, backend=plan.backend, plan=plan.config,
+                         deadline=deadline, on_finish=on_finish, reporter=reporter, watchdog=o.watchdog,
+                         start=o.start,
+                         describe_error=(lambda steps: plan.describe_bounds(plan.read_dbg(slot), steps, o.start))
                          if plan.debug else None)
+
+    def _start_cuda(self, plan, values, ptrs, o, reporter) -> RunHandle:
+        slot = self._launch_cuda(plan, values, ptrs, o)
+        return self._handle(plan, slot, values, o, EventWaiter(slot.event, slot.view), reporter)
 
     def _start_cpu(self, plan, values, o, reporter) -> RunHandle:
         import time
@@ -372,13 +374,8 @@ class Dispatcher:
         plan.prepare_slot(slot, None)
         args = plan.kernel_args(values, slot, o.nsteps, o.start, o.seed)
         entry = plan.kernel
-        waiter = ThreadWaiter(lambda: entry(*args))
-        return RunHandle(name=self.spec.name, host=slot.view, waiter=waiter, backend="cpu", plan=plan.config,
-                         deadline=time.monotonic() + o.timeout if o.timeout is not None else None,
-                         on_finish=lambda: plan.slots.give(slot), reporter=reporter, watchdog=o.watchdog,
-                         start=o.start,
-                         describe_error=(lambda steps: plan.describe_bounds(slot.dbg, steps, o.start))
-                         if plan.debug else None)
+        return self._handle(plan, slot, values, o, ThreadWaiter(lambda: entry(*args)), reporter,
+                            deadline=time.monotonic() + o.timeout if o.timeout is not None else None)
 
     def _launch_simulator(self, plan, values, o, reporter=None) -> RunHandle:
         """Numba's CUDA simulator: the launch runs the kernel in Python, on a worker thread."""
@@ -388,17 +385,7 @@ class Dispatcher:
         args = plan.kernel_args(values, slot, o.nsteps, o.start, o.seed)
         c = plan.config
         launcher = plan.kernel[c.blocks, c.threads, 0, c.shared]
-
-        def on_finish():
-            try:
-                plan.copy_out(values, slot)
-            finally:
-                plan.slots.give(slot)
-        return RunHandle(name=self.spec.name, host=slot.view, waiter=ThreadWaiter(lambda: launcher(*args)),
-                         backend="cuda", plan=c, on_finish=on_finish, reporter=reporter, watchdog=o.watchdog,
-                         start=o.start,
-                         describe_error=(lambda steps: plan.describe_bounds(slot.dbg.copy_to_host(), steps, o.start))
-                         if plan.debug else None)
+        return self._handle(plan, slot, values, o, ThreadWaiter(lambda: launcher(*args)), reporter)
 
 
 def _cuda_param_types(compiled, argv) -> tuple:

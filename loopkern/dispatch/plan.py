@@ -33,7 +33,7 @@ from ..errors import ArgumentError, Diagnostic, LaunchError
 from ..runtime.layout import (DBG_INDEX, DBG_NDIM, DBG_SHAPE, DBG_SITE, DBG_SIZE, DBG_STEP, DBG_THREAD, DONE,
                               REQUEST, STEPS, TIMEOUT_NS)
 from . import buffers
-from .args import ArrayArg
+from .args import ArrayArg, byte_extent, c_strides
 from .config import LaunchConfig
 from .signature import INT64_MAX, INT64_MIN, _cai_ptr, probe
 
@@ -41,31 +41,49 @@ from .signature import INT64_MAX, INT64_MIN, _cai_ptr, probe
 PLANS_PER_KERNEL = 64
 
 
-class PlanCache:
-    """Plans of one kernel by call signature, least recently used dropped beyond a bound."""
+class LRUCache:
+    """Entries by key, the least recently used dropped beyond ``size``. Lookups take no lock
+    (a dict read and a move are atomic under the GIL); stores do."""
 
-    def __init__(self, size: int = PLANS_PER_KERNEL):
+    def __init__(self, size: int):
         self.size = size
-        self._plans: OrderedDict = OrderedDict()
+        self._entries: OrderedDict = OrderedDict()
         self._lock = threading.Lock()
 
     def get(self, key):
-        plan = self._plans.get(key)
-        if plan is not None and len(self._plans) > 1:
+        entry = self._entries.get(key)
+        if entry is not None and len(self._entries) > 1:
             try:
-                self._plans.move_to_end(key)
+                self._entries.move_to_end(key)
             except KeyError:       # dropped by another thread meanwhile
                 pass
-        return plan
+        return entry
 
-    def put(self, key, plan):
+    def put(self, key, entry):
         with self._lock:
-            self._plans[key] = plan
-            while len(self._plans) > self.size:
-                self._plans.popitem(last=False)
+            self._entries[key] = entry
+            while len(self._entries) > self.size:
+                self._entries.popitem(last=False)
+
+    def keys(self):
+        return list(self._entries)
+
+    def values(self):
+        return list(self._entries.values())
+
+    def clear(self):
+        with self._lock:
+            self._entries.clear()
 
     def __len__(self):
-        return len(self._plans)
+        return len(self._entries)
+
+
+class PlanCache(LRUCache):
+    """Plans of one kernel by call signature."""
+
+    def __init__(self, size: int = PLANS_PER_KERNEL):
+        super().__init__(size)
 
 
 @dataclass
@@ -93,18 +111,6 @@ class Param:
     ptr: object = None
     extent: tuple = (0, 0)
     writable_host: bool = False
-
-
-def _extent(shape, strides, itemsize) -> tuple[int, int]:
-    if math.prod(shape) == 0:
-        return 0, 0
-    lo = sum(min(0, (n - 1) * s) for n, s in zip(shape, strides))
-    hi = sum(max(0, (n - 1) * s) for n, s in zip(shape, strides)) + itemsize
-    return lo, hi
-
-
-def _c_strides(shape, itemsize) -> tuple:
-    return tuple(math.prod(shape[i + 1:]) * itemsize for i in range(len(shape)))
 
 
 class Slot:
@@ -337,6 +343,10 @@ class LaunchPlan:
         raise LaunchError(f"launching the megakernel failed: {driver.error_name(r)} ({r})"
                           + ("; a cooperative launch needs every block resident at once" if r == 720 else ""))
 
+    def read_dbg(self, slot):
+        """The slot's debug buffer as a NumPy array (copied from the GPU on CUDA)."""
+        return slot.dbg if self.backend == "cpu" else slot.dbg.copy_to_host()
+
     def describe_bounds(self, dbg, steps, start) -> str:
         """The BoundsError message for the offence a debug kernel recorded in ``dbg``."""
         site = self.compiled.source.sites[int(dbg[DBG_SITE])]
@@ -419,13 +429,13 @@ def make_plan(spec, backend, argv, compiled, kernel, config: LaunchConfig, *, de
             first = ids.setdefault(id(a.value), i)
             if first != i:
                 same_as[i] = first
-            params.append(Param("host", a.name, a.dtype, tuple(a.shape), _c_strides(a.shape, a.dtype.itemsize),
+            params.append(Param("host", a.name, a.dtype, tuple(a.shape), c_strides(a.shape, a.dtype.itemsize),
                                 writable_host=not a.readonly))
             continue
-        strides = tuple(a.strides) if a.strides else _c_strides(a.shape, a.dtype.itemsize)
+        strides = tuple(a.strides) if a.strides else c_strides(a.shape, a.dtype.itemsize)
         ptr = (probe(type(a.value))[1] or _cai_ptr) if not on_host else None
         params.append(Param("array", a.name, a.dtype, tuple(a.shape), strides, ptr=ptr,
-                            extent=_extent(a.shape, strides, a.dtype.itemsize)))
+                            extent=byte_extent(a.shape, strides, a.dtype.itemsize)))
     return LaunchPlan(spec=spec, backend=backend, config=config, compiled=compiled, kernel=kernel, params=params,
                       debug=debug, staged=staged, same_as=same_as, simulator=simulator)
 

@@ -27,12 +27,12 @@ from __future__ import annotations
 import math
 import numbers
 import threading
-from collections import OrderedDict
 
 import numpy as np
 
 from ..dispatch import checks
 from ..dispatch.args import check_dtype, weak_float_type
+from ..dispatch.plan import LRUCache
 from ..errors import ArgumentError, LoopkernError
 from ..runtime.layout import HOST_SIZE, STEPS, TIMEOUT_NS
 
@@ -200,38 +200,11 @@ class JaxCall:
         self.config = config      # the CUDA LaunchConfig (None on the CPU)
 
 
-class CallCache:
-    """A kernel's :class:`JaxCall` entries by signature, least recently used dropped beyond ``size``."""
+class CallCache(LRUCache):
+    """A kernel's :class:`JaxCall` entries by signature."""
 
     def __init__(self, size: int = CALLS_PER_KERNEL):
-        self.size = size
-        self._entries: OrderedDict = OrderedDict()
-        self._lock = threading.Lock()
-
-    def get(self, key):
-        entry = self._entries.get(key)
-        if entry is not None and len(self._entries) > 1:
-            try:
-                self._entries.move_to_end(key)
-            except KeyError:       # dropped by another thread meanwhile
-                pass
-        return entry
-
-    def put(self, key, entry):
-        with self._lock:
-            self._entries[key] = entry
-            while len(self._entries) > self.size:
-                self._entries.popitem(last=False)
-
-    def keys(self):
-        return list(self._entries)
-
-    def clear(self):
-        with self._lock:
-            self._entries.clear()
-
-    def __len__(self):
-        return len(self._entries)
+        super().__init__(size)
 
 
 _create_lock = threading.Lock()
