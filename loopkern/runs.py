@@ -325,18 +325,23 @@ SPIN_S = 2e-3
 MAX_SLEEP_S = 5e-4
 
 
-def wait_cuda(host, event: int, name: str, watchdog, interruptible=True):
+def wait_cuda(host, event, name: str, watchdog, interruptible=True):
     """Wait until the kernel behind ``host`` (a mapped control block) is done; returns nothing.
 
     Spins on the done flag for SPIN_S, then sleeps up to MAX_SLEEP_S between looks and asks
-    the launch's ``event`` every EventWaiter.QUERY_EVERY_S whether the kernel ended without
-    marking itself done (it faulted). The watchdog (``watchdog`` seconds without a new step)
-    cancels the run, waits WATCHDOG_GRACE_S and raises HangError; Ctrl-C propagates (the
-    caller cancels and waits again with ``interruptible=False``). Synchronizes ``event`` at
-    the end, raising LaunchError if the kernel failed.
+    every EventWaiter.QUERY_EVERY_S whether the kernel ended without marking itself done (it
+    faulted): the launch's ``event``, or with ``event=None`` the legacy default stream it was
+    launched on. The watchdog (``watchdog`` seconds without a new step) cancels the run, waits
+    WATCHDOG_GRACE_S and raises HangError; Ctrl-C propagates (the caller cancels and waits
+    again with ``interruptible=False``). Raises LaunchError if the kernel failed.
+
+    The done flag alone proves the run complete (every thread's writes are fenced before it,
+    cuda_rt.finish), so a finished wait synchronizes nothing; with an ``event`` it is still
+    synchronized, which costs little once the flag is seen, so that the event is free again.
     """
     d = _driver()
     if host[DONE] != 1:
+        query = _query(d, event)
         begin = last_change = time.monotonic()
         spin_end = begin + SPIN_S
         next_query = begin + EventWaiter.QUERY_EVERY_S
@@ -347,19 +352,36 @@ def wait_cuda(host, event: int, name: str, watchdog, interruptible=True):
                 continue
             if now >= next_query:
                 next_query = now + EventWaiter.QUERY_EVERY_S
-                if d.event_query(event) != _NOT_READY:
-                    break
+                r = query()
+                if r != _NOT_READY:
+                    if host[DONE] == 1:
+                        break
+                    _raise_failed(name, r)     # ended without its done flag: it faulted
                 steps = host[STEPS]
                 if steps != last_steps:
                     last_steps, last_change = steps, now
                 elif interruptible and watchdog is not None and steps >= 0 and now - last_change > watchdog:
-                    _cuda_stalled(host, event, name, watchdog, int(steps), now - last_change)
+                    _cuda_stalled(host, query, name, watchdog, int(steps), now - last_change)
             pause = min(max(pause * 1.5, 2e-5), MAX_SLEEP_S)
             time.sleep(pause)
-    r = d.event_synchronize(event)
-    if r != 0:
-        from .dispatch import driver
-        raise LaunchError(f"{name}: the kernel failed while running: {driver.error_name(r)} ({r})")
+    if event is not None:
+        r = d.event_synchronize(event)
+        if r != 0:
+            _raise_failed(name, r)
+
+
+def _query(d, event):
+    """A call returning the kernel's state as a driver code: NOT_READY while it may still run."""
+    if event is not None:
+        return lambda: d.event_query(event)
+    return lambda: d.stream_query(None)
+
+
+def _raise_failed(name, code):
+    from .dispatch import driver
+    if code == 0:
+        raise LaunchError(f"{name}: the kernel ended without marking the run done")
+    raise LaunchError(f"{name}: the kernel failed while running: {driver.error_name(code)} ({code})")
 
 
 _NOT_READY = 600     # CUDA_ERROR_NOT_READY
@@ -375,12 +397,12 @@ def _driver():
     return _DRIVER[0]
 
 
-def _cuda_stalled(host, event, name, watchdog, steps, idle):
+def _cuda_stalled(host, query, name, watchdog, steps, idle):
     from .dispatch import driver
     host[REQUEST] = CANCEL
     end = time.monotonic() + WATCHDOG_GRACE_S
     while time.monotonic() < end:
-        if host[DONE] == 1 or driver.driver().event_query(event) != driver.CUDA_ERROR_NOT_READY:
+        if host[DONE] == 1 or query() != driver.CUDA_ERROR_NOT_READY:
             raise _Stalled(idle, steps)
         time.sleep(1e-3)
     raise HangError(stuck_message(name, idle, watchdog, steps, WATCHDOG_GRACE_S, "cuda"), run=None)

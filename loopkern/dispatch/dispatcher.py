@@ -318,33 +318,36 @@ class Dispatcher:
         return self._finish_run(plan, slot, steps, why, o)
 
     def _run_cuda(self, plan, values, ptrs, o: Options) -> Run:
-        slot = self._launch_cuda(plan, values, ptrs, o)
+        # no event: the done flag proves the run complete (cuda_rt.finish); wait_cuda asks the
+        # stream now and then whether the kernel ended without writing it (it faulted)
+        slot = self._launch_cuda(plan, values, ptrs, o, record=False)
         view = slot.view
         try:
-            wait_cuda(view, slot.event, self.spec.name, o.watchdog)
+            wait_cuda(view, None, self.spec.name, o.watchdog)
         except KeyboardInterrupt as exc:
             view[REQUEST] = CANCEL
-            wait_cuda(view, slot.event, self.spec.name, None, interruptible=False)
+            wait_cuda(view, None, self.spec.name, None, interruptible=False)
             plan.copy_out(values, slot)
             note_cancelled(exc, self.spec.name, self._finish_run(plan, slot, int(view[STEPS]), int(view[WHY]), o))
             raise
         except _Stalled as st:
-            driver.driver().event_synchronize(slot.event)
+            wait_cuda(view, None, self.spec.name, None, interruptible=False)
             plan.copy_out(values, slot)
             run = self._finish_run(plan, slot, int(view[STEPS]), int(view[WHY]), o)
             raise HangError(slow_step_message(self.spec.name, st.idle, o.watchdog, st.steps, run), run=run) from None
         plan.copy_out(values, slot)
         return self._finish_run(plan, slot, int(view[STEPS]), int(view[WHY]), o)
 
-    def _launch_cuda(self, plan, values, ptrs, o: Options):
-        """Fill a slot and launch through the driver; returns the slot (the kernel is running)."""
+    def _launch_cuda(self, plan, values, ptrs, o: Options, record=True):
+        """Fill a slot and launch through the driver (recording the slot's event after the
+        kernel if ``record``); returns the slot (the kernel is running)."""
         slot = plan.slots.take()
         try:
             plan.prepare_slot(slot, o.timeout)
             if plan.hosts:
                 plan.copy_in(values, slot)
             plan.fill_words(values, ptrs, slot, o.nsteps, o.start, o.seed)
-            plan.launch(slot)
+            plan.launch(slot, record)
         except BaseException:
             plan.slots.give(slot)
             raise

@@ -213,13 +213,9 @@ class LaunchPlan:
                     self.scalar_words.append((i, p.dtype.char, p.word * (8 // p.dtype.itemsize)))
             from . import driver
             self.func = driver.kernel_handle(kernel)
-            d = driver.driver()
             c = config
-            if c.scope == "grid":
-                fn, head, tail = d.launch_cooperative, (self.func, c.blocks, 1, 1, c.threads, 1, 1, c.shared, None), ()
-            else:
-                fn, head, tail = d.launch, (self.func, c.blocks, 1, 1, c.threads, 1, 1, c.shared, None), (None,)
-            self._launcher = (fn, head, tail, d.event_record)
+            self._launch = driver.make_launcher(self.func, c.blocks, c.threads, c.shared, c.scope == "grid")
+            self._event_record = driver.driver().event_record
         self.device_words = [params[i].word + 4 for i in self.devices]   # each array's data pointer
         self.slots = buffers.FreeList(lambda: Slot(self))
 
@@ -330,13 +326,15 @@ class LaunchPlan:
         for i, view, index in self.scalar_words:
             pb.views[view][index] = values[i]
 
-    def launch(self, slot):
-        """Launch on the legacy default stream with the slot's parameter words, and record the
-        slot's event after it (CUDA, through the driver)."""
-        fn, head, tail, record = self._launcher
-        r = fn(*head, slot.params.params, *tail)
+    def launch(self, slot, record=True):
+        """Launch on the legacy default stream with the slot's parameter words (CUDA, through the
+        driver), and record the slot's event after it if ``record``: a blocking call needs no
+        event, since the kernel's done flag is written after all its writes (cuda_rt.finish)."""
+        r = self._launch(slot.params.params)
         if r == 0:
-            r = record(slot.event, None)
+            if not record:
+                return
+            r = self._event_record(slot.event, None)
             if r == 0:
                 return
         from . import driver

@@ -366,7 +366,8 @@ def _cuda_core(mk, sig, n_dtype, t0_dtype, scope, threads, blocks, seed, timeout
     # results: the arrays (aliased to their inputs), redf, redi, info (bytes, viewed as 8-byte
     # elements), the control block, and the steps done (an int32 scalar) if the call returns them.
     # The control block is uint32 words: the HOST_SIZE int64 slots, then the grid barrier's
-    # counter (which must start with its low 31 bits clear); the handler zeroes it all and
+    # counter (which must start with its low 31 bits clear) and the count of finished blocks
+    # (which must start at zero); the handler zeroes it all and
     # writes the timeout on XLA's stream before the launch, and copies the low word of the
     # STEPS slot to the step count after it (ffi_shim.c), so both come without XLA ops.
     na = len(arr_idx)
@@ -375,7 +376,7 @@ def _cuda_core(mk, sig, n_dtype, t0_dtype, scope, threads, blocks, seed, timeout
     results += [jax.ShapeDtypeStruct((2, plan.blocks * _SCRATCH_VIEW), jnp.uint8),
                 jax.ShapeDtypeStruct((2, plan.blocks * _SCRATCH_VIEW), jnp.uint8),
                 jax.ShapeDtypeStruct((2 * _SCRATCH_VIEW,), jnp.uint8),
-                jax.ShapeDtypeStruct((2 * HOST_SIZE + 1,), jnp.uint32)]
+                jax.ShapeDtypeStruct((2 * HOST_SIZE + 2,), jnp.uint32)]
     if with_count:
         results.append(jax.ShapeDtypeStruct((), jnp.int32))
     aliases = {2 + i: arr_idx.index(i) for i in arr_idx}
@@ -386,7 +387,7 @@ def _cuda_core(mk, sig, n_dtype, t0_dtype, scope, threads, blocks, seed, timeout
         layout += [1, arr_idx.index(i), 0, 0, 0] if i in arr_idx else [0, 2 + i, 0, 0, 0]
     layout += [1, na, _SCRATCH_VIEW, 0, 0,                  # redf
                1, na + 1, _SCRATCH_VIEW, 0, 0,              # redi
-               1, ctl, 4, 8 * HOST_SIZE, 1,                 # the barrier counter: the word after the slots
+               1, ctl, 4, 8 * HOST_SIZE, 2,                 # the barrier's and the finish's counters
                0, n + 2, 0, 0, 2,                           # the seed: the first two words
                1, na + 2, _SCRATCH_VIEW, 0, 0,              # info
                1, ctl, 8, 0, HOST_SIZE]                     # the control block

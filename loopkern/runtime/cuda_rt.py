@@ -2,7 +2,8 @@
 
 Reductions (``grid_sum`` ... ``block_min``) take the thread's value, the global partial-result
 slots ``redf`` (float64[2, blocks]) and ``redi`` (int64[2, blocks]), ``st``, a per-thread
-counter of reductions so far, and ``bar``, the grid barrier's counter (uint32[1]). Floats are combined in float64 and returned in the input's type;
+counter of reductions so far, and ``bar``: the grid barrier's counter and the count of blocks
+that have finished (uint32[2]). Floats are combined in float64 and returned in the input's type;
 integers and bools are combined and returned as int64.
 
 Why two slots: reduction *r* uses slot ``r % 2`` (in shared and global memory). A thread can
@@ -373,6 +374,35 @@ def finish(host, t, why):
     _st_volatile(host, WHY, why)
     cuda.threadfence_system()
     _st_volatile(host, DONE, 1)
+
+
+# The done flag is the host's proof that the run is complete: a blocking call returns as soon
+# as it reads it, without synchronizing the stream (and a host reading a mapped array right
+# after the call must see the last step). So it is written only after every thread's last
+# global write is fenced system-wide. In one block, a fence per thread and a syncthreads
+# order those writes before the leader's flag. In a grid, each block counts itself out on
+# bar[1] after the same fence and syncthreads (the last-block pattern of CUDA's
+# threadFenceReduction sample); the block whose increment completes the count has seen every
+# other block's fenced increment, fences again (finish) and writes the flag. No block waits.
+# It resets the count to zero for the next launch, which the stream orders after this one.
+@cuda.jit(device=True)
+def block_finish(host, bar, t, why):
+    """:func:`finish` once every thread of the block has fenced its writes."""
+    cuda.threadfence_system()
+    cuda.syncthreads()
+    if cuda.threadIdx.x == 0:
+        finish(host, t, why)
+
+
+@cuda.jit(device=True)
+def grid_finish(host, bar, t, why):
+    """:func:`finish` once every thread of the grid has fenced its writes (see above)."""
+    cuda.threadfence_system()
+    cuda.syncthreads()
+    if cuda.threadIdx.x == 0:
+        if cuda.atomic.add(bar, 1, np.uint32(1)) == np.uint32(cuda.gridDim.x - 1):
+            bar[1] = np.uint32(0)
+            finish(host, t, why)
 
 
 from . import bounds as _bounds  # noqa: E402

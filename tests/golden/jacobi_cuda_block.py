@@ -121,5 +121,4 @@ def _lk_kernel(_lk_nsteps, _lk_t0, _lk_a0, _lk_a1, _lk_a2, _lk_redf, _lk_redi, _
             _lk_x0 = _lk_a0.flat[_lk_k]
             _lk_a0.flat[_lk_k] = _lk_a1.flat[_lk_k]
             _lk_a1.flat[_lk_k] = _lk_x0
-    if _lk_lead:
-        _lk_rt.finish(_lk_host, _lk_t, 1 if not _lk_go else _lk_why)
+    _lk_rt.block_finish(_lk_host, _lk_bar, _lk_t, 1 if not _lk_go else _lk_why)

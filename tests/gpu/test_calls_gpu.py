@@ -207,3 +207,29 @@ def test_the_watchdog_of_a_blocking_gpu_call(rng):
     run = info.value.run
     assert run.stopped == "cancelled" and 2 < run.steps < 10 ** 6
     np.testing.assert_allclose(x.copy_to_host(), refs.busy_ref(x0, run.steps, 2, spin), rtol=1e-6)
+
+
+@pytest.mark.parametrize("scope,n,blocks", [("grid", 1 << 20, None), ("grid", 3 * 4099, 7), ("block", 2048, None)])
+def test_the_host_reads_mapped_arrays_right_after_a_blocking_call(scope, n, blocks, rng):
+    # A blocking CUDA call returns as soon as it reads the kernel's done flag, without
+    # synchronizing the stream: the flag must come after every thread's last write. Mapped
+    # arrays are host memory the kernel writes over PCIe, read here by the CPU with no CUDA
+    # call in between. Odd step counts end with every thread exchanging its share of the swap
+    # pair (grid), or copying the staged arrays out of shared memory (block); a write that
+    # landed after the flag shows up as an element one step behind (shift_ref is exact).
+    cuda = _cuda()
+    k = lk.megakernel(refs.shift_step, swap=[("u", "v")])
+    u = cuda.mapped_array(n, np.int64)
+    v = cuda.mapped_array(n, np.int64)
+    t = 0
+    for call, steps in enumerate((1, 3, 2, 5, 1, 1, 7)):
+        u0 = rng.integers(0, 1 << 40, n)
+        u[:] = u0
+        v[:] = -1
+        run = k(u, v, steps=steps, start=t, backend="cuda", scope=scope, threads=256, blocks=blocks)
+        got_u, got_v = np.array(u), np.array(v)     # host reads, nothing synchronized
+        assert run.steps == steps and run.scope == scope
+        np.testing.assert_array_equal(got_u, refs.shift_ref(u0, steps), err_msg=f"call {call}: u")
+        np.testing.assert_array_equal(got_v, refs.shift_ref(u0, steps - 1), err_msg=f"call {call}: v")
+        t = run.next_start
+    assert len(k.dispatcher.plans) == 1
