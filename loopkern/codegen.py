@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from importlib import resources
 
 from .errors import LoopkernError
-from .index_bounds import mark_nonneg_indices
+from .index_bounds import is_nonneg_mark, mark_nonneg_indices
 from .spec import INTRINSIC_PREFIX, RESERVED_PREFIX, FunctionSpec, StepSpec, is_helper_call, marker_of
 
 BACKENDS = ("cuda", "cpu")
@@ -132,8 +132,13 @@ class _Lower(ast.NodeTransformer):
     """Replace in-step API markers in expressions with backend code."""
 
     def __init__(self, backend: str, scope: str, index_name: str = "t", sites: "_Sites | None" = None,
-                 filename: str = "", function: str = "", float_type: str | None = None):
+                 filename: str = "", function: str = "", float_type: str | None = None,
+                 arrays: frozenset = frozenset(), index_bits: int | None = None):
         self.float_type = float_type
+        # loopkern's own element accesses (runtime/arrays.py) for these array parameters, with
+        # offsets of this many bits; None: Numba's indexing everywhere
+        self.arrays = arrays
+        self.access = None if index_bits is None else ("", "32")[index_bits == 32]
         self.backend = backend
         self.scope = scope
         self.index_name = index_name
@@ -150,10 +155,44 @@ class _Lower(ast.NodeTransformer):
 
     def visit_Subscript(self, node):
         self.generic_visit(node)
-        if self.sites is None or not isinstance(node.ctx, ast.Load) or not isinstance(node.value, ast.Name):
+        if not isinstance(node.ctx, ast.Load) or not isinstance(node.value, ast.Name):
+            return node
+        if self.sites is None:
+            if self._own_access(node):
+                return _rt_call(f"load{self.access}", [node.value, node.slice], node)
             return node
         site = self.sites.add(node.value.id, "load", self.filename, node, self.function)
         node.slice = check_call("checked", node.value.id, node.slice, site, node)
+        return node
+
+    def _own_access(self, node) -> bool:
+        """An access that runtime/arrays.py lowers: an array parameter indexed by indices all
+        proven non-negative (wrapped in uint64 by index_bounds), in a kernel that asked for it."""
+        if self.access is None or not isinstance(node.value, ast.Name) or node.value.id not in self.arrays:
+            return False
+        elts = node.slice.elts if isinstance(node.slice, ast.Tuple) else [node.slice]
+        return all(is_nonneg_mark(e) for e in elts)
+
+    def visit_Assign(self, node):
+        self.generic_visit(node)
+        tgt = node.targets[0]
+        if len(node.targets) == 1 and isinstance(tgt, ast.Subscript) and self.sites is None and self._own_access(tgt):
+            return ast.copy_location(ast.Expr(_rt_call(f"store{self.access}", [tgt.value, tgt.slice, node.value],
+                                                       node)), node)
+        return node
+
+    def visit_AugAssign(self, node):
+        tgt = node.target
+        # a[i] += x becomes store(a, i, load(a, i) + x), which evaluates the index twice: only
+        # for an index without calls (but the non-negative marks)
+        if (isinstance(tgt, ast.Subscript) and self.sites is None and self._own_access(tgt)
+                and all(not isinstance(n, ast.Call) or is_nonneg_mark(n) for n in ast.walk(tgt.slice))):
+            load = ast.copy_location(ast.Subscript(value=copy.deepcopy(tgt.value), slice=copy.deepcopy(tgt.slice),
+                                                   ctx=ast.Load()), tgt)
+            assign = ast.copy_location(ast.Assign(targets=[tgt], value=ast.copy_location(
+                ast.BinOp(left=load, op=node.op, right=node.value), node)), node)
+            return self.visit_Assign(ast.fix_missing_locations(assign))
+        self.generic_visit(node)
         return node
 
     def visit_Call(self, node):
@@ -215,13 +254,15 @@ class _BodyWriter:
     """Prints a lowered body statement by statement, expanding parallel loops."""
 
     def __init__(self, out: _Lines, backend: str, scope: str, is_step: bool, fn_body=(), index_name="t",
-                 sites: "_Sites | None" = None, function: str = "", float_type: str | None = None):
+                 sites: "_Sites | None" = None, function: str = "", float_type: str | None = None,
+                 arrays: frozenset = frozenset(), index_bits: int | None = None):
         self.out = out
         self.fn_body = list(fn_body)
         self.backend = backend
         self.sites = sites
         self.function = function
-        self.lower = _Lower(backend, scope, index_name, sites, out.filename, function, float_type)
+        self.lower = _Lower(backend, scope, index_name, sites, out.filename, function, float_type, arrays,
+                            index_bits)
         self.is_step = is_step
         self.loop_id = 0
         self.temp_id = 0
@@ -528,7 +569,7 @@ def _is_zero(e):
 
 def _render_function(fs: FunctionSpec, home: str, backend: str, scope: str, is_step: bool,
                      ctx_params: list[str], decorator: str, sites: _Sites | None = None,
-                     float_type: str | None = None) -> _Lines:
+                     float_type: str | None = None, index_bits: int | None = None) -> _Lines:
     out = _Lines(fs.filename, home)
     if sites is None:
         body = mark_nonneg_indices(fs.body, fs.params, fs.array_params, fs.params[0] if is_step else None)
@@ -538,7 +579,7 @@ def _render_function(fs: FunctionSpec, home: str, backend: str, scope: str, is_s
     out.add(0, decorator)
     out.add(0, f"def {fs.symbol}({', '.join(params)}):", ast.Pass(lineno=fs.lineno, col_offset=0))
     w = _BodyWriter(out, backend, scope, is_step, body, fs.params[0] if fs.params else "t", sites, fs.name,
-                    float_type)
+                    float_type, frozenset(fs.params[i] for i in fs.array_params), index_bits)
     w.body(body, 1)
     if is_step and not (body and isinstance(body[-1], ast.Return)):
         out.add(1, "return True")
@@ -556,7 +597,8 @@ def _jit_options(backend: str, cache: bool) -> tuple[str, str]:
 
 def render_kernel(spec: StepSpec, backend: str, scope: str = "grid", *, cache: bool = True,
                   fingerprint: str = "", by_ref: frozenset | None = None, debug: bool = False,
-                  staged: tuple = (), control: bool = True, float_type: str | None = None) -> KernelSource:
+                  staged: tuple = (), control: bool = True, float_type: str | None = None,
+                  index_bits: int | None = None) -> KernelSource:
     """Render the kernel module for ``spec``.
 
     Args:
@@ -584,6 +626,10 @@ def render_kernel(spec: StepSpec, backend: str, scope: str = "grid", *, cache: b
             False only to measure what that costs.
         float_type: ``"float32"`` to give float literals in the step that precision (when the
             arrays are float32: see ``dispatch.args.weak_float_type``); None keeps float64.
+        index_bits: (CUDA, not with ``debug`` or ``staged``) 64 or 32 to lower element accesses
+            with indices proven non-negative through ``runtime/arrays.py`` (global-space loads
+            and stores, addresses from the shape; 32: offsets in 32 bits, for arrays of fewer
+            than 2**31 elements); None leaves every access to Numba.
 
     Returns:
         The :class:`KernelSource`.
@@ -608,11 +654,17 @@ def render_kernel(spec: StepSpec, backend: str, scope: str = "grid", *, cache: b
     device_deco = "@cuda.jit(device=True)" if backend == "cuda" else f"@numba.njit({dev_opts})"
     sites = _Sites() if debug else None
 
+    if index_bits not in (None, 32, 64):
+        raise ValueError(f"index_bits must be None, 32 or 64, got {index_bits!r}")
+    if index_bits is not None and (backend != "cuda" or debug or staged):
+        # debug kernels check every index as written; staged arrays live in shared memory
+        raise ValueError("index_bits is for CUDA kernels without debug and without staged arrays")
     pieces: list[_Lines] = []
     for h in spec.helpers:
         pieces.append(_render_function(h, spec.filename, backend, scope, False, helper_ctx, device_deco, sites,
-                                       float_type))
-    step_lines = _render_function(spec.step, spec.filename, backend, scope, True, ctx_params, "", sites, float_type)
+                                       float_type, index_bits))
+    step_lines = _render_function(spec.step, spec.filename, backend, scope, True, ctx_params, "", sites, float_type,
+                                  index_bits)
 
     n = len(spec.params)
     kparams = [f"{_P}a{i}" for i in range(n)]

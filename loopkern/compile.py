@@ -73,8 +73,9 @@ def runtime_fingerprint() -> str:
     # read, not imported: importing cuda_rt would load numba.cuda for a CPU-only run
     h = hashlib.sha256(f"{__version__} numba {numba.__version__}".encode())
     here = Path(__file__).resolve().parent / "runtime"
-    for name in ("cpu_rt.py", "cuda_rt.py", "philox.py", "bounds.py", "lowering.py", "atomics.py", "layout.py"):
-        h.update((here / name).read_bytes())
+    # every module of the package, so that a new one cannot be left out
+    for path in sorted(here.glob("*.py")):
+        h.update(path.name.encode() + b"\0" + path.read_bytes())
     return h.hexdigest()[:16]
 
 

@@ -83,6 +83,13 @@ def _assigned_names(stmts) -> set:
     return names
 
 
+def is_nonneg_mark(e) -> bool:
+    """Whether ``e`` is an index this module wrapped (proven non-negative)."""
+    f = e.func if isinstance(e, ast.Call) else None
+    return (isinstance(f, ast.Attribute) and f.attr == "uint64" and isinstance(f.value, ast.Name)
+            and f.value.id == "_lk_np" and len(e.args) == 1 and not e.keywords)
+
+
 def _wrap(e, bounds):
     if isinstance(e, (ast.Constant, ast.Slice)):
         return e

@@ -7,6 +7,7 @@ only. Prints one JSON line per kernel.
 
 import json
 import os
+import re
 import sys
 
 os.environ["NUMBA_ENABLE_CUDASIM"] = "0"
@@ -61,8 +62,10 @@ def scalar_type(v):
 for name, fn, swap, args, scopes in CASES:
     k = lk.megakernel(fn, swap=swap)
     for scope in scopes:
-        for by_ref, debug, staged in ((None, False, False), ("refs", False, False), (None, True, False),
-                                      (None, False, True)):
+        for by_ref, debug, staged, bits in ((None, False, False, None), ("refs", False, False, None),
+                                            (None, True, False, None), (None, False, True, None),
+                                            (None, False, False, 64), ("refs", False, False, 64),
+                                            (None, False, False, 32)):
             if (by_ref or debug) and scope == "block" or staged and (scope != "block" or not swap):
                 continue
             staged = tuple(sorted(i for pair in k.spec.swap for i in pair)) if staged else ()
@@ -83,10 +86,10 @@ for name, fn, swap, args, scopes in CASES:
             else:
                 sig = (types.int64[::1], types.int64[::1], *params, *SCRATCH, types.uint32[::1], *control)
             rec = dict(kernel=name, scope=scope, by_ref=bool(by_ref), debug=debug, staged=bool(staged),
-                       atomics=name in ATOMIC_KERNELS)
+                       atomics=name in ATOMIC_KERNELS, index_bits=bits)
             try:
                 src = codegen.render_kernel(k.spec, "cuda", scope, cache=False, by_ref=refs, debug=debug,
-                                            staged=staged)
+                                            staged=staged, index_bits=bits)
                 ptx, _ = cuda.compile_ptx(compile_kernel(src).dispatcher.py_func, sig, cc=(9, 0))
                 rec.update(ok=True, own_barrier=ptx.count("atom.add.release.gpu"), cg=ptx.count("cudaCGSynchronize"),
                            shuffles=ptx.count("shfl.sync"), globaltimer=ptx.count("%globaltimer"),
@@ -96,7 +99,10 @@ for name, fn, swap, args, scopes in CASES:
                            # lk.atomic: hardware atomics (float max/min are compare-and-swap loops)
                            atom_add=ptx.count("atom.global.add") + ptx.count("red.global.add"),
                            atom_minmax=ptx.count("atom.global.max") + ptx.count("atom.global.min"),
-                           atom_cas=ptx.count("atom.global.cas"))
+                           atom_cas=ptx.count("atom.global.cas"),
+                           # element accesses in the global state space (runtime/arrays.py)
+                           ld_global=len(re.findall(r"\bld\.global\.(?:[suf]\d+|b\d+)\b", ptx)),
+                           st_global=len(re.findall(r"\bst\.global\.(?:[suf]\d+|b\d+)\b", ptx)))
             except Exception as exc:
                 rec.update(ok=False, error=f"{type(exc).__name__}: {exc}"[:2000])
             print(json.dumps(rec), flush=True)

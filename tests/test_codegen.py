@@ -101,7 +101,7 @@ def test_disk_cache_is_reused_by_a_new_process(tmp_path, rng):
         k = lk.megakernel(W.heat_step, swap=[("u", "v")])
         u0 = np.random.default_rng({seed}).random(64); u = u0.copy(); v = u.copy()
         k(u, v, 0.25, steps=3, backend="cpu")
-        d = k.dispatcher.kernels.variants[("cpu", "grid", None, False, (), True, None)].dispatcher
+        d = k.dispatcher.kernels.variants[("cpu", "grid", None, False, (), True, None, None)].dispatcher
         print(sum(d.stats.cache_hits.values()), sum(d.stats.cache_misses.values()),
               float(np.abs(u - W.heat_ref(u0, 3, 0.25)).max()))
     """)
@@ -292,3 +292,70 @@ def test_steps_without_a_final_barrier_stop_where_numpy_says(backend, threads, r
         run = k(u, v, half * 1.1, **opts)                   # err <= tol: stop after one step
         assert (run.steps, run.stopped) == (1, "condition")
         np.testing.assert_allclose(v, 0.5 * u, rtol=1e-15)
+
+
+def _own_access_step(t, u, v, w, m, m2, k):
+    n = u.shape[0]
+    for i in lk.range(1, n - 1):
+        v[i] = u[i - 1] + u[i + 1]          # proven non-negative: loopkern's own load and store
+        v[i] += u[k]                        # k may be negative: Numba's indexing (wraparound)
+    lk.sync()
+    for i in lk.range(n):
+        w[i - 1] = v[i] * 0.5               # i - 1 is -1 for i = 0: Numba's
+    for i, j in lk.grid(m.shape[0], m.shape[1]):
+        m2[i, j] += m[(i + 1) % m.shape[0], j]   # 2-D, both indices proven, an augmented store
+
+
+@pytest.mark.parametrize("bits", [64, 32])
+def test_own_element_accesses_only_where_every_index_is_proven_non_negative(bits):
+    k = lk.megakernel(_own_access_step)
+    src = codegen.render_kernel(k.spec, "cuda", "grid", cache=False, index_bits=bits).text
+    sfx = "32" if bits == 32 else ""
+    first = _own_access_step.__code__.co_firstlineno
+    lines = {}
+    for ln in src.splitlines():
+        if "  # line " in ln:
+            lines.setdefault(int(ln.rsplit("# line ", 1)[1]) - first, []).append(ln)
+    text = {no: "\n".join(ls) for no, ls in lines.items()}
+    assert f"_lk_rt.store{sfx}(v, _lk_np.uint64(i), _lk_rt.load{sfx}(u, _lk_np.uint64(i - 1)) + " \
+           f"_lk_rt.load{sfx}(u, _lk_np.uint64(i + 1)))" in text[3]
+    # v[i] += u[k]: the store and the load of v are loopkern's, the load of u[k] is Numba's
+    assert f"_lk_rt.store{sfx}(v, _lk_np.uint64(i), _lk_rt.load{sfx}(v, _lk_np.uint64(i)) + u[k])" in text[4]
+    assert "w[i - 1] = " in text[7] and "_lk_rt.store" not in text[7]
+    assert f"_lk_rt.store{sfx}(m2, (_lk_np.uint64(i), _lk_np.uint64(j)), _lk_rt.load{sfx}(m2, " in text[9]
+    # without index_bits (and in the golden sources) every access is Numba's
+    plain = codegen.render_kernel(k.spec, "cuda", "grid", cache=False).text
+    assert "_lk_rt.load" not in plain and "_lk_rt.store" not in plain
+
+
+def test_own_element_accesses_are_refused_where_arrays_may_not_be_global():
+    k = lk.megakernel(W.heat_step, swap=[("u", "v")])
+    with pytest.raises(ValueError, match="index_bits"):
+        codegen.render_kernel(k.spec, "cuda", "block", staged=(0, 1), index_bits=64)
+    with pytest.raises(ValueError, match="index_bits"):
+        codegen.render_kernel(k.spec, "cuda", "grid", debug=True, index_bits=64)
+    with pytest.raises(ValueError, match="index_bits"):
+        codegen.render_kernel(k.spec, "cpu", "grid", index_bits=64)
+    with pytest.raises(ValueError, match="index_bits"):
+        codegen.render_kernel(k.spec, "cuda", "grid", index_bits=16)
+
+
+@pytest.mark.sim
+def test_own_element_accesses_compute_what_numpy_does(rng):
+    # under the simulator the generated source with loopkern's accesses runs as Python: the
+    # rewrite of loads, stores and augmented stores must keep every access's meaning
+    from numba import cuda
+    k = lk.megakernel(_own_access_step)
+    n, kk = 37, -3
+    u0, v0, w0, m0, m20 = rng.random(n), rng.random(n), rng.random(n), rng.random((5, 7)), rng.random((5, 7))
+    v, w, m2 = v0.copy(), w0.copy(), m20.copy()
+    for _ in range(3):
+        v[1:n - 1] = u0[:n - 2] + u0[2:] + u0[kk]
+        w = 0.5 * np.roll(v, -1)               # w[i - 1] = v[i] / 2, w[-1] is w[n - 1]
+        m2 = m2 + np.roll(m0, -1, axis=0)
+    args = [cuda.to_device(a) for a in (u0, v0, w0, m0, m20)]
+    run = k(*args, kk, steps=3, backend="cuda", scope="grid", threads=32)
+    assert run.steps == 3
+    assert k.dispatcher.kernels.variants and all(key[-1] == 64 for key in k.dispatcher.kernels.variants)
+    for got, want in zip(args, (u0, v, w, m0, m2)):
+        np.testing.assert_allclose(got.copy_to_host(), want, rtol=1e-12)

@@ -42,5 +42,11 @@ def test_cuda_kernels_compile_to_ptx():
         else:
             assert r["dynamic_shared"] == 0, r
     assert any(r["shuffles"] for r in recs if r["kernel"] in ("jacobi", "normalize"))
+    # loopkern's own element accesses: the stencils' loads and stores in the global state space
+    # (Numba's own lowering emits generic ld/st for them)
+    own = [r for r in recs if r["index_bits"] and r["kernel"] in ("heat", "jacobi", "life")]
+    assert {r["index_bits"] for r in own} == {32, 64} and {r["by_ref"] for r in own} == {False, True}
+    for r in own:
+        assert r["ld_global"] >= 3 and r["st_global"] >= 1, r
     scatter = [r for r in recs if r["kernel"] == "scatter"]
     assert scatter and all(r["atom_minmax"] >= 1 and r["atom_cas"] >= 1 for r in scatter)   # int min, float max

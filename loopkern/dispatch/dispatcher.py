@@ -32,7 +32,7 @@ from ..runtime.layout import BOUNDS, CANCEL, DBG_SIZE, HOST_SIZE, REQUEST, STEPS
 from . import checks, driver
 from .args import ArrayArg, apply_weak_floats, classify, weak_float_type
 from .config import LaunchConfig, choose_backend, cuda_config, plan_staging, resolve_scope
-from .kernels import KernelCache, check_types
+from .kernels import KernelCache, check_types, index_bits_for
 from .plan import PlanCache, make_plan
 from .signature import call_key
 
@@ -215,8 +215,9 @@ class Dispatcher:
         checks.check_thread_scope(spec, o.scope)
         scope = resolve_scope(o.scope, work, spec.parallel, spec.light_elements)
         staged, stage_bytes = plan_staging(spec, argv) if scope == "block" else ((), 0)
+        bits = index_bits_for([a.size for a in argv if isinstance(a, ArrayArg)], o.debug, staged)
         compiled = self.kernels.get("cuda", scope, debug=o.debug, staged=staged, control=o.control,
-                                    float_type=float_type)
+                                    float_type=float_type, index_bits=bits)
         types = _cuda_param_types(compiled, argv)
         check_types(spec, compiled, types, run_values)
         kernel = compiled.specialize_types(_cuda_kernel_types(types, o.debug))

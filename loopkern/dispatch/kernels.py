@@ -1,6 +1,6 @@
 """The compiled kernels of one step: rendered and loaded once per variant (backend, scope,
-scalars by reference, debug, staged arrays, run control, float type), compiled by Numba once
-per argument-type signature."""
+scalars by reference, debug, staged arrays, run control, float type, element access lowering),
+compiled by Numba once per argument-type signature."""
 
 from __future__ import annotations
 
@@ -19,11 +19,12 @@ class KernelCache:
         self.variants: dict = {}
         self._lock = threading.Lock()
 
-    def get(self, backend, scope, by_ref=None, debug=False, staged=(), control=True, float_type=None):
+    def get(self, backend, scope, by_ref=None, debug=False, staged=(), control=True, float_type=None,
+            index_bits=None):
         """The :class:`~loopkern.compile.CompiledKernel` of one variant (rendered and loaded on
         first use; Numba compiles it per argument types in ``specialize``)."""
         from ..compile import compile_kernel, runtime_fingerprint, simulator_enabled
-        key = (backend, scope, by_ref, debug, staged, control, float_type)
+        key = (backend, scope, by_ref, debug, staged, control, float_type, index_bits)
         k = self.variants.get(key)
         if k is None:
             with self._lock:
@@ -33,7 +34,7 @@ class KernelCache:
                     src = codegen.render_kernel(self.spec, backend, scope, cache=cache,
                                                 fingerprint=f"runtime {runtime_fingerprint()}", by_ref=by_ref,
                                                 debug=debug, staged=staged, control=control,
-                                                float_type=float_type)
+                                                float_type=float_type, index_bits=index_bits)
                     k = self.variants[key] = compile_kernel(src)
         return k
 
@@ -50,3 +51,16 @@ def check_types(spec, compiled, types, kargs):
                                 f"got '{a}': {describe_array(kargs[i], ta)} and '{b}': "
                                 f"{describe_array(kargs[j], tb)}; make both C-contiguous, e.g. with "
                                 f"numpy.ascontiguousarray")
+
+
+#: arrays with fewer elements than this get kernels whose element offsets are 32-bit
+INDEX32_LIMIT = 2 ** 31
+
+
+def index_bits_for(sizes, debug: bool, staged) -> int | None:
+    """The ``index_bits`` of a CUDA kernel for arrays of these element counts (see
+    ``codegen.render_kernel``): None for debug kernels and kernels with staged arrays, 32 when
+    every array has fewer than 2**31 elements, else 64."""
+    if debug or staged:
+        return None
+    return 32 if all(n < INDEX32_LIMIT for n in sizes) else 64

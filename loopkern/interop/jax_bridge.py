@@ -334,6 +334,7 @@ def _cuda_core(mk, sig, n_dtype, t0_dtype, scope, threads, blocks, seed, timeout
     from numba.np.numpy_support import from_dtype
 
     from ..dispatch.config import cuda_config
+    from ..dispatch.kernels import index_bits_for
     from . import xla_ffi
 
     spec = mk.spec
@@ -342,7 +343,8 @@ def _cuda_core(mk, sig, n_dtype, t0_dtype, scope, threads, blocks, seed, timeout
     work = max([math.prod(sig[i][0]) for i in arr_idx] or [1])
     by_ref = frozenset(i for i in range(n) if sig[i][0] is None)
     compiled = mk.dispatcher.kernels.get("cuda", scope, by_ref=by_ref,
-                                         float_type=weak_float_type(sig[i][1] for i in arr_idx))
+                                         float_type=weak_float_type(sig[i][1] for i in arr_idx),
+                                         index_bits=index_bits_for([math.prod(sig[i][0]) for i in arr_idx], False, ()))
 
     def nb(dtype, ndim):
         return types.Array(from_dtype(np.dtype(dtype)), ndim, "C")

@@ -467,3 +467,13 @@ else:
                            strides=cgutils.pack_array(builder, strides), itemsize=itemsize, meminfo=None)
             return out._getvalue()
         return sig, codegen
+
+
+# -- array elements: loopkern's own loads and stores (see arrays.py) -----------------------------
+from . import arrays as _arrays  # noqa: E402
+
+if SIMULATOR:
+    _ARRAYS = _arrays.build_python()
+else:
+    _ARRAYS = _arrays.build_numba(overload, intrinsic)
+load, store, load32, store32 = _ARRAYS["load"], _ARRAYS["store"], _ARRAYS["load32"], _ARRAYS["store32"]
