@@ -1,0 +1,339 @@
+"""Which steps are stencils: the analysis that on-chip residency is built on.
+
+A step can keep its arrays on chip across steps (each block owning one tile of the index
+space for the whole run, exchanging only the cells at its tile's edge) when every element a
+thread reads of a swap pair's arrays lies at a *constant offset* from the element it writes.
+This module decides that from the normalized step, and reports the offsets:
+
+- every parallel loop (``lk.range`` / ``lk.grid``) iterates over one index space of ``d``
+  dimensions (its loop variables ``x_0 .. x_{d-1}``), and every resident array has ``d``
+  dimensions, dimension ``k`` indexed by ``x_k``;
+- inside those loops, dimension ``k`` of an access to a resident array is ``x_k + c`` with
+  ``c`` an integer known at compile time: a literal, a sum of literals, or the variable of a
+  plain ``range`` loop with literal bounds (``for di in range(-1, 2)``); or, periodic,
+  ``(x_k + c) % E`` / ``(x_k + c + E) % E`` with ``E`` the array's extent ``a.shape[k]``
+  (or a name bound once to it);
+- a resident array that the step writes is written and read only at offset 0 in every
+  dimension (a thread's own cell): the halo comes from arrays the step only reads, so no
+  thread reads a cell another thread writes in the same step;
+- resident arrays are not touched outside the parallel loops, nor passed to helpers.
+
+Arrays the step never writes and that are not in a swap pair may be read anywhere (they stay in
+global memory); arrays that are neither (``hist[t] = x``) are simply not resident, as long as
+they are not swap arrays. Anything else makes the step "not a stencil", with the reason and
+the line, and it runs as today.
+
+This module is pure analysis (no Numba, no JAX): it reads a :class:`~loopkern.spec.StepSpec`.
+"""
+
+from __future__ import annotations
+
+import ast
+from dataclasses import dataclass
+
+from .spec import int_constant, is_helper_call, marker_of
+
+
+@dataclass(frozen=True)
+class Stencil:
+    """A step that is a stencil (see the module docstring).
+
+    Attributes:
+        ndim: dimensions of the index space.
+        halo: per dimension, (cells read below, cells read above) the written cell: the
+            largest negative and positive offsets of any read of a resident array.
+        periodic: per dimension, whether some read wraps around the array's extent.
+        resident: indices (into the step's parameters) of the arrays that may stay on chip:
+            the swap pairs' arrays and any other array accessed only at offset 0.
+        offsets: per resident array, the set of offset tuples it is read at.
+    """
+
+    ndim: int
+    halo: tuple[tuple[int, int], ...]
+    periodic: tuple[bool, ...]
+    resident: frozenset[int]
+    offsets: dict
+
+
+@dataclass(frozen=True)
+class NotStencil:
+    """Why a step is not a stencil: the reason and the user's line it is about."""
+
+    reason: str
+    line: int
+
+
+def find_stencil(spec) -> Stencil | NotStencil:
+    """Decide whether ``spec``'s step is a stencil; see the module docstring."""
+    return _Analysis(spec).run()
+
+
+class _Reject(Exception):
+    def __init__(self, reason, node):
+        super().__init__(reason)
+        self.reason, self.line = reason, getattr(node, "lineno", 0)
+
+
+_WHOLE = object()     # an offset that is not a compile-time constant
+
+
+class _Analysis:
+    def __init__(self, spec):
+        self.spec = spec
+        self.names = [p.name for p in spec.params]
+        self.arrays = {p.name: i for i, p in enumerate(spec.params) if p.kind == "array"}
+        self.swapped = {i for pair in spec.swap for i in pair}
+        self.ndim = None
+        self.reads: dict = {}        # array index -> {offset tuple}
+        self.writes: dict = {}       # array index -> {offset tuple}
+        self.outside: dict = {}      # array index -> first node touching it outside a parallel loop
+        self.extent_names: dict = {}     # name -> (array index, dim) for n = a.shape[k]
+        self.wraps: dict = {}            # array index -> dimensions some access of it wraps around
+        self._wrapped: set = set()       # the dimensions the access being read wraps
+
+    def run(self):
+        try:
+            self._function(self.spec.step.body)
+            return self._result()
+        except _Reject as r:
+            return NotStencil(r.reason, r.line)
+
+    # -- the walk ------------------------------------------------------------------------------
+    def _function(self, body):
+        for st in body:
+            self._statement(st, loop=None, offsets={})
+
+    def _statement(self, st, loop, offsets):
+        if isinstance(st, ast.For):
+            kind = marker_of(st.iter)
+            if kind in ("range", "grid"):
+                if loop is not None:
+                    raise _Reject("a parallel loop inside another", st)
+                self._parallel(st, kind)
+                return
+            if loop is not None and isinstance(st.target, ast.Name) and _literal_range(st.iter) is not None:
+                # a sequential loop over literal bounds: its variable is a set of offsets
+                inner = dict(offsets)
+                inner[st.target.id] = frozenset(_literal_range(st.iter))
+                self._expressions(st.iter, loop, offsets)
+                for s in st.body + st.orelse:
+                    self._statement(s, loop, inner)
+                return
+            self._expressions(st.iter, loop, offsets)
+            for s in st.body + st.orelse:
+                self._statement(s, loop, offsets)
+            return
+        if isinstance(st, ast.Assign) and loop is None and len(st.targets) == 1 and isinstance(st.targets[0], ast.Name):
+            extent = _extent_of(st.value, self.arrays)
+            if extent is not None:
+                self.extent_names[st.targets[0].id] = extent
+        if isinstance(st, (ast.Assign, ast.AugAssign)):
+            targets = st.targets if isinstance(st, ast.Assign) else [st.target]
+            for tgt in targets:
+                if isinstance(tgt, ast.Subscript) and isinstance(tgt.value, ast.Name) and tgt.value.id in self.arrays:
+                    self._access(tgt, loop, offsets, write=True)
+                    if isinstance(st, ast.AugAssign):
+                        self._access(tgt, loop, offsets, write=False)
+                    self._expressions(tgt.slice, loop, offsets)
+                elif loop is not None and isinstance(tgt, ast.Name) and tgt.id in loop:
+                    raise _Reject(f"the loop variable '{tgt.id}' is assigned in the loop", st)
+                else:
+                    self._expressions(tgt, loop, offsets)
+            self._expressions(st.value, loop, offsets)
+            return
+        for child in ast.iter_child_nodes(st):
+            if isinstance(child, ast.stmt):
+                self._statement(child, loop, offsets)
+            else:
+                self._expressions(child, loop, offsets)
+
+    def _parallel(self, st, kind):
+        targets = st.target.elts if isinstance(st.target, ast.Tuple) else [st.target]
+        if not all(isinstance(t, ast.Name) for t in targets):
+            raise _Reject("a parallel loop whose variables are not plain names", st)
+        ndim = len(st.iter.args) if kind == "grid" else 1
+        if kind == "grid" and len(targets) != ndim:
+            raise _Reject("lk.grid with one variable for several dimensions", st)
+        if self.ndim is None:
+            self.ndim = ndim
+        elif self.ndim != ndim:
+            raise _Reject(f"parallel loops over {self.ndim} and {ndim} dimensions", st)
+        self._expressions(st.iter, None, {})
+        loop = {t.id: k for k, t in enumerate(targets)}
+        for s in st.body + st.orelse:
+            self._statement(s, loop, {})
+
+    def _expressions(self, node, loop, offsets):
+        for n in ast.walk(node):
+            if is_helper_call(n) and any(isinstance(a, ast.Name) and a.id in self.arrays for a in n.args):
+                raise _Reject("an array is passed to a helper function", n)
+            m = marker_of(n)
+            if m is not None and m.startswith("atomic_") and n.args and isinstance(n.args[0], ast.Name) \
+                    and n.args[0].id in self.arrays:
+                # lk.atomic.add(a, index, value): a write that other threads may share
+                a = self.arrays[n.args[0].id]
+                if loop is None:
+                    self.outside.setdefault(a, n)
+                else:
+                    self.writes.setdefault(a, []).append((_WHOLE, n))
+            if isinstance(n, ast.Subscript) and isinstance(n.value, ast.Name) and n.value.id in self.arrays:
+                self._access(n, loop, offsets, write=False)
+            elif isinstance(n, ast.Name) and n.id in self.arrays and isinstance(n.ctx, ast.Load):
+                # a whole array used as a value (a.shape, len(a), a reduction's argument...)
+                pass
+
+    def _access(self, node, loop, offsets, write):
+        a = self.arrays[node.value.id]
+        if loop is None:
+            self.outside.setdefault(a, node)
+            return
+        elts = node.slice.elts if isinstance(node.slice, ast.Tuple) else [node.slice]
+        if len(elts) != self.ndim:
+            off = _WHOLE
+        else:
+            off = []
+            for k, e in enumerate(elts):
+                o = self._offset(e, k, loop, offsets, a)
+                if o is _WHOLE:
+                    off = _WHOLE
+                    break
+                off.append(o)
+            off = _WHOLE if off is _WHOLE else tuple(off)
+        (self.writes if write else self.reads).setdefault(a, []).append((off, node))
+        if off is not _WHOLE:
+            for k in self._wrapped:
+                self.wraps.setdefault(a, set()).add(k)
+        self._wrapped = set()
+
+    def _offset(self, e, k, loop, offsets, a):
+        """The set of constant offsets ``e`` is from loop variable ``x_k`` (a frozenset of
+        ints), or _WHOLE. A periodic form marks dimension ``k`` periodic."""
+        if isinstance(e, ast.BinOp) and isinstance(e.op, ast.Mod):
+            extent = self._extent(e.right, a, k)
+            if extent:
+                inner = e.left
+                # (x + c + E) % E: the + E only keeps the left side non-negative
+                if isinstance(inner, ast.BinOp) and isinstance(inner.op, ast.Add) and self._extent(inner.right, a, k):
+                    inner = inner.left
+                got = self._linear(inner, k, loop, offsets)
+                if got is not _WHOLE:
+                    self._wrapped.add(k)
+                return got
+            return _WHOLE
+        return self._linear(e, k, loop, offsets)
+
+    def _linear(self, e, k, loop, offsets):
+        if isinstance(e, ast.Call) and isinstance(e.func, ast.Attribute) and e.func.attr == "uint64" and len(e.args) == 1:
+            e = e.args[0]
+        terms = _terms(e)
+        if terms is None:
+            return _WHOLE
+        var, total = None, frozenset([0])
+        for sign, t in terms:
+            if isinstance(t, ast.Name) and t.id in loop:
+                if var is not None or sign < 0 or loop[t.id] != k:
+                    return _WHOLE
+                var = t.id
+                continue
+            c = int_constant(t)
+            vals = frozenset([c]) if c is not None else offsets.get(t.id) if isinstance(t, ast.Name) else None
+            if vals is None:
+                return _WHOLE
+            total = frozenset(x + sign * v for x in total for v in vals)
+        return total if var is not None else _WHOLE
+
+    def _extent(self, e, a, k) -> bool:
+        """Whether ``e`` is array ``a``'s (or its swap partner's) extent along dimension ``k``."""
+        got = _extent_of(e, self.arrays)
+        if got is None and isinstance(e, ast.Name):
+            got = self.extent_names.get(e.id)
+        if got is None:
+            return False
+        b, dim = got
+        return dim == k and (b == a or any({a, b} == set(pair) for pair in self.spec.swap))
+
+    # -- the verdict ---------------------------------------------------------------------------
+    def _result(self):
+        if self.ndim is None:
+            raise _Reject("the step has no parallel loop", self.spec.step)
+        written = set(self.writes)
+        resident = set()
+        for a in sorted(set(self.reads) | written | self.swapped):
+            accesses = self.reads.get(a, []) + self.writes.get(a, [])
+            name = self.names[a]
+            whole = next((n for off, n in accesses if off is _WHOLE), None)
+            away = next((n for off, n in accesses if off is not _WHOLE and any(o != frozenset([0]) for o in off)),
+                        None)
+            if a not in self.swapped:
+                # another array stays in global memory unless the step writes it and every
+                # access is a thread's own cell
+                if a in written and a not in self.outside and whole is None and away is None:
+                    resident.add(a)
+                continue
+            if a in self.outside:
+                raise _Reject(f"'{name}' is accessed outside the parallel loops", self.outside[a])
+            if whole is not None:
+                raise _Reject(f"an access to '{name}' is not its loop index plus a constant", whole)
+            if a in written and away is not None:
+                raise _Reject(f"'{name}' is written by the step and accessed away from the written cell", away)
+            if self.spec.params[a].min_ndim > self.ndim:
+                raise _Reject(f"'{name}' has more dimensions than the parallel loops", self.spec.step)
+            resident.add(a)
+        if not resident:
+            raise _Reject("no array can stay on chip (no swap pair, nor an array written only at its own cells)",
+                          self.spec.step)
+        halo = [[0, 0] for _ in range(self.ndim)]
+        offsets = {}
+        for a in resident:
+            seen = set()
+            for off, _ in self.reads.get(a, []):
+                for combo in _product(off):
+                    seen.add(combo)
+                    for k, o in enumerate(combo):
+                        halo[k][0] = max(halo[k][0], -o)
+                        halo[k][1] = max(halo[k][1], o)
+            offsets[self.names[a]] = frozenset(seen)
+        periodic = tuple(any(k in self.wraps.get(a, ()) for a in resident) for k in range(self.ndim))
+        return Stencil(ndim=self.ndim, halo=tuple(tuple(h) for h in halo), periodic=periodic,
+                       resident=frozenset(resident), offsets=offsets)
+
+
+def _terms(e, sign=1):
+    """``e`` as a list of (sign, term) for a chain of + and -, or None for anything else."""
+    if isinstance(e, ast.BinOp) and isinstance(e.op, (ast.Add, ast.Sub)):
+        left = _terms(e.left, sign)
+        right = _terms(e.right, sign if isinstance(e.op, ast.Add) else -sign)
+        return None if left is None or right is None else left + right
+    if isinstance(e, ast.UnaryOp) and isinstance(e.op, ast.USub) and int_constant(e) is None:
+        return _terms(e.operand, -sign)
+    return [(sign, e)]
+
+
+def _literal_range(it):
+    """The values of ``range(a[, b[, s]])`` with literal arguments, else None."""
+    if not (isinstance(it, ast.Call) and isinstance(it.func, ast.Name) and it.func.id == "range"):
+        return None
+    args = [int_constant(a) for a in it.args]
+    if not args or any(a is None for a in args) or len(args) > 3 or (len(args) == 3 and args[2] == 0):
+        return None
+    return list(range(*args))
+
+
+def _extent_of(e, arrays):
+    """(array index, dim) if ``e`` is ``a.shape[k]`` (or ``len(a)``, dim 0) of an array parameter."""
+    if (isinstance(e, ast.Subscript) and isinstance(e.value, ast.Attribute) and e.value.attr == "shape"
+            and isinstance(e.value.value, ast.Name) and e.value.value.id in arrays):
+        k = int_constant(e.slice)
+        if k is not None and k >= 0:
+            return arrays[e.value.value.id], k
+    if (isinstance(e, ast.Call) and isinstance(e.func, ast.Name) and e.func.id == "len" and len(e.args) == 1
+            and isinstance(e.args[0], ast.Name) and e.args[0].id in arrays):
+        return arrays[e.args[0].id], 0
+    return None
+
+
+def _product(off):
+    out = [()]
+    for vals in off:
+        out = [p + (v,) for p in out for v in sorted(vals)]
+    return out

@@ -1,0 +1,199 @@
+"""The stencil analysis (loopkern/stencil.py): which steps could keep their arrays on chip, and
+the halo their reads need. Pure analysis of the validated step: no kernel runs here."""
+
+import numpy as np
+import pytest
+
+import loopkern as lk
+import workloads as W
+from loopkern.stencil import NotStencil, Stencil, find_stencil
+
+
+def stencil_of(fn, swap=()):
+    return find_stencil(lk.megakernel(fn, swap=swap).spec)
+
+
+def wide(t, u, v):
+    n = u.shape[0]
+    for i in lk.range(2, n - 2):
+        v[i] = u[i - 2] + u[i + 2] - u[i + 1]
+
+
+def one_sided(t, u, v):
+    n = u.shape[0]
+    for i in lk.range(n - 3):
+        v[i] = u[i + 3] + u[i]
+
+
+def periodic_2d(t, a, b):
+    n = a.shape[0]
+    m = a.shape[1]
+    for i, j in lk.grid(n, m):
+        b[i, j] = a[(i + 1) % n, j] + a[i, (j - 2 + m) % m] + a[(i - 1) % a.shape[0], j]
+
+
+def box_3x5(t, u, v, w):
+    n = u.shape[0]
+    m = u.shape[1]
+    for i, j in lk.grid((1, n - 1), (2, m - 2)):
+        s = 0.0
+        for di in range(-1, 2):
+            for dj in range(-2, 3, 2):
+                s += u[i + di, j + dj]
+        v[i, j] = s * w[0]
+        w2 = w[1]
+        v[i, j] += w2
+
+
+def reads_itself_twice(t, u, v, x):
+    n = u.shape[0]
+    for i in lk.range(n):
+        x[i] = x[i] * 2.0       # not a swap array, own cell only: resident
+        v[i] = u[i] + x[i]
+
+
+@pytest.mark.parametrize("fn,swap,ndim,halo,periodic,resident", [
+    (W.heat_step, [("u", "v")], 1, ((1, 1),), (False,), {0, 1}),
+    (wide, [("u", "v")], 1, ((2, 2),), (False,), {0, 1}),
+    (one_sided, [("u", "v")], 1, ((0, 3),), (False,), {0, 1}),
+    (W.life_step, [("a", "b")], 2, ((1, 1), (1, 1)), (True, True), {0, 1}),
+    (periodic_2d, [("a", "b")], 2, ((1, 1), (2, 0)), (True, True), {0, 1}),
+    (box_3x5, [("u", "v")], 2, ((1, 1), (2, 2)), (False, False), {0, 1}),
+    (reads_itself_twice, [("u", "v")], 1, ((0, 0),), (False,), {0, 1, 2}),
+])
+def test_stencils_and_their_halos(fn, swap, ndim, halo, periodic, resident):
+    s = stencil_of(fn, swap)
+    assert isinstance(s, Stencil), s
+    assert (s.ndim, s.halo, s.periodic, set(s.resident)) == (ndim, halo, periodic, resident)
+
+
+def test_the_offsets_of_each_read_are_listed():
+    s = stencil_of(box_3x5, [("u", "v")])
+    assert s.offsets["u"] == {(di, dj) for di in (-1, 0, 1) for dj in (-2, 0, 2)}
+    assert s.offsets["v"] == {(0, 0)}          # the augmented store reads its own cell
+    # w is read at a fixed index by every thread: it stays in global memory
+    assert 2 not in s.resident
+
+
+def outside_loop(t, u, v):
+    n = u.shape[0]
+    c = u[0]                                   # every thread reads one cell of the swap pair
+    for i in lk.range(n):
+        v[i] = u[i] + c
+
+
+def written_neighbour(t, u, v):
+    n = u.shape[0]
+    for i in lk.range(1, n):
+        v[i] = u[i]
+    lk.sync()
+    for i in lk.range(1, n):
+        u[i] = v[i - 1]                        # reads a cell another thread wrote
+
+
+def through_a_local(t, u, v):
+    n = u.shape[0]
+    for i in lk.range(1, n - 1):
+        ip = i + 1
+        v[i] = u[ip]
+
+
+def swapped_index(t, u, v):
+    n = u.shape[0]
+    m = u.shape[1]
+    for i, j in lk.grid(n, m):
+        v[i, j] = u[j, i]
+
+
+def gathered(t, u, v, idx):
+    n = u.shape[0]
+    for i in lk.range(n):
+        v[i] = u[idx[i]]
+
+
+def scaled(t, u, v):
+    n = u.shape[0]
+    for i in lk.range(n // 2):
+        v[i] = u[2 * i]
+
+
+def mixed_dims(t, u, v, w):
+    n = u.shape[0]
+    for i in lk.range(n):
+        v[i] = u[i]
+    for i, j in lk.grid(w.shape[0], w.shape[1]):
+        w[i, j] = 0.0
+
+
+def atomic_into_swap(t, u, v):
+    n = u.shape[0]
+    for i in lk.range(n):
+        lk.atomic.add(v, (i * 7) % n, u[i])
+
+
+def _helper(a, i):
+    return a[i]
+
+
+def through_helper(t, u, v):
+    n = u.shape[0]
+    for i in lk.range(n):
+        v[i] = _helper(u, i)
+
+
+def no_loop(t, x, r):
+    x[0] = x[0] * r
+
+
+def wrap_other_extent(t, u, v, w):
+    n = w.shape[0]
+    for i in lk.range(u.shape[0]):
+        v[i] = u[(i + 1) % n]                  # wraps at another array's extent
+
+
+@pytest.mark.parametrize("fn,swap,reason", [
+    (outside_loop, [("u", "v")], "'u' is accessed outside the parallel loops"),
+    (written_neighbour, [("u", "v")], "written by the step and accessed away from the written cell"),
+    (through_a_local, [("u", "v")], "not its loop index plus a constant"),
+    (swapped_index, [("u", "v")], "not its loop index plus a constant"),
+    (gathered, [("u", "v")], "not its loop index plus a constant"),
+    (scaled, [("u", "v")], "not its loop index plus a constant"),
+    (mixed_dims, [("u", "v")], "parallel loops over 1 and 2 dimensions"),
+    (atomic_into_swap, [("u", "v")], "not its loop index plus a constant"),
+    (through_helper, [("u", "v")], "passed to a helper function"),
+    (no_loop, [], "no parallel loop"),
+    (wrap_other_extent, [("u", "v")], "not its loop index plus a constant"),
+])
+def test_what_is_not_a_stencil_says_why_and_where(fn, swap, reason):
+    s = stencil_of(fn, swap)
+    assert isinstance(s, NotStencil), s
+    assert reason in s.reason
+    import inspect
+    first = inspect.getsourcelines(fn)[1]
+    assert first <= s.line < first + len(inspect.getsourcelines(fn)[0])
+
+
+def test_arrays_outside_the_pattern_stay_in_global_memory():
+    # a histogram updated atomically and a per-step record are not resident, and do not stop
+    # the swap pair from being a stencil
+    def step(t, u, v, hist, rec):
+        n = u.shape[0]
+        for i in lk.range(1, n - 1):
+            v[i] = 0.5 * (u[i - 1] + u[i + 1])
+            lk.atomic.add(hist, 0, 1)
+        total = lk.sum(v[1] * 0.0)
+        if lk.thread_id() == 0:
+            rec[t] = total
+    s = find_stencil(lk.megakernel(step, swap=[("u", "v")]).spec)
+    assert isinstance(s, NotStencil) and "'v' is accessed outside the parallel loops" in s.reason
+
+    def step2(t, u, v, hist, rec):
+        n = u.shape[0]
+        for i in lk.range(1, n - 1):
+            v[i] = 0.5 * (u[i - 1] + u[i + 1])
+            lk.atomic.add(hist, 0, 1)
+        if lk.thread_id() == 0:
+            rec[t] = 1.0
+    s = find_stencil(lk.megakernel(step2, swap=[("u", "v")]).spec)
+    assert isinstance(s, Stencil) and set(s.resident) == {0, 1} and s.halo == ((1, 1),)
+    np.testing.assert_equal(sorted(s.offsets["u"]), [(-1,), (1,)])
