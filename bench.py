@@ -4,13 +4,14 @@
     python bench.py --quick      # small sizes, CPU backend vs JAX on the CPU (a CI smoke test)
     python bench.py --workloads heat,jacobi --sizes 4096,65536
 
-Workloads: 1D heat (4K..16M float32), 2D Jacobi to tolerance (a while loop with a grid
+Workloads: 1D heat (4K..16M float32), 2D heat (5-point, 512² to 2048² float32), 2D Jacobi to
+tolerance (a while loop with a grid
 reduction), Game of Life (int32, periodic), all-pairs N-body (two phases per step), and the
 quadratic map x <- 4x(1-x) for 10M steps with its trajectory recorded (a sequential
 recursion). Variants: loopkern in each scope that applies, jax.lax.fori_loop / while_loop /
 scan(unroll=16), the same JAX loops with XLA's WHILE command buffers (a subprocess), one Numba
-kernel launch per step, a CUDA graph of per-step kernels, a hand-written CUDA C++ cooperative
-kernel (heat), and Numba on the CPU (quadratic map). The calls workload measures what a call
+kernel launch per step, a CUDA graph of per-step kernels, hand-written CUDA C++ cooperative
+kernels (1D and 2D heat: int indices, __restrict__, the best block count of a sweep), and Numba on the CPU (quadratic map). The calls workload measures what a call
 costs on the host: one heat step at 4K per blocking call (loopkern with device or NumPy arrays,
 kernel.jax in jax.jit, and bare Numba/CuPy/JAX/numba.njit calls as anchors; the median of 1000
 calls, each timed on its own after 20 untimed), and 10,000 heat steps at 64K run as 1, 10, 100

@@ -143,30 +143,53 @@ def numba_heat_variants():
     return out
 
 
-def cpp_heat_variant(args):
-    src = Path(__file__).resolve().parent / "heat_coop.cu"
-    exe = Path(tempfile.gettempdir()) / "loopkern_heat_coop"
+def cpp_heat_variant(args, source="heat_coop.cu"):
+    """A runner of a hand-written CUDA C++ kernel in bench/ (built once with nvcc): given a Case,
+    its JSON line (us_per_step, blocks, threads, rel_err, checked_blocks)."""
+    src = Path(__file__).resolve().parent / source
+    exe = Path(tempfile.gettempdir()) / f"loopkern_{Path(source).stem}"
 
     def make(case):
         if not exe.exists() or exe.stat().st_mtime < src.stat().st_mtime:
             subprocess.run(["nvcc", "-O3", "-arch=sm_90", "-o", str(exe), str(src)], check=True,
                            capture_output=True, text=True)
         # the binary checks every block count it times: check_steps steps against a float64 host loop
-        p = subprocess.run([str(exe), str(case.n), str(case.steps), str(args.reps), str(case.check_steps)],
+        size = case.data.get("side", case.n)       # 2-D: the side of the square field
+        p = subprocess.run([str(exe), str(size), str(case.steps), str(args.reps), str(case.check_steps)],
                            capture_output=True, text=True, check=True)
         res = json.loads(p.stdout.strip().splitlines()[-1])
         return res
     return make
 
 
+def emit_cpp_row(b: Bench, case, source="heat_coop.cu"):
+    """Run the C++ kernel of ``source`` on ``case`` and emit its row (an error row if its own
+    float64 check failed)."""
+    row = dict(workload=case.workload, n=case.n, variant="CUDA C++ cooperative")
+    try:
+        r = cpp_heat_variant(b.args, source)(case)
+        checked = r.get("checked_blocks", 0)
+        row.update(check=f"rel_err={r['rel_err']:.2e} (worst of {checked} block counts, "
+                         f"{case.check_steps} steps)")
+        if not 0 <= r["rel_err"] < 1e-4 or checked < 1:
+            row["error"] = f"wrong result: {row['check']}"
+        else:
+            row.update(steps=case.steps, us_per_step=r["us_per_step"], blocks=r["blocks"], threads=r["threads"],
+                       GBps=case.bytes_per_step / (r["us_per_step"] * 1e-6) / 1e9)
+    except Exception as exc:
+        row["error"] = f"{type(exc).__name__}: {exc}"[:300]
+    b.emit(row)
+
+
 def bench_heat(b: Bench):
     args, gpu = b.args, b.gpu
     sizes = [int(s) for s in args.sizes.split(",")] if args.sizes else (
-        [4096, 65536] if args.quick else [4096, 65536, 1 << 20, 1 << 24])
+        [4096, 65536] if args.quick else [4096, 65536, 1 << 20, 1 << 22, 1 << 24])
     rng = np.random.default_rng(0)
     for n in sizes:
         u0 = rng.random(n).astype(np.float32)
-        steps = 200 if args.quick else 20000 if n <= 65536 else 5000 if n <= 1 << 20 else 500
+        steps = 200 if args.quick else 20000 if n <= 65536 else 5000 if n <= 1 << 20 else 2000 if n <= 1 << 22 \
+            else 500
         check_steps = 100                 # at every size (a whole number of graph chunks)
         ref = heat_ref(u0, check_steps)
 
@@ -191,18 +214,4 @@ def bench_heat(b: Bench):
             variants = [v for v in variants if v[0].startswith("jax")]
         b.measure(case, variants)
         if gpu and not args.jax_only:
-            row = dict(workload="heat1d", n=n, variant="CUDA C++ cooperative")
-            try:
-                r = cpp_heat_variant(args)(case)
-                checked = r.get("checked_blocks", 0)
-                row.update(check=f"rel_err={r['rel_err']:.2e} (worst of {checked} block counts, "
-                                 f"{case.check_steps} steps)")
-                if not 0 <= r["rel_err"] < 1e-4 or checked < 1:
-                    row["error"] = f"wrong result: {row['check']}"
-                else:
-                    row.update(steps=steps, us_per_step=r["us_per_step"], blocks=r["blocks"], threads=r["threads"],
-                               GBps=8 * n / (r["us_per_step"] * 1e-6) / 1e9)
-            except Exception as exc:
-                row["error"] = f"{type(exc).__name__}: {exc}"[:300]
-            b.emit(row)
-
+            emit_cpp_row(b, case)
