@@ -1,0 +1,121 @@
+"""The driver-level pieces of a blocking CUDA call, without a GPU: the launch through
+cuLaunchKernelEx (the struct layouts of cuda.h and what the driver is handed), and the wait on
+the done flag (a fault, a kernel that ends without its flag). A fake driver stands in for libcuda."""
+
+import ctypes
+
+import numpy as np
+import pytest
+
+from loopkern.dispatch import driver as D
+from loopkern.errors import LaunchError
+from loopkern.runtime.layout import DONE, HOST_SIZE, STEPS
+
+
+def test_launch_structs_match_cuda_h():
+    # CUlaunchConfig: seven unsigned ints, then (8-byte aligned) the stream, the attribute
+    # pointer and their count; CUlaunchAttribute: an int id padded to 8 bytes, a 64-byte union
+    cfg = D._LaunchConfig
+    assert [getattr(cfg, f).offset for f in ("grid_x", "grid_y", "grid_z", "block_x", "block_y", "block_z",
+                                             "shared")] == [0, 4, 8, 12, 16, 20, 24]
+    assert (cfg.stream.offset, cfg.attrs.offset, cfg.nattrs.offset, ctypes.sizeof(cfg)) == (32, 40, 48, 56)
+    attr = D._LaunchAttribute
+    assert (attr.id.offset, attr.value.offset, ctypes.sizeof(attr)) == (0, 8, 72)
+    assert D.CU_LAUNCH_ATTRIBUTE_COOPERATIVE == 2
+
+
+class _FakeLaunchDriver:
+    """A launch_ex that records what it was handed (read back through the struct pointers)."""
+
+    def __init__(self, result=0):
+        self.calls = []
+        proto = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p)
+
+        def launch_ex(cfg_ptr, func, params, extra):
+            c = ctypes.cast(cfg_ptr, ctypes.POINTER(D._LaunchConfig)).contents
+            attrs = []
+            if c.nattrs:
+                a = ctypes.cast(c.attrs, ctypes.POINTER(D._LaunchAttribute))
+                attrs = [(a[k].id, a[k].value) for k in range(c.nattrs)]
+            self.calls.append(dict(grid=(c.grid_x, c.grid_y, c.grid_z), block=(c.block_x, c.block_y, c.block_z),
+                                   shared=c.shared, stream=c.stream, attrs=attrs, func=func, params=params,
+                                   extra=extra))
+            return result
+        self.launch_ex = proto(launch_ex)
+
+
+@pytest.fixture
+def fake_driver(monkeypatch):
+    fake = _FakeLaunchDriver()
+    monkeypatch.setattr(D, "_lib", [fake])
+    return fake
+
+
+@pytest.mark.parametrize("cooperative", [True, False])
+def test_a_launch_hands_the_driver_the_plans_grid(fake_driver, cooperative):
+    launch = D.make_launcher(0xBEEF00, blocks=132, threads=256, shared=40960, cooperative=cooperative)
+    params = D.ParamBlock(9)
+    for _ in range(2):                           # the prepared struct is reused, unchanged
+        assert launch(params.params) == 0
+    for call in fake_driver.calls:
+        assert call["grid"] == (132, 1, 1) and call["block"] == (256, 1, 1) and call["shared"] == 40960
+        assert call["stream"] is None and call["extra"] is None     # the legacy default stream
+        assert call["func"] == 0xBEEF00
+        assert call["params"] == ctypes.addressof(params.params)
+        assert call["attrs"] == ([(D.CU_LAUNCH_ATTRIBUTE_COOPERATIVE, 1)] if cooperative else [])
+
+
+class _FakeWaitDriver:
+    def __init__(self, stream_result):
+        self.stream_result = stream_result
+        self.queries = 0
+
+    def stream_query(self, stream):
+        self.queries += 1
+        return self.stream_result
+
+    def event_query(self, event):
+        return self.stream_result
+
+    def event_synchronize(self, event):
+        return 0
+
+
+@pytest.fixture
+def wait_with(monkeypatch):
+    from loopkern import runs
+
+    def install(result):
+        fake = _FakeWaitDriver(result)
+        monkeypatch.setattr(runs, "_DRIVER", [fake])
+        monkeypatch.setattr(D, "error_name", lambda code: f"CUDA_ERROR_{code}")
+        monkeypatch.setattr(runs.EventWaiter, "QUERY_EVERY_S", 0.01)
+        return fake
+    return install
+
+
+def test_a_done_flag_returns_without_asking_the_driver(wait_with):
+    from loopkern.runs import wait_cuda
+    fake = wait_with(600)
+    host = np.zeros(HOST_SIZE, np.int64)
+    host[DONE] = 1
+    wait_cuda(host, None, "step", watchdog=None)
+    assert fake.queries == 0
+
+
+def test_a_kernel_that_faulted_raises_launch_error(wait_with):
+    from loopkern.runs import wait_cuda
+    fake = wait_with(700)                        # CUDA_ERROR_ILLEGAL_ADDRESS: sticky
+    host = np.zeros(HOST_SIZE, np.int64)
+    host[STEPS] = 3
+    with pytest.raises(LaunchError, match=r"step: the kernel failed while running: CUDA_ERROR_700 \(700\)"):
+        wait_cuda(host, None, "step", watchdog=None)
+    assert fake.queries >= 1
+
+
+def test_a_kernel_that_ended_without_its_flag_raises_launch_error(wait_with):
+    from loopkern.runs import wait_cuda
+    wait_with(0)                                 # the stream is idle, the flag never came
+    host = np.zeros(HOST_SIZE, np.int64)
+    with pytest.raises(LaunchError, match="ended without marking the run done"):
+        wait_cuda(host, None, "step", watchdog=None)
