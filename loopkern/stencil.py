@@ -12,7 +12,10 @@ This module decides that from the normalized step, and reports the offsets:
   ``c`` an integer known at compile time: a literal, a sum of literals, or the variable of a
   plain ``range`` loop with literal bounds (``for di in range(-1, 2)``); or, periodic,
   ``(x_k + c) % E`` / ``(x_k + c + E) % E`` with ``E`` the array's extent ``a.shape[k]``
-  (or a name bound once to it);
+  (or a name bound once to it), or the neighbour written as a conditional expression
+  (``x_k - 1 if x_k > 0 else E - 1``, ``x_k + 1 if x_k < E - 1 else 0`` and their mirrored
+  forms); an index may also be a name bound once, at the top of the loop body, to such an
+  expression of loop variables, literals and extents;
 - a resident array that the step writes is written and read only at offset 0 in every
   dimension (a thread's own cell): the halo comes from arrays the step only reads, so no
   thread reads a cell another thread writes in the same step;
@@ -89,6 +92,7 @@ class _Analysis:
         self.outside: dict = {}      # array index -> first node touching it outside a parallel loop
         self.extent_names: dict = {}     # name -> (array index, dim) for n = a.shape[k]
         self.wraps: dict = {}            # array index -> dimensions some access of it wraps around
+        self.aliases: dict = {}          # name -> the index expression it names (inside a loop)
         self._wrapped: set = set()       # the dimensions the access being read wraps
 
     def run(self):
@@ -160,8 +164,20 @@ class _Analysis:
             raise _Reject(f"parallel loops over {self.ndim} and {ndim} dimensions", st)
         self._expressions(st.iter, None, {})
         loop = {t.id: k for k, t in enumerate(targets)}
+        # neighbour indices named once at the top of the loop body (up = i - 1 if i > 0 else
+        # n - 1): an access through the name is analysed as the expression it names
+        assigned = _assignment_counts(self.spec.step.body)
+        self.aliases = {}
+        for s in st.body:
+            if (isinstance(s, ast.Assign) and len(s.targets) == 1 and isinstance(s.targets[0], ast.Name)
+                    and assigned.get(s.targets[0].id) == 1 and s.targets[0].id not in loop
+                    # only loop variables, extents and arrays (a.shape[k]): nothing that can change
+                    and all(n.id in loop or n.id in self.extent_names or n.id in self.arrays
+                            for n in ast.walk(s.value) if isinstance(n, ast.Name))):
+                self.aliases[s.targets[0].id] = s.value
         for s in st.body + st.orelse:
             self._statement(s, loop, {})
+        self.aliases = {}
 
     def _expressions(self, node, loop, offsets):
         for n in ast.walk(node):
@@ -208,6 +224,14 @@ class _Analysis:
     def _offset(self, e, k, loop, offsets, a):
         """The set of constant offsets ``e`` is from loop variable ``x_k`` (a frozenset of
         ints), or _WHOLE. A periodic form marks dimension ``k`` periodic."""
+        if isinstance(e, ast.Name) and e.id in self.aliases:
+            e = self.aliases[e.id]
+        if isinstance(e, ast.IfExp):
+            got = self._wrapped_neighbour(e, k, loop, a)
+            if got is None:
+                return _WHOLE
+            self._wrapped.add(k)
+            return got
         if isinstance(e, ast.BinOp) and isinstance(e.op, ast.Mod):
             extent = self._extent(e.right, a, k)
             if extent:
@@ -241,6 +265,45 @@ class _Analysis:
                 return _WHOLE
             total = frozenset(x + sign * v for x in total for v in vals)
         return total if var is not None else _WHOLE
+
+    def _wrapped_neighbour(self, e, k, loop, a):
+        """{-1} or {+1} for the periodic neighbour written as a conditional expression:
+        ``x - 1 if x > 0 else E - 1`` (or ``x >= 1``; or ``E - 1 if x == 0 else x - 1``) and
+        ``x + 1 if x < E - 1 else 0`` (or ``x + 1 < E``; or ``0 if x == E - 1 else x + 1``),
+        ``E`` the extent of ``a`` along ``k``; None for anything else."""
+        def lin(node):
+            got = self._linear(node, k, loop, {})
+            return None if got is _WHOLE or len(got) != 1 else next(iter(got))
+
+        def extent_minus_one(node):
+            t = _terms(node)
+            return (t is not None and len(t) == 2 and t[0][0] == 1 and self._extent(t[0][1], a, k)
+                    and t[1][0] == -1 and int_constant(t[1][1]) == 1)
+
+        test = e.test
+        if not (isinstance(test, ast.Compare) and len(test.ops) == 1):
+            return None
+        left, op, right = test.left, test.ops[0], test.comparators[0]
+        var = [n for n, kk in loop.items() if kk == k]
+        if not var:
+            return None
+        x = var[0]
+
+        def is_x(node):
+            return isinstance(node, ast.Name) and node.id == x
+        if lin(e.body) == -1 and extent_minus_one(e.orelse) and is_x(left) and (
+                isinstance(op, ast.Gt) and int_constant(right) == 0 or isinstance(op, ast.GtE) and int_constant(right) == 1):
+            return frozenset([-1])
+        if lin(e.orelse) == -1 and extent_minus_one(e.body) and is_x(left) and isinstance(op, ast.Eq) \
+                and int_constant(right) == 0:
+            return frozenset([-1])
+        if lin(e.body) == 1 and int_constant(e.orelse) == 0 and isinstance(op, ast.Lt) and (
+                is_x(left) and extent_minus_one(right) or lin(left) == 1 and self._extent(right, a, k)):
+            return frozenset([1])
+        if lin(e.orelse) == 1 and int_constant(e.body) == 0 and isinstance(op, ast.Eq) and is_x(left) \
+                and extent_minus_one(right):
+            return frozenset([1])
+        return None
 
     def _extent(self, e, a, k) -> bool:
         """Whether ``e`` is array ``a``'s (or its swap partner's) extent along dimension ``k``."""
@@ -296,6 +359,19 @@ class _Analysis:
         periodic = tuple(any(k in self.wraps.get(a, ()) for a in resident) for k in range(self.ndim))
         return Stencil(ndim=self.ndim, halo=tuple(tuple(h) for h in halo), periodic=periodic,
                        resident=frozenset(resident), offsets=offsets)
+
+
+def _assignment_counts(body) -> dict:
+    """How many times each name is bound in ``body`` (assignments, augmented ones, loop targets)."""
+    counts: dict = {}
+    for node in ast.walk(ast.Module(body=list(body), type_ignores=[])):
+        targets = node.targets if isinstance(node, ast.Assign) else \
+            [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign, ast.For)) else []
+        for t in targets:
+            for n in ast.walk(t):
+                if isinstance(n, ast.Name):
+                    counts[n.id] = counts.get(n.id, 0) + 1
+    return counts
 
 
 def _terms(e, sign=1):
