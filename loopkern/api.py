@@ -75,8 +75,11 @@ class MegaKernel:
                 the last stopped (``run.next_start``), bit for bit, ``lk.random`` draws
                 and swap pairs included.
             backend: "auto", "cuda" or "cpu" (default: the decorator's).
-            scope: "auto", "grid", "block" or "thread" (CUDA only; "thread" is one thread with no
-                barrier, for a step without parallel constructs, which "auto" picks for it).
+            scope: "auto", "grid", "block", "thread" or "tile" (CUDA only; "thread" is one thread
+                with no barrier, for a step without parallel constructs, which "auto" picks for
+                it; "tile", experimental, is a grid whose blocks keep their tiles of the swap
+                pairs' arrays in shared memory for the whole run, for one-dimensional
+                non-periodic stencils: ArgumentError says why a step does not qualify).
             threads: threads per block (CUDA only; a multiple of 32).
             blocks: blocks in the grid (CUDA grid scope; must all fit on the device at once).
             seed: the seed of ``lk.random`` draws (an integer from 0 to 2**64 - 1).

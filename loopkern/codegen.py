@@ -133,8 +133,12 @@ class _Lower(ast.NodeTransformer):
 
     def __init__(self, backend: str, scope: str, index_name: str = "t", sites: "_Sites | None" = None,
                  filename: str = "", function: str = "", float_type: str | None = None,
-                 arrays: frozenset = frozenset(), index_bits: int | None = None):
+                 arrays: frozenset = frozenset(), index_bits: int | None = None,
+                 tile_arrays: frozenset = frozenset()):
         self.float_type = float_type
+        # tile mode (on-chip residency): these arrays are the block's tile in shared memory,
+        # whose element k holds the array's element _lk_tb + k
+        self.tile_arrays = tile_arrays
         # loopkern's own element accesses (runtime/arrays.py) for these array parameters, with
         # offsets of this many bits; None: Numba's indexing everywhere
         self.arrays = arrays
@@ -155,6 +159,9 @@ class _Lower(ast.NodeTransformer):
 
     def visit_Subscript(self, node):
         self.generic_visit(node)
+        if isinstance(node.value, ast.Name) and node.value.id in self.tile_arrays:
+            node.slice = _tile_index(node.slice)
+            return node
         if not isinstance(node.ctx, ast.Load) or not isinstance(node.value, ast.Name):
             return node
         if self.sites is None:
@@ -255,14 +262,16 @@ class _BodyWriter:
 
     def __init__(self, out: _Lines, backend: str, scope: str, is_step: bool, fn_body=(), index_name="t",
                  sites: "_Sites | None" = None, function: str = "", float_type: str | None = None,
-                 arrays: frozenset = frozenset(), index_bits: int | None = None):
+                 arrays: frozenset = frozenset(), index_bits: int | None = None,
+                 tile_arrays: frozenset | None = None):
         self.out = out
+        self.tile = tile_arrays is not None
         self.fn_body = list(fn_body)
         self.backend = backend
         self.sites = sites
         self.function = function
         self.lower = _Lower(backend, scope, index_name, sites, out.filename, function, float_type, arrays,
-                            index_bits)
+                            index_bits, tile_arrays or frozenset())
         self.is_step = is_step
         self.loop_id = 0
         self.temp_id = 0
@@ -353,6 +362,15 @@ class _BodyWriter:
         lo_t = self._bind(depth, f"{_P}r{k}_lo", lo, s)
         hi_t = self._bind(depth, f"{_P}r{k}_hi", hi, s)
         cur = f"{_P}u{k}"
+        if self.tile:
+            # tile mode: this block's threads take the range's values inside its tile
+            st_t = self._bind(depth, f"{_P}r{k}_st", st, s)
+            first, stop = f"{_P}r{k}_first", f"{_P}r{k}_stop"
+            self.out.add(depth, f"{first}, {stop} = {_P}rt.tile_range({lo_t}, {hi_t}, {st_t}, {_P}tlo, {_P}thi)", s)
+            self.out.add(depth, f"{cur} = {first} + {_P}btid * {st_t}", s)
+            test = f"({cur} < {stop}) if {st_t} > 0 else ({cur} > {stop} if {st_t} < 0 else False)"
+            self.strided_loop(s, depth, test, [f"{target} = {cur}", f"{cur} += {_P}bnt * {st_t}"])
+            return
         if not _is_one(st):
             st_t = self._bind(depth, f"{_P}r{k}_st", st, s)
             self.out.add(depth, f"{cur} = {lo_t} + {_P}tid * {st_t}", s)
@@ -386,6 +404,8 @@ class _BodyWriter:
         The advance happens before the body, so 'continue' in the body is safe.
         """
         k = self.loop_id = self.loop_id + 1
+        if self.tile:
+            raise ValueError("tile mode covers steps whose parallel loops are lk.range loops")
         dims = [(a.elts[0], a.elts[1]) if isinstance(a, ast.Tuple) else (ast.Constant(0), a) for a in args]
         nd = len(dims)
         single = isinstance(s.target, ast.Name)
@@ -569,7 +589,8 @@ def _is_zero(e):
 
 def _render_function(fs: FunctionSpec, home: str, backend: str, scope: str, is_step: bool,
                      ctx_params: list[str], decorator: str, sites: _Sites | None = None,
-                     float_type: str | None = None, index_bits: int | None = None) -> _Lines:
+                     float_type: str | None = None, index_bits: int | None = None,
+                     tile_arrays: frozenset | None = None) -> _Lines:
     out = _Lines(fs.filename, home)
     if sites is None:
         body = mark_nonneg_indices(fs.body, fs.params, fs.array_params, fs.params[0] if is_step else None)
@@ -579,7 +600,7 @@ def _render_function(fs: FunctionSpec, home: str, backend: str, scope: str, is_s
     out.add(0, decorator)
     out.add(0, f"def {fs.symbol}({', '.join(params)}):", ast.Pass(lineno=fs.lineno, col_offset=0))
     w = _BodyWriter(out, backend, scope, is_step, body, fs.params[0] if fs.params else "t", sites, fs.name,
-                    float_type, frozenset(fs.params[i] for i in fs.array_params), index_bits)
+                    float_type, frozenset(fs.params[i] for i in fs.array_params), index_bits, tile_arrays)
     w.body(body, 1)
     if is_step and not (body and isinstance(body[-1], ast.Return)):
         out.add(1, "return True")
@@ -598,7 +619,7 @@ def _jit_options(backend: str, cache: bool) -> tuple[str, str]:
 def render_kernel(spec: StepSpec, backend: str, scope: str = "grid", *, cache: bool = True,
                   fingerprint: str = "", by_ref: frozenset | None = None, debug: bool = False,
                   staged: tuple = (), control: bool = True, float_type: str | None = None,
-                  index_bits: int | None = None) -> KernelSource:
+                  index_bits: int | None = None, tile=None) -> KernelSource:
     """Render the kernel module for ``spec``.
 
     Args:
@@ -630,6 +651,13 @@ def render_kernel(spec: StepSpec, backend: str, scope: str = "grid", *, cache: b
             with indices proven non-negative through ``runtime/arrays.py`` (global-space loads
             and stores, addresses from the shape; 32: offsets in 32 bits, for arrays of fewer
             than 2**31 elements); None leaves every access to Numba.
+        tile: (CUDA grid scope; experimental, not yet run on a GPU) a
+            :class:`~loopkern.stencil.Stencil` of ``spec`` over one dimension, not periodic:
+            each block keeps its tile of the swap pairs' arrays (all of one dtype) in dynamic
+            shared memory for the whole run, ``(T + halo) * itemsize`` bytes per array with
+            ``T = ceil(n / blocks)`` and ``halo`` both sides' widths, which the launch must
+            provide; only edge cells go through global memory (see ``_tile_lines``). ``T`` must
+            be at least the halo on either side.
 
     Returns:
         The :class:`KernelSource`.
@@ -659,12 +687,25 @@ def render_kernel(spec: StepSpec, backend: str, scope: str = "grid", *, cache: b
     if index_bits is not None and (backend != "cuda" or debug or staged):
         # debug kernels check every index as written; staged arrays live in shared memory
         raise ValueError("index_bits is for CUDA kernels without debug and without staged arrays")
+    resident = []
+    if tile is not None:
+        if not hasattr(tile, "halo"):
+            raise ValueError(f"tile mode needs a stencil; the step is not a stencil: {tile}")
+        if backend != "cuda" or scope != "grid" or debug or staged or by_ref is not None or index_bits is not None:
+            raise ValueError("tile mode is for CUDA grid-scope kernels without debug, staging, by_ref or index_bits")
+        if tile.ndim != 1 or any(tile.periodic):
+            raise ValueError("tile mode covers one-dimensional, non-periodic stencils")
+        resident = sorted(i for pair in spec.swap for i in pair)
+        if not resident or not set(resident) <= set(tile.resident):
+            raise ValueError("tile mode keeps the swap pairs' arrays on chip: the stencil must make them resident")
+        ctx_params = ctx_params + [f"{_P}{n}" for n in _TILE_CTX]
+    tile_names = frozenset(spec.params[i].name for i in resident) if tile is not None else None
     pieces: list[_Lines] = []
     for h in spec.helpers:
         pieces.append(_render_function(h, spec.filename, backend, scope, False, helper_ctx, device_deco, sites,
                                        float_type, index_bits))
     step_lines = _render_function(spec.step, spec.filename, backend, scope, True, ctx_params, "", sites, float_type,
-                                  index_bits)
+                                  index_bits, tile_names)
 
     n = len(spec.params)
     kparams = [f"{_P}a{i}" for i in range(n)]
@@ -685,10 +726,17 @@ def render_kernel(spec: StepSpec, backend: str, scope: str = "grid", *, cache: b
     if staged and (backend != "cuda" or scope != "block"):
         raise ValueError("staging in shared memory exists for the CUDA block scope only")
     # the names the loop works on: the arguments, or their shared-memory copies
-    work = [f"{_P}w{i}" if i in staged else k for i, k in enumerate(kparams)]
+    work = [f"{_P}w{i}" if i in staged or i in resident else k for i, k in enumerate(kparams)]
     if staged:
         prologue += _staging_lines(staged, kparams)
     swap_lines = [f"{_INDENT * 2}{work[a]}, {work[b]} = {work[b]}, {work[a]}" for a, b in spec.swap]
+    tile_barrier = ""
+    if tile is not None:
+        written = [i for i in resident if spec.params[i].written]
+        tile_pro, tile_barrier, _, tile_copy = _tile_lines(tile, kparams, resident, written)
+        prologue += tile_pro
+        # the global buffers the edge cells go through swap with the tiles
+        swap_lines += [f"{_INDENT * 2}{_P}e{a}, {_P}e{b} = {_P}e{b}, {_P}e{a}" for a, b in spec.swap]
     # The end of a run is a rename: after k steps each parameter's buffer holds what its name
     # refers to after k swaps (the first the newest state, the second the one before), so a
     # run split into calls continues exactly. After an odd count the names point at each
@@ -705,7 +753,10 @@ def render_kernel(spec: StepSpec, backend: str, scope: str = "grid", *, cache: b
         for i in staged:
             if spec.params[i].written or i in swapped:
                 copy_lines += _flat_copy(kparams[i], work[i], 1, count_of=kparams[i])
-    pairs = [(a, b) for a, b in spec.swap if a not in staged]
+    if tile is not None:
+        # the tiles are written back by the rename rule: no exchange
+        copy_lines += tile_copy
+    pairs = [(a, b) for a, b in spec.swap if a not in staged and a not in resident]
     if pairs:
         copy_lines.append(f"{_INDENT}if _lk_t % 2 == 1:")
         if fence:
@@ -750,6 +801,9 @@ def render_kernel(spec: StepSpec, backend: str, scope: str = "grid", *, cache: b
         # a step that ends by returning a reduction's verdict already passed a barrier after
         # its last array access: the one inside the reduction
         barrier = "" if ends_in_reduction(spec.step) else f"{_P}rt.{scope}_sync({_P}bar)"
+        if tile is not None:
+            # never elided: the halo exchange needs it between the publish and the gather
+            barrier = tile_barrier
     else:
         thread_index = thread_count = barrier = ""
 
@@ -771,7 +825,8 @@ def render_kernel(spec: StepSpec, backend: str, scope: str = "grid", *, cache: b
         step_args="".join(f"{k}, " for k in work), thread_index=thread_index, thread_count=thread_count,
         barrier=barrier or "pass", swap="\n".join(swap_lines) or f"{_INDENT * 2}pass",
         copy_back="\n".join(copy_lines) or f"{_INDENT}pass", control="\n".join(control_lines),
-        debug_param=f", {_P}dbg" if debug else "", debug_args=f", {_P}dbg, {_P}t0 + {_P}t" if debug else "",
+        debug_param=f", {_P}dbg" if debug else "", extra_args=(f", {_P}dbg, {_P}t0 + {_P}t" if debug else
+                    "".join(f", {_P}{n}" for n in _TILE_CTX) if tile is not None else ""),
     )
     if backend == "cuda" and scope == "thread":
         mapping["poll"] = thread_poll
@@ -833,6 +888,71 @@ def always_reduces(e: ast.expr) -> bool:
     if isinstance(e, ast.Tuple):
         return any(always_reduces(x) for x in e.elts)
     return False   # names, constants, attributes: nothing is evaluated that reduces
+
+
+#: what a tile-mode step receives besides the usual context: its block's tile [tlo, thi), the
+#: tile's base (element 0 of a shared tile is element tb of the array), and the thread's
+#: index and count within the block
+_TILE_CTX = ("tlo", "thi", "tb", "btid", "bnt")
+
+
+def _tile_index(e):
+    """``e`` (an index into a tile-mode array) shifted by the tile's base; an index proven
+    non-negative stays so (an access inside the tile or its halo is at or above the base)."""
+    base = ast.Name(id=f"{_P}tb", ctx=ast.Load())
+    if is_nonneg_mark(e):
+        e = copy.copy(e)
+        e.args = [ast.BinOp(left=e.args[0], op=ast.Sub(), right=base)]
+        return e
+    return ast.BinOp(left=e, op=ast.Sub(), right=base)
+
+
+def _tile_lines(tile, kparams, resident, written) -> tuple[list, str, list, list]:  # noqa: C901
+    """(prologue lines, the step barrier's text, extra swap lines, copy-back lines) of a
+    tile-mode kernel: each block keeps its tile of every resident array (one contiguous range
+    of a 1-D index space, with the stencil's halo each side) in shared memory for the whole
+    run. After each step the block publishes the edge cells of the arrays the step wrote to
+    their global buffer (the one of this step's parity), passes the grid barrier, and reads its
+    neighbours' edge cells into its halo. At the end every tile is written back to the global
+    array its name refers to (the rename rule of swap pairs)."""
+    (hl, hr), = tile.halo
+    k0 = kparams[resident[0]]
+    i1, i2, i3 = _INDENT, _INDENT * 2, _INDENT * 3
+    pro = [f"{i1}{_P}n = {k0}.shape[0]",
+           f"{i1}{_P}T = ({_P}n + cuda.gridDim.x - 1) // cuda.gridDim.x",
+           f"{i1}{_P}tlo = min(cuda.blockIdx.x * {_P}T, {_P}n)",
+           f"{i1}{_P}thi = min({_P}tlo + {_P}T, {_P}n)",
+           f"{i1}{_P}tb = {_P}tlo - {hl}",
+           f"{i1}{_P}W = {_P}T + {hl + hr}",
+           f"{i1}{_P}btid = cuda.threadIdx.x",
+           f"{i1}{_P}bnt = cuda.blockDim.x",
+           f"{i1}{_P}sh = cuda.shared.array(0, {k0}.dtype)"]
+    for j, i in enumerate(resident):
+        pro += [f"{i1}{_P}w{i} = {_P}rt.tile_like({_P}sh, {j} * {_P}W, {_P}W, {kparams[i]})",
+                f"{i1}for {_P}k in range({_P}btid, {_P}W, {_P}bnt):",
+                f"{i2}{_P}c = {_P}tb + {_P}k",
+                f"{i2}if 0 <= {_P}c < {_P}n:",
+                f"{i3}{_P}w{i}[{_P}k] = {kparams[i]}[{_P}c]",
+                f"{i1}{_P}e{i} = {kparams[i]}"]
+    pro.append(f"{i1}cuda.syncthreads()")
+    bar = ["cuda.syncthreads()"]
+    if hl + hr and written:
+        bar += [f"for {_P}k in range({_P}btid, {hl + hr}, {_P}bnt):",
+                f"{_INDENT}{_P}c = {_P}tlo + {_P}k if {_P}k < {hr} else {_P}thi - {hl} + ({_P}k - {hr})",
+                f"{_INDENT}if {_P}tlo <= {_P}c < {_P}thi:"]
+        bar += [f"{_INDENT * 2}{_P}e{i}[{_P}c] = {_P}w{i}[{_P}c - {_P}tb]" for i in written]
+    bar.append(f"{_P}rt.grid_sync({_P}bar)")
+    if hl + hr and written:
+        bar += [f"for {_P}k in range({_P}btid, {hl + hr}, {_P}bnt):",
+                f"{_INDENT}{_P}c = {_P}tb + {_P}k if {_P}k < {hl} else {_P}thi + ({_P}k - {hl})",
+                f"{_INDENT}if 0 <= {_P}c < {_P}n and not ({_P}tlo <= {_P}c < {_P}thi):"]
+        bar += [f"{_INDENT * 2}{_P}w{i}[{_P}c - {_P}tb] = {_P}e{i}[{_P}c]" for i in written]
+        bar.append("cuda.syncthreads()")
+    barrier = ("\n" + i2).join(bar)
+    swaps = []
+    copy_back = [f"{i1}cuda.syncthreads()", f"{i1}for {_P}c in range({_P}tlo + {_P}btid, {_P}thi, {_P}bnt):"]
+    copy_back += [f"{i2}{kparams[i]}[{_P}c] = {_P}w{i}[{_P}c - {_P}tb]" for i in resident]
+    return pro, barrier, swaps, copy_back
 
 
 def _staging_lines(staged, kparams) -> list[str]:

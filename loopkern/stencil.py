@@ -32,7 +32,7 @@ This module is pure analysis (no Numba, no JAX): it reads a :class:`~loopkern.sp
 from __future__ import annotations
 
 import ast
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .spec import int_constant, is_helper_call, marker_of
 
@@ -55,7 +55,7 @@ class Stencil:
     halo: tuple[tuple[int, int], ...]
     periodic: tuple[bool, ...]
     resident: frozenset[int]
-    offsets: dict
+    offsets: dict = field(hash=False, compare=False)   # what the kernel depends on is above
 
 
 @dataclass(frozen=True)

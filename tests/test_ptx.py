@@ -24,7 +24,7 @@ def test_cuda_kernels_compile_to_ptx():
         assert r["cg"] == 0                       # loopkern's own barrier, not cudadevrt's
         # nothing to link (Numba cannot cache a kernel that links a library, e.g. reshape's)
         assert r["extern_funcs"] == 0, r
-        if r["scope"] == "grid":
+        if r["scope"] in ("grid", "tile"):
             assert r["own_barrier"] >= 1, r       # every grid kernel synchronises with it
         if r["scope"] == "thread":
             assert r["own_barrier"] == 0, r       # a sequential step pays no barrier
@@ -37,11 +37,12 @@ def test_cuda_kernels_compile_to_ptx():
             assert r["bounds_records"] >= 1 or not r["debug"], r
         else:
             assert (r["bounds_records"] >= 1) == r["debug"], r   # only debug kernels check bounds
-        if r["staged"]:
+        if r["staged"] or r["scope"] == "tile":
             assert r["dynamic_shared"] >= 1, r         # the arrays live in dynamic shared memory
         else:
             assert r["dynamic_shared"] == 0, r
     assert any(r["shuffles"] for r in recs if r["kernel"] in ("jacobi", "normalize"))
+    assert [r["scope"] for r in recs if r["scope"] == "tile"] == ["tile"]
     # loopkern's own element accesses: the stencils' loads and stores in the global state space
     # (Numba's own lowering emits generic ld/st for them)
     own = [r for r in recs if r["index_bits"] and r["kernel"] in ("heat", "jacobi", "life")]

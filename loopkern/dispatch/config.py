@@ -83,7 +83,7 @@ class LaunchConfig:
     """The grid a run is launched with.
 
     Attributes:
-        scope: ``"grid"``, ``"block"`` or ``"cpu"``.
+        scope: ``"grid"``, ``"block"``, ``"tile"`` (a grid keeping tiles on chip) or ``"cpu"``.
         blocks: blocks in the grid (1 for block scope).
         threads: threads per block.
     """
@@ -234,3 +234,64 @@ def _coresident_limit(kernel, threads: int) -> int:
 def _sm_count() -> int:
     from numba import cuda
     return int(cuda.get_current_device().MULTIPROCESSOR_COUNT)
+
+
+#: tile mode: the block counts tried, as multiples of the SM count, smallest first (the first
+#: whose tiles fit in shared memory and whose blocks can all be resident is taken)
+TILE_BLOCKS_PER_SM = (1, 2, 4, 8)
+
+
+def tile_config(kernel, n: int, cell_bytes: int, halo: tuple, threads: int | None, blocks: int | None,
+                simulator: bool) -> LaunchConfig:
+    """Blocks, threads and dynamic shared memory of a tile-mode launch (``scope="tile"``).
+
+    Each block keeps ``T = ceil(n / blocks)`` cells plus the halo (``halo`` = cells below,
+    above) of every resident array in shared memory: ``cell_bytes`` bytes per cell (the
+    resident arrays' itemsizes summed). A tile must be at least as long as the halo on either
+    side (a block's halo then comes from its two neighbours only).
+
+    Raises:
+        LaunchError: no block count fits (or the one asked for does not).
+    """
+    lo, hi = halo
+    wide = max(lo, hi, 1)
+    if threads is None:
+        threads = 64 if simulator else DEFAULT_THREADS
+    if threads % 32 or not 32 <= threads <= 1024:
+        raise LaunchError(f"threads={threads}: threads per block must be a multiple of 32 between 32 and 1024")
+
+    def shared_for(b):
+        return cell_bytes * (-(-n // b) + lo + hi)
+    if simulator:
+        if blocks not in (None, 1):
+            raise LaunchError(f"blocks={blocks}: Numba's CUDA simulator can run only one cooperative block; "
+                              f"pass blocks=1 (or leave it out)")
+        return LaunchConfig("tile", 1, threads, shared_for(1))
+    from numba import cuda
+
+    from . import driver
+    dev = cuda.get_current_device()
+    max_shared = int(getattr(dev, "MAX_SHARED_MEMORY_PER_BLOCK_OPTIN", 48 * 1024)) - int(
+        getattr(kernel, "shared_mem_per_block", 0))
+    # above 48 KiB a kernel must opt in, before the occupancy query and the launch
+    driver.allow_dynamic_shared(driver.kernel_handle(kernel), max_shared)
+    sms = _sm_count()
+    candidates = [blocks] if blocks is not None else [sms * k for k in TILE_BLOCKS_PER_SM]
+    why = []
+    for b in candidates:
+        if b < 1:
+            raise LaunchError(f"blocks={b}: must be at least 1")
+        if -(-n // b) < wide and b > 1:
+            why.append(f"{b} blocks make tiles of {-(-n // b)} cells, shorter than the halo ({wide})")
+            continue
+        shared = shared_for(b)
+        if shared > max_shared:
+            why.append(f"{b} blocks need {shared} bytes of shared memory per block (at most {max_shared})")
+            continue
+        limit = int(kernel.max_cooperative_grid_blocks(threads, shared))
+        if b > limit:
+            why.append(f"{b} blocks of {threads} threads with {shared} bytes each: at most {limit} fit at once")
+            continue
+        return LaunchConfig("tile", b, threads, shared)
+    raise LaunchError("scope='tile' cannot keep this field on chip: " + "; ".join(why)
+                      + "; use scope='grid'")

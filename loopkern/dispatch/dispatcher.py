@@ -31,7 +31,7 @@ from ..runs import (Run, RunHandle, EventWaiter, ThreadWaiter, _Stalled, note_ca
 from ..runtime.layout import BOUNDS, CANCEL, DBG_SIZE, HOST_SIZE, REQUEST, STEPS, STOPPED, WHY
 from . import checks, driver
 from .args import ArrayArg, apply_weak_floats, classify, weak_float_type
-from .config import LaunchConfig, choose_backend, cuda_config, plan_staging, resolve_scope
+from .config import LaunchConfig, choose_backend, cuda_config, plan_staging, resolve_scope, tile_config
 from .kernels import KernelCache, check_types, index_bits_for
 from .plan import PlanCache, make_plan
 from .signature import call_key
@@ -214,6 +214,8 @@ class Dispatcher:
         work = max([a.size for a in argv if isinstance(a, ArrayArg)] or [1])
         checks.check_thread_scope(spec, o.scope)
         scope = resolve_scope(o.scope, work, spec.parallel, spec.light_elements)
+        if scope == "tile":
+            return self._make_tile_plan(argv, run_values, float_type, o, sim)
         staged, stage_bytes = plan_staging(spec, argv) if scope == "block" else ((), 0)
         bits = index_bits_for([a.size for a in argv if isinstance(a, ArrayArg)], o.debug, staged)
         compiled = self.kernels.get("cuda", scope, debug=o.debug, staged=staged, control=o.control,
@@ -223,6 +225,44 @@ class Dispatcher:
         kernel = compiled.specialize_types(_cuda_kernel_types(types, o.debug))
         config = cuda_config(kernel, scope, work, o.threads, o.blocks, sim, shared=stage_bytes)
         return make_plan(spec, "cuda", argv, compiled, kernel, config, debug=o.debug, staged=staged,
+                         simulator=sim), run_values
+
+    def _make_tile_plan(self, argv, run_values, float_type, o: Options, sim: bool):
+        """The plan of a ``scope="tile"`` call: the step must be a one-dimensional stencil whose
+        swap pairs' arrays (kept on chip) share one length and dtype (ArgumentError otherwise)."""
+        from ..stencil import Stencil, find_stencil
+        spec = self.spec
+        if o.debug:
+            raise ArgumentError("scope='tile' has no bounds-checked kernel yet: run debug=True with scope='grid'")
+        st = self.__dict__.get("_stencil")
+        if st is None:
+            st = self._stencil = find_stencil(spec)
+        where = f"{spec.filename}:{getattr(st, 'line', spec.lineno)}"
+        if not isinstance(st, Stencil):
+            raise ArgumentError(f"scope='tile': step '{spec.name}' is not a stencil ({where}: {st.reason}); "
+                                f"use scope='grid'")
+        if st.ndim != 1 or any(st.periodic):
+            raise ArgumentError(f"scope='tile': step '{spec.name}' is a {st.ndim}-D"
+                                f"{' periodic' if any(st.periodic) else ''} stencil; tile mode covers "
+                                f"one-dimensional, non-periodic stencils for now: use scope='grid'")
+        resident = sorted(i for pair in spec.swap for i in pair)
+        if not resident:
+            raise ArgumentError(f"scope='tile' keeps the swap pairs' arrays on chip; step '{spec.name}' has no "
+                                f"swap pair: use scope='grid'")
+        arrays = [argv[i] for i in resident]
+        first = arrays[0]
+        for a in arrays:
+            if len(a.shape) != 1 or a.shape != first.shape or a.dtype != first.dtype:
+                raise ArgumentError(f"scope='tile': the arrays kept on chip must be 1-D of one length and dtype; "
+                                    f"'{first.name}' is {first.dtype}{list(first.shape)} and '{a.name}' is "
+                                    f"{a.dtype}{list(a.shape)}")
+        compiled = self.kernels.get("cuda", "grid", control=o.control, float_type=float_type, tile=st)
+        types = _cuda_param_types(compiled, argv)
+        check_types(spec, compiled, types, run_values)
+        kernel = compiled.specialize_types(_cuda_kernel_types(types, False))
+        config = tile_config(kernel, first.size, sum(a.dtype.itemsize for a in arrays), st.halo[0], o.threads,
+                             o.blocks, sim)
+        return make_plan(spec, "cuda", argv, compiled, kernel, config, debug=False, staged=(),
                          simulator=sim), run_values
 
     # -- running -------------------------------------------------------------------------------

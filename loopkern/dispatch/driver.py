@@ -48,6 +48,7 @@ class _Driver:
         self.memcpy_dtoh = fn("cuMemcpyDtoH_v2", vp, ctypes.c_uint64, sz)
         self.memset_d8 = fn("cuMemsetD8_v2", ctypes.c_uint64, ctypes.c_ubyte, sz)
         self.get_error_name = fn("cuGetErrorName", ctypes.c_int, ctypes.POINTER(ctypes.c_char_p))
+        self.func_set_attribute = fn("cuFuncSetAttribute", vp, ctypes.c_int, ctypes.c_int)
         # cuLaunchKernelEx (CUDA 12+) takes the grid as one prepared struct: called with four
         # ready ctypes objects and no argtypes, ctypes converts nothing, which saves a few
         # microseconds per launch against the eleven arguments of cuLaunchKernel
@@ -114,6 +115,16 @@ def kernel_handle(kernel) -> int:
     Numba-compiled kernel in the current context."""
     kernel.bind()
     return int(kernel._codelibrary.get_cufunc().handle)
+
+
+CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
+
+
+def allow_dynamic_shared(func: int, nbytes: int):
+    """Let kernel ``func`` launch with ``nbytes`` of dynamic shared memory (above 48 KiB a
+    kernel must opt in)."""
+    check(driver().func_set_attribute(func, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, nbytes),
+          "cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES)")
 
 
 def new_event() -> int:

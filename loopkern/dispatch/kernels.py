@@ -1,5 +1,6 @@
 """The compiled kernels of one step: rendered and loaded once per variant (backend, scope,
-scalars by reference, debug, staged arrays, run control, float type, element access lowering),
+scalars by reference, debug, staged arrays, run control, float type, element access lowering,
+tile mode),
 compiled by Numba once per argument-type signature."""
 
 from __future__ import annotations
@@ -20,11 +21,11 @@ class KernelCache:
         self._lock = threading.Lock()
 
     def get(self, backend, scope, by_ref=None, debug=False, staged=(), control=True, float_type=None,
-            index_bits=None):
+            index_bits=None, tile=None):
         """The :class:`~loopkern.compile.CompiledKernel` of one variant (rendered and loaded on
         first use; Numba compiles it per argument types in ``specialize``)."""
         from ..compile import compile_kernel, runtime_fingerprint, simulator_enabled
-        key = (backend, scope, by_ref, debug, staged, control, float_type, index_bits)
+        key = (backend, scope, by_ref, debug, staged, control, float_type, index_bits, tile)
         k = self.variants.get(key)
         if k is None:
             with self._lock:
@@ -34,7 +35,7 @@ class KernelCache:
                     src = codegen.render_kernel(self.spec, backend, scope, cache=cache,
                                                 fingerprint=f"runtime {runtime_fingerprint()}", by_ref=by_ref,
                                                 debug=debug, staged=staged, control=control,
-                                                float_type=float_type, index_bits=index_bits)
+                                                float_type=float_type, index_bits=index_bits, tile=tile)
                     k = self.variants[key] = compile_kernel(src)
         return k
 

@@ -214,7 +214,7 @@ class LaunchPlan:
             from . import driver
             self.func = driver.kernel_handle(kernel)
             c = config
-            self._launch = driver.make_launcher(self.func, c.blocks, c.threads, c.shared, c.scope == "grid")
+            self._launch = driver.make_launcher(self.func, c.blocks, c.threads, c.shared, c.scope in ("grid", "tile"))
             self._event_record = driver.driver().event_record
         self.device_words = [params[i].word + 4 for i in self.devices]   # each array's data pointer
         self.slots = buffers.FreeList(lambda: Slot(self))

@@ -173,6 +173,9 @@ def _cuda_options(mk, sig, scope, threads, blocks):
     work = max([math.prod(shape) for shape, _ in sig if shape is not None] or [1])
     scope = resolve_scope(scope or defaults["scope"], work, spec.parallel, spec.light_elements)
     checks.check_thread_scope(spec, scope)
+    if scope == "tile":
+        raise ArgumentError(f"{spec.name}.jax(): scope='tile' is not available under kernel.jax yet; "
+                            f"use scope='grid'")
     # the cubin is loaded into (and the occupancy asked of) Numba's current device, for traced
     # and concrete arrays alike (CompiledKernel.load_for_ffi): what the built call depends on
     device = cuda.get_current_device().id

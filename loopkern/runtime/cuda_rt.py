@@ -405,6 +405,23 @@ def grid_finish(host, bar, t, why):
             finish(host, t, why)
 
 
+@cuda.jit(device=True)
+def tile_range(lo, hi, st, tlo, thi):
+    """The part of ``range(lo, hi, st)`` whose values lie in this block's tile ``[tlo, thi)``:
+    (first, stop) of a range with the same step (empty when ``first`` fails the loop's test)."""
+    if st > 0:
+        first = lo
+        if first < tlo:
+            first = lo + ((tlo - lo + st - 1) // st) * st
+        return first, min(hi, thi)
+    if st < 0:
+        first = lo
+        if first > thi - 1:
+            first = lo - ((lo - (thi - 1) - st - 1) // -st) * -st
+        return first, max(hi, tlo - 1)
+    return lo, lo
+
+
 from . import bounds as _bounds  # noqa: E402
 
 if SIMULATOR:
@@ -443,19 +460,16 @@ else:
     from numba.core import cgutils
     from numba.np.arrayobj import populate_array
 
-    @intrinsic
-    def shared_like(typingctx, sh, off, a):
-        """A C-contiguous view of ``sh[off:off + a.size]`` with ``a``'s shape, built directly:
-        ``reshape`` would link a helper library into the kernel, and Numba cannot cache
-        kernels that link one."""
+    def _view_of(sh, a, sh_arg, off_arg, a_arg):
+        """(signature maker, codegen) of a C-contiguous view of shared array ``sh`` from an
+        element offset, with array ``a``'s shape (argument positions given)."""
         ret = _types.Array(sh.dtype, a.ndim, "C")
-        sig = ret(sh, off, a)
 
         def codegen(context, builder, sig, args):
-            src = context.make_array(sig.args[0])(context, builder, args[0])
-            like = context.make_array(sig.args[2])(context, builder, args[2])
+            src = context.make_array(sig.args[sh_arg])(context, builder, args[sh_arg])
+            like = context.make_array(sig.args[a_arg])(context, builder, args[a_arg])
             out = context.make_array(ret)(context, builder)
-            start = context.cast(builder, args[1], sig.args[1], _types.intp)
+            start = context.cast(builder, args[off_arg], sig.args[off_arg], _types.intp)
             data = builder.gep(src.data, [start])
             shape = cgutils.unpack_tuple(builder, like.shape, a.ndim)
             itemsize = context.get_constant(_types.intp, context.get_abi_sizeof(context.get_data_type(sh.dtype)))
@@ -466,7 +480,43 @@ else:
             populate_array(out, data=data, shape=cgutils.pack_array(builder, shape),
                            strides=cgutils.pack_array(builder, strides), itemsize=itemsize, meminfo=None)
             return out._getvalue()
-        return sig, codegen
+        return ret, codegen
+
+    @intrinsic
+    def shared_like(typingctx, sh, off, a):
+        """A C-contiguous view of ``sh[off:off + a.size]`` with ``a``'s shape, built directly:
+        ``reshape`` would link a helper library into the kernel, and Numba cannot cache
+        kernels that link one."""
+        ret, codegen = _view_of(sh, a, 0, 1, 2)
+        return ret(sh, off, a), codegen
+
+
+# -- tile mode: a block's tile of a 1-D array in shared memory (codegen._tile_lines) -------------
+if SIMULATOR:
+    class _TileView:
+        """``width`` elements of shared memory from ``off`` that report ``a``'s shape (the
+        generated step reads ``u.shape[0]`` and indexes the tile relative to its base)."""
+
+        def __init__(self, sh, off, width, a):
+            self._data = sh[off:off + width]
+            self.shape, self.dtype, self.size, self.ndim = a.shape, a.dtype, a.size, a.ndim
+
+        def __getitem__(self, idx):
+            return self._data[idx]
+
+        def __setitem__(self, idx, value):
+            self._data[idx] = value
+
+    def tile_like(sh, off, width, a):
+        """The tile view of ``sh[off:off + width]`` with ``a``'s shape (see the GPU version)."""
+        return _TileView(sh, off, width, a)
+else:
+    @intrinsic
+    def tile_like(typingctx, sh, off, width, a):
+        """``sh[off:off + width]`` as an array with ``a``'s shape: the tile of ``a`` kept in
+        shared memory, of which only the first ``width`` elements are ever indexed."""
+        ret, codegen = _view_of(sh, a, 0, 1, 3)
+        return ret(sh, off, width, a), codegen
 
 
 # -- array elements: loopkern's own loads and stores (see arrays.py) -----------------------------

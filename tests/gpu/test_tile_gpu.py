@@ -1,0 +1,89 @@
+"""scope="tile" on the GPU: each block keeps its tile of the swap pairs' arrays in shared memory
+for the whole run and exchanges only its edge cells. Every run is compared bit for bit with the
+same step in scope="grid" (the same arithmetic in the same order, so any difference is a
+missing or stale halo cell) and with a float64 reference, over thousands of steps, at several
+block counts, on fields that do not divide into equal tiles; a run stopped by its timeout must
+hold exactly ``run.steps`` steps."""
+
+import numpy as np
+import pytest
+
+import loopkern as lk
+import refs
+import workloads as W
+
+pytestmark = pytest.mark.gpu
+
+
+def _cuda():
+    from numba import cuda
+    return cuda
+
+
+def wide_step(t, u, v, c):
+    n = u.shape[0]
+    for i in lk.range(3, n - 2):
+        v[i] = u[i] + c * (u[i - 3] - u[i + 2]) + c * c * (u[i + 1] - u[i - 1])
+    for i in lk.range(0, 3):
+        v[i] = u[i]
+    for i in lk.range(n - 2, n):
+        v[i] = u[i]
+
+
+def _both(k, u0, scalars, steps, blocks, dtype=np.float32, **kw):
+    cuda = _cuda()
+    out = {}
+    for scope in ("tile", "grid"):
+        u, v = cuda.to_device(u0.astype(dtype)), cuda.to_device(u0.astype(dtype))
+        run = k(u, v, *scalars, steps=steps, backend="cuda", scope=scope,
+                blocks=blocks if scope == "tile" else None, **kw)
+        assert run.scope == scope and run.steps == steps
+        out[scope] = (u.copy_to_host(), v.copy_to_host(), run)
+    return out
+
+
+@pytest.mark.parametrize("n", [65536 + 7, 1 << 20])
+@pytest.mark.parametrize("blocks", [None, 7, 132])
+def test_heat_in_tile_mode_equals_the_grid_scope_bit_for_bit(n, blocks, rng):
+    k = lk.megakernel(W.heat_step, swap=[("u", "v")])
+    u0 = rng.random(n)
+    steps = 2001                                # odd: the end-of-run rename too
+    out = _both(k, u0, (np.float32(0.25),), steps, blocks)
+    np.testing.assert_array_equal(out["tile"][0], out["grid"][0])
+    np.testing.assert_array_equal(out["tile"][1], out["grid"][1])
+    exact = refs.heat_exact(u0.astype(np.float32), steps, 0.25)
+    assert np.abs(out["tile"][0] - exact).max() < 1e-4
+    if blocks is not None:
+        assert out["tile"][2].blocks == blocks
+
+
+@pytest.mark.parametrize("blocks", [3, 50, None])
+def test_a_wide_uneven_stencil_in_tile_mode(blocks, rng):
+    k = lk.megakernel(wide_step, swap=[("u", "v")])
+    u0 = rng.random(100003)
+    out = _both(k, u0, (0.05,), 999, blocks, dtype=np.float64)
+    np.testing.assert_array_equal(out["tile"][0], out["grid"][0])
+    np.testing.assert_array_equal(out["tile"][1], out["grid"][1])
+
+
+def test_tiles_above_48_kib_of_shared_memory(rng):
+    # 4M float32 cells: the tiles need more than 48 KiB per block, so the kernel opts in
+    k = lk.megakernel(W.heat_step, swap=[("u", "v")])
+    u0 = rng.random(1 << 22)
+    out = _both(k, u0, (np.float32(0.25),), 300, None)
+    cfg = out["tile"][2]
+    assert 2 * 4 * (-(-(1 << 22) // cfg.blocks)) > 48 * 1024
+    np.testing.assert_array_equal(out["tile"][0], out["grid"][0])
+
+
+def test_a_timeout_leaves_exactly_run_steps_steps(rng):
+    cuda = _cuda()
+    k = lk.megakernel(W.heat_step, swap=[("u", "v")])
+    u0 = rng.random(1 << 20).astype(np.float32)
+    u, v = cuda.to_device(u0), cuda.to_device(u0)
+    run = k(u, v, np.float32(0.25), steps=10 ** 8, backend="cuda", scope="tile", timeout=0.3)
+    assert run.stopped == "timeout" and 0 < run.steps < 10 ** 8
+    a, b = cuda.to_device(u0), cuda.to_device(u0)
+    k(a, b, np.float32(0.25), steps=run.steps, backend="cuda", scope="grid")
+    np.testing.assert_array_equal(u.copy_to_host(), a.copy_to_host())
+    np.testing.assert_array_equal(v.copy_to_host(), b.copy_to_host())

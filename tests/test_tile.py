@@ -1,0 +1,129 @@
+"""Tile mode (on-chip residency, experimental): each block keeps its tile of the swap pairs'
+arrays in shared memory for the whole run. These tests compile the tile-mode kernels to PTX and
+run them under Numba's CUDA simulator with ONE block (the simulator cannot run a grid barrier
+across blocks): the tile then covers the whole array, so they check the index shift, the
+tile-restricted loops, the halo at the domain's ends, the end-of-run rename and the early
+stops, not the exchange between blocks, which needs a GPU."""
+
+import numpy as np
+import pytest
+
+import loopkern as lk
+import refs
+import workloads as W
+from loopkern import codegen
+from loopkern.compile import compile_kernel
+from loopkern.runtime.layout import DONE, HOST_SIZE, STEPS
+from loopkern.stencil import find_stencil
+
+pytestmark = pytest.mark.sim
+
+
+def wide_step(t, u, v, c):
+    n = u.shape[0]
+    for i in lk.range(2, n - 2):
+        v[i] = u[i] + c * (u[i - 2] - u[i + 2]) + c * c * u[i + 1]
+    for i in lk.range(0, 2):
+        v[i] = u[i]
+    for i in lk.range(n - 2, n):
+        v[i] = u[i]
+
+
+def wide_ref(u0, steps, c):
+    u = u0.astype(np.float64)
+    for _ in range(steps):
+        v = u.copy()
+        v[2:-2] = u[2:-2] + c * (u[:-4] - u[4:]) + c * c * u[3:-1]
+        u = v
+    return u
+
+
+def run_tile(fn, swap, arrays, scalars, steps, threads=32, start=0):
+    from numba import cuda
+    k = lk.megakernel(fn, swap=swap)
+    st = find_stencil(k.spec)
+    src = codegen.render_kernel(k.spec, "cuda", "grid", cache=False, tile=st)
+    kern = compile_kernel(src).dispatcher
+    n = arrays[0].shape[0]
+    (hl, hr), = st.halo
+    shared = 2 * (n + hl + hr) * arrays[0].dtype.itemsize
+    dev = [cuda.to_device(a) for a in arrays]
+    host = np.zeros(HOST_SIZE, np.int64)
+    args = [np.int64(steps), np.int64(start), *dev, *scalars, cuda.to_device(np.zeros((2, 1))),
+            cuda.to_device(np.zeros((2, 1), np.int64)), cuda.to_device(np.zeros(2, np.uint32)), np.uint64(0),
+            cuda.to_device(np.zeros(2, np.int64)), host]
+    kern[1, threads, 0, shared](*args)
+    assert host[DONE] == 1 and host[STEPS] == steps
+    return [d.copy_to_host() for d in dev], host
+
+
+@pytest.mark.parametrize("steps", [0, 1, 2, 7])
+def test_heat_in_tile_mode_matches_the_exact_solution(steps, rng):
+    u0 = rng.random(150)
+    (u, v), host = run_tile(W.heat_step, [("u", "v")], [u0, u0.copy()], (0.3,), steps)
+    np.testing.assert_allclose(u, refs.heat_exact(u0, steps, 0.3), rtol=1e-12, atol=1e-14)
+    if steps:
+        np.testing.assert_allclose(v, refs.heat_exact(u0, steps - 1, 0.3), rtol=1e-12, atol=1e-14)
+    else:
+        np.testing.assert_array_equal(v, u0)
+
+
+@pytest.mark.parametrize("threads", [32, 64])
+def test_a_wide_one_sided_stencil_in_tile_mode(threads, rng):
+    u0 = rng.random(97)
+    (u, _), _ = run_tile(wide_step, [("u", "v")], [u0, u0.copy()], (0.1,), 5, threads=threads)
+    assert find_stencil(lk.megakernel(wide_step, swap=[("u", "v")]).spec).halo == ((2, 2),)
+    np.testing.assert_allclose(u, wide_ref(u0, 5, 0.1), rtol=1e-12)
+
+
+def test_tile_mode_refuses_what_it_does_not_cover():
+    k = lk.megakernel(W.life_step, swap=[("a", "b")])
+    with pytest.raises(ValueError, match="one-dimensional"):
+        codegen.render_kernel(k.spec, "cuda", "grid", tile=find_stencil(k.spec))
+    h = lk.megakernel(W.heat_step, swap=[("u", "v")])
+    st = find_stencil(h.spec)
+    for kw in (dict(scope="block"), dict(debug=True), dict(index_bits=64)):
+        opts = dict(scope="grid") | kw
+        with pytest.raises(ValueError, match="tile mode"):
+            codegen.render_kernel(h.spec, "cuda", opts.pop("scope"), tile=st, **opts)
+    with pytest.raises(ValueError, match="not a stencil"):
+        codegen.render_kernel(h.spec, "cuda", "grid", tile=find_stencil(lk.megakernel(W.helper_step, swap=[("u", "v")]).spec))
+
+
+def test_scope_tile_through_a_call_continues_runs_exactly(rng):
+    from numba import cuda
+    k = lk.megakernel(W.heat_step, swap=[("u", "v")])
+    u0 = rng.random(120)
+    u, v = cuda.to_device(u0), cuda.to_device(u0)
+    t = 0
+    for steps in (3, 4, 1):
+        run = k(u, v, 0.25, steps=steps, start=t, backend="cuda", scope="tile")
+        assert (run.scope, run.blocks, run.steps) == ("tile", 1, steps)
+        t = run.next_start
+    np.testing.assert_allclose(u.copy_to_host(), refs.heat_exact(u0, 8, 0.25), rtol=1e-12, atol=1e-14)
+    np.testing.assert_allclose(v.copy_to_host(), refs.heat_exact(u0, 7, 0.25), rtol=1e-12, atol=1e-14)
+    # NumPy arrays go through device copies, as in every scope
+    a, b = u0.copy(), u0.copy()
+    k(a, b, 0.25, steps=5, backend="cuda", scope="tile")
+    np.testing.assert_allclose(a, refs.heat_exact(u0, 5, 0.25), rtol=1e-12, atol=1e-14)
+
+
+def test_scope_tile_says_why_it_cannot_run(rng):
+    from numba import cuda
+    from loopkern.errors import ArgumentError
+    x = cuda.to_device(rng.random(64))
+    y = cuda.to_device(rng.random(64))
+    helper = lk.megakernel(W.helper_step, swap=[("u", "v")])
+    with pytest.raises(ArgumentError, match="is not a stencil .*an array is passed to a helper function"):
+        helper(x, y, 0.1, steps=1, backend="cuda", scope="tile")
+    life = lk.megakernel(W.life_step, swap=[("a", "b")])
+    g = cuda.to_device(np.zeros((8, 8), np.int64))
+    h = cuda.to_device(np.zeros((8, 8), np.int64))
+    with pytest.raises(ArgumentError, match="2-D periodic stencil"):
+        life(g, h, cuda.to_device(np.zeros(4, np.int64)), steps=1, backend="cuda", scope="tile")
+    heat = lk.megakernel(W.heat_step, swap=[("u", "v")])
+    with pytest.raises(ArgumentError, match="debug=True with scope='grid'"):
+        heat(x, y, 0.1, steps=1, backend="cuda", scope="tile", debug=True)
+    no_swap = lk.megakernel(W.heat_step)
+    with pytest.raises(ArgumentError, match="no swap pair"):
+        no_swap(x, y, 0.1, steps=1, backend="cuda", scope="tile")
