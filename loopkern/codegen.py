@@ -733,7 +733,7 @@ def render_kernel(spec: StepSpec, backend: str, scope: str = "grid", *, cache: b
     tile_barrier = ""
     if tile is not None:
         written = [i for i in resident if spec.params[i].written]
-        tile_pro, tile_barrier, _, tile_copy = _tile_lines(tile, kparams, resident, written)
+        tile_pro, tile_barrier, tile_copy = _tile_lines(tile, kparams, resident, written)
         prologue += tile_pro
         # the global buffers the edge cells go through swap with the tiles
         swap_lines += [f"{_INDENT * 2}{_P}e{a}, {_P}e{b} = {_P}e{b}, {_P}e{a}" for a, b in spec.swap]
@@ -907,8 +907,8 @@ def _tile_index(e):
     return ast.BinOp(left=e, op=ast.Sub(), right=base)
 
 
-def _tile_lines(tile, kparams, resident, written) -> tuple[list, str, list, list]:  # noqa: C901
-    """(prologue lines, the step barrier's text, extra swap lines, copy-back lines) of a
+def _tile_lines(tile, kparams, resident, written) -> tuple[list, str, list]:
+    """(prologue lines, the step barrier's text, copy-back lines) of a
     tile-mode kernel: each block keeps its tile of every resident array (one contiguous range
     of a 1-D index space, with the stencil's halo each side) in shared memory for the whole
     run. After each step the block publishes the edge cells of the arrays the step wrote to
@@ -949,10 +949,9 @@ def _tile_lines(tile, kparams, resident, written) -> tuple[list, str, list, list
         bar += [f"{_INDENT * 2}{_P}w{i}[{_P}c - {_P}tb] = {_P}e{i}[{_P}c]" for i in written]
         bar.append("cuda.syncthreads()")
     barrier = ("\n" + i2).join(bar)
-    swaps = []
     copy_back = [f"{i1}cuda.syncthreads()", f"{i1}for {_P}c in range({_P}tlo + {_P}btid, {_P}thi, {_P}bnt):"]
     copy_back += [f"{i2}{kparams[i]}[{_P}c] = {_P}w{i}[{_P}c - {_P}tb]" for i in resident]
-    return pro, barrier, swaps, copy_back
+    return pro, barrier, copy_back
 
 
 def _staging_lines(staged, kparams) -> list[str]:
