@@ -78,8 +78,9 @@ class MegaKernel:
             scope: "auto", "grid", "block", "thread" or "tile" (CUDA only; "thread" is one thread
                 with no barrier, for a step without parallel constructs, which "auto" picks for
                 it; "tile", experimental, is a grid whose blocks keep their tiles of the swap
-                pairs' arrays in shared memory for the whole run, for one-dimensional
-                non-periodic stencils: ArgumentError says why a step does not qualify).
+                pairs' arrays in shared memory for the whole run, for 1-D and 2-D stencils
+                that do not wrap around along the first dimension: ArgumentError says why a
+                step does not qualify).
             threads: threads per block (CUDA only; a multiple of 32).
             blocks: blocks in the grid (CUDA grid scope; must all fit on the device at once).
             seed: the seed of ``lk.random`` draws (an integer from 0 to 2**64 - 1).

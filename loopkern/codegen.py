@@ -160,7 +160,11 @@ class _Lower(ast.NodeTransformer):
     def visit_Subscript(self, node):
         self.generic_visit(node)
         if isinstance(node.value, ast.Name) and node.value.id in self.tile_arrays:
-            node.slice = _tile_index(node.slice)
+            # the tile holds a range of the first dimension: only that index moves
+            if isinstance(node.slice, ast.Tuple):
+                node.slice.elts = [_tile_index(node.slice.elts[0])] + node.slice.elts[1:]
+            else:
+                node.slice = _tile_index(node.slice)
             return node
         if not isinstance(node.ctx, ast.Load) or not isinstance(node.value, ast.Name):
             return node
@@ -404,9 +408,15 @@ class _BodyWriter:
         The advance happens before the body, so 'continue' in the body is safe.
         """
         k = self.loop_id = self.loop_id + 1
-        if self.tile:
-            raise ValueError("tile mode covers steps whose parallel loops are lk.range loops")
         dims = [(a.elts[0], a.elts[1]) if isinstance(a, ast.Tuple) else (ast.Constant(0), a) for a in args]
+        tid, nt = (f"{_P}btid", f"{_P}bnt") if self.tile else (f"{_P}tid", f"{_P}nt")
+        if self.tile:
+            # tile mode: this block's threads take the rows of its tile
+            lo0, hi0 = dims[0]
+            dims[0] = (ast.Call(func=ast.Name(id="max", ctx=ast.Load()), args=[lo0, ast.Name(id=f"{_P}tlo", ctx=ast.Load())],
+                                keywords=[]),
+                       ast.Call(func=ast.Name(id="min", ctx=ast.Load()), args=[hi0, ast.Name(id=f"{_P}thi", ctx=ast.Load())],
+                                keywords=[]))
         nd = len(dims)
         single = isinstance(s.target, ast.Name)
         names = [f"{_P}g{k}_i{d}" for d in range(nd)] if single else [_src(e) for e in s.target.elts]
@@ -428,7 +438,7 @@ class _BodyWriter:
         self.out.add(depth, f"{total} = {' * '.join(ns)}", s)
         cs = [f"{_P}g{k}_c{d}" for d in range(nd)]
         ss = [f"{_P}g{k}_s{d}" for d in range(nd)]
-        for digits, x in ((cs, f"{_P}tid"), (ss, f"{_P}nt")):
+        for digits, x in ((cs, tid), (ss, nt)):
             rest = f"{_P}g{k}_x"
             self.out.add(depth, f"{rest} = {x}", s)
             for d in range(nd - 1, 0, -1):
@@ -449,10 +459,10 @@ class _BodyWriter:
             return lines
         cur = f"{_P}g{k}"
         index_names = names + ([_src(s.target)] if single else [])
-        start = f"{_P}tid"
-        if not self.unrolled(s, index_names, depth, k, cur, start, total, take):
+        start = tid
+        if self.tile or not self.unrolled(s, index_names, depth, k, cur, start, total, take):
             self.out.add(depth, f"{cur} = {start}", s)
-        self.strided_loop(s, depth, f"{cur} < {total}", take(0, lambda n: n) + [f"{cur} += {_P}nt"])
+        self.strided_loop(s, depth, f"{cur} < {total}", take(0, lambda n: n) + [f"{cur} += {nt}"])
 
     def unrolled(self, s, index_names, depth, k, cur, start, stop, take):
         """Emit an unrolled loop over this thread's indices when that cannot change the result.
@@ -652,12 +662,13 @@ def render_kernel(spec: StepSpec, backend: str, scope: str = "grid", *, cache: b
             and stores, addresses from the shape; 32: offsets in 32 bits, for arrays of fewer
             than 2**31 elements); None leaves every access to Numba.
         tile: (CUDA grid scope; experimental, not yet run on a GPU) a
-            :class:`~loopkern.stencil.Stencil` of ``spec`` over one dimension, not periodic:
-            each block keeps its tile of the swap pairs' arrays (all of one dtype) in dynamic
-            shared memory for the whole run, ``(T + halo) * itemsize`` bytes per array with
-            ``T = ceil(n / blocks)`` and ``halo`` both sides' widths, which the launch must
-            provide; only edge cells go through global memory (see ``_tile_lines``). ``T`` must
-            be at least the halo on either side.
+            :class:`~loopkern.stencil.Stencil` of ``spec`` over one or two dimensions that
+            does not wrap around along the first: each block keeps its tile of the swap pairs'
+            arrays (all of one dtype and shape) in dynamic shared memory for the whole run,
+            ``(T + halo) * row * itemsize`` bytes per array with ``T = ceil(n / blocks)`` rows
+            (cells in 1-D) of ``row`` elements and ``halo`` both sides' widths along the first
+            dimension, which the launch must provide; only edge rows go through global memory
+            (see ``_tile_lines``). ``T`` must be at least the halo on either side.
 
     Returns:
         The :class:`KernelSource`.
@@ -693,8 +704,9 @@ def render_kernel(spec: StepSpec, backend: str, scope: str = "grid", *, cache: b
             raise ValueError(f"tile mode needs a stencil; the step is not a stencil: {tile}")
         if backend != "cuda" or scope != "grid" or debug or staged or by_ref is not None or index_bits is not None:
             raise ValueError("tile mode is for CUDA grid-scope kernels without debug, staging, by_ref or index_bits")
-        if tile.ndim != 1 or any(tile.periodic):
-            raise ValueError("tile mode covers one-dimensional, non-periodic stencils")
+        if tile.ndim not in (1, 2) or tile.periodic[0]:
+            raise ValueError("tile mode covers one- and two-dimensional stencils that do not wrap around along "
+                             "the first dimension")
         resident = sorted(i for pair in spec.swap for i in pair)
         if not resident or not set(resident) <= set(tile.resident):
             raise ValueError("tile mode keeps the swap pairs' arrays on chip: the stencil must make them resident")
@@ -908,14 +920,19 @@ def _tile_index(e):
 
 
 def _tile_lines(tile, kparams, resident, written) -> tuple[list, str, list]:
-    """(prologue lines, the step barrier's text, copy-back lines) of a
-    tile-mode kernel: each block keeps its tile of every resident array (one contiguous range
-    of a 1-D index space, with the stencil's halo each side) in shared memory for the whole
-    run. After each step the block publishes the edge cells of the arrays the step wrote to
-    their global buffer (the one of this step's parity), passes the grid barrier, and reads its
-    neighbours' edge cells into its halo. At the end every tile is written back to the global
-    array its name refers to (the rename rule of swap pairs)."""
-    (hl, hr), = tile.halo
+    """(prologue lines, the step barrier's text, copy-back lines) of a tile-mode kernel.
+
+    Each block keeps its tile of every resident array in shared memory for the whole run: one
+    contiguous range of the first dimension (cells of a 1-D array, whole rows of a 2-D one),
+    with the stencil's halo along that dimension on each side. After each step the block
+    publishes the edge cells (rows) of the arrays the step wrote to their global buffer (the
+    one of this step's parity), passes the grid barrier, and reads its neighbours' edge cells
+    into its halo. At the end every tile is written back to the global array its name refers
+    to (the rename rule of swap pairs). A 2-D tile holds whole rows, so the second dimension
+    needs no exchange (and may wrap around: it is all on chip).
+    """
+    (hl, hr) = tile.halo[0]
+    two = tile.ndim == 2
     k0 = kparams[resident[0]]
     i1, i2, i3 = _INDENT, _INDENT * 2, _INDENT * 3
     pro = [f"{i1}{_P}n = {k0}.shape[0]",
@@ -926,31 +943,50 @@ def _tile_lines(tile, kparams, resident, written) -> tuple[list, str, list]:
            f"{i1}{_P}W = {_P}T + {hl + hr}",
            f"{i1}{_P}btid = cuda.threadIdx.x",
            f"{i1}{_P}bnt = cuda.blockDim.x",
+           f"{i1}{_P}m = {k0}.shape[1]" if two else f"{i1}{_P}m = 1",
            f"{i1}{_P}sh = cuda.shared.array(0, {k0}.dtype)"]
+
+    def cells(depth, head, guard, body):
+        """Lines running ``body`` (statements using _lk_c, the cell or row of the array, and
+        _lk_j, the column) for each row or cell that ``head`` (a for over _lk_r) and ``guard``
+        (a condition on _lk_c) select, the block's threads sharing the work."""
+        ind = _INDENT * depth
+        if two:
+            return [f"{ind}for {_P}r in {head}:", f"{ind}{_INDENT}{_P}c = {guard[0]}",
+                    f"{ind}{_INDENT}if {guard[1]}:",
+                    f"{ind}{_INDENT * 2}for {_P}j in range({_P}btid, {_P}m, {_P}bnt):"] + \
+                [f"{ind}{_INDENT * 3}{b}" for b in body]
+        return [f"{ind}for {_P}r in {head.replace('range(', f'range({_P}btid, ', 1).replace(')', f', {_P}bnt)', 1)}:",
+                f"{ind}{_INDENT}{_P}c = {guard[0]}", f"{ind}{_INDENT}if {guard[1]}:"] + \
+            [f"{ind}{_INDENT * 2}{b}" for b in body]
+
+    def at(name, row):
+        return f"{name}[{row}, {_P}j]" if two else f"{name}[{row}]"
     for j, i in enumerate(resident):
-        pro += [f"{i1}{_P}w{i} = {_P}rt.tile_like({_P}sh, {j} * {_P}W, {_P}W, {kparams[i]})",
-                f"{i1}for {_P}k in range({_P}btid, {_P}W, {_P}bnt):",
-                f"{i2}{_P}c = {_P}tb + {_P}k",
-                f"{i2}if 0 <= {_P}c < {_P}n:",
-                f"{i3}{_P}w{i}[{_P}k] = {kparams[i]}[{_P}c]",
-                f"{i1}{_P}e{i} = {kparams[i]}"]
+        pro.append(f"{i1}{_P}w{i} = {_P}rt.tile_like({_P}sh, {j} * {_P}W * {_P}m, {_P}W * {_P}m, {kparams[i]})")
+        pro += cells(1, f"range({_P}W)", (f"{_P}tb + {_P}r", f"0 <= {_P}c < {_P}n"),
+                     [f"{at(f'{_P}w{i}', f'{_P}r')} = {at(kparams[i], f'{_P}c')}"])
+        pro.append(f"{i1}{_P}e{i} = {kparams[i]}")
     pro.append(f"{i1}cuda.syncthreads()")
     bar = ["cuda.syncthreads()"]
     if hl + hr and written:
-        bar += [f"for {_P}k in range({_P}btid, {hl + hr}, {_P}bnt):",
-                f"{_INDENT}{_P}c = {_P}tlo + {_P}k if {_P}k < {hr} else {_P}thi - {hl} + ({_P}k - {hr})",
-                f"{_INDENT}if {_P}tlo <= {_P}c < {_P}thi:"]
-        bar += [f"{_INDENT * 2}{_P}e{i}[{_P}c] = {_P}w{i}[{_P}c - {_P}tb]" for i in written]
+        bar += [ln[len(i2):] for ln in cells(
+            2, f"range({hl + hr})",
+            (f"{_P}tlo + {_P}r if {_P}r < {hr} else {_P}thi - {hl} + ({_P}r - {hr})",
+             f"{_P}tlo <= {_P}c < {_P}thi"),
+            [f"{at(f'{_P}e{i}', f'{_P}c')} = {at(f'{_P}w{i}', f'{_P}c - {_P}tb')}" for i in written])]
     bar.append(f"{_P}rt.grid_sync({_P}bar)")
     if hl + hr and written:
-        bar += [f"for {_P}k in range({_P}btid, {hl + hr}, {_P}bnt):",
-                f"{_INDENT}{_P}c = {_P}tb + {_P}k if {_P}k < {hl} else {_P}thi + ({_P}k - {hl})",
-                f"{_INDENT}if 0 <= {_P}c < {_P}n and not ({_P}tlo <= {_P}c < {_P}thi):"]
-        bar += [f"{_INDENT * 2}{_P}w{i}[{_P}c - {_P}tb] = {_P}e{i}[{_P}c]" for i in written]
+        bar += [ln[len(i2):] for ln in cells(
+            2, f"range({hl + hr})",
+            (f"{_P}tb + {_P}r if {_P}r < {hl} else {_P}thi + ({_P}r - {hl})",
+             f"0 <= {_P}c < {_P}n and not ({_P}tlo <= {_P}c < {_P}thi)"),
+            [f"{at(f'{_P}w{i}', f'{_P}c - {_P}tb')} = {at(f'{_P}e{i}', f'{_P}c')}" for i in written])]
         bar.append("cuda.syncthreads()")
     barrier = ("\n" + i2).join(bar)
-    copy_back = [f"{i1}cuda.syncthreads()", f"{i1}for {_P}c in range({_P}tlo + {_P}btid, {_P}thi, {_P}bnt):"]
-    copy_back += [f"{i2}{kparams[i]}[{_P}c] = {_P}w{i}[{_P}c - {_P}tb]" for i in resident]
+    copy_back = [f"{i1}cuda.syncthreads()"]
+    copy_back += cells(1, f"range({_P}thi - {_P}tlo)", (f"{_P}tlo + {_P}r", "True"),
+                       [f"{at(kparams[i], f'{_P}c')} = {at(f'{_P}w{i}', f'{_P}c - {_P}tb')}" for i in resident])
     return pro, barrier, copy_back
 
 

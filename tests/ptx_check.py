@@ -107,22 +107,23 @@ for name, fn, swap, args, scopes in CASES:
                 rec.update(ok=False, error=f"{type(exc).__name__}: {exc}"[:2000])
             print(json.dumps(rec), flush=True)
 
-# tile mode (scope="tile"): the heat step kept on chip
+# tile mode (scope="tile"): 1-D heat and 2-D Jacobi (a reduction and a condition) kept on chip
 from loopkern.stencil import find_stencil  # noqa: E402
 
-k = lk.megakernel(W.heat_step, swap=[("u", "v")])
-args = [np.zeros(8, f32), np.zeros(8, f32), f32(0.25)]
-sig = (types.int64, types.int64, *[typeof(a) for a in args[:2]], scalar_type(args[2]), *SCRATCH, types.uint64,
-       types.int64[::1], types.int64[::1])
-rec = dict(kernel="heat", scope="tile", by_ref=False, debug=False, staged=False, atomics=False, index_bits=None)
-try:
-    src = codegen.render_kernel(k.spec, "cuda", "grid", cache=False, tile=find_stencil(k.spec))
-    ptx, _ = cuda.compile_ptx(compile_kernel(src).dispatcher.py_func, sig, cc=(9, 0))
-    rec.update(ok=True, own_barrier=ptx.count("atom.add.release.gpu"), cg=ptx.count("cudaCGSynchronize"),
-               shuffles=0, globaltimer=ptx.count("%globaltimer"), volatile_host=ptx.count("st.volatile.u64"),
-               sys_fence=ptx.count("membar.sys"), bounds_records=0, dynamic_shared=ptx.count(".extern .shared"),
-               extern_funcs=ptx.count(".extern .func"), atom_add=0, atom_minmax=0, atom_cas=0, ld_global=0,
-               st_global=0)
-except Exception as exc:
-    rec.update(ok=False, error=f"{type(exc).__name__}: {exc}"[:2000])
-print(json.dumps(rec), flush=True)
+for name, fn, swap, args in (("heat", W.heat_step, [("u", "v")], [np.zeros(8, f32), np.zeros(8, f32), f32(0.25)]),
+                             ("jacobi", W.jacobi_step, [("u", "v")], [np.zeros((4, 4)), np.zeros((4, 4)), 1e-3])):
+    k = lk.megakernel(fn, swap=swap)
+    sig = (types.int64, types.int64, *[typeof(a) for a in args[:2]], scalar_type(args[2]), *SCRATCH, types.uint64,
+           types.int64[::1], types.int64[::1])
+    rec = dict(kernel=name, scope="tile", by_ref=False, debug=False, staged=False, atomics=False, index_bits=None)
+    try:
+        src = codegen.render_kernel(k.spec, "cuda", "grid", cache=False, tile=find_stencil(k.spec))
+        ptx, _ = cuda.compile_ptx(compile_kernel(src).dispatcher.py_func, sig, cc=(9, 0))
+        rec.update(ok=True, own_barrier=ptx.count("atom.add.release.gpu"), cg=ptx.count("cudaCGSynchronize"),
+                   shuffles=ptx.count("shfl.sync"), globaltimer=ptx.count("%globaltimer"),
+                   volatile_host=ptx.count("st.volatile.u64"), sys_fence=ptx.count("membar.sys"), bounds_records=0,
+                   dynamic_shared=ptx.count(".extern .shared"), extern_funcs=ptx.count(".extern .func"), atom_add=0,
+                   atom_minmax=0, atom_cas=0, ld_global=0, st_global=0)
+    except Exception as exc:
+        rec.update(ok=False, error=f"{type(exc).__name__}: {exc}"[:2000])
+    print(json.dumps(rec), flush=True)

@@ -20,6 +20,7 @@ cached plan is only used for arguments whose signature equals the one that passe
 from __future__ import annotations
 
 import inspect
+import math
 
 import numpy as np
 
@@ -241,10 +242,11 @@ class Dispatcher:
         if not isinstance(st, Stencil):
             raise ArgumentError(f"scope='tile': step '{spec.name}' is not a stencil ({where}: {st.reason}); "
                                 f"use scope='grid'")
-        if st.ndim != 1 or any(st.periodic):
-            raise ArgumentError(f"scope='tile': step '{spec.name}' is a {st.ndim}-D"
-                                f"{' periodic' if any(st.periodic) else ''} stencil; tile mode covers "
-                                f"one-dimensional, non-periodic stencils for now: use scope='grid'")
+        if st.ndim > 2 or st.periodic[0]:
+            raise ArgumentError(f"scope='tile': step '{spec.name}' is a {st.ndim}-D stencil"
+                                f"{' that wraps around along its first dimension' if st.periodic[0] else ''}; "
+                                f"tile mode covers 1-D and 2-D stencils that do not wrap around along the first "
+                                f"dimension for now: use scope='grid'")
         resident = sorted(i for pair in spec.swap for i in pair)
         if not resident:
             raise ArgumentError(f"scope='tile' keeps the swap pairs' arrays on chip; step '{spec.name}' has no "
@@ -252,16 +254,18 @@ class Dispatcher:
         arrays = [argv[i] for i in resident]
         first = arrays[0]
         for a in arrays:
-            if len(a.shape) != 1 or a.shape != first.shape or a.dtype != first.dtype:
-                raise ArgumentError(f"scope='tile': the arrays kept on chip must be 1-D of one length and dtype; "
-                                    f"'{first.name}' is {first.dtype}{list(first.shape)} and '{a.name}' is "
+            if len(a.shape) != st.ndim or a.shape != first.shape or a.dtype != first.dtype:
+                raise ArgumentError(f"scope='tile': the arrays kept on chip must all be {st.ndim}-D of one shape and "
+                                    f"dtype; '{first.name}' is {first.dtype}{list(first.shape)} and '{a.name}' is "
                                     f"{a.dtype}{list(a.shape)}")
         compiled = self.kernels.get("cuda", "grid", control=o.control, float_type=float_type, tile=st)
         types = _cuda_param_types(compiled, argv)
         check_types(spec, compiled, types, run_values)
         kernel = compiled.specialize_types(_cuda_kernel_types(types, False))
-        config = tile_config(kernel, first.size, sum(a.dtype.itemsize for a in arrays), st.halo[0], o.threads,
-                             o.blocks, sim)
+        # tiles are ranges of the first dimension: a "cell" is one element (1-D) or one row (2-D)
+        row = math.prod(first.shape[1:])
+        config = tile_config(kernel, first.shape[0], row * sum(a.dtype.itemsize for a in arrays), st.halo[0],
+                             o.threads, o.blocks, sim)
         return make_plan(spec, "cuda", argv, compiled, kernel, config, debug=False, staged=(),
                          simulator=sim), run_values
 

@@ -491,14 +491,14 @@ else:
         return ret(sh, off, a), codegen
 
 
-# -- tile mode: a block's tile of a 1-D array in shared memory (codegen._tile_lines) -------------
+# -- tile mode: a block's tile of an array in shared memory (codegen._tile_lines) ----------------
 if SIMULATOR:
     class _TileView:
         """``width`` elements of shared memory from ``off`` that report ``a``'s shape (the
         generated step reads ``u.shape[0]`` and indexes the tile relative to its base)."""
 
         def __init__(self, sh, off, width, a):
-            self._data = sh[off:off + width]
+            self._data = sh[off:off + width].reshape((-1,) + tuple(a.shape[1:]))
             self.shape, self.dtype, self.size, self.ndim = a.shape, a.dtype, a.size, a.ndim
 
         def __getitem__(self, idx):

@@ -87,3 +87,26 @@ def test_a_timeout_leaves_exactly_run_steps_steps(rng):
     k(a, b, np.float32(0.25), steps=run.steps, backend="cuda", scope="grid")
     np.testing.assert_array_equal(u.copy_to_host(), a.copy_to_host())
     np.testing.assert_array_equal(v.copy_to_host(), b.copy_to_host())
+
+
+@pytest.mark.parametrize("shape,blocks", [((1024, 1024), None), ((517, 333), 7), ((2048, 2048), None)])
+def test_two_dimensional_heat_in_tile_mode_equals_the_grid_scope(shape, blocks, rng):
+    from bench.heat2d import heat2d_kernel
+    k = heat2d_kernel()
+    u0 = rng.random(shape)
+    out = _both(k, u0, (np.float32(0.2),), 1001, blocks)
+    np.testing.assert_array_equal(out["tile"][0], out["grid"][0])
+    np.testing.assert_array_equal(out["tile"][1], out["grid"][1])
+
+
+def test_jacobi_to_tolerance_in_tile_mode_stops_where_the_grid_scope_does(rng):
+    cuda = _cuda()
+    k = lk.megakernel(W.jacobi_step, swap=[("u", "v")])
+    u0 = rng.random((513, 257))
+    runs, states = {}, {}
+    for scope in ("tile", "grid"):
+        u, v = cuda.to_device(u0), cuda.to_device(u0)
+        runs[scope] = k(u, v, 1e-4, max_steps=20000, backend="cuda", scope=scope)
+        states[scope] = u.copy_to_host()
+    assert runs["tile"].steps == runs["grid"].steps and runs["tile"].stopped == "condition"
+    np.testing.assert_array_equal(states["tile"], states["grid"])
