@@ -89,7 +89,7 @@ def test_a_timeout_leaves_exactly_run_steps_steps(rng):
     np.testing.assert_array_equal(v.copy_to_host(), b.copy_to_host())
 
 
-@pytest.mark.parametrize("shape,blocks", [((1024, 1024), None), ((517, 333), 7), ((2048, 2048), None)])
+@pytest.mark.parametrize("shape,blocks", [((1024, 1024), None), ((517, 333), 7), ((1500, 700), None)])
 def test_two_dimensional_heat_in_tile_mode_equals_the_grid_scope(shape, blocks, rng):
     from bench.heat2d import heat2d_kernel
     k = heat2d_kernel()
@@ -110,3 +110,15 @@ def test_jacobi_to_tolerance_in_tile_mode_stops_where_the_grid_scope_does(rng):
         states[scope] = u.copy_to_host()
     assert runs["tile"].steps == runs["grid"].steps and runs["tile"].stopped == "condition"
     np.testing.assert_array_equal(states["tile"], states["grid"])
+
+
+def test_a_field_too_large_for_the_chip_is_refused_before_anything_runs(rng):
+    # 2048² float32, two buffers: 32 MiB, more than all SMs' shared memory together
+    from loopkern.errors import LaunchError
+    cuda = _cuda()
+    k = lk.megakernel(W.jacobi_step, swap=[("u", "v")])
+    u0 = rng.random((2048, 2048)).astype(np.float32)
+    u, v = cuda.to_device(u0), cuda.to_device(u0)
+    with pytest.raises(LaunchError, match="cannot keep this field on chip"):
+        k(u, v, np.float32(1e-4), max_steps=10, backend="cuda", scope="tile")
+    np.testing.assert_array_equal(u.copy_to_host(), u0)
