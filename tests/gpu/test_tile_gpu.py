@@ -57,7 +57,7 @@ def test_heat_in_tile_mode_equals_the_grid_scope_bit_for_bit(n, blocks, rng):
         assert out["tile"][2].blocks == blocks
 
 
-@pytest.mark.parametrize("blocks", [3, 50, None])
+@pytest.mark.parametrize("blocks", [50, 132, None])
 def test_a_wide_uneven_stencil_in_tile_mode(blocks, rng):
     k = lk.megakernel(wide_step, swap=[("u", "v")])
     u0 = rng.random(100003)
