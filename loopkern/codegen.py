@@ -970,18 +970,18 @@ def _tile_lines(tile, kparams, resident, written) -> tuple[list, str, list]:
     pro.append(f"{i1}cuda.syncthreads()")
     bar = ["cuda.syncthreads()"]
     if hl + hr and written:
-        bar += [ln[len(i2):] for ln in cells(
-            2, f"range({hl + hr})",
+        bar += cells(
+            0, f"range({hl + hr})",
             (f"{_P}tlo + {_P}r if {_P}r < {hr} else {_P}thi - {hl} + ({_P}r - {hr})",
              f"{_P}tlo <= {_P}c < {_P}thi"),
-            [f"{at(f'{_P}e{i}', f'{_P}c')} = {at(f'{_P}w{i}', f'{_P}c - {_P}tb')}" for i in written])]
+            [f"{at(f'{_P}e{i}', f'{_P}c')} = {at(f'{_P}w{i}', f'{_P}c - {_P}tb')}" for i in written])
     bar.append(f"{_P}rt.grid_sync({_P}bar)")
     if hl + hr and written:
-        bar += [ln[len(i2):] for ln in cells(
-            2, f"range({hl + hr})",
+        bar += cells(
+            0, f"range({hl + hr})",
             (f"{_P}tb + {_P}r if {_P}r < {hl} else {_P}thi + ({_P}r - {hl})",
              f"0 <= {_P}c < {_P}n and not ({_P}tlo <= {_P}c < {_P}thi)"),
-            [f"{at(f'{_P}w{i}', f'{_P}c - {_P}tb')} = {at(f'{_P}e{i}', f'{_P}c')}" for i in written])]
+            [f"{at(f'{_P}w{i}', f'{_P}c - {_P}tb')} = {at(f'{_P}e{i}', f'{_P}c')}" for i in written])
         bar.append("cuda.syncthreads()")
     barrier = ("\n" + i2).join(bar)
     copy_back = [f"{i1}cuda.syncthreads()"]
