@@ -119,3 +119,46 @@ def test_a_kernel_that_ended_without_its_flag_raises_launch_error(wait_with):
     host = np.zeros(HOST_SIZE, np.int64)
     with pytest.raises(LaunchError, match="ended without marking the run done"):
         wait_cuda(host, None, "step", watchdog=None)
+
+
+class _FakeAttributeDriver:
+    """cuKernelSetAttribute / cuFuncSetAttribute stand-ins returning the given codes."""
+
+    def __init__(self, kernel_code, func_code, has_kernel_call=True):
+        self.calls = []
+        self.func_code = func_code
+        if has_kernel_call:
+            def kernel_set_attribute(attr, value, func, device):
+                self.calls.append(("kernel", attr, value, func, device))
+                return kernel_code
+            self.kernel_set_attribute = kernel_set_attribute
+        else:
+            self.kernel_set_attribute = None
+
+    def func_set_attribute(self, func, attr, value):
+        self.calls.append(("func", attr, value, func))
+        return self.func_code
+
+
+@pytest.mark.parametrize("kernel_code,func_code,has_kernel_call,expect_calls,raises", [
+    (0, 0, True, ["kernel"], False),                 # a CUkernel (Numba's handles)
+    (400, 0, True, ["kernel", "func"], False),       # not a CUkernel: a CUfunction
+    (400, 400, True, ["kernel", "func"], True),      # neither
+    (1, 0, True, ["kernel"], True),                  # a real error is not retried
+    (0, 0, False, ["func"], False),                  # a driver older than CUDA 12
+])
+def test_the_shared_memory_opt_in_sets_the_attribute_on_the_right_handle(
+        monkeypatch, kernel_code, func_code, has_kernel_call, expect_calls, raises):
+    fake = _FakeAttributeDriver(kernel_code, func_code, has_kernel_call)
+    monkeypatch.setattr(D, "_lib", [fake])
+    monkeypatch.setattr(D, "error_name", lambda code: f"CUDA_ERROR_{code}")
+    if raises:
+        with pytest.raises(LaunchError, match="MAX_DYNAMIC_SHARED_SIZE_BYTES, 100000"):
+            D.allow_dynamic_shared(0xF00, 100000, 3)
+    else:
+        D.allow_dynamic_shared(0xF00, 100000, 3)
+    assert [c[0] for c in fake.calls] == expect_calls
+    for c in fake.calls:
+        assert c[1] == D.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES and c[2] == 100000 and c[3] == 0xF00
+        if c[0] == "kernel":
+            assert c[4] == 3

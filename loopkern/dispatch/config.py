@@ -274,7 +274,7 @@ def tile_config(kernel, n: int, cell_bytes: int, halo: tuple, threads: int | Non
     max_shared = int(getattr(dev, "MAX_SHARED_MEMORY_PER_BLOCK_OPTIN", 48 * 1024)) - int(
         getattr(kernel, "shared_mem_per_block", 0))
     # above 48 KiB a kernel must opt in, before the occupancy query and the launch
-    driver.allow_dynamic_shared(driver.kernel_handle(kernel), max_shared)
+    driver.allow_dynamic_shared(driver.kernel_handle(kernel), max_shared, int(dev.id))
     sms = _sm_count()
     candidates = [blocks] if blocks is not None else [sms * k for k in TILE_BLOCKS_PER_SM]
     why = []

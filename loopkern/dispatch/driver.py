@@ -49,6 +49,12 @@ class _Driver:
         self.memset_d8 = fn("cuMemsetD8_v2", ctypes.c_uint64, ctypes.c_ubyte, sz)
         self.get_error_name = fn("cuGetErrorName", ctypes.c_int, ctypes.POINTER(ctypes.c_char_p))
         self.func_set_attribute = fn("cuFuncSetAttribute", vp, ctypes.c_int, ctypes.c_int)
+        # Numba's handles come from cuLibraryGetKernel (CUkernel), which cuFuncSetAttribute
+        # rejects; cuKernelSetAttribute (CUDA 12.0+) sets the attribute for one device
+        self.kernel_set_attribute = getattr(lib, "cuKernelSetAttribute", None)
+        if self.kernel_set_attribute is not None:
+            self.kernel_set_attribute.argtypes = [ctypes.c_int, ctypes.c_int, vp, ctypes.c_int]
+            self.kernel_set_attribute.restype = ctypes.c_int
         # cuLaunchKernelEx (CUDA 12+) takes the grid as one prepared struct: called with four
         # ready ctypes objects and no argtypes, ctypes converts nothing, which saves a few
         # microseconds per launch against the eleven arguments of cuLaunchKernel
@@ -120,11 +126,25 @@ def kernel_handle(kernel) -> int:
 CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
 
 
-def allow_dynamic_shared(func: int, nbytes: int):
-    """Let kernel ``func`` launch with ``nbytes`` of dynamic shared memory (above 48 KiB a
-    kernel must opt in)."""
-    check(driver().func_set_attribute(func, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, nbytes),
-          "cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES)")
+CUDA_ERROR_INVALID_HANDLE = 400
+
+
+def allow_dynamic_shared(func: int, nbytes: int, device: int):
+    """Let kernel ``func`` launch on device ordinal ``device`` with ``nbytes`` of dynamic shared
+    memory (above 48 KiB a kernel must opt in).
+
+    ``func`` may be a CUkernel (what Numba's library loading hands out) or a CUfunction: the
+    kernel call is tried first and the function call only when the driver says the handle is
+    not a kernel; any other error, or both refusing, raises LaunchError.
+    """
+    d = driver()
+    attr = CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+    if d.kernel_set_attribute is not None:
+        code = d.kernel_set_attribute(attr, nbytes, func, device)
+        if code != CUDA_ERROR_INVALID_HANDLE:
+            check(code, f"cuKernelSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES, {nbytes})")
+            return
+    check(d.func_set_attribute(func, attr, nbytes), f"cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES, {nbytes})")
 
 
 def new_event() -> int:
