@@ -1,5 +1,5 @@
 """One heat run for Nsight Compute:
-``ncu --clock-control none python bench/ncu_heat.py N STEPS SCOPE [nopoll] [blocks=B] [bits=numba|64|32]``
+``ncu --clock-control none python bench/ncu_heat.py N STEPS SCOPE [nopoll] [blocks=B] [threads=T] [bits=numba|64|32] [time=1]``
 (``bits``: force the element-access lowering, see ``codegen.render_kernel``'s ``index_bits``).
 
 Runs the bench's heat kernel once (compile) and once more (the profiled launch) on N float32
@@ -18,6 +18,7 @@ extra = sys.argv[4:]
 control = "nopoll" not in extra                # nopoll: without the per-step poll
 opts = dict(a.split("=", 1) for a in extra if "=" in a)
 blocks = int(opts["blocks"]) if "blocks" in opts else None
+threads = int(opts["threads"]) if "threads" in opts else None
 if "bits" in opts:
     # element-access lowering forced for this measurement (index_bits of codegen.render_kernel)
     from loopkern.dispatch import dispatcher
@@ -27,7 +28,7 @@ k = bench.heat_kernel()
 u0 = np.random.default_rng(0).random(n).astype(np.float32)
 u, v = bench.on_device(True, u0), bench.on_device(True, u0)
 for _ in range(2):
-    r = k(u, v, bench.ALPHA, steps=steps, backend="cuda", scope=scope, blocks=blocks, _control=control)
+    r = k(u, v, bench.ALPHA, steps=steps, backend="cuda", scope=scope, blocks=blocks, threads=threads, _control=control)
 print(r)
 if opts.get("time") == "1":
     # outside ncu: the median µs per step of five more runs of this kernel
@@ -36,7 +37,7 @@ if opts.get("time") == "1":
     times = []
     for _ in range(5):
         t0 = time.perf_counter()
-        k(u, v, bench.ALPHA, steps=steps, backend="cuda", scope=scope, blocks=blocks, _control=control)
+        k(u, v, bench.ALPHA, steps=steps, backend="cuda", scope=scope, blocks=blocks, threads=threads, _control=control)
         times.append((time.perf_counter() - t0) / steps * 1e6)
-    print(f"n={n} scope={scope} blocks={r.blocks} bits={opts.get('bits', 'auto')}: "
+    print(f"n={n} scope={scope} blocks={r.blocks} threads={r.threads} bits={opts.get('bits', 'auto')}: "
           f"{statistics.median(times):.3f} us/step (median of 5 runs of {steps} steps)")

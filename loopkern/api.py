@@ -11,6 +11,7 @@ import functools
 from . import codegen
 from .dispatch import Dispatcher
 from .dispatch.checks import BACKENDS, SCOPES, check_choice, check_count, check_thread_scope
+from .errors import ArgumentError
 from .runs import Run, RunHandle
 from .validate import validate_step
 
@@ -43,9 +44,16 @@ class MegaKernel:
 
     # -- inspection ------------------------------------------------------------------------
     def source(self, backend: str = "cuda", scope: str = "grid") -> str:
-        """The generated kernel source for ``backend`` ("cuda" or "cpu") and ``scope``."""
+        """The generated kernel source for ``backend`` ("cuda" or "cpu") and ``scope`` ("grid",
+        "block", "thread", or "tile" for the CUDA backend: ArgumentError if the step is not a
+        stencil that tile mode can keep on chip)."""
         check_choice("backend", backend, ("cuda", "cpu"))
-        check_choice("scope", scope, ("grid", "block", "thread"))
+        check_choice("scope", scope, ("grid", "block", "thread", "tile"))
+        if scope == "tile":
+            if backend != "cuda":
+                raise ArgumentError("scope='tile' exists for the CUDA backend only")
+            return codegen.render_kernel(self.spec, "cuda", "grid", fingerprint="",
+                                         tile=self.dispatcher.tile_stencil()).text
         check_thread_scope(self.spec, scope)
         return codegen.render_kernel(self.spec, backend, scope, fingerprint="").text
 

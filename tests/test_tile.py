@@ -50,7 +50,7 @@ def run_tile(fn, swap, arrays, scalars, steps, threads=32, start=0):
     dev = [cuda.to_device(a) for a in arrays]
     host = np.zeros(HOST_SIZE, np.int64)
     args = [np.int64(steps), np.int64(start), *dev, *scalars, cuda.to_device(np.zeros((2, 1))),
-            cuda.to_device(np.zeros((2, 1), np.int64)), cuda.to_device(np.zeros(2, np.uint32)), np.uint64(0),
+            cuda.to_device(np.zeros((2, 1), np.int64)), cuda.to_device(np.zeros(5, np.uint32)), np.uint64(0),
             cuda.to_device(np.zeros(2, np.int64)), host]
     kern[1, threads, 0, shared](*args)
     assert host[DONE] == 1 and host[STEPS] == steps
@@ -204,3 +204,24 @@ def test_jacobi_to_tolerance_in_tile_mode(rng):
             break
     assert (run.steps, run.stopped) == (steps, "condition")
     np.testing.assert_allclose(u.copy_to_host(), ref, rtol=1e-12)
+
+
+def test_scope_auto_tries_tile_mode_only_for_large_one_dimensional_stencils_on_a_gpu():
+    from types import SimpleNamespace
+
+    from loopkern.dispatch.config import AUTO_TILE_MIN_ELEMENTS
+
+    def heat2d(t, u, v, a):
+        n = u.shape[0]
+        m = u.shape[1]
+        for i, j in lk.grid((1, n - 1), (1, m - 1)):
+            v[i, j] = u[i, j] + a * (u[i - 1, j] + u[i + 1, j] + u[i, j - 1] + u[i, j + 1] - 4.0 * u[i, j])
+
+    heat = lk.megakernel(W.heat_step, swap=[("u", "v")]).dispatcher
+    big, plain = AUTO_TILE_MIN_ELEMENTS, SimpleNamespace(debug=False)
+    assert heat._auto_tile(big, plain, sim=False)
+    assert not heat._auto_tile(big - 1, plain, sim=False)                  # small: the grid scope is faster
+    assert not heat._auto_tile(big, SimpleNamespace(debug=True), sim=False)  # no bounds-checked tile kernel
+    assert not heat._auto_tile(big, plain, sim=True)                       # the simulator runs one block
+    assert not lk.megakernel(heat2d, swap=[("u", "v")]).dispatcher._auto_tile(big, plain, sim=False)
+    assert not lk.megakernel(W.logistic_step).dispatcher._auto_tile(big, plain, sim=False)   # not a stencil

@@ -38,6 +38,12 @@ SMALL_ELEMENTS_PER_THREAD = 2
 #: 528 blocks 61.9 µs, 264 blocks 96 µs); in between, two blocks per SM (heat 1M: 264 blocks
 #: 4.66 µs, 528 blocks 4.62, 132 blocks 6.70)
 LARGE_ELEMENTS_PER_THREAD = 32
+#: scope="auto" keeps a one-dimensional stencil's swap pairs on chip (scope="tile") from this
+#: many elements per array, where their tiles fit (H200 heat f32, bench/tile_probe.py and
+#: bench.py, 2026-12-03: 64K, tile 2.0 µs/step against 1.5 for the grid scope; 1M, 3.2 against
+#: 3.7; 2M, 3.5-4.3 against 5.9). Two-dimensional stencils stay on the grid scope: there tile
+#: mode measured slower (1024², 7.1-8.3 against 6.8-7.0).
+AUTO_TILE_MIN_ELEMENTS = 1 << 20
 _auto_logged = False
 _lock = threading.Lock()
 

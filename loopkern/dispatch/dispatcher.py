@@ -20,22 +20,26 @@ cached plan is only used for arguments whose signature equals the one that passe
 from __future__ import annotations
 
 import inspect
+import logging
 import math
 
 import numpy as np
 
 from ..compile import simulator_enabled
-from ..errors import ArgumentError, BoundsError, HangError
+from ..errors import ArgumentError, BoundsError, HangError, LaunchError
 from ..progress import check_progress
 from ..runs import (Run, RunHandle, EventWaiter, ThreadWaiter, _Stalled, note_cancelled, run_inline,
                     slow_step_message, wait_cuda)
 from ..runtime.layout import BOUNDS, CANCEL, DBG_SIZE, HOST_SIZE, REQUEST, STEPS, STOPPED, WHY
 from . import checks, driver
 from .args import ArrayArg, apply_weak_floats, classify, weak_float_type
-from .config import LaunchConfig, choose_backend, cuda_config, plan_staging, resolve_scope, tile_config
+from .config import (AUTO_TILE_MIN_ELEMENTS, LaunchConfig, choose_backend, cuda_config, plan_staging, resolve_scope,
+                     tile_config)
 from .kernels import KernelCache, check_types, index_bits_for
 from .plan import PlanCache, make_plan
 from .signature import call_key
+
+log = logging.getLogger("loopkern")
 
 CPU_CONFIG = LaunchConfig("cpu", 1, 1)
 
@@ -217,6 +221,11 @@ class Dispatcher:
         scope = resolve_scope(o.scope, work, spec.parallel, spec.light_elements)
         if scope == "tile":
             return self._make_tile_plan(argv, run_values, float_type, o, sim)
+        if o.scope == "auto" and scope == "grid" and self._auto_tile(work, o, sim):
+            try:
+                return self._make_tile_plan(argv, run_values, float_type, o, sim)
+            except LaunchError as exc:          # the tiles do not fit on this device: the grid scope
+                log.debug("loopkern: scope='auto' for step '%s' keeps the grid scope: %s", spec.name, exc)
         staged, stage_bytes = plan_staging(spec, argv) if scope == "block" else ((), 0)
         bits = index_bits_for([a.size for a in argv if isinstance(a, ArrayArg)], o.debug, staged)
         compiled = self.kernels.get("cuda", scope, debug=o.debug, staged=staged, control=o.control,
@@ -231,26 +240,11 @@ class Dispatcher:
     def _make_tile_plan(self, argv, run_values, float_type, o: Options, sim: bool):
         """The plan of a ``scope="tile"`` call: the step must be a one-dimensional stencil whose
         swap pairs' arrays (kept on chip) share one length and dtype (ArgumentError otherwise)."""
-        from ..stencil import Stencil, find_stencil
         spec = self.spec
         if o.debug:
             raise ArgumentError("scope='tile' has no bounds-checked kernel yet: run debug=True with scope='grid'")
-        st = self.__dict__.get("_stencil")
-        if st is None:
-            st = self._stencil = find_stencil(spec)
-        where = f"{spec.filename}:{getattr(st, 'line', spec.lineno)}"
-        if not isinstance(st, Stencil):
-            raise ArgumentError(f"scope='tile': step '{spec.name}' is not a stencil ({where}: {st.reason}); "
-                                f"use scope='grid'")
-        if st.ndim > 2 or st.periodic[0]:
-            raise ArgumentError(f"scope='tile': step '{spec.name}' is a {st.ndim}-D stencil"
-                                f"{' that wraps around along its first dimension' if st.periodic[0] else ''}; "
-                                f"tile mode covers 1-D and 2-D stencils that do not wrap around along the first "
-                                f"dimension for now: use scope='grid'")
+        st = self.tile_stencil()
         resident = sorted(i for pair in spec.swap for i in pair)
-        if not resident:
-            raise ArgumentError(f"scope='tile' keeps the swap pairs' arrays on chip; step '{spec.name}' has no "
-                                f"swap pair: use scope='grid'")
         arrays = [argv[i] for i in resident]
         first = arrays[0]
         for a in arrays:
@@ -268,6 +262,39 @@ class Dispatcher:
                              o.threads, o.blocks, sim)
         return make_plan(spec, "cuda", argv, compiled, kernel, config, debug=False, staged=(),
                          simulator=sim), run_values
+
+    def _auto_tile(self, work: int, o: Options, sim: bool) -> bool:
+        """Whether ``scope="auto"`` tries tile mode: a one-dimensional stencil (see
+        ``config.AUTO_TILE_MIN_ELEMENTS``) of at least that many elements, on a GPU, without
+        debug."""
+        if sim or o.debug or work < AUTO_TILE_MIN_ELEMENTS:
+            return False
+        try:
+            st = self.tile_stencil()
+        except ArgumentError:
+            return False
+        return st.ndim == 1
+
+    def tile_stencil(self):
+        """The step's stencil for ``scope="tile"`` (ArgumentError when tile mode cannot run it)."""
+        from ..stencil import Stencil, find_stencil
+        spec = self.spec
+        st = self.__dict__.get("_stencil")
+        if st is None:
+            st = self._stencil = find_stencil(spec)
+        where = f"{spec.filename}:{getattr(st, 'line', spec.lineno)}"
+        if not isinstance(st, Stencil):
+            raise ArgumentError(f"scope='tile': step '{spec.name}' is not a stencil ({where}: {st.reason}); "
+                                f"use scope='grid'")
+        if st.ndim > 2 or st.periodic[0]:
+            raise ArgumentError(f"scope='tile': step '{spec.name}' is a {st.ndim}-D stencil"
+                                f"{' that wraps around along its first dimension' if st.periodic[0] else ''}; "
+                                f"tile mode covers 1-D and 2-D stencils that do not wrap around along the first "
+                                f"dimension for now: use scope='grid'")
+        if not any(pair for pair in spec.swap):
+            raise ArgumentError(f"scope='tile' keeps the swap pairs' arrays on chip; step '{spec.name}' has no "
+                                f"swap pair: use scope='grid'")
+        return st
 
     # -- running -------------------------------------------------------------------------------
     def call(self, args, kwargs, steps, max_steps, start, backend, scope, threads, blocks, seed, progress, timeout,

@@ -92,6 +92,59 @@ def test_a_timeout_leaves_exactly_run_steps_steps(rng):
     np.testing.assert_array_equal(v.copy_to_host(), b.copy_to_host())
 
 
+@pytest.mark.parametrize("blocks", [7, None])
+def test_a_cancel_stops_every_block_at_one_step_and_the_next_run_starts_clean(blocks, rng):
+    # the blocks wait only for their neighbours (the step writes only its tiles), so they drift
+    # apart; the leader's stop decision names one step count for all of them. A block stopping
+    # at another count would leave the others waiting (a hang) or a torn state; a stop plan
+    # or step count left behind would stop or stall the next launch.
+    import time
+    cuda = _cuda()
+    k = lk.megakernel(W.heat_step, swap=[("u", "v")])
+    u0 = rng.random(65536 + 7).astype(np.float32)
+    u, v = cuda.to_device(u0), cuda.to_device(u0)
+    h = k.start(u, v, np.float32(0.25), steps=10 ** 9, backend="cuda", scope="tile", blocks=blocks)
+    time.sleep(0.2)
+    h.cancel()
+    run = h.wait(timeout=30)
+    assert run.stopped == "cancelled" and 0 < run.steps < 10 ** 9, run
+    a, b = cuda.to_device(u0), cuda.to_device(u0)
+    k(a, b, np.float32(0.25), steps=run.steps, backend="cuda", scope="grid")
+    np.testing.assert_array_equal(u.copy_to_host(), a.copy_to_host())
+    np.testing.assert_array_equal(v.copy_to_host(), b.copy_to_host())
+    # the same plan again (same buffers of the free list): runs its 1001 steps, no fewer
+    again = k(u, v, np.float32(0.25), steps=1001, backend="cuda", scope="tile", blocks=blocks)
+    k(a, b, np.float32(0.25), steps=1001, backend="cuda", scope="grid")
+    assert again.steps == 1001 and again.stopped == "steps"
+    np.testing.assert_array_equal(u.copy_to_host(), a.copy_to_host())
+
+
+def heat_with_probe(t, u, v, probe, alpha):
+    n = u.shape[0]
+    for i in lk.range(1, n - 1):
+        v[i] = u[i] + alpha * (u[i - 1] - 2.0 * u[i] + u[i + 1])
+    for i in lk.range(0, n, n - 1):
+        v[i] = u[i]
+    for i in lk.range(n // 2, n // 2 + 1):
+        probe[t % probe.shape[0]] = u[i]
+
+
+def test_a_step_that_writes_global_memory_keeps_the_grid_barrier(rng):
+    # probe is not kept on chip and is written at steps that other blocks' steps overwrite:
+    # blocks must not drift apart, so this tile kernel keeps its grid barrier
+    cuda = _cuda()
+    k = lk.megakernel(heat_with_probe, swap=[("u", "v")])
+    assert "neighbour_sync" not in k.source(scope="tile") and "grid_sync" in k.source(scope="tile")
+    u0 = rng.random(65536 + 7).astype(np.float32)
+    out = {}
+    for scope in ("tile", "grid"):
+        u, v, p = cuda.to_device(u0), cuda.to_device(u0), cuda.to_device(np.zeros(5, np.float32))
+        k(u, v, p, np.float32(0.25), steps=2003, backend="cuda", scope=scope, blocks=7 if scope == "tile" else None)
+        out[scope] = (u.copy_to_host(), p.copy_to_host())
+    np.testing.assert_array_equal(out["tile"][0], out["grid"][0])
+    np.testing.assert_array_equal(out["tile"][1], out["grid"][1])
+
+
 @pytest.mark.parametrize("shape,blocks", [((1024, 1024), None), ((517, 333), 7), ((1500, 700), None)])
 def test_two_dimensional_heat_in_tile_mode_equals_the_grid_scope(shape, blocks, rng):
     from bench.heat2d import heat2d_kernel
@@ -131,3 +184,16 @@ def test_a_field_too_large_for_the_chip_is_refused_before_anything_runs(rng):
     with pytest.raises(LaunchError, match="cannot keep this field on chip"):
         k(u, v, np.float32(1e-4), max_steps=10, backend="cuda", scope="tile")
     np.testing.assert_array_equal(u.copy_to_host(), u0)
+
+
+def test_scope_auto_keeps_a_large_one_dimensional_stencil_on_chip(rng):
+    from loopkern.dispatch.config import AUTO_TILE_MIN_ELEMENTS
+    cuda = _cuda()
+    k = lk.megakernel(W.heat_step, swap=[("u", "v")])
+    u0 = rng.random(AUTO_TILE_MIN_ELEMENTS + 5)
+    u, v = cuda.to_device(u0), cuda.to_device(u0)
+    run = k(u, v, 0.25, steps=501, backend="cuda")
+    assert run.scope == "tile", run
+    np.testing.assert_allclose(u.copy_to_host(), W.heat_ref(u0, 501, 0.25), rtol=0, atol=1e-12)
+    small = cuda.to_device(u0[:65536]), cuda.to_device(u0[:65536])
+    assert k(*small, 0.25, steps=3, backend="cuda").scope == "grid"

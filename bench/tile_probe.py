@@ -1,0 +1,61 @@
+"""Time the bench's heat kernels over scopes, block and thread counts (tuning scope="tile"):
+``python bench/tile_probe.py [heat:N[,N...]] [heat2d:SIDE[,SIDE...]] [threads=T,T] [blocks=B,B] [grid-barrier]``
+(grid-barrier: tile kernels end their steps with the grid barrier, not the neighbours').
+
+Each configuration runs once to compile, then five times; prints the median µs per step and
+whether the field equals the grid scope's bit for bit after the same steps.
+"""
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.heat import ALPHA, heat_kernel  # noqa: E402
+from bench.heat2d import ALPHA2, heat2d_kernel  # noqa: E402
+from numba import cuda  # noqa: E402
+
+if "grid-barrier" in sys.argv[1:]:
+    # tile mode with the grid barrier between steps instead of the neighbours' (for comparison)
+    from loopkern import codegen
+    codegen.neighbour_sync_ok = lambda spec, resident: False
+    sys.argv.remove("grid-barrier")
+opts = dict(a.split(":", 1) if ":" in a else a.split("=", 1) for a in sys.argv[1:])
+threads_list = [int(x) for x in opts.get("threads", "256,512,1024").split(",")]
+blocks_list = [None if x == "auto" else int(x) for x in opts.get("blocks", "auto,132,264").split(",")]
+
+
+def timed(k, u0, alpha, steps, scope, blocks, threads):
+    u, v = cuda.to_device(u0), cuda.to_device(u0)
+    r = k(u, v, alpha, steps=steps, backend="cuda", scope=scope, blocks=blocks, threads=threads)
+    out = u.copy_to_host()
+    times = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        k(u, v, alpha, steps=steps, backend="cuda", scope=scope, blocks=blocks, threads=threads)
+        times.append((time.perf_counter() - t0) / steps * 1e6)
+    return statistics.median(times), out, r
+
+
+def probe(name, k, u0, alpha, steps):
+    base, ref, r = timed(k, u0, alpha, steps, "grid", None, None)
+    print(f"{name} grid auto: {base:.3f} us/step (blocks={r.blocks} threads={r.threads})", flush=True)
+    for threads in threads_list:
+        for blocks in blocks_list:
+            try:
+                us, out, r = timed(k, u0, alpha, steps, "tile", blocks, threads)
+            except Exception as exc:                      # a configuration that does not fit
+                print(f"{name} tile blocks={blocks} threads={threads}: {type(exc).__name__}: {str(exc)[:150]}")
+                continue
+            same = "bitwise equal" if np.array_equal(out, ref) else "DIFFERS from grid"
+            print(f"{name} tile blocks={r.blocks} threads={threads}: {us:.3f} us/step ({us / base:.2f}x grid), "
+                  f"{same}", flush=True)
+
+
+rng = np.random.default_rng(0)
+for n in [int(x) for x in opts.get("heat", "").split(",") if x]:
+    probe(f"heat n={n}", heat_kernel(), rng.random(n).astype(np.float32), ALPHA, 20000 if n <= 65536 else 4000)
+for side in [int(x) for x in opts.get("heat2d", "").split(",") if x]:
+    probe(f"heat2d {side}^2", heat2d_kernel(), rng.random((side, side)).astype(np.float32), ALPHA2, 2000)
