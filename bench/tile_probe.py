@@ -1,6 +1,5 @@
 """Time the bench's heat kernels over scopes, block and thread counts (tuning scope="tile"):
-``python bench/tile_probe.py [heat:N[,N...]] [heat2d:SIDE[,SIDE...]] [threads=T,T] [blocks=B,B] [grid-barrier]``
-(grid-barrier: tile kernels end their steps with the grid barrier, not the neighbours').
+``python bench/tile_probe.py [heat:N[,N...]] [heat2d:SIDE[,SIDE...]] [threads=T,T] [blocks=B,B]``.
 
 Each configuration runs once to compile, then five times; prints the median µs per step and
 whether the field equals the grid scope's bit for bit after the same steps.
@@ -17,11 +16,6 @@ from bench.heat import ALPHA, heat_kernel  # noqa: E402
 from bench.heat2d import ALPHA2, heat2d_kernel  # noqa: E402
 from numba import cuda  # noqa: E402
 
-if "grid-barrier" in sys.argv[1:]:
-    # tile mode with the grid barrier between steps instead of the neighbours' (for comparison)
-    from loopkern import codegen
-    codegen.neighbour_sync_ok = lambda spec, resident: False
-    sys.argv.remove("grid-barrier")
 opts = dict(a.split(":", 1) if ":" in a else a.split("=", 1) for a in sys.argv[1:])
 threads_list = [int(x) for x in opts.get("threads", "256,512,1024").split(",")]
 blocks_list = [None if x == "auto" else int(x) for x in opts.get("blocks", "auto,132,264").split(",")]

@@ -85,10 +85,11 @@ class MegaKernel:
             backend: "auto", "cuda" or "cpu" (default: the decorator's).
             scope: "auto", "grid", "block", "thread" or "tile" (CUDA only; "thread" is one thread
                 with no barrier, for a step without parallel constructs, which "auto" picks for
-                it; "tile", experimental, is a grid whose blocks keep their tiles of the swap
-                pairs' arrays in shared memory for the whole run, for 1-D and 2-D stencils
-                that do not wrap around along the first dimension: ArgumentError says why a
-                step does not qualify).
+                it; "tile" is a grid whose blocks keep their tiles of the swap pairs' arrays
+                in shared memory for the whole run, for 1-D and 2-D stencils that do not wrap
+                around along the first dimension: ArgumentError says why a step does not
+                qualify, LaunchError when the tiles do not fit on the chip; "auto" picks it
+                for a 1-D stencil from ``AUTO_TILE_MIN_ELEMENTS`` elements when they fit).
             threads: threads per block (CUDA only; a multiple of 32).
             blocks: blocks in the grid (CUDA grid scope; must all fit on the device at once).
             seed: the seed of ``lk.random`` draws (an integer from 0 to 2**64 - 1).

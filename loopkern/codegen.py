@@ -661,7 +661,7 @@ def render_kernel(spec: StepSpec, backend: str, scope: str = "grid", *, cache: b
             with indices proven non-negative through ``runtime/arrays.py`` (global-space loads
             and stores, addresses from the shape; 32: offsets in 32 bits, for arrays of fewer
             than 2**31 elements); None leaves every access to Numba.
-        tile: (CUDA grid scope; experimental, not yet run on a GPU) a
+        tile: (CUDA grid scope) a
             :class:`~loopkern.stencil.Stencil` of ``spec`` over one or two dimensions that
             does not wrap around along the first: each block keeps its tile of the swap pairs'
             arrays (all of one dtype and shape) in dynamic shared memory for the whole run,
@@ -745,8 +745,7 @@ def render_kernel(spec: StepSpec, backend: str, scope: str = "grid", *, cache: b
     tile_barrier = ""
     if tile is not None:
         written = [i for i in resident if spec.params[i].written]
-        neighbours = neighbour_sync_ok(spec, resident)
-        tile_pro, tile_barrier, tile_copy = _tile_lines(tile, kparams, resident, written, neighbours)
+        tile_pro, tile_barrier, tile_copy = _tile_lines(tile, kparams, resident, written)
         prologue += tile_pro
         # the global buffers the edge cells go through swap with the tiles
         swap_lines += [f"{_INDENT * 2}{_P}e{a}, {_P}e{b} = {_P}e{b}, {_P}e{a}" for a, b in spec.swap]
@@ -801,25 +800,10 @@ def render_kernel(spec: StepSpec, backend: str, scope: str = "grid", *, cache: b
         slots = f"{_P}info" if scope == "grid" else f"{_P}sd"
         if scope == "block":
             prologue.append(f"{_INDENT}{_P}sd = cuda.shared.array(2, _lk_np.int64)")
-        if tile is not None and neighbours:
-            # blocks that wait only for their neighbours may be up to one step apart per block
-            # between them: the leader's decision before step t reaches block b (through the
-            # neighbours' release/acquire chain) by its step t + b, so it names the step count
-            # at which every block stops, t + blocks + 1, in the barrier words
-            # (cuda_rt.STOP_AT, STOP_CODE); each block stops after the step that reaches it
-            prologue.append(f"{_INDENT}{_P}stop = 0")
-            control_lines = [f"{_INDENT * 2}{_P}seen = {_P}bar[3] if {_P}bar[2] == _lk_np.uint32({_P}t + 1) else 0",
-                             f"{_INDENT * 2}if {_P}lead:",
-                             f"{_INDENT * 3}{poll}",
-                             f"{_INDENT * 3}if {_P}code != 0 and {_P}stop == 0:",
-                             f"{_INDENT * 4}{_P}stop = 1",
-                             f"{_INDENT * 4}{_P}bar[3] = {_P}code",
-                             f"{_INDENT * 4}{_P}bar[2] = {_P}t + cuda.gridDim.x + 1"]
-        else:
-            control_lines = [f"{_INDENT * 2}{_P}seen = {slots}[({_P}t + 1) & 1] if {_P}t > 0 else 0",
-                             f"{_INDENT * 2}if {_P}lead:",
-                             f"{_INDENT * 3}{poll}",
-                             f"{_INDENT * 3}{slots}[{_P}t & 1] = {_P}code"]
+        control_lines = [f"{_INDENT * 2}{_P}seen = {slots}[({_P}t + 1) & 1] if {_P}t > 0 else 0",
+                         f"{_INDENT * 2}if {_P}lead:",
+                         f"{_INDENT * 3}{poll}",
+                         f"{_INDENT * 3}{slots}[{_P}t & 1] = {_P}code"]
     if backend == "cuda" and scope == "thread":
         # a sequential step: one thread, no barrier between steps
         thread_index, thread_count, barrier = "0", "1", ""
@@ -841,7 +825,7 @@ def render_kernel(spec: StepSpec, backend: str, scope: str = "grid", *, cache: b
     # The step's decorator line is in the template; drop the empty one rendered above.
     step_def, step_body = step_lines.lines[1], step_lines.lines[2:]
     mapping = dict(
-        name=spec.name, filename=spec.filename, lineno=str(spec.lineno), scope="tile" if tile is not None else scope,
+        name=spec.name, filename=spec.filename, lineno=str(spec.lineno), scope=scope,
         fingerprint=fingerprint, helpers="\n".join(helpers_text),
         device_options=(", " + dev_opts if dev_opts and backend == "cuda" else dev_opts),
         kernel_options=ker_opts,
@@ -935,21 +919,7 @@ def _tile_index(e):
     return ast.BinOp(left=e, op=ast.Sub(), right=base)
 
 
-def neighbour_sync_ok(spec: StepSpec, resident) -> bool:
-    """Whether a tile-mode kernel may end its steps with a barrier among neighbouring blocks only
-    (``cuda_rt.neighbour_sync``) instead of the grid barrier.
-
-    Blocks then drift apart by up to one step per block between them. That is safe when the
-    only data passing between blocks from one step to the next is the halo of the resident
-    arrays, which the neighbours exchange: the step writes no array that is not resident (a
-    write to global memory, ``lk.atomic`` updates included, could be read by, or race with a
-    write of, any block at another step). Reductions and ``lk.sync()`` inside the step keep
-    their grid barriers, which line every block up again.
-    """
-    return not any(p.written for i, p in enumerate(spec.params) if i not in resident)
-
-
-def _tile_lines(tile, kparams, resident, written, neighbours=False) -> tuple[list, str, list]:
+def _tile_lines(tile, kparams, resident, written) -> tuple[list, str, list]:
     """(prologue lines, the step barrier's text, copy-back lines) of a tile-mode kernel.
 
     Each block keeps its tile of every resident array in shared memory for the whole run: one
@@ -958,9 +928,13 @@ def _tile_lines(tile, kparams, resident, written, neighbours=False) -> tuple[lis
     publishes the edge cells (rows) of the arrays the step wrote to their global buffer (the
     one of this step's parity), passes the grid barrier, and reads its neighbours' edge cells
     into its halo. At the end every tile is written back to the global array its name refers
-    to (the rename rule of swap pairs). With ``neighbours`` the barrier is the one among
-    neighbouring blocks (see :func:`neighbour_sync_ok`). A 2-D tile holds whole rows, so the second dimension
+    to (the rename rule of swap pairs). A 2-D tile holds whole rows, so the second dimension
     needs no exchange (and may wrap around: it is all on chip).
+
+    The barrier is the grid's. A barrier among neighbouring blocks only (per-block step counts
+    with release/acquire, and a stop plan reaching every block within blocks + 1 steps)
+    measured slower on the H200 (1M heat, 512 threads: 3.02 µs/step against 2.80;
+    bench-results/session7) and was taken out (commit 5595242 has it).
     """
     (hl, hr) = tile.halo[0]
     two = tile.ndim == 2
@@ -1006,7 +980,7 @@ def _tile_lines(tile, kparams, resident, written, neighbours=False) -> tuple[lis
             (f"{_P}tlo + {_P}r if {_P}r < {hr} else {_P}thi - {hl} + ({_P}r - {hr})",
              f"{_P}tlo <= {_P}c < {_P}thi"),
             [f"{at(f'{_P}e{i}', f'{_P}c')} = {at(f'{_P}w{i}', f'{_P}c - {_P}tb')}" for i in written])
-    bar.append(f"{_P}rt.neighbour_sync({_P}bar, {_P}t)" if neighbours else f"{_P}rt.grid_sync({_P}bar)")
+    bar.append(f"{_P}rt.grid_sync({_P}bar)")
     if hl + hr and written:
         bar += cells(
             0, f"range({hl + hr})",

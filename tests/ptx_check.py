@@ -120,7 +120,6 @@ for name, fn, swap, args in (("heat", W.heat_step, [("u", "v")], [np.zeros(8, f3
         src = codegen.render_kernel(k.spec, "cuda", "grid", cache=False, tile=find_stencil(k.spec))
         ptx, _ = cuda.compile_ptx(compile_kernel(src).dispatcher.py_func, sig, cc=(9, 0))
         rec.update(ok=True, own_barrier=ptx.count("atom.add.release.gpu"), cg=ptx.count("cudaCGSynchronize"),
-                   neighbour_release=ptx.count("st.release.gpu"), neighbour_acquire=ptx.count("ld.acquire.gpu"),
                    shuffles=ptx.count("shfl.sync"), globaltimer=ptx.count("%globaltimer"),
                    volatile_host=ptx.count("st.volatile.u64"), sys_fence=ptx.count("membar.sys"), bounds_records=0,
                    dynamic_shared=ptx.count(".extern .shared"), extern_funcs=ptx.count(".extern .func"), atom_add=0,

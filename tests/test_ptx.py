@@ -24,13 +24,8 @@ def test_cuda_kernels_compile_to_ptx():
         assert r["cg"] == 0                       # loopkern's own barrier, not cudadevrt's
         # nothing to link (Numba cannot cache a kernel that links a library, e.g. reshape's)
         assert r["extern_funcs"] == 0, r
-        if r["scope"] == "grid":
+        if r["scope"] in ("grid", "tile"):
             assert r["own_barrier"] >= 1, r       # every grid kernel synchronises with it
-        if r["scope"] == "tile":
-            # tile-mode steps that write only their tiles end with the neighbours' barrier
-            # (release store, acquire loads); Jacobi's reduction keeps its grid barrier
-            assert r["neighbour_release"] >= 1 and r["neighbour_acquire"] >= 2, r
-            assert (r["own_barrier"] >= 1) == (r["kernel"] == "jacobi"), r
         if r["scope"] == "thread":
             assert r["own_barrier"] == 0, r       # a sequential step pays no barrier
         # run control: the leader reads the GPU clock and publishes to host memory with a fence

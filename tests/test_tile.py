@@ -50,7 +50,7 @@ def run_tile(fn, swap, arrays, scalars, steps, threads=32, start=0):
     dev = [cuda.to_device(a) for a in arrays]
     host = np.zeros(HOST_SIZE, np.int64)
     args = [np.int64(steps), np.int64(start), *dev, *scalars, cuda.to_device(np.zeros((2, 1))),
-            cuda.to_device(np.zeros((2, 1), np.int64)), cuda.to_device(np.zeros(5, np.uint32)), np.uint64(0),
+            cuda.to_device(np.zeros((2, 1), np.int64)), cuda.to_device(np.zeros(2, np.uint32)), np.uint64(0),
             cuda.to_device(np.zeros(2, np.int64)), host]
     kern[1, threads, 0, shared](*args)
     assert host[DONE] == 1 and host[STEPS] == steps

@@ -34,15 +34,14 @@ class FreeList:
 
 def cuda_scratch(blocks: int) -> tuple:
     """A grid-scope run's device scratch: the reductions' per-block partial results
-    (float64[2, blocks], int64[2, blocks]), the barrier words (uint32[4 + blocks], zeroed
-    once: [0] the grid barrier's counter, whose low 31 bits a completed barrier leaves at zero,
-    which the next barrier needs; [1] the count of finished blocks, which the last finished
-    block zeroes; [2:] tile mode's stop plan and per-block step counts, which its last block
-    zeroes, see ``cuda_rt.neighbour_sync``) and the stop decision's two slots (int64[2])."""
+    (float64[2, blocks], int64[2, blocks]), the grid barrier's counter and the count of
+    finished blocks (uint32[2], zeroed once: a completed barrier leaves the first one's low 31
+    bits at zero, which the next barrier needs, and the last finished block zeroes the second)
+    and the stop decision's two slots (int64[2])."""
     from numba import cuda
     n = max(blocks, 1)
     return (cuda.device_array((2, n), np.float64), cuda.device_array((2, n), np.int64),
-            cuda.to_device(np.zeros(4 + n, np.uint32)), cuda.device_array(2, np.int64))
+            cuda.to_device(np.zeros(2, np.uint32)), cuda.device_array(2, np.int64))
 
 
 def control_block(backend: str) -> tuple:

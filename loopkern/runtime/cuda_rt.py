@@ -93,76 +93,6 @@ else:
         cuda.syncthreads()
 
 
-    @intrinsic
-    def _st_release_at(typingctx, arr, idx, val):
-        """``st.release.gpu`` of ``val`` into ``arr[idx]`` (uint32)."""
-        sig = _types.void(arr, idx, val)
-
-        def codegen(context, builder, sig, args):
-            ptr = element_ptr(context, builder, sig.args[0], args[0], args[1], sig.args[1])
-            v = context.cast(builder, args[2], sig.args[2], _types.uint32)
-            fnty = ir.FunctionType(ir.VoidType(), [ptr.type, ir.IntType(32)])
-            asm = ir.InlineAsm(fnty, "st.release.gpu.global.u32 [$0], $1;", "l,r,~{memory}", side_effect=True)
-            builder.call(asm, [ptr, v])
-            return context.get_dummy_value()
-        return sig, codegen
-
-    @intrinsic
-    def _ld_acquire_at(typingctx, arr, idx):
-        """``ld.acquire.gpu`` of ``arr[idx]`` (uint32)."""
-        sig = _types.uint32(arr, idx)
-
-        def codegen(context, builder, sig, args):
-            ptr = element_ptr(context, builder, sig.args[0], args[0], args[1], sig.args[1])
-            fnty = ir.FunctionType(ir.IntType(32), [ptr.type])
-            asm = ir.InlineAsm(fnty, "ld.acquire.gpu.global.u32 $0, [$1];", "=r,l,~{memory}", side_effect=True)
-            return builder.call(asm, [ptr])
-        return sig, codegen
-
-    @cuda.jit(device=True)
-    def neighbour_sync(bar, t):
-        """The end of step ``t`` (0-based, this launch) of a tile-mode kernel whose blocks only
-        exchange halos with the blocks next to them: a barrier with those two blocks only.
-
-        bar[FLAGS + b] is block b's step count: the block's leader sets it to t + 1 with a
-        release store once its block published the step's edge cells (the first syncthreads
-        orders them before it), then spins (it and its next lane, one neighbour each) with acquire loads until each neighbour's count has
-        left t (the value before this step), and the second syncthreads releases the block.
-        A neighbour is never more than one step away (it cannot finish step t + 1 before this
-        block's count reached t + 1), so its count is t, t + 1 or t + 2 and the test "is not t"
-        holds exactly when it finished step t, with uint32 wrap-around harmless. The counts
-        start at zero (tile_finish resets them). Release/acquire chains reach block b from
-        block 0 within b steps, which the stop protocol (see codegen) relies on.
-        """
-        cuda.syncthreads()
-        k = cuda.threadIdx.x
-        if k < 2:
-            # lane 0 releases; lanes 0 and 1 then wait for the block below and above at once
-            b = cuda.blockIdx.x
-            if k == 0:
-                _st_release_at(bar, FLAGS + b, uint32(t + 1))
-            cuda.syncwarp(3)
-            other = b - 1 + 2 * k
-            if 0 <= other < cuda.gridDim.x:
-                before = uint32(t)
-                while _ld_acquire_at(bar, FLAGS + other) == before:
-                    pass
-        cuda.syncthreads()
-
-
-if SIMULATOR:
-    @cuda.jit(device=True)
-    def neighbour_sync(bar, t):
-        """Barrier with the neighbouring blocks (the simulator runs one block)."""
-        cuda.syncthreads()
-
-
-#: tile mode's words of the barrier array (uint32[FLAGS + blocks]): [0] the grid barrier's
-#: counter, [1] the count of finished blocks, [STOP_AT] the step count after which every block
-#: stops (0: none), [STOP_CODE] its code, [FLAGS + b] block b's step count (neighbour_sync)
-STOP_AT, STOP_CODE, FLAGS = 2, 3, 4
-
-
 @cuda.jit(device=True)
 def block_sync(bar):
     """Barrier across the threads of this block."""
@@ -471,21 +401,6 @@ def grid_finish(host, bar, t, why):
     cuda.syncthreads()
     if cuda.threadIdx.x == 0:
         if cuda.atomic.add(bar, 1, np.uint32(1)) == np.uint32(cuda.gridDim.x - 1):
-            bar[1] = np.uint32(0)
-            finish(host, t, why)
-
-
-@cuda.jit(device=True)
-def tile_finish(host, bar, t, why):
-    """:func:`grid_finish` for a tile-mode kernel: the last block also zeroes the stop plan and
-    the blocks' step counts (every block has left its last neighbour_sync by then) for the next
-    launch, which the stream orders after this one."""
-    cuda.threadfence_system()
-    cuda.syncthreads()
-    if cuda.threadIdx.x == 0:
-        if cuda.atomic.add(bar, 1, np.uint32(1)) == np.uint32(cuda.gridDim.x - 1):
-            for k in range(STOP_AT, FLAGS + cuda.gridDim.x):
-                bar[k] = np.uint32(0)
             bar[1] = np.uint32(0)
             finish(host, t, why)
 
