@@ -18,6 +18,7 @@ from importlib import resources
 
 from .errors import LoopkernError
 from .index_bounds import is_nonneg_mark, mark_nonneg_indices
+from .warpsplit import WARP, find_warp_split
 from .spec import INTRINSIC_PREFIX, RESERVED_PREFIX, FunctionSpec, StepSpec, is_helper_call, marker_of
 
 BACKENDS = ("cuda", "cpu")
@@ -366,6 +367,9 @@ class _BodyWriter:
         lo_t = self._bind(depth, f"{_P}r{k}_lo", lo, s)
         hi_t = self._bind(depth, f"{_P}r{k}_hi", hi, s)
         cur = f"{_P}u{k}"
+        split = None if self.tile or not _is_one(st) else find_warp_split(s)
+        if split is not None:
+            depth = self.warp_split_loop(s, split, k, lo_t, hi_t, depth)
         if self.tile:
             # tile mode: this block's threads take the range's values inside its tile
             st_t = self._bind(depth, f"{_P}r{k}_st", st, s)
@@ -389,6 +393,44 @@ class _BodyWriter:
         if not self.unrolled(s, [target], depth, k, cur, start, hi_t, take):
             self.out.add(depth, f"{cur} = {start}", s)
         self.strided_loop(s, depth, f"{cur} < {hi_t}", [f"{target} = {cur}", f"{cur} += {_P}nt"])
+
+    def warp_split_loop(self, s, split, k, lo_t, hi_t, depth) -> int:
+        """The warp-split form of a parallel loop (``loopkern/warpsplit.py``), taken at run
+        time when the loop has at most one iteration per warp of the launch; returns the
+        depth at which the caller emits the usual form, under the ``else``.
+
+        Each warp takes one iteration at a time; its lanes take every 32nd value of the inner
+        loop, the accumulators are summed across the warp with shuffles, and lane 0 alone
+        runs the statements after the inner loop. The split form renders copies of the body:
+        lowering rewrites the nodes it visits.
+        """
+        target, lane, cur = _src(s.target), f"{_P}lane{k}", f"{_P}w{k}"
+        self.out.add(depth, f"if ({hi_t} - {lo_t}) * {WARP} <= {_P}nt:", s)
+        d = depth + 1
+        self.out.add(d, f"{lane} = {_P}tid & {WARP - 1}", s)
+        self.out.add(d, f"{cur} = {lo_t} + ({_P}tid >> {WARP.bit_length() - 1})", s)
+        self.out.add(d, f"while {cur} < {hi_t}:", s)
+        self.out.add(d + 1, f"{target} = {cur}", s)
+        self.out.add(d + 1, f"{cur} += {_P}nt >> {WARP.bit_length() - 1}", s)
+        self.body(copy.deepcopy(list(split.pre)), d + 1)
+        inner = copy.deepcopy(split.inner)
+        args = [self.lower.visit(a) for a in inner.iter.args]
+        a, b, c = (ast.Constant(0), args[0], ast.Constant(1)) if len(args) == 1 else \
+            (args[0], args[1], args[2] if len(args) == 3 else ast.Constant(1))
+        if _is_one(c):
+            rng = f"{_src(a)} + {lane}, {_src(b)}, {WARP}"
+        else:
+            step = self._bind(d + 1, f"{_P}j{k}_st", c, inner)
+            rng = f"{_src(a)} + {lane} * {step}, {_src(b)}, {WARP} * {step}"
+        self.out.add(d + 1, f"for {_src(inner.target)} in range({rng}):", inner)
+        self.body(inner.body, d + 2)
+        for acc in split.accumulators:
+            self.out.add(d + 1, f"{acc} = {_P}rt.warp_sum({acc})", inner)
+        if split.post:
+            self.out.add(d + 1, f"if {lane} == 0:", s)
+            self.body(copy.deepcopy(list(split.post)), d + 2)
+        self.out.add(depth, "else:", s)
+        return depth + 1
 
     def strided_loop(self, s, depth, test, head):
         """A grid-stride loop as ``while``: ``for ... in range(a, b, stride)`` would make Numba

@@ -29,6 +29,7 @@ _api.get_current_device = _disp.get_current_device = lambda: _Device()
 
 import loopkern as lk  # noqa: E402
 import test_random as R  # noqa: E402
+import test_warpsplit as WS  # noqa: E402
 import workloads as W  # noqa: E402
 from loopkern import codegen  # noqa: E402
 from loopkern.compile import compile_kernel  # noqa: E402
@@ -44,6 +45,8 @@ CASES = [
     ("helper", W.helper_step, [("u", "v")], [np.zeros(8), np.zeros(8), 0.3], ("grid",)),
     ("random", R.draws, [], [0, 0, 7, np.zeros((2, 8)), np.zeros((2, 8, 2))], ("grid",)),
     ("logistic", W.logistic_step, [], [np.zeros(8), 2.9], ("thread",)),
+    # a warp-split loop (loopkern/warpsplit.py): its accumulators summed with shuffles
+    ("warpsplit", WS.forces, [], [np.zeros((4, 2)), np.zeros((4, 2)), 1e-2], ("grid", "block")),
     ("mixed_reductions", W.mixed_reductions_step, [], [np.zeros(8, f32), np.zeros((3, 4))], ("grid", "block")),
     # lk.atomic: integer add (a histogram); float add, max and min, 2-D and negative indices, values
     # cast to the array's dtype, the old value used

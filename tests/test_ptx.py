@@ -42,6 +42,7 @@ def test_cuda_kernels_compile_to_ptx():
         else:
             assert r["dynamic_shared"] == 0, r
     assert any(r["shuffles"] for r in recs if r["kernel"] in ("jacobi", "normalize"))
+    assert all(r["shuffles"] >= 5 for r in recs if r["kernel"] == "warpsplit")     # 5 xor steps per sum
     assert [r["kernel"] for r in recs if r["scope"] == "tile"] == ["heat", "jacobi"]
     # loopkern's own element accesses: the stencils' loads and stores in the global state space
     # (Numba's own lowering emits generic ld/st for them)

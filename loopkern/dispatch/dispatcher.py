@@ -19,6 +19,7 @@ cached plan is only used for arguments whose signature equals the one that passe
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 import math
@@ -31,6 +32,7 @@ from ..progress import check_progress
 from ..runs import (Run, RunHandle, EventWaiter, ThreadWaiter, _Stalled, note_cancelled, run_inline,
                     slow_step_message, wait_cuda)
 from ..runtime.layout import BOUNDS, CANCEL, DBG_SIZE, HOST_SIZE, REQUEST, STEPS, STOPPED, WHY
+from ..warpsplit import WARP, step_has_warp_split
 from . import checks, driver
 from .args import ArrayArg, apply_weak_floats, classify, weak_float_type
 from .config import (AUTO_TILE_MIN_ELEMENTS, LaunchConfig, choose_backend, cuda_config, plan_staging, resolve_scope,
@@ -226,6 +228,8 @@ class Dispatcher:
                 return self._make_tile_plan(argv, run_values, float_type, o, sim)
             except LaunchError as exc:          # the tiles do not fit on this device: the grid scope
                 log.debug("loopkern: scope='auto' for step '%s' keeps the grid scope: %s", spec.name, exc)
+        if self.warp_split:
+            work *= WARP            # a warp per iteration of its few-iteration loop (see warpsplit.py)
         staged, stage_bytes = plan_staging(spec, argv) if scope == "block" else ((), 0)
         bits = index_bits_for([a.size for a in argv if isinstance(a, ArrayArg)], o.debug, staged)
         compiled = self.kernels.get("cuda", scope, debug=o.debug, staged=staged, control=o.control,
@@ -262,6 +266,12 @@ class Dispatcher:
                              o.threads, o.blocks, sim)
         return make_plan(spec, "cuda", argv, compiled, kernel, config, debug=False, staged=(),
                          simulator=sim), run_values
+
+    @functools.cached_property
+    def warp_split(self) -> bool:
+        """Whether a parallel loop of the step can run warp-split (``loopkern/warpsplit.py``):
+        the automatic grid then has a warp's worth of threads per element."""
+        return step_has_warp_split(self.spec.step)
 
     def _auto_tile(self, work: int, o: Options, sim: bool) -> bool:
         """Whether ``scope="auto"`` tries tile mode: a one-dimensional stencil (see

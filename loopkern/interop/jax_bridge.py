@@ -338,6 +338,7 @@ def _cuda_core(mk, sig, n_dtype, t0_dtype, scope, threads, blocks, seed, timeout
 
     from ..dispatch.config import cuda_config
     from ..dispatch.kernels import index_bits_for
+    from ..warpsplit import WARP
     from . import xla_ffi
 
     spec = mk.spec
@@ -358,6 +359,8 @@ def _cuda_core(mk, sig, n_dtype, t0_dtype, scope, threads, blocks, seed, timeout
     nbsig += [types.float64[:, ::1], types.int64[:, ::1], types.uint32[::1], types.uint32[::1], types.int64[::1],
               types.int64[::1]]
     kernel, func = compiled.load_for_ffi(tuple(nbsig), xla_ffi)
+    if mk.dispatcher.warp_split:
+        work *= WARP            # a warp per iteration of its few-iteration loop (see warpsplit.py)
     plan = cuda_config(kernel, scope, work, threads, blocks, simulator=False)
     xla_ffi.register_cuda_target()
 

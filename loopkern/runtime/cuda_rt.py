@@ -93,6 +93,44 @@ else:
         cuda.syncthreads()
 
 
+# -- warp-split loops (loopkern/warpsplit.py): a sum across the 32 lanes of a warp --------------
+if SIMULATOR:
+    import threading as _threading
+
+    _WARPS: dict = {}
+    _WARPS_LOCK = _threading.Lock()
+
+    @cuda.jit(device=True)
+    def warp_sum(v):
+        """The xor-butterfly sum of ``v`` over the warp, as the GPU's shuffles compute it (each
+        lane gets its own order of the same additions); every lane of the warp must call it."""
+        lane = cuda.threadIdx.x % 32
+        key = (cuda.blockIdx.x, cuda.blockIdx.y, cuda.blockIdx.z, cuda.threadIdx.x // 32)
+        with _WARPS_LOCK:
+            if key not in _WARPS:
+                _WARPS[key] = ([None] * 32, _threading.Barrier(32))
+            vals, gate = _WARPS[key]
+        vals[lane] = v
+        gate.wait()
+        mine = list(vals)
+        gate.wait()                   # nobody overwrites vals before every lane has read them
+        off = 16
+        while off > 0:
+            mine = [mine[k] + mine[k ^ off] for k in range(32)]
+            off >>= 1
+        return mine[lane]
+else:
+    @cuda.jit(device=True)
+    def warp_sum(v):
+        """The sum of ``v`` over the warp (xor butterfly: every lane gets a sum); every lane of
+        the warp must call it."""
+        off = 16
+        while off > 0:
+            v += cuda.shfl_xor_sync(0xFFFFFFFF, v, off)
+            off >>= 1
+        return v
+
+
 @cuda.jit(device=True)
 def block_sync(bar):
     """Barrier across the threads of this block."""
