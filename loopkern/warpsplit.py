@@ -75,22 +75,9 @@ def _has(nodes, kinds) -> bool:
     return any(isinstance(c, kinds) for n in nodes for c in ast.walk(n))
 
 
-def _assigned_names(nodes) -> set:
-    out = set()
-    for n in nodes:
-        for c in ast.walk(n):
-            if isinstance(c, ast.Name) and isinstance(c.ctx, ast.Store):
-                out.add(c.id)
-    return out
-
-
-def _loaded_names(nodes) -> set:
-    out = set()
-    for n in nodes:
-        for c in ast.walk(n):
-            if isinstance(c, ast.Name) and isinstance(c.ctx, ast.Load):
-                out.add(c.id)
-    return out
+def _names(nodes, ctx) -> set:
+    """The names stored (``ast.Store``) or read (``ast.Load``) in ``nodes``."""
+    return {c.id for n in nodes for c in ast.walk(n) if isinstance(c, ast.Name) and isinstance(c.ctx, ctx)}
 
 
 def _is_plain_range(s) -> bool:
@@ -127,11 +114,11 @@ def find_warp_split(loop: ast.For) -> WarpSplit | None:
             else:
                 plain.add(c.target.id)
     accs = [a for a in dict.fromkeys(name for _, _, name in sorted(added)) if a not in plain]
-    if not accs or any(a not in _assigned_names(pre) for a in accs):
+    if not accs or any(a not in _names(pre, ast.Store) for a in accs):
         return None                  # an accumulator from before the parallel loop: per-thread state
-    if any(a in _loaded_names([inner.iter] + list(inner.body)) for a in accs):
+    if any(a in _names([inner.iter] + list(inner.body), ast.Load) for a in accs):
         return None                  # a partial sum read inside the loop
-    if (plain - set(accs)) & _loaded_names(post):
+    if (plain - set(accs)) & _names(post, ast.Load):
         return None                  # a lane's last value used after the loop
     return WarpSplit(pre, inner, post, tuple(accs))
 
