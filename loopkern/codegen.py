@@ -135,11 +135,14 @@ class _Lower(ast.NodeTransformer):
     def __init__(self, backend: str, scope: str, index_name: str = "t", sites: "_Sites | None" = None,
                  filename: str = "", function: str = "", float_type: str | None = None,
                  arrays: frozenset = frozenset(), index_bits: int | None = None,
-                 tile_arrays: frozenset = frozenset()):
+                 tile_arrays: frozenset = frozenset(), shared_arrays: frozenset = frozenset()):
         self.float_type = float_type
         # tile mode (on-chip residency): these arrays are the block's tile in shared memory,
         # whose element k holds the array's element _lk_tb + k
         self.tile_arrays = tile_arrays
+        # arrays in shared memory (tiles, block scope's staged arrays): their accesses with
+        # indices proven non-negative go through runtime/arrays.py's ld.shared/st.shared
+        self.shared_arrays = shared_arrays | tile_arrays
         # loopkern's own element accesses (runtime/arrays.py) for these array parameters, with
         # offsets of this many bits; None: Numba's indexing everywhere
         self.arrays = arrays
@@ -166,9 +169,13 @@ class _Lower(ast.NodeTransformer):
                 node.slice.elts = [_tile_index(node.slice.elts[0])] + node.slice.elts[1:]
             else:
                 node.slice = _tile_index(node.slice)
+            if isinstance(node.ctx, ast.Load) and self._shared_access(node):
+                return _rt_call("sload", [node.value, node.slice], node)
             return node
         if not isinstance(node.ctx, ast.Load) or not isinstance(node.value, ast.Name):
             return node
+        if node.value.id in self.shared_arrays and self._shared_access(node):
+            return _rt_call("sload", [node.value, node.slice], node)
         if self.sites is None:
             if self._own_access(node):
                 return _rt_call(f"load{self.access}", [node.value, node.slice], node)
@@ -185,12 +192,21 @@ class _Lower(ast.NodeTransformer):
         elts = node.slice.elts if isinstance(node.slice, ast.Tuple) else [node.slice]
         return all(is_nonneg_mark(e) for e in elts)
 
+    def _shared_access(self, node) -> bool:
+        """An access to an array in shared memory (a tile's index already shifted) that
+        runtime/arrays.py lowers to the shared state space: every index proven non-negative."""
+        elts = node.slice.elts if isinstance(node.slice, ast.Tuple) else [node.slice]
+        return self.sites is None and all(is_nonneg_mark(e) for e in elts)
+
     def visit_Assign(self, node):
         self.generic_visit(node)
         tgt = node.targets[0]
         if len(node.targets) == 1 and isinstance(tgt, ast.Subscript) and self.sites is None and self._own_access(tgt):
             return ast.copy_location(ast.Expr(_rt_call(f"store{self.access}", [tgt.value, tgt.slice, node.value],
                                                        node)), node)
+        if (len(node.targets) == 1 and isinstance(tgt, ast.Subscript) and isinstance(tgt.value, ast.Name)
+                and tgt.value.id in self.shared_arrays and self._shared_access(tgt)):
+            return ast.copy_location(ast.Expr(_rt_call("sstore", [tgt.value, tgt.slice, node.value], node)), node)
         return node
 
     def visit_AugAssign(self, node):
@@ -268,7 +284,7 @@ class _BodyWriter:
     def __init__(self, out: _Lines, backend: str, scope: str, is_step: bool, fn_body=(), index_name="t",
                  sites: "_Sites | None" = None, function: str = "", float_type: str | None = None,
                  arrays: frozenset = frozenset(), index_bits: int | None = None,
-                 tile_arrays: frozenset | None = None):
+                 tile_arrays: frozenset | None = None, shared_arrays: frozenset = frozenset()):
         self.out = out
         self.tile = tile_arrays is not None
         self.fn_body = list(fn_body)
@@ -276,7 +292,7 @@ class _BodyWriter:
         self.sites = sites
         self.function = function
         self.lower = _Lower(backend, scope, index_name, sites, out.filename, function, float_type, arrays,
-                            index_bits, tile_arrays or frozenset())
+                            index_bits, tile_arrays or frozenset(), shared_arrays)
         self.is_step = is_step
         self.loop_id = 0
         self.temp_id = 0
@@ -642,7 +658,7 @@ def _is_zero(e):
 def _render_function(fs: FunctionSpec, home: str, backend: str, scope: str, is_step: bool,
                      ctx_params: list[str], decorator: str, sites: _Sites | None = None,
                      float_type: str | None = None, index_bits: int | None = None,
-                     tile_arrays: frozenset | None = None) -> _Lines:
+                     tile_arrays: frozenset | None = None, shared_arrays: frozenset = frozenset()) -> _Lines:
     out = _Lines(fs.filename, home)
     if sites is None:
         body = mark_nonneg_indices(fs.body, fs.params, fs.array_params, fs.params[0] if is_step else None)
@@ -652,7 +668,8 @@ def _render_function(fs: FunctionSpec, home: str, backend: str, scope: str, is_s
     out.add(0, decorator)
     out.add(0, f"def {fs.symbol}({', '.join(params)}):", ast.Pass(lineno=fs.lineno, col_offset=0))
     w = _BodyWriter(out, backend, scope, is_step, body, fs.params[0] if fs.params else "t", sites, fs.name,
-                    float_type, frozenset(fs.params[i] for i in fs.array_params), index_bits, tile_arrays)
+                    float_type, frozenset(fs.params[i] for i in fs.array_params), index_bits, tile_arrays,
+                    shared_arrays)
     w.body(body, 1)
     if is_step and not (body and isinstance(body[-1], ast.Return)):
         out.add(1, "return True")
@@ -758,8 +775,9 @@ def render_kernel(spec: StepSpec, backend: str, scope: str = "grid", *, cache: b
     for h in spec.helpers:
         pieces.append(_render_function(h, spec.filename, backend, scope, False, helper_ctx, device_deco, sites,
                                        float_type, index_bits))
+    staged_names = frozenset(spec.params[i].name for i in staged) if backend == "cuda" else frozenset()
     step_lines = _render_function(spec.step, spec.filename, backend, scope, True, ctx_params, "", sites, float_type,
-                                  index_bits, tile_names)
+                                  index_bits, tile_names, staged_names)
 
     n = len(spec.params)
     kparams = [f"{_P}a{i}" for i in range(n)]

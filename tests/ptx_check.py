@@ -105,7 +105,10 @@ for name, fn, swap, args, scopes in CASES:
                            atom_cas=ptx.count("atom.global.cas"),
                            # element accesses in the global state space (runtime/arrays.py)
                            ld_global=len(re.findall(r"\bld\.global\.(?:[suf]\d+|b\d+)\b", ptx)),
-                           st_global=len(re.findall(r"\bst\.global\.(?:[suf]\d+|b\d+)\b", ptx)))
+                           st_global=len(re.findall(r"\bst\.global\.(?:[suf]\d+|b\d+)\b", ptx)),
+                           # ... and the staged arrays' in the shared state space
+                           ld_shared=len(re.findall(r"\bld\.shared\.(?:[suf]\d+|b\d+)\b", ptx)),
+                           st_shared=len(re.findall(r"\bst\.shared\.(?:[suf]\d+|b\d+)\b", ptx)))
             except Exception as exc:
                 rec.update(ok=False, error=f"{type(exc).__name__}: {exc}"[:2000])
             print(json.dumps(rec), flush=True)
@@ -126,7 +129,10 @@ for name, fn, swap, args in (("heat", W.heat_step, [("u", "v")], [np.zeros(8, f3
                    shuffles=ptx.count("shfl.sync"), globaltimer=ptx.count("%globaltimer"),
                    volatile_host=ptx.count("st.volatile.u64"), sys_fence=ptx.count("membar.sys"), bounds_records=0,
                    dynamic_shared=ptx.count(".extern .shared"), extern_funcs=ptx.count(".extern .func"), atom_add=0,
-                   atom_minmax=0, atom_cas=0, ld_global=0, st_global=0)
+                   atom_minmax=0, atom_cas=0, ld_global=0, st_global=0,
+                   # the tiles' element accesses in the shared state space (runtime/arrays.py)
+                   ld_shared=len(re.findall(r"\bld\.shared\.(?:[suf]\d+|b\d+)\b", ptx)),
+                   st_shared=len(re.findall(r"\bst\.shared\.(?:[suf]\d+|b\d+)\b", ptx)))
     except Exception as exc:
         rec.update(ok=False, error=f"{type(exc).__name__}: {exc}"[:2000])
     print(json.dumps(rec), flush=True)

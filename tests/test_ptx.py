@@ -39,6 +39,10 @@ def test_cuda_kernels_compile_to_ptx():
             assert (r["bounds_records"] >= 1) == r["debug"], r   # only debug kernels check bounds
         if r["staged"] or r["scope"] == "tile":
             assert r["dynamic_shared"] >= 1, r         # the arrays live in dynamic shared memory
+        if r["scope"] == "tile" or r["staged"] and r["kernel"] in ("heat", "jacobi", "life"):
+            # the step's accesses to shared memory: ld.shared/st.shared (Numba's own would be
+            # generic ld/st)
+            assert r["ld_shared"] >= 3 and r["st_shared"] >= 1, r
         else:
             assert r["dynamic_shared"] == 0, r
     assert any(r["shuffles"] for r in recs if r["kernel"] in ("jacobi", "normalize"))

@@ -18,21 +18,26 @@ The loads are plain weak ``ld.global`` (not ``ld.global.nc``): a swap buffer is 
 other step, so its loads must stay coherent across the grid barrier, exactly as the generic
 loads they replace. Any other access (an index not proven non-negative, fewer indices than
 dimensions, a non-contiguous array) falls back to Numba's own ``a[idx]``, with Python's
-meaning. Only kernels whose arrays are all in global memory use these: arrays staged in shared
-memory (block scope) keep Numba's generic accesses.
+meaning.
+
+- ``sload`` / ``sstore``: for a view of shared memory (a tile-mode kernel's tiles): the same
+  addressing through an ``addrspace(3)`` pointer (``ld.shared``/``st.shared``), a 1-D offset
+  in 32 bits (shared memory is far smaller than 2**31 elements). Arrays staged in shared memory
+  in block scope keep Numba's generic accesses.
 """
 
 from __future__ import annotations
 
 
 def build_numba(overload, intrinsic, target="cuda") -> dict:
-    """The four functions as Numba overloads for ``target``: {"load", "store", "load32", "store32"}."""
+    """The functions as Numba overloads for ``target``: {"load", "store", "load32", "store32",
+    "sload", "sstore"} (the last two for arrays in shared memory)."""
     from llvmlite import ir
     from numba import types
     from numba.core import cgutils
 
-    def _address(context, builder, aryty, ary, idxty, idx, bits):
-        """The addrspace(1) pointer to ``ary[idx]`` (C layout, every index >= 0)."""
+    def _address(context, builder, aryty, ary, idxty, idx, bits, space):
+        """The ``addrspace(space)`` pointer to ``ary[idx]`` (C layout, every index >= 0)."""
         a = context.make_array(aryty)(context, builder, ary)
         n = aryty.ndim
         if n > 1:
@@ -54,7 +59,7 @@ def build_numba(overload, intrinsic, target="cuda") -> dict:
                 lin = builder.add(builder.mul(lin, narrow(shape[k])), narrow(idxs[k]))
         off = builder.zext(lin, ir.IntType(64)) if bits < 64 else lin
         elem = context.get_data_type(aryty.dtype)
-        data = builder.addrspacecast(a.data, ir.PointerType(elem, 1))
+        data = builder.addrspacecast(a.data, ir.PointerType(elem, space))
         return builder.gep(data, [off], inbounds=True)
 
     def _fits(aryty, idxty):
@@ -64,18 +69,18 @@ def build_numba(overload, intrinsic, target="cuda") -> dict:
         kinds = list(idxty.types) if isinstance(idxty, types.BaseTuple) else [idxty]
         return len(kinds) == aryty.ndim and all(isinstance(k, types.Integer) and not k.signed for k in kinds)
 
-    def make(bits):
+    def make(bits, space=1):
         @intrinsic
         def _load(typingctx, ary, idx):
             def codegen(context, builder, sig, args):
-                ptr = _address(context, builder, sig.args[0], args[0], sig.args[1], args[1], bits)
+                ptr = _address(context, builder, sig.args[0], args[0], sig.args[1], args[1], bits, space)
                 return context.unpack_value(builder, sig.args[0].dtype, ptr)
             return ary.dtype(ary, idx), codegen
 
         @intrinsic
         def _store(typingctx, ary, idx, val):
             def codegen(context, builder, sig, args):
-                ptr = _address(context, builder, sig.args[0], args[0], sig.args[1], args[1], bits)
+                ptr = _address(context, builder, sig.args[0], args[0], sig.args[1], args[1], bits, space)
                 v = context.cast(builder, args[2], sig.args[2], sig.args[0].dtype)
                 context.pack_value(builder, sig.args[0].dtype, v, ptr)
                 return context.get_dummy_value()
@@ -105,14 +110,15 @@ def build_numba(overload, intrinsic, target="cuda") -> dict:
 
     load64, store64 = make(64)
     load32, store32 = make(32)
-    return {"load": load64, "store": store64, "load32": load32, "store32": store32}
+    sload, sstore = make(64, 3)
+    return {"load": load64, "store": store64, "load32": load32, "store32": store32, "sload": sload, "sstore": sstore}
 
 
 def build_python() -> dict:
-    """The same four functions for Numba's CUDA simulator: plain indexing."""
+    """The same functions for Numba's CUDA simulator: plain indexing."""
     def load(a, idx):
         return a[idx]
 
     def store(a, idx, v):
         a[idx] = v
-    return {"load": load, "store": store, "load32": load, "store32": store}
+    return {"load": load, "store": store, "load32": load, "store32": store, "sload": load, "sstore": store}

@@ -565,3 +565,4 @@ if SIMULATOR:
 else:
     _ARRAYS = _arrays.build_numba(overload, intrinsic)
 load, store, load32, store32 = _ARRAYS["load"], _ARRAYS["store"], _ARRAYS["load32"], _ARRAYS["store32"]
+sload, sstore = _ARRAYS["sload"], _ARRAYS["sstore"]
