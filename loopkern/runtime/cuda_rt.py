@@ -345,18 +345,21 @@ def poll(t, host, last, publish, deadline, code):
     """The leader's stop decision before step ``t``: 0 (go on) or a stop code (sticky).
 
     The state lives in registers, threaded through the calls: the cycle count of the last
-    look at the clock, the next time to publish, the deadline (0: none) and the decision so
-    far. Returns the new (decision, last, publish, deadline).
+    look at the clock, the next time to publish, the deadline (0: none; negative: minus the
+    start time, the timeout not read yet) and the decision so far. Returns the new (decision,
+    last, publish, deadline).
+
+    Host memory is read (a PCIe round trip, 1-2 µs on the kernel's path) only once per
+    publish period: the host's request and, at the first period, the timeout. A run shorter
+    than one period reads none; a timeout is measured from the kernel's start on the GPU clock
+    but acted on no earlier than the first period (PUBLISH_NS) has passed.
     """
     c = _special_u64("clock64")
     if t == 0:
-        # one read of host memory (a PCIe round trip) for the timeout; the step count is a
-        # posted write, and the first look at the host's request waits for the first publish
-        # period, so a short run pays for one round trip, not two
+        # the step count is a posted write; nothing is read from the host yet
         code = 0
-        timeout = _ld_volatile(host, TIMEOUT_NS)
         now = _special_u64("globaltimer")
-        deadline = now + timeout if timeout > 0 else 0
+        deadline = -now
         publish = now + PUBLISH_NS
         _st_volatile(host, STEPS, t)
         return code, c, publish, deadline
@@ -370,7 +373,10 @@ def poll(t, host, last, publish, deadline, code):
         req = _ld_volatile(host, REQUEST)
         if req != 0 and code == 0:
             code = req
-    if deadline != 0 and now >= deadline and code == 0:
+        if deadline < 0:
+            timeout = _ld_volatile(host, TIMEOUT_NS)
+            deadline = -deadline + timeout if timeout > 0 else 0
+    if deadline > 0 and now >= deadline and code == 0:
         code = TIMEOUT
     return code, last, publish, deadline
 
