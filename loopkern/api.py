@@ -57,6 +57,38 @@ class MegaKernel:
         check_thread_scope(self.spec, scope)
         return codegen.render_kernel(self.spec, backend, scope, fingerprint="").text
 
+    # -- derivatives ----------------------------------------------------------------------
+    def tangent(self, *wrt: str) -> "MegaKernel":
+        """The forward-mode (tangent) kernel of this step with respect to the parameters named
+        in ``wrt`` (float arrays and float scalars).
+
+        Its step takes a tangent right after each of those parameters (``u``, ``u_dot``, ...;
+        ``_dot`` gets more underscores if the step already uses the name) and updates them
+        with the derivative of every update of the primal state, in the same kernel: after a
+        run, ``u_dot`` holds the directional derivative of ``u`` along the tangents given at
+        the start. Swap pairs of differentiated arrays swap with their tangents. The rules
+        are in ``loopkern/tangent.py``; a construct without one raises
+        :class:`~loopkern.errors.StepSyntaxError` naming its line. Cached per ``wrt``.
+        """
+        from .frontend import parse_step
+        from .tangent import tangent_function
+        key = tuple(wrt)
+        cache = self.__dict__.setdefault("_tangents", {})
+        if key not in cache:
+            params = list(self.spec.param_names)
+            names = set(params)
+            bad = [w for w in wrt if w not in names]
+            if bad or not wrt:
+                raise ArgumentError(f"{self.spec.name}.tangent(): expected names of the step's parameters, got "
+                                    f"{list(wrt)}; the parameters are {params}")
+            parsed, dots = tangent_function(parse_step(self.fn), set(wrt))
+            pairs = [(params[a], params[b]) for a, b in self.spec.swap]
+            swap = pairs + [(dots[a], dots[b]) for a, b in pairs if a in dots and b in dots]
+            d = self.dispatcher.defaults
+            cache[key] = MegaKernel(parsed, swap=swap, backend=d["backend"], scope=d["scope"],
+                                    threads=d["threads"], blocks=d["blocks"])
+        return cache[key]
+
     # -- calling ---------------------------------------------------------------------------
     def __call__(self, *args, steps=None, max_steps=None, start=0, backend=None, scope=None, threads=None,
                  blocks=None, seed=0, progress=False, timeout=None, debug=False, watchdog=DEFAULT_WATCHDOG_S,

@@ -1,0 +1,131 @@
+"""Forward-mode tangent kernels (loopkern/tangent.py, MegaKernel.tangent): the directional
+derivative after many steps against central finite differences of a float64 NumPy reference
+of the same loop (not of the kernel), on the CPU backend and under the CUDA simulator."""
+
+import math
+
+import numpy as np
+import pytest
+
+import loopkern as lk
+import workloads as W
+from loopkern.errors import ArgumentError, StepSyntaxError
+
+
+def nonlinear_step(t, u, v, w, k):
+    # if, conditional expression, math, abs/min/max, a division, a power, an integer local (no
+    # tangent), a per-thread partial sum reduced with lk.sum and used by every element
+    n = u.shape[0]
+    for i in lk.range(n):
+        left = u[i - 1] if i > 0 else u[n - 1]
+        x = 0.5 * (left + u[i])
+        if x > 0.5:
+            x = math.exp(-x) + x ** 2 / 4.0
+        else:
+            x = math.sin(x) * abs(u[i] - 0.5)
+        m = i % 3
+        v[i] = min(x, 2.0) + max(k * u[i], 0.1) + m * 0.01
+    acc = 0.0
+    for i in lk.range(n):
+        acc += u[i] * u[i]
+    s = lk.sum(acc)
+    for i in lk.range(n):
+        w[i] = v[i] / (1.0 + math.sqrt(v[i] * v[i] + s))
+
+
+def nonlinear_ref(u0, w0, k, steps):
+    u, w = u0.astype(np.float64).copy(), w0.astype(np.float64).copy()
+    n = u.shape[0]
+    for _ in range(steps):
+        v = np.empty_like(u)
+        for i in range(n):
+            left = u[i - 1] if i > 0 else u[n - 1]
+            x = 0.5 * (left + u[i])
+            x = math.exp(-x) + x ** 2 / 4.0 if x > 0.5 else math.sin(x) * abs(u[i] - 0.5)
+            v[i] = min(x, 2.0) + max(k * u[i], 0.1) + (i % 3) * 0.01
+        w = v / (1.0 + np.sqrt(v * v + (u * u).sum()))
+        u, v = v, u
+    return u, w
+
+
+def scatter_step(t, x, y, g):
+    n = x.shape[0]
+    for i in lk.range(n):
+        lk.atomic.add(y, i % 4, g * x[i] * x[i])
+
+
+def _fd(ref, args, dirs, h=1e-6):
+    plus = ref(*[a + h * d for a, d in zip(args, dirs)])
+    minus = ref(*[a - h * d for a, d in zip(args, dirs)])
+    return [(p - m) / (2 * h) for p, m in zip(plus, minus)]
+
+
+@pytest.mark.parametrize("backend", ["cpu", pytest.param("cuda", marks=pytest.mark.sim)])
+def test_heat_tangent_is_the_exact_directional_derivative(backend, rng):
+    k = lk.megakernel(W.heat_step, swap=[("u", "v")])
+    kt = k.tangent("u", "v", "alpha")
+    n, steps, alpha = 40 if backend == "cuda" else 300, 7 if backend == "cuda" else 101, 0.2
+    u0, du = rng.random(n), rng.standard_normal(n)
+    da = 0.3
+    u, v, ud, vd = u0.copy(), u0.copy(), du.copy(), du.copy()
+    run = kt(u, ud, v, vd, alpha, da, steps=steps, backend=backend)
+    assert run.steps == steps
+    np.testing.assert_allclose(u, W.heat_ref(u0, steps, alpha), rtol=1e-12, atol=1e-12)   # primal unchanged
+    (fd,) = _fd(lambda x, a: [W.heat_ref(x, steps, a)], [u0, alpha], [du, da])
+    np.testing.assert_allclose(ud, fd, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("backend", ["cpu", pytest.param("cuda", marks=pytest.mark.sim)])
+def test_a_nonlinear_step_with_branches_math_and_reductions(backend, rng):
+    k = lk.megakernel(nonlinear_step, swap=[("u", "v")])
+    kt = k.tangent("u", "v", "w", "k")
+    n, steps = 24, 5
+    u0 = rng.random(n)
+    w0 = np.zeros(n)
+    du, dk = rng.standard_normal(n), 0.7
+    u, v, w = u0.copy(), u0.copy(), w0.copy()
+    ud, vd, wd = du.copy(), du.copy(), np.zeros(n)
+    kt(u, ud, v, vd, w, wd, 1.3, dk, steps=steps, backend=backend)
+    ru, rw = nonlinear_ref(u0, w0, 1.3, steps)
+    np.testing.assert_allclose(u, ru, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(w, rw, rtol=1e-12, atol=1e-12)
+    fu, fw = _fd(lambda x, kk: nonlinear_ref(x, w0, kk, steps), [u0, 1.3], [du, dk])
+    np.testing.assert_allclose(ud, fu, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(wd, fw, rtol=1e-5, atol=1e-6)
+
+
+def test_an_atomic_scatter_carries_its_tangent(rng):
+    k = lk.megakernel(scatter_step)
+    kt = k.tangent("x", "y", "g")
+    x0, dx = rng.random(30), rng.standard_normal(30)
+    y, yd = np.zeros(4), np.zeros(4)
+    kt(x0.copy(), dx, y, yd, 2.0, 0.5, steps=3, backend="cpu")
+    ref = np.zeros(4)
+    for i in range(30):
+        ref[i % 4] += 3 * (0.5 * x0[i] ** 2 + 2.0 * 2 * x0[i] * dx[i])
+    np.testing.assert_allclose(yd, ref, rtol=1e-12)
+
+
+def test_the_tangent_step_keeps_the_users_lines_and_names():
+    kt = lk.megakernel(W.heat_step, swap=[("u", "v")]).tangent("u", "v")
+    assert kt.spec.param_names == ("u", "u_dot", "v", "v_dot", "alpha")
+    src = kt.source(backend="cpu")
+    assert "v_dot[" in src and "alpha_dot" not in src
+    line = W.heat_step.__code__.co_firstlineno + 3          # v[i] = u[i] + alpha * (...)
+    assert f"# line {line}" in src
+
+
+def test_what_has_no_rule_is_named_with_its_line():
+    def with_max(t, u, v):
+        n = u.shape[0]
+        m = 0.0
+        for i in lk.range(n):
+            m = max(m, u[i])
+        top = lk.max(m)
+        for i in lk.range(n):
+            v[i] = u[i] - top
+
+    with pytest.raises(StepSyntaxError, match=r"test_tangent.py:\d+:\d+: .*no derivative rule for 'lk.max'"):
+        lk.megakernel(with_max, swap=[("u", "v")]).tangent("u", "v")
+    with pytest.raises(ArgumentError, match="expected names of the step's parameters"):
+        lk.megakernel(W.heat_step, swap=[("u", "v")]).tangent("t")
