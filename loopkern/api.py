@@ -198,7 +198,9 @@ class MegaKernel:
         Raises:
             ArgumentError: at trace time, for non-JAX arrays, mismatched swap pairs, arrays on
                 different platforms or a platform the backend cannot run on.
-            LoopkernError: when differentiated (no derivative rule yet).
+            LoopkernError: in reverse mode (``jax.grad``, ``jax.vjp``: no adjoint kernel yet),
+                or forward mode with ``timeout=``. Forward mode (``jax.jvp``, ``jax.jacfwd``)
+                runs the tangent kernel (:meth:`tangent`) for every float parameter.
         """
         from .interop.jax_bridge import jax_call
         return jax_call(self, args, kwargs, steps=steps, max_steps=max_steps, start=start, backend=backend,

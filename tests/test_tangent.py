@@ -129,3 +129,57 @@ def test_what_has_no_rule_is_named_with_its_line():
         lk.megakernel(with_max, swap=[("u", "v")]).tangent("u", "v")
     with pytest.raises(ArgumentError, match="expected names of the step's parameters"):
         lk.megakernel(W.heat_step, swap=[("u", "v")]).tangent("t")
+
+
+# ------------------------------------------------------------- through kernel.jax (JAX's CPU)
+def _jax():
+    return pytest.importorskip("jax")
+
+
+def _heat_jnp(u, a, steps):
+    import jax
+
+    def body(i, x):
+        return x.at[1:-1].set(x[1:-1] + a * (x[:-2] - 2 * x[1:-1] + x[2:]))
+    return jax.lax.fori_loop(0, steps, body, u)
+
+
+def test_jax_jvp_and_jacfwd_through_kernel_jax(rng):
+    jax = _jax()
+    import jax.numpy as jnp
+    k = lk.megakernel(W.heat_step, swap=[("u", "v")])
+    u0 = jnp.asarray(rng.random(64).astype(np.float32))
+    du = jnp.asarray(rng.standard_normal(64).astype(np.float32))
+
+    def f(u, a):
+        return k.jax(u, u, a, steps=30)[0]
+
+    ref_p, ref_t = jax.jvp(lambda u, a: _heat_jnp(u, a, 30), (u0, np.float32(0.2)), (du, np.float32(0.5)))
+    for fn in (f, jax.jit(f)):
+        p, t = jax.jvp(fn, (u0, np.float32(0.2)), (du, np.float32(0.5)))
+        np.testing.assert_allclose(np.asarray(p), np.asarray(ref_p), rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(np.asarray(t), np.asarray(ref_t), rtol=1e-4, atol=1e-5)
+    j = jax.jacfwd(f, argnums=1)(u0, np.float32(0.2))
+    j_ref = jax.jacfwd(lambda u, a: _heat_jnp(u, a, 30), argnums=1)(u0, np.float32(0.2))
+    np.testing.assert_allclose(np.asarray(j), np.asarray(j_ref), rtol=1e-4, atol=1e-5)
+
+
+def test_jax_jvp_of_a_loop_to_tolerance_holds_the_step_count(rng):
+    jax = _jax()
+    import jax.numpy as jnp
+    k = lk.megakernel(W.jacobi_step, swap=[("u", "v")])
+    u0 = jnp.asarray(rng.random((12, 10)).astype(np.float32))
+    du = jnp.asarray(rng.standard_normal((12, 10)).astype(np.float32))
+
+    def f(u):
+        out, _, count = k.jax(u, u, 1e-3, max_steps=500)
+        return out, count
+    (p, n), (t, _) = jax.jvp(f, (u0,), (du,))
+    # Jacobi is linear in u: with the step count held, the tangent is the same iteration on du
+    ref = np.asarray(du, np.float64)
+    for _ in range(int(n)):
+        v = ref.copy()
+        v[1:-1, 1:-1] = 0.25 * (ref[:-2, 1:-1] + ref[2:, 1:-1] + ref[1:-1, :-2] + ref[1:-1, 2:])
+        ref = v
+    np.testing.assert_allclose(np.asarray(t), ref, rtol=1e-4, atol=1e-5)
+    assert int(n) == int(k.jax(u0, u0, 1e-3, max_steps=500)[-1])

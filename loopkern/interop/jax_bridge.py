@@ -274,13 +274,12 @@ def _build(mk, key) -> JaxCall:
 
     @jax.custom_jvp
     def call(*xs):
-        return core(*xs)
+        outs = core(*xs)
+        return tuple(outs[:na]) + ((outs[-1],) if with_count else ())
 
     @call.defjvp
-    def _no_derivative(primals, tangents):
-        raise LoopkernError(f"kernel.jax: differentiating through megakernel '{name}' is not "
-                            f"supported yet (no derivative rule); use jax.lax.stop_gradient on its inputs "
-                            f"or differentiate a JAX version of the loop")
+    def _tangent_rule(primals, tangents):
+        return _jvp(mk, key, primals, tangents, arr_set, with_count, call)
 
     dtypes = [dt for _, dt in sig]
 
@@ -299,10 +298,107 @@ def _build(mk, key) -> JaxCall:
     def fn(nsteps, t0, *vals):
         n_buf = as_buffer(nsteps, n_dtype)
         bufs = [v if i in arr_set else as_buffer(v, dtypes[i]) for i, v in enumerate(vals)]
-        outs = call(n_buf, as_buffer(t0, t0_dtype), *bufs)
-        return tuple(outs[:na]) + ((outs[-1],) if with_count else ())
+        return call(n_buf, as_buffer(t0, t0_dtype), *bufs)
 
     return JaxCall(key, fn, config)
+
+
+def _jvp(mk, key, primals, tangents, arr_set, with_count, call):
+    """The forward-mode rule of a kernel.jax call: the tangents from one run of the tangent
+    kernel (``MegaKernel.tangent`` with respect to every float parameter), the primal outputs
+    from ``call``. A step that returns a condition runs the same number of steps in both (its
+    condition is computed from primal values only)."""
+    import jax
+    import jax.numpy as jnp
+
+    platform, device, sig, n_dtype, t0_dtype, scope, threads, blocks, seed, timeout, returns_condition = key
+    name = mk.spec.name
+    if timeout is not None:
+        raise LoopkernError(f"kernel.jax: differentiating megakernel '{name}' with timeout= is not supported "
+                            f"(the primal and tangent runs could stop at different steps); leave timeout out")
+    params = [p.name for p in mk.spec.params]
+    active = [i for i, (_, dt) in enumerate(sig) if np.dtype(dt).kind == "f"]
+    n_buf, t0_buf, *bufs = primals
+    tans = tangents[2:]
+    if not active:
+        raise LoopkernError(f"kernel.jax: megakernel '{name}' has no float parameter to differentiate")
+    tk = mk.tangent(*[params[i] for i in active])
+
+    def scalar(x):
+        # a 1-element buffer: traced, a 0-d JAX array; known at trace time, a Python number
+        if isinstance(x, jax.core.Tracer) or isinstance(x, jax.Array):
+            return jnp.asarray(x).reshape(())
+        return np.asarray(x).reshape(())[()].item()
+
+    args = []
+    for i, b in enumerate(bufs):
+        args.append(b if i in arr_set else scalar(b))
+        if i in active:
+            tg = tans[i]
+            if isinstance(tg, jax.custom_derivatives.SymbolicZero):     # not instantiated: zeros
+                tg = jnp.zeros(np.shape(b), sig[i][1])
+            args.append(jnp.asarray(tg, sig[i][1]) if i in arr_set else scalar(tg))
+    count_kw = "max_steps" if returns_condition else "steps"
+    options = dict(backend=platform, scope=scope, threads=threads, blocks=blocks, seed=seed)
+
+    def run(n, t0, *a):
+        return tk.jax(*a, start=t0, **options, **{count_kw: n})
+    # the step count and start are operands: the primitive's function closes over no traced value
+    res = _tangent_primitive().bind(jnp.asarray(n_buf).reshape(()), jnp.asarray(t0_buf).reshape(()), *args,
+                                    fn=run, name=name)
+    res = list(res) if isinstance(res, (tuple, list)) else [res]
+    tangent_out, k = [], 0
+    for i in sorted(arr_set):
+        k += 1
+        if i in active:
+            tangent_out.append(res[k])
+            k += 1
+        else:
+            tangent_out.append(np.zeros(sig[i][0], jax.dtypes.float0))
+    if with_count:
+        tangent_out.append(np.zeros((), jax.dtypes.float0))
+    # the primal outputs from the primal kernel, not from the tangent run: under jacfwd the
+    # tangents are batched (vmap) and the tangent run with them, while the primal outputs must
+    # not be (one extra primal run per call)
+    return call(*primals), tuple(tangent_out)
+
+
+_TANGENT_P: list = []
+
+
+def _tangent_primitive():
+    """``loopkern_tangent``: a run of a tangent kernel as one JAX primitive, so that reverse
+    mode, which would transpose it, meets a rule that says what is missing (an adjoint
+    kernel) instead of JAX's message about callbacks. Evaluated, jitted and vmapped (jacfwd)
+    as the function it carries."""
+    if _TANGENT_P:
+        return _TANGENT_P[0]
+    import jax
+    from jax.extend.core import Primitive
+    from jax.interpreters import ad, batching, mlir
+
+    p = Primitive("loopkern_tangent")
+    p.multiple_results = True
+    p.def_impl(lambda *a, fn, name: list(fn(*a)))
+
+    def abstract(*avals, fn, name):
+        outs = jax.eval_shape(fn, *[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals])
+        return [jax.core.ShapedArray(o.shape, o.dtype) for o in jax.tree_util.tree_leaves(outs)]
+    p.def_abstract_eval(abstract)
+    mlir.register_lowering(p, mlir.lower_fun(lambda *a, fn, name: list(fn(*a)), multiple_results=True))
+
+    def batch(args, dims, fn, name):
+        outs = jax.vmap(lambda *a: list(fn(*a)), in_axes=dims)(*args)
+        return outs, [0] * len(outs)
+    batching.primitive_batchers[p] = batch
+
+    def transpose(cts, *args, fn, name):
+        raise LoopkernError(f"kernel.jax: reverse-mode differentiation (jax.grad, jax.vjp, jax.jacrev) of "
+                            f"megakernel '{name}' is not supported yet (it needs an adjoint kernel); forward "
+                            f"mode (jax.jvp, jax.jacfwd) is")
+    ad.primitive_transposes[p] = transpose
+    _TANGENT_P.append(p)
+    return p
 
 
 def _cpu_core(mk, sig, seed, timeout):
