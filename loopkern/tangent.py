@@ -320,6 +320,15 @@ class _Tangent:
             if self.is_active(s.value, names):
                 raise self.error(s, "an active value added into an inactive (integer) variable")
             return []
+        if isinstance(s.op, (ast.Add, ast.Sub)) and isinstance(tgt, ast.Name):
+            # x += e  gets  x_dot += de: an accumulation stays one (a warp-split loop's
+            # accumulator keeps its tangent's accumulation splittable too)
+            de = self.d(s.value, names)
+            if de is None:
+                return []
+            new = ast.AugAssign(target=ast.Name(id=self.dot_name(tgt.id), ctx=ast.Store()), op=type(s.op)(),
+                                value=de)
+            return [self._loc(new, s)]
         load = copy.deepcopy(tgt)
         for n in ast.walk(load):
             if hasattr(n, "ctx"):

@@ -183,3 +183,24 @@ def test_jax_jvp_of_a_loop_to_tolerance_holds_the_step_count(rng):
         ref = v
     np.testing.assert_allclose(np.asarray(t), ref, rtol=1e-4, atol=1e-5)
     assert int(n) == int(k.jax(u0, u0, 1e-3, max_steps=500)[-1])
+
+
+def test_an_accumulating_loop_keeps_accumulating_its_tangent():
+    # x += e gets x_dot += de, so the tangent of a warp-split loop (loopkern/warpsplit.py) is
+    # warp-split too
+    import test_warpsplit as WS
+    src = lk.megakernel(WS.forces).tangent("pos", "acc").source()
+    assert "_lk_rt.warp_sum(ax_dot)" in src and "_lk_rt.warp_sum(ax)" in src
+
+
+@pytest.mark.sim
+def test_the_tangent_of_a_warp_split_loop_under_the_simulator(rng):
+    import test_warpsplit as WS
+    kt = lk.megakernel(WS.forces).tangent("pos", "acc")
+    n = 5                                       # 5 iterations * 32 lanes <= 256 threads: split
+    pos0, dpos = rng.standard_normal((n, 2)), rng.standard_normal((n, 2))
+    acc0 = rng.standard_normal((n, 2))
+    acc, dacc = acc0.copy(), np.zeros((n, 2))
+    kt(pos0.copy(), dpos, acc, dacc, 1e-2, steps=2, backend="cuda", threads=256)
+    (fd,) = _fd(lambda p: [WS.forces_ref(p, acc0, 1e-2, 2)], [pos0], [dpos])
+    np.testing.assert_allclose(dacc, fd, rtol=1e-6, atol=1e-7)
