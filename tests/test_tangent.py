@@ -204,3 +204,83 @@ def test_the_tangent_of_a_warp_split_loop_under_the_simulator(rng):
     kt(pos0.copy(), dpos, acc, dacc, 1e-2, steps=2, backend="cuda", threads=256)
     (fd,) = _fd(lambda p: [WS.forces_ref(p, acc0, 1e-2, 2)], [pos0], [dpos])
     np.testing.assert_allclose(dacc, fd, rtol=1e-6, atol=1e-7)
+
+
+def wave_step(t, u, v, c2, energy):
+    # a two-level scheme (v is read and written at the same cell), a reduction recorded by
+    # thread 0 at energy[t]
+    n = u.shape[0]
+    e = 0.0
+    for i in lk.range(1, n - 1):
+        v[i] = 2.0 * u[i] - v[i] + c2 * (u[i - 1] - 2.0 * u[i] + u[i + 1])
+        e += u[i] * u[i]
+    total = lk.sum(e)
+    if lk.thread_id() == 0:
+        energy[t] = total
+
+
+def wave_ref(u0, v0, c2, steps):
+    u, v = u0.astype(np.float64).copy(), v0.astype(np.float64).copy()
+    energy = np.zeros(steps)
+    for t in range(steps):
+        new = v.copy()
+        new[1:-1] = 2.0 * u[1:-1] - v[1:-1] + c2 * (u[:-2] - 2.0 * u[1:-1] + u[2:])
+        energy[t] = (u[1:-1] ** 2).sum()
+        u, v = new, u
+    return u, v, energy
+
+
+@pytest.mark.parametrize("backend", ["cpu", pytest.param("cuda", marks=pytest.mark.sim)])
+def test_a_two_level_scheme_with_a_recorded_reduction(backend, rng):
+    k = lk.megakernel(wave_step, swap=[("u", "v")])
+    kt = k.tangent("u", "v", "c2", "energy")
+    n, steps = 30, 9
+    u0, v0 = rng.random(n), rng.random(n)
+    du, dv, dc = rng.standard_normal(n), rng.standard_normal(n), 0.4
+    u, v, e = u0.copy(), v0.copy(), np.zeros(steps)
+    ud, vd, ed = du.copy(), dv.copy(), np.zeros(steps)
+    kt(u, ud, v, vd, 0.3, dc, e, ed, steps=steps, backend=backend)
+    fu, fv, fe = _fd(lambda a, b, c: wave_ref(a, b, c, steps), [u0, v0, 0.3], [du, dv, dc])
+    np.testing.assert_allclose(ud, fu, rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(vd, fv, rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(ed, fe, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("backend", ["cpu", pytest.param("cuda", marks=pytest.mark.sim)])
+def test_phases_separated_by_sync(backend, rng):
+    k = lk.megakernel(W.two_phase_step)
+    kt = k.tangent("x", "tmp", "out")
+    n, steps = 17, 6
+    x0, dx = rng.random(n), rng.standard_normal(n)
+    x, tmp, out = x0.copy(), np.zeros(n), np.zeros(n)
+    xd, tmpd, outd = dx.copy(), np.zeros(n), np.zeros(n)
+    kt(x, xd, tmp, tmpd, out, outd, steps=steps, backend=backend)
+    fx, fo = _fd(lambda a: W.two_phase_ref(a, steps), [x0], [dx])
+    np.testing.assert_allclose(xd, fx, rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(outd, fo, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("fn,x0,deriv", [
+    (math.tan, 0.3, lambda x: 1 / math.cos(x) ** 2), (math.tanh, 0.4, lambda x: 1 - math.tanh(x) ** 2),
+    (math.log, 1.7, lambda x: 1 / x), (math.log1p, 0.2, lambda x: 1 / (1 + x)),
+    (math.expm1, 0.3, math.exp), (math.atan, 0.8, lambda x: 1 / (1 + x * x)),
+    (math.sinh, 0.5, math.cosh), (math.cosh, 0.5, math.sinh), (math.cos, 0.9, lambda x: -math.sin(x)),
+    (math.sqrt, 2.5, lambda x: 0.5 / math.sqrt(x))])
+def test_each_math_rule(fn, x0, deriv):
+    name = fn.__name__
+    ns = {"lk": lk, "math": math}
+    src = (f"def rule_step(t, x, y):\n"
+           f"    for i in lk.range(x.shape[0]):\n"
+           f"        y[i] = math.{name}(x[i])\n")
+    import linecache
+    import types
+    path = f"<tangent-rule-{name}>"
+    linecache.cache[path] = (len(src), None, src.splitlines(True), path)
+    exec(compile(src, path, "exec"), ns)
+    fn_step = types.FunctionType(ns["rule_step"].__code__, ns)
+    kt = lk.megakernel(fn_step).tangent("x", "y")
+    x, y = np.array([x0]), np.zeros(1)
+    xd, yd = np.array([1.0]), np.zeros(1)
+    kt(x, xd, y, yd, steps=1, backend="cpu")
+    assert y[0] == pytest.approx(fn(x0), rel=1e-14)
+    assert yd[0] == pytest.approx(deriv(x0), rel=1e-12)
