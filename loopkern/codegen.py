@@ -420,7 +420,7 @@ class _BodyWriter:
         runs the statements after the inner loop. The split form renders copies of the body:
         lowering rewrites the nodes it visits.
         """
-        target, lane, cur = _src(s.target), f"{_P}lane{k}", f"{_P}w{k}"
+        target, lane, cur = _src(s.target), f"{_P}lane{k}", f"{_P}ws{k}"
         self.out.add(depth, f"if ({hi_t} - {lo_t}) * {WARP} <= {_P}nt:", s)
         d = depth + 1
         self.out.add(d, f"{lane} = {_P}tid & {WARP - 1}", s)
