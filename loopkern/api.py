@@ -89,6 +89,28 @@ class MegaKernel:
                                     threads=d["threads"], blocks=d["blocks"])
         return cache[key]
 
+    def adjoint(self, *wrt: str) -> "MegaKernel":
+        """The reverse-mode (adjoint) kernel of one step with respect to the parameters named in
+        ``wrt``: its step takes ``u, u_bar, ...`` (a float scalar's adjoint is a 1-element
+        array) and turns the adjoints of the state after the step into those of the state
+        before it (``loopkern/adjoint.py`` says what it covers). Run one step at a time,
+        backwards, by the ``jax.grad`` driver of ``kernel.jax``. Cached per ``wrt``."""
+        from .adjoint import adjoint_function
+        from .frontend import parse_step
+        key = tuple(wrt)
+        cache = self.__dict__.setdefault("_adjoints", {})
+        if key not in cache:
+            params = list(self.spec.param_names)
+            bad = [w for w in wrt if w not in params]
+            if bad or not wrt:
+                raise ArgumentError(f"{self.spec.name}.adjoint(): expected names of the step's parameters, got "
+                                    f"{list(wrt)}; the parameters are {params}")
+            parsed, _ = adjoint_function(parse_step(self.fn), set(wrt))
+            d = self.dispatcher.defaults
+            cache[key] = MegaKernel(parsed, backend=d["backend"], scope=d["scope"], threads=d["threads"],
+                                    blocks=d["blocks"])
+        return cache[key]
+
     # -- calling ---------------------------------------------------------------------------
     def __call__(self, *args, steps=None, max_steps=None, start=0, backend=None, scope=None, threads=None,
                  blocks=None, seed=0, progress=False, timeout=None, debug=False, watchdog=DEFAULT_WATCHDOG_S,
@@ -198,9 +220,13 @@ class MegaKernel:
         Raises:
             ArgumentError: at trace time, for non-JAX arrays, mismatched swap pairs, arrays on
                 different platforms or a platform the backend cannot run on.
-            LoopkernError: in reverse mode (``jax.grad``, ``jax.vjp``: no adjoint kernel yet),
-                or forward mode with ``timeout=``. Forward mode (``jax.jvp``, ``jax.jacfwd``)
-                runs the tangent kernel (:meth:`tangent`) for every float parameter.
+            LoopkernError: when differentiated with ``timeout=``, or in reverse mode for a
+                step that returns a condition or with a traced step count.
+            StepSyntaxError: in reverse mode, for a construct the adjoint step does not cover
+                yet (``loopkern/adjoint.py``). Forward mode (``jax.jvp``, ``jax.jacfwd``) runs
+                the tangent kernel (:meth:`tangent`) for every float parameter; reverse mode
+                (``jax.grad``, ``jax.vjp``) the adjoint step (:meth:`adjoint`) backwards over
+                the steps, with checkpoints every ceil(sqrt(steps)) steps.
         """
         from .interop.jax_bridge import jax_call
         return jax_call(self, args, kwargs, steps=steps, max_steps=max_steps, start=start, backend=backend,

@@ -97,10 +97,11 @@ def test_vmap_sequential(rng):
         np.testing.assert_allclose(np.asarray(out[k]), W.heat_ref(batch[k], 6, 0.25), rtol=1e-5, atol=1e-6)
 
 
-def test_grad_is_a_clear_error(rng):
-    u = jnp.asarray(rng.random(16).astype(np.float32))
+def test_grad_of_a_step_reverse_mode_does_not_cover_is_a_clear_error(rng):
+    # a step that returns a condition (tests/test_adjoint.py has what reverse mode covers)
+    u = jnp.asarray(rng.random((4, 4)).astype(np.float32))
     with pytest.raises(lk.LoopkernError, match="not supported yet"):
-        jax.grad(lambda a: HEAT.jax(a, a, 0.25, steps=2)[0].sum())(u)
+        jax.grad(lambda a: JACOBI.jax(a, a, 1e-3, max_steps=3)[0].sum())(u)
 
 
 BAD_CALLS = [
@@ -289,12 +290,13 @@ def test_bad_input_is_rejected_with_a_warm_cache(call, fragment, builds):
     assert len(builds) == 1
 
 
-def test_grad_is_a_clear_error_with_a_warm_cache(rng, builds):
-    u = jnp.asarray(rng.random(16).astype(np.float32))
-    HEAT.jax(u, u, 0.25, steps=2)
+def test_a_refused_grad_leaves_the_cache_warm(rng, builds):
+    u = jnp.asarray(rng.random((4, 4)).astype(np.float32))
+    JACOBI.jax(u, u, 1e-3, max_steps=3)
     with pytest.raises(lk.LoopkernError, match="not supported yet"):
-        jax.grad(lambda a: HEAT.jax(a, a, 0.25, steps=2)[0].sum())(u)
-    assert len(builds) == 1
+        jax.grad(lambda a: JACOBI.jax(a, a, 1e-3, max_steps=3)[0].sum())(u)
+    # the primal call was built once; the refused grad built only the tangent kernel's call
+    assert sum(1 for key in builds if key[2][0][0] == (4, 4) and len(key[2]) == 3) == 1
 
 
 def test_cache_is_bounded(rng, builds, monkeypatch):

@@ -344,8 +344,10 @@ def _jvp(mk, key, primals, tangents, arr_set, with_count, call):
     def run(n, t0, *a):
         return tk.jax(*a, start=t0, **options, **{count_kw: n})
     # the step count and start are operands: the primitive's function closes over no traced value
+    ctx = _ReverseContext(mk, params, active, arr_set, sig, options, returns_condition,
+                          None if isinstance(n_buf, jax.core.Tracer) else int(np.asarray(n_buf).reshape(())[()]))
     res = _tangent_primitive().bind(jnp.asarray(n_buf).reshape(()), jnp.asarray(t0_buf).reshape(()), *args,
-                                    fn=run, name=name)
+                                    fn=run, name=name, reverse=ctx)
     res = list(res) if isinstance(res, (tuple, list)) else [res]
     tangent_out, k = [], 0
     for i in sorted(arr_set):
@@ -363,14 +365,158 @@ def _jvp(mk, key, primals, tangents, arr_set, with_count, call):
     return call(*primals), tuple(tangent_out)
 
 
+class _ReverseContext:
+    """What the transpose of a tangent run needs to run the reverse sweep (compared by identity)."""
+
+    def __init__(self, mk, params, active, arr_set, sig, options, returns_condition, nsteps):
+        self.mk, self.params, self.active, self.arr_set = mk, params, active, arr_set
+        self.sig, self.options, self.returns_condition = sig, options, returns_condition
+        self.nsteps = nsteps            # the step count when known at trace time, else None
+
+
+def _reverse_sweep(ctx, name, cts, n, t0, args) -> list:
+    """The cotangents of a tangent run's tangent inputs (``args`` interleaves each parameter's
+    value with its tangent, an ``UndefinedPrimal``, for the active ones): the reverse sweep.
+
+    The forward run is repeated with a checkpoint of the state every k = ceil(sqrt(N)) steps
+    (lax.scan); then, segment by segment from the last, the segment's states are recomputed
+    and the adjoint step (``MegaKernel.adjoint``) runs backwards over them, the swap pairs'
+    adjoints exchanged before each step as the forward run renamed the arrays. Extra memory:
+    about 2 sqrt(N) states. One kernel.jax call per step in each direction.
+    """
+    import math as _m
+
+    import jax
+    import jax.numpy as jnp
+    from jax.interpreters import ad
+
+    mk = ctx.mk
+    if ctx.returns_condition:
+        raise LoopkernError(f"kernel.jax: reverse-mode differentiation of megakernel '{name}', whose step returns a "
+                            f"condition, is not supported yet; forward mode (jax.jvp, jax.jacfwd) is")
+    nsteps = ctx.nsteps
+    if nsteps is None:
+        raise LoopkernError(f"kernel.jax: reverse-mode differentiation of megakernel '{name}' needs a step count "
+                            f"known at trace time (a Python int), not a traced value")
+    active_names = [ctx.params[i] for i in ctx.active]
+    adj = mk.adjoint(*active_names)                 # raises StepSyntaxError for what it cannot cover
+    nparams = len(ctx.params)
+    values, tangent_pos, pos = [], {}, 0
+    for i in range(nparams):
+        values.append(args[pos])
+        pos += 1
+        if i in ctx.active:
+            tangent_pos[i] = pos
+            pos += 1
+    arr_idx = sorted(ctx.arr_set)
+    scal = {i: values[i] for i in range(nparams) if i not in ctx.arr_set}
+    # the cotangents of the tangent run's outputs: per array parameter its value, then (active)
+    # its tangent; only the tangents' matter
+    bars, k_out = {}, 0
+    for i in arr_idx:
+        k_out += 1
+        if i in ctx.active:
+            ct = cts[k_out]
+            bars[i] = ad.instantiate_zeros(ct) if not isinstance(ct, ad.Zero) else jnp.zeros(ctx.sig[i][0],
+                                                                                              ctx.sig[i][1])
+            k_out += 1
+    sbars = {i: jnp.zeros((1,), ctx.sig[i][1]) for i in ctx.active if i not in ctx.arr_set}
+    swap = [(a, b) for a, b in mk.spec.swap if a in bars and b in bars]
+    opts = ctx.options
+    k = max(1, _m.isqrt(max(nsteps, 1) - 1) + 1)
+    nseg = max(1, -(-nsteps // k))
+    t0 = jnp.asarray(t0).reshape(())
+
+    def full(arrs):
+        d = dict(zip(arr_idx, arrs))
+        return [d[i] if i in d else scal[i] for i in range(nparams)]
+
+    def run_primal(arrs, steps, start):
+        out = mk.jax(*full(arrs), steps=steps, start=start, **opts)
+        return tuple(out[:len(arr_idx)])
+
+    def fwd_seg(arrs, s):
+        steps = jnp.clip(nsteps - s * k, 0, k).astype(jnp.int64 if jax.config.jax_enable_x64 else jnp.int32)
+        return run_primal(arrs, steps, t0 + s * k), arrs
+    arrays0 = tuple(values[i] for i in arr_idx)
+    _, ckpts = jax.lax.scan(fwd_seg, arrays0, jnp.arange(nseg))
+
+    adj_params = list(adj.spec.param_names)
+
+    def adjoint_step(state, bar_d, sbar_d, live, start):
+        argv, outs_at = [], {}
+        for i in range(nparams):
+            argv.append(state[arr_idx.index(i)] if i in ctx.arr_set else scal[i])
+            if i in ctx.active:
+                argv.append(bar_d[i] if i in ctx.arr_set else sbar_d[i])
+        out = adj.jax(*argv, steps=live.astype(jnp.int32), start=start, **opts)
+        # kernel.jax returns one array per array parameter of the adjoint step, in order
+        arr_params = [j for j in range(len(adj_params)) if _is_array_slot(j, ctx, nparams)]
+        got = dict(zip(arr_params, out[:len(arr_params)]))
+        slot, nb, ns = 0, {}, {}
+        for i in range(nparams):
+            slot += 1
+            if i in ctx.active:
+                if i in ctx.arr_set:
+                    nb[i] = got[slot]
+                else:
+                    ns[i] = got[slot]
+                slot += 1
+        return nb, ns
+
+    def bwd_seg(carry, s):
+        bar_d, sbar_d = carry
+        start_arrs = tuple(c[s] for c in ckpts)
+        length = jnp.clip(nsteps - s * k, 0, k)
+
+        def rec(arrs, j):
+            steps = (j < length).astype(jnp.int32)
+            return run_primal(arrs, steps, t0 + s * k + j), arrs
+        _, states = jax.lax.scan(rec, start_arrs, jnp.arange(k))
+
+        def back(c, j):
+            bar_d, sbar_d = c
+            live = j < length
+            swapped = dict(bar_d)
+            for a, b in swap:
+                swapped[a], swapped[b] = bar_d[b], bar_d[a]
+            bar_d = {i: jnp.where(live, swapped[i], bar_d[i]) for i in bar_d}
+            nb, ns = adjoint_step(tuple(st[j] for st in states), bar_d, sbar_d, live, t0 + s * k + j)
+            return (nb, ns), None
+        (bar_d, sbar_d), _ = jax.lax.scan(back, (bar_d, sbar_d), jnp.arange(k)[::-1])
+        return (bar_d, sbar_d), None
+    (bars, sbars), _ = jax.lax.scan(bwd_seg, (bars, sbars), jnp.arange(nseg)[::-1])
+    out = []
+    for i in range(nparams):
+        out.append(None)
+        if i in ctx.active:
+            out.append(bars[i] if i in ctx.arr_set else sbars[i].reshape(()))
+    return out
+
+
+def _is_array_slot(j, ctx, nparams) -> bool:
+    """Whether parameter ``j`` of the adjoint step (each step parameter, then its adjoint for
+    the active ones) is an array: array parameters, and every adjoint (a scalar's is a
+    1-element array)."""
+    slot = 0
+    for i in range(nparams):
+        if slot == j:
+            return i in ctx.arr_set
+        slot += 1
+        if i in ctx.active:
+            if slot == j:
+                return True
+            slot += 1
+    return False
+
+
 _TANGENT_P: list = []
 
 
 def _tangent_primitive():
-    """``loopkern_tangent``: a run of a tangent kernel as one JAX primitive, so that reverse
-    mode, which would transpose it, meets a rule that says what is missing (an adjoint
-    kernel) instead of JAX's message about callbacks. Evaluated, jitted and vmapped (jacfwd)
-    as the function it carries."""
+    """``loopkern_tangent``: a run of a tangent kernel as one JAX primitive. Evaluated, jitted
+    and vmapped (jacfwd) as the function it carries; reverse mode transposes it with the
+    reverse sweep of adjoint steps (:func:`_reverse_sweep`)."""
     if _TANGENT_P:
         return _TANGENT_P[0]
     import jax
@@ -379,23 +525,21 @@ def _tangent_primitive():
 
     p = Primitive("loopkern_tangent")
     p.multiple_results = True
-    p.def_impl(lambda *a, fn, name: list(fn(*a)))
+    p.def_impl(lambda *a, fn, name, reverse: list(fn(*a)))
 
-    def abstract(*avals, fn, name):
+    def abstract(*avals, fn, name, reverse):
         outs = jax.eval_shape(fn, *[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals])
         return [jax.core.ShapedArray(o.shape, o.dtype) for o in jax.tree_util.tree_leaves(outs)]
     p.def_abstract_eval(abstract)
-    mlir.register_lowering(p, mlir.lower_fun(lambda *a, fn, name: list(fn(*a)), multiple_results=True))
+    mlir.register_lowering(p, mlir.lower_fun(lambda *a, fn, name, reverse: list(fn(*a)), multiple_results=True))
 
-    def batch(args, dims, fn, name):
+    def batch(args, dims, fn, name, reverse):
         outs = jax.vmap(lambda *a: list(fn(*a)), in_axes=dims)(*args)
         return outs, [0] * len(outs)
     batching.primitive_batchers[p] = batch
 
-    def transpose(cts, *args, fn, name):
-        raise LoopkernError(f"kernel.jax: reverse-mode differentiation (jax.grad, jax.vjp, jax.jacrev) of "
-                            f"megakernel '{name}' is not supported yet (it needs an adjoint kernel); forward "
-                            f"mode (jax.jvp, jax.jacfwd) is")
+    def transpose(cts, n, t0, *args, fn, name, reverse):
+        return [None, None] + _reverse_sweep(reverse, name, cts, n, t0, args)
     ad.primitive_transposes[p] = transpose
     _TANGENT_P.append(p)
     return p

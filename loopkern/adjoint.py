@@ -1,0 +1,266 @@
+"""Reverse-mode differentiation of a step: the adjoint step, source to source.
+
+``adjoint_function(parsed, active)`` turns ``def step(t, u, v, alpha)`` into
+``def step_vjp(t, u, u_bar, v, v_bar, alpha, alpha_bar)``: one step of the reverse sweep. Given
+the state before the step (``u``, ``v``) and the adjoints of the state after it (``u_bar``,
+``v_bar``; a float scalar's adjoint is a 1-element array that the step adds into), it leaves in
+the ``_bar`` arrays the adjoints of the state before the step. A driver runs it backwards over
+the steps (``loopkern/interop/jax_bridge.py`` under ``jax.grad``), renaming swap pairs' adjoints
+as the forward run renamed the arrays.
+
+Each parallel loop's iteration recomputes its locals (renamed so that each assignment has
+its own name), then walks its statements backwards: a store ``a[i] = e`` takes ``g =
+a_bar[i]``, sets ``a_bar[i] = 0`` and adds ``g`` times the partial derivative of ``e`` to the
+adjoint of each active value ``e`` reads (``lk.atomic.add`` for array elements and scalar
+parameters, which other iterations may share; a plain ``+=`` for locals). The partial
+derivatives come from the tangent rules of ``loopkern/tangent.py``.
+
+Covered for now: steps whose top level holds assignments that do not depend on the
+differentiated values and parallel loops (``lk.range``/``lk.grid``) whose bodies are
+straight-line assignments and stores (conditional expressions included), where an array the
+loop stores into is read in that loop only at the index it is stored at. Anything else
+(``if`` statements, inner loops, reductions, ``lk.sync()``, atomics, helpers, a returned
+condition) raises :class:`~loopkern.errors.StepSyntaxError` at its line.
+"""
+
+from __future__ import annotations
+
+import ast
+import copy
+import dataclasses
+
+from .tangent import _Tangent, _mul
+
+
+class _Partial(_Tangent):
+    """The tangent rules with one leaf (a Name or Subscript node, by identity) as the only
+    active value, whose tangent is 1: ``d(e)`` is then the partial derivative of ``e``."""
+
+    def __init__(self, base: _Tangent, focus):
+        self.__dict__.update(base.__dict__)
+        self.focus = focus
+
+    def is_active(self, e, names) -> bool:
+        if isinstance(e, (ast.Name, ast.Subscript)):
+            return e is self.focus
+        return super().is_active(e, names)
+
+    def d(self, e, names):
+        if e is self.focus:
+            return ast.Constant(1.0)
+        return super().d(e, names)
+
+
+def _leaves(tg: _Tangent, e, names):
+    """The active leaves of ``e`` (loads of active locals, parameters and array elements)."""
+    out = []
+
+    def walk(n):
+        if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load) and n.id in names:
+            out.append(n)
+        elif isinstance(n, ast.Subscript) and isinstance(n.value, ast.Name) and n.value.id in names:
+            out.append(n)
+            return                                  # the index is an integer expression
+        elif isinstance(n, ast.Call):
+            if not tg.is_active(n, names):
+                return                              # int(), lk.random draws, shapes ...
+            for a in n.args:
+                walk(a)
+            return
+        elif isinstance(n, (ast.Compare, ast.BoolOp)):
+            return                                  # comparisons carry no derivative
+        for c in ast.iter_child_nodes(n):
+            walk(c)
+    walk(e)
+    return out
+
+
+class _Adjoint:
+    def __init__(self, parsed, active: set):
+        self.parsed = parsed
+        self.tg = _Tangent(parsed, active)
+        self.active = set(active)
+        self.bar = {}
+        self.counter = 0
+
+    def error(self, node, what):
+        return self.tg.error(node, f"reverse mode: {what}",
+                             "the adjoint step covers parallel loops of straight-line assignments and stores")
+
+    def bar_name(self, name):
+        if name not in self.bar:
+            b = f"{name}_bar"
+            while b in self.tg.used:
+                b += "_"
+            self.tg.used.add(b)
+            self.bar[name] = b
+        return self.bar[name]
+
+    def fresh(self, base):
+        while True:
+            self.counter += 1
+            n = f"{base}_{self.counter}"
+            if n not in self.tg.used:
+                self.tg.used.add(n)
+                return n
+
+    def is_parallel(self, s):
+        if not isinstance(s, ast.For) or not isinstance(s.iter, ast.Call):
+            return False
+        mod, attr = self.tg.module_of(s.iter.func)
+        return mod == "lk" and attr in ("range", "grid")
+
+    # -- the step --------------------------------------------------------------------------
+    def step(self, body):
+        out = []
+        params = set(self.active)
+        for s in body:
+            if self.is_parallel(s):
+                out.append(self.loop(s, params))
+            elif isinstance(s, (ast.Assign, ast.AnnAssign)) and not self.tg.is_active(s.value, params) and all(
+                    isinstance(t, ast.Name) for t in (s.targets if isinstance(s, ast.Assign) else [s.target])):
+                out.append(copy.deepcopy(s))
+            elif isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant):
+                continue                                # a docstring
+            else:
+                raise self.error(s, "this statement has no adjoint yet")
+        return out
+
+    def loop(self, s, params):
+        body = []
+        for st in s.body:
+            if isinstance(st, ast.AugAssign):
+                load = copy.deepcopy(st.target)
+                for n in ast.walk(load):
+                    if hasattr(n, "ctx"):
+                        n.ctx = ast.Load()
+                st = ast.copy_location(ast.Assign(targets=[st.target], value=ast.BinOp(
+                    left=load, op=st.op, right=st.value)), st)
+            if not isinstance(st, ast.Assign) or len(st.targets) != 1 or \
+                    not isinstance(st.targets[0], (ast.Name, ast.Subscript)):
+                raise self.error(st, "this statement inside a parallel loop has no adjoint yet")
+            body.append(st)
+        # SSA: every assignment to a local gets its own name, so the backward walk sees the
+        # values each statement used
+        version, ssa = {}, []
+        stored = {}
+        for st in body:
+            st = copy.deepcopy(st)
+            value = _rename_loads(st.value, version)
+            tgt = st.targets[0]
+            if isinstance(tgt, ast.Name):
+                new = self.fresh(tgt.id)
+                version[tgt.id] = new
+                ssa.append(("local", new, value, st))
+            else:
+                if not isinstance(tgt.value, ast.Name):
+                    raise self.error(st, "a store into something other than a named array")
+                idx = _rename_loads(tgt.slice, version)
+                stored.setdefault(tgt.value.id, set()).add(ast.dump(idx))
+                ssa.append(("store", tgt.value.id, (idx, value), st))
+        # an array stored into is read in this loop only at the index it is stored at
+        for kind, name, payload, st in ssa:
+            value = payload if kind == "local" else payload[1]
+            for n in ast.walk(value):
+                if isinstance(n, ast.Subscript) and isinstance(n.value, ast.Name) and n.value.id in stored \
+                        and ast.dump(n.slice) not in stored[n.value.id]:
+                    raise self.error(st, f"'{n.value.id}' is stored into in this loop and read at another index")
+        active = set(params)
+        for kind, name, payload, st in ssa:
+            if kind == "local" and self.tg.is_active(payload, active):
+                active.add(name)
+        fwd, back = [], []
+        for kind, name, payload, st in ssa:
+            if kind == "local":
+                fwd.append(_at(ast.Assign(targets=[ast.Name(id=name, ctx=ast.Store())], value=payload), st))
+        for name in [n for k, n, _, _ in ssa if k == "local" and n in active]:
+            fwd.append(_at(ast.Assign(targets=[ast.Name(id=self.bar_name(name), ctx=ast.Store())],
+                                      value=ast.Constant(0.0)), s))
+        for kind, name, payload, st in reversed(ssa):
+            if kind == "local":
+                if name not in active:
+                    continue
+                g = ast.Name(id=self.bar_name(name), ctx=ast.Load())
+                back += self.scatter(payload, g, active, st)
+            else:
+                if name not in active:
+                    continue
+                idx, value = payload
+                gname = self.fresh("g")
+                back.append(_at(ast.Assign(targets=[ast.Name(id=gname, ctx=ast.Store())], value=ast.Subscript(
+                    value=ast.Name(id=self.bar_name(name), ctx=ast.Load()), slice=copy.deepcopy(idx),
+                    ctx=ast.Load())), st))
+                back.append(_at(ast.Assign(targets=[ast.Subscript(
+                    value=ast.Name(id=self.bar_name(name), ctx=ast.Load()), slice=copy.deepcopy(idx),
+                    ctx=ast.Store())], value=ast.Constant(0.0)), st))
+                back += self.scatter(value, ast.Name(id=gname, ctx=ast.Load()), active, st)
+        new = copy.copy(s)
+        new.body = fwd + back or [_at(ast.Pass(), s)]
+        return new
+
+    def scatter(self, e, g, active, st):
+        """Statements adding ``g`` times the partial derivative of ``e`` to the adjoint of each
+        active value ``e`` reads."""
+        out = []
+        for leaf in _leaves(self.tg, e, active):
+            coef = _Partial(self.tg, leaf).d(e, active)
+            if coef is None:
+                continue
+            amount = _mul(coef, g)
+            if isinstance(leaf, ast.Name) and leaf.id not in self.active:
+                stmt = ast.AugAssign(target=ast.Name(id=self.bar_name(leaf.id), ctx=ast.Store()), op=ast.Add(),
+                                     value=amount)
+            else:
+                array = leaf.id if isinstance(leaf, ast.Name) else leaf.value.id
+                index = ast.Constant(0) if isinstance(leaf, ast.Name) else copy.deepcopy(leaf.slice)
+                lk = self.lk_name()
+                stmt = ast.Expr(value=ast.Call(
+                    func=ast.Attribute(value=ast.Attribute(value=ast.Name(id=lk, ctx=ast.Load()), attr="atomic",
+                                                           ctx=ast.Load()), attr="add", ctx=ast.Load()),
+                    args=[ast.Name(id=self.bar_name(array), ctx=ast.Load()), index, amount], keywords=[]))
+            out.append(_at(stmt, st))
+        return out
+
+    def lk_name(self):
+        import loopkern as _lk
+        for name, value in list(self.parsed.closure.items()) + list(self.parsed.globals.items()):
+            if value is _lk:
+                return name
+        raise self.error(self.parsed.tree, "the step's module does not import loopkern by a name")
+
+
+def _rename_loads(e, version):
+    e = copy.deepcopy(e)
+    for n in ast.walk(e):
+        if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load) and n.id in version:
+            n.id = version[n.id]
+    return e
+
+
+def _at(new, old):
+    for n in ast.walk(new):
+        ast.copy_location(n, old)
+    return new
+
+
+def adjoint_function(parsed, active) -> tuple:
+    """(the adjoint step as a ParsedFunction, the adjoint parameters' names by parameter) for
+    the step ``parsed`` differentiated with respect to the parameters named in ``active``."""
+    tree = parsed.tree
+    params = [a.arg for a in tree.args.args]
+    unknown = set(active) - set(params[1:])
+    if unknown:
+        raise ValueError(f"not parameters of the step (after t): {sorted(unknown)}")
+    adj = _Adjoint(parsed, set(active))
+    body = adj.step(copy.deepcopy(tree.body))
+    new_args = []
+    for a in tree.args.args:
+        new_args.append(copy.deepcopy(a))
+        if a.arg in active:
+            new_args.append(ast.arg(arg=adj.bar_name(a.arg), annotation=None))
+    fdef = ast.FunctionDef(name=f"{tree.name}_vjp", args=ast.arguments(
+        posonlyargs=[], args=new_args, vararg=None, kwonlyargs=[], kw_defaults=[], kwarg=None, defaults=[]),
+        body=body or [ast.Pass()], decorator_list=[], returns=None, type_params=[])
+    ast.copy_location(fdef, tree)
+    ast.fix_missing_locations(fdef)
+    return dataclasses.replace(parsed, tree=fdef, name=fdef.name), {a: adj.bar_name(a) for a in params if a in active}

@@ -1,0 +1,116 @@
+"""Reverse mode (loopkern/adjoint.py, jax.grad through kernel.jax on JAX's CPU backend): the
+gradient of a loss after many steps against jax.grad of the same loop written in jnp, and the
+constructs that still raise a clear error."""
+
+import math
+
+import numpy as np
+import pytest
+
+import loopkern as lk
+import workloads as W
+from loopkern.errors import LoopkernError, StepSyntaxError
+
+jax = pytest.importorskip("jax")
+jnp = pytest.importorskip("jax.numpy")
+
+
+def _heat_jnp(u, a, steps):
+    def body(i, x):
+        return x.at[1:-1].set(x[1:-1] + a * (x[:-2] - 2 * x[1:-1] + x[2:]))
+    return jax.lax.fori_loop(0, steps, body, u)
+
+
+def leapfrog(t, u, v, c2):
+    # two levels: v is read and overwritten at the same cell
+    n = u.shape[0]
+    for i in lk.range(1, n - 1):
+        v[i] = 2.0 * u[i] - v[i] + c2 * (u[i - 1] - 2.0 * u[i] + u[i + 1])
+
+
+def _leapfrog_jnp(u, v, c2, steps):
+    def body(i, s):
+        u, v = s
+        new = v.at[1:-1].set(2.0 * u[1:-1] - v[1:-1] + c2 * (u[:-2] - 2.0 * u[1:-1] + u[2:]))
+        return new, u
+    return jax.lax.fori_loop(0, steps, body, (u, v))
+
+
+def nonlinear_inplace(t, x, k):
+    # an in-place update (no swap), math, a conditional expression, a local used twice
+    n = x.shape[0]
+    for i in lk.range(n):
+        y = x[i] * k
+        z = math.tanh(y) if y > 0.0 else 0.5 * y
+        x[i] = x[i] + 0.1 * z * z + 0.05 * math.sin(t + y)
+
+
+def _nonlinear_jnp(x, k, steps):
+    def body(t, x):
+        y = x * k
+        z = jnp.where(y > 0.0, jnp.tanh(y), 0.5 * y)
+        return x + 0.1 * z * z + 0.05 * jnp.sin(t + y)
+    return jax.lax.fori_loop(0, steps, body, x)
+
+
+@pytest.mark.parametrize("steps", [1, 23, 100])
+def test_grad_of_heat_equals_jax_grad_of_the_jnp_loop(steps, rng):
+    k = lk.megakernel(W.heat_step, swap=[("u", "v")])
+    u0 = jnp.asarray(rng.random(50).astype(np.float32))
+    w = jnp.asarray(rng.standard_normal(50).astype(np.float32))
+
+    def loss(u, a):
+        return (k.jax(u, u, a, steps=steps)[0] * w).sum()
+
+    def ref(u, a):
+        return (_heat_jnp(u, a, steps) * w).sum()
+    a = np.float32(0.2)
+    for fn in (jax.grad(loss, argnums=(0, 1)), jax.jit(jax.grad(loss, argnums=(0, 1)))):
+        gu, ga = fn(u0, a)
+        ru, ra = jax.grad(ref, argnums=(0, 1))(u0, a)
+        np.testing.assert_allclose(np.asarray(gu), np.asarray(ru), rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(float(ga), float(ra), rtol=1e-4, atol=1e-4)
+
+
+def test_grad_of_a_two_level_scheme(rng):
+    k = lk.megakernel(leapfrog, swap=[("u", "v")])
+    u0 = jnp.asarray(rng.random(40).astype(np.float32))
+    v0 = jnp.asarray(rng.random(40).astype(np.float32))
+    w = jnp.asarray(rng.standard_normal(40).astype(np.float32))
+
+    def loss(u, v, c):
+        out = k.jax(u, v, c, steps=37)
+        return (out[0] * w).sum() + (out[1] ** 2).sum()
+
+    def ref(u, v, c):
+        a, b = _leapfrog_jnp(u, v, c, 37)
+        return (a * w).sum() + (b ** 2).sum()
+    got = jax.grad(loss, argnums=(0, 1, 2))(u0, v0, np.float32(0.1))
+    want = jax.grad(ref, argnums=(0, 1, 2))(u0, v0, np.float32(0.1))
+    for g, r in zip(got, want):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-3, atol=1e-3)
+
+
+def test_grad_of_a_nonlinear_in_place_update(rng):
+    k = lk.megakernel(nonlinear_inplace)
+    x0 = jnp.asarray(rng.standard_normal(30).astype(np.float32))
+
+    def loss(x, kk):
+        return (k.jax(x, kk, steps=12)[0] ** 2).sum()
+
+    def ref(x, kk):
+        return (_nonlinear_jnp(x, kk, 12) ** 2).sum()
+    got = jax.grad(loss, argnums=(0, 1))(x0, np.float32(1.3))
+    want = jax.grad(ref, argnums=(0, 1))(x0, np.float32(1.3))
+    np.testing.assert_allclose(np.asarray(got[0]), np.asarray(want[0]), rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(float(got[1]), float(want[1]), rtol=1e-4, atol=1e-4)
+
+
+def test_what_reverse_mode_does_not_cover_yet_is_a_clear_error(rng):
+    u = jnp.asarray(rng.random(16).astype(np.float32))
+    jacobi = lk.megakernel(W.jacobi_step, swap=[("u", "v")])
+    with pytest.raises(LoopkernError, match="returns a condition"):
+        jax.grad(lambda a: jacobi.jax(a.reshape(4, 4), a.reshape(4, 4), 1e-3, max_steps=5)[0].sum())(u)
+    two = lk.megakernel(W.two_phase_step)
+    with pytest.raises(StepSyntaxError, match="reverse mode"):
+        jax.grad(lambda a: two.jax(a, a, a, steps=2)[0].sum())(u)
