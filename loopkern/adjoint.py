@@ -20,7 +20,7 @@ differentiated values and parallel loops (``lk.range``/``lk.grid``) whose bodies
 straight-line assignments and stores (conditional expressions included), where an array the
 loop stores into is read in that loop only at the index it is stored at. Anything else
 (``if`` statements, inner loops, reductions, ``lk.sync()``, atomics, helpers, a returned
-condition) raises :class:`~loopkern.errors.StepSyntaxError` at its line.
+condition, ``lk.random``) raises :class:`~loopkern.errors.StepSyntaxError` at its line.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import ast
 import copy
 import dataclasses
 
-from .tangent import _Tangent, _mul
+from .tangent import _mul, _Tangent, reject_random
 
 
 class _Partial(_Tangent):
@@ -158,13 +158,19 @@ class _Adjoint:
                 idx = _rename_loads(tgt.slice, version)
                 stored.setdefault(tgt.value.id, set()).add(ast.dump(idx))
                 ssa.append(("store", tgt.value.id, (idx, value), st))
-        # an array stored into is read in this loop only at the index it is stored at
+        # an array stored into is read in this loop only at the index it is stored at, and not
+        # after the store (the recomputation reads the state before the step)
+        stored_so_far = set()
         for kind, name, payload, st in ssa:
             value = payload if kind == "local" else payload[1]
             for n in ast.walk(value):
-                if isinstance(n, ast.Subscript) and isinstance(n.value, ast.Name) and n.value.id in stored \
-                        and ast.dump(n.slice) not in stored[n.value.id]:
-                    raise self.error(st, f"'{n.value.id}' is stored into in this loop and read at another index")
+                if isinstance(n, ast.Subscript) and isinstance(n.value, ast.Name) and n.value.id in stored:
+                    if ast.dump(n.slice) not in stored[n.value.id]:
+                        raise self.error(st, f"'{n.value.id}' is stored into in this loop and read at another index")
+                    if n.value.id in stored_so_far:
+                        raise self.error(st, f"'{n.value.id}' is read after this loop stored into it")
+            if kind == "store":
+                stored_so_far.add(name)
         active = set(params)
         for kind, name, payload, st in ssa:
             if kind == "local" and self.tg.is_active(payload, active):
@@ -252,6 +258,7 @@ def adjoint_function(parsed, active) -> tuple:
     if unknown:
         raise ValueError(f"not parameters of the step (after t): {sorted(unknown)}")
     adj = _Adjoint(parsed, set(active))
+    reject_random(adj.tg, tree)
     body = adj.step(copy.deepcopy(tree.body))
     new_args = []
     for a in tree.args.args:

@@ -11,7 +11,8 @@ runs the primal statements and, before each, the statement that carries their de
 - arithmetic, ``**``, ``math``'s functions, ``abs``, ``min``, ``max``, ``float``, conditional
   expressions, ``lk.sum`` (the sum of the tangents) and ``lk.atomic.add`` (the tangent added
   to the tangent array) have rules; comparisons, ``int()``, shapes and indices carry none;
-- ``lk.random`` draws are constants (a fixed function of seed, step and key).
+- ``lk.random`` draws are refused for now (they are numbered by their place in the step,
+  which the tangent step changes).
 
 The result is a :class:`~loopkern.frontend.ParsedFunction` whose nodes keep the user's line
 numbers, so the tangent step validates, compiles and reports errors like the step itself.
@@ -354,6 +355,17 @@ class _Tangent:
         return [self._loc(new, s)]
 
 
+def reject_random(tg: _Tangent, tree):
+    """``lk.random`` draws are numbered by their place in the step, and a generated step moves
+    and copies them, so its draws would not be the primal step's: refused for now."""
+    for n in ast.walk(tree):
+        if isinstance(n, ast.Call):
+            mod, _ = tg.module_of(n.func)
+            if mod == "lk.random":
+                raise tg.error(n, "lk.random draws in a step to differentiate are not supported yet",
+                               "pass the random numbers in an array")
+
+
 def tangent_function(parsed, active) -> tuple:
     """(the tangent step as a ParsedFunction, the names of its parameters' tangents in order)
     for the step ``parsed`` differentiated with respect to the parameters named in ``active``
@@ -364,6 +376,7 @@ def tangent_function(parsed, active) -> tuple:
     if unknown:
         raise ValueError(f"not parameters of the step (after t): {sorted(unknown)}")
     tg = _Tangent(parsed, set(active))
+    reject_random(tg, tree)
     names = tg.active_names(tree.body)
     body = tg.body(copy.deepcopy(tree.body), names)
     new_args = []

@@ -114,3 +114,24 @@ def test_what_reverse_mode_does_not_cover_yet_is_a_clear_error(rng):
     two = lk.megakernel(W.two_phase_step)
     with pytest.raises(StepSyntaxError, match="reverse mode"):
         jax.grad(lambda a: two.jax(a, a, a, steps=2)[0].sum())(u)
+
+
+def test_a_read_after_a_store_in_the_same_loop_is_refused():
+    def store_then_read(t, x, y):
+        n = x.shape[0]
+        for i in lk.range(n):
+            x[i] = x[i] * 0.5
+            y[i] = x[i] + 1.0
+
+    with pytest.raises(StepSyntaxError, match="read after this loop stored into it"):
+        lk.megakernel(store_then_read).adjoint("x", "y")
+
+
+def test_a_read_at_another_index_of_a_stored_array_is_refused():
+    def shifted(t, x):
+        n = x.shape[0]
+        for i in lk.range(1, n):
+            x[i] = x[i - 1] * 0.5
+
+    with pytest.raises(StepSyntaxError, match="read at another index"):
+        lk.megakernel(shifted).adjoint("x")

@@ -284,3 +284,15 @@ def test_each_math_rule(fn, x0, deriv):
     kt(x, xd, y, yd, steps=1, backend="cpu")
     assert y[0] == pytest.approx(fn(x0), rel=1e-14)
     assert yd[0] == pytest.approx(deriv(x0), rel=1e-12)
+
+
+def test_random_draws_are_refused_in_a_step_to_differentiate():
+    def noisy(t, u, v):
+        n = u.shape[0]
+        for i in lk.range(n):
+            v[i] = u[i] * lk.random.uniform(i)
+
+    k = lk.megakernel(noisy, swap=[("u", "v")])
+    for make in (k.tangent, k.adjoint):
+        with pytest.raises(StepSyntaxError, match="lk.random draws in a step to differentiate"):
+            make("u", "v")

@@ -1,4 +1,4 @@
-"""Tangent kernels (MegaKernel.tangent, kernel.jax under jax.jvp) on the GPU: heat and the
+"""Tangent kernels (MegaKernel.tangent, kernel.jax under jax.jvp) and jax.grad on the GPU: heat and the
 two-level wave scheme with a recorded reduction, at several block counts, against central
 finite differences of float64 NumPy references."""
 
@@ -50,3 +50,21 @@ def test_jax_jvp_through_kernel_jax_on_the_gpu(rng):
     ref_p, ref_t = jax.jvp(lambda u, a: TT._heat_jnp(u, a, 100), (u0, np.float32(0.2)), (du, np.float32(0.5)))
     np.testing.assert_allclose(np.asarray(p), np.asarray(ref_p), rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(np.asarray(t), np.asarray(ref_t), rtol=1e-4, atol=1e-4)
+
+
+def test_jax_grad_through_kernel_jax_on_the_gpu(rng):
+    jax = pytest.importorskip("jax")
+    import jax.numpy as jnp
+    k = lk.megakernel(W.heat_step, swap=[("u", "v")])
+    u0 = jnp.asarray(rng.random(65536).astype(np.float32))
+    w = jnp.asarray(rng.standard_normal(65536).astype(np.float32))
+
+    def loss(u, a):
+        return (k.jax(u, u, a, steps=200)[0] * w).sum()
+
+    def ref(u, a):
+        return (TT._heat_jnp(u, a, 200) * w).sum()
+    gu, ga = jax.jit(jax.grad(loss, argnums=(0, 1)))(u0, np.float32(0.2))
+    ru, ra = jax.grad(ref, argnums=(0, 1))(u0, np.float32(0.2))
+    np.testing.assert_allclose(np.asarray(gu), np.asarray(ru), rtol=1e-3, atol=1e-4)
+    np.testing.assert_allclose(float(ga), float(ra), rtol=1e-3)
