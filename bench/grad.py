@@ -1,0 +1,84 @@
+"""Reverse mode: the gradient of a loss after N heat steps with respect to the initial field
+(1-D, float32), through kernel.jax under jax.grad, against jax.grad of the same loop written
+with lax.scan, and the forward run alone (for the ratio). Checked against a hand-written
+float64 NumPy adjoint of the loop."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .harness import Bench, Case, Impl, have, rel_err
+from .heat import ALPHA, heat_kernel
+
+
+def grad_ref(w, steps, alpha):
+    """d/du0 of sum(w * u_N) where u and v both start as u0, in float64: the loop's adjoint,
+    step by step backwards (swap the names' adjoints, then the stencil's transpose)."""
+    a = float(alpha)
+    ub, vb = np.asarray(w, np.float64).copy(), np.zeros(len(w))
+    for _ in range(steps):
+        ub, vb = vb, ub                      # before the step's rename: the new state was v
+        g = vb[1:-1].copy()
+        vb[1:-1] = 0.0
+        ub[1:-1] += (1.0 - 2.0 * a) * g
+        ub[:-2] += a * g
+        ub[2:] += a * g
+    return ub + vb                           # u0 fed both buffers
+
+
+def _impl(fn, args):
+    import jax
+    cache, box = {}, {}
+
+    def run(steps):
+        if steps not in cache:
+            cache[steps] = jax.jit(fn(steps))
+        box["r"] = cache[steps](*args)
+        return None
+    return Impl(run, lambda: np.asarray(box["r"]), sync=lambda: jax.block_until_ready(box["r"]))
+
+
+def bench_grad(b: Bench):
+    if not have("jax") or b.args.no_jax:
+        return
+    import jax
+    import jax.numpy as jnp
+    n = 1024 if b.args.quick else 65536
+    steps = 50 if b.args.quick else 10000
+    check_steps = 50 if b.args.quick else 200
+    rng = np.random.default_rng(5)
+    u0 = rng.random(n).astype(np.float32)
+    w = rng.standard_normal(n).astype(np.float32)
+    ref = grad_ref(w, check_steps, ALPHA)
+
+    def check(res, done, ref=ref):
+        e = rel_err(res, ref)
+        return e < 1e-4, f"rel_err={e:.2e} of the gradient after {check_steps} steps"
+    case = Case("heat_grad", n, steps, check_steps, check, dict(), bytes_per_step=0)
+    k = heat_kernel()
+    uj, wj = jnp.asarray(u0), jnp.asarray(w)
+
+    def lk_grad(steps):
+        return jax.grad(lambda u: jnp.sum(k.jax(u, u, ALPHA, steps=steps)[0] * wj))
+
+    def scan_grad(steps):
+        def loss(u):
+            def body(s, _):
+                x, y = s
+                new = y.at[1:-1].set(x[1:-1] + ALPHA * (x[:-2] - 2 * x[1:-1] + x[2:]))
+                return (new, x), None
+            return jnp.sum(jax.lax.scan(body, (u, u), None, length=steps)[0][0] * wj)
+        return jax.grad(loss)
+
+    def lk_forward(steps):
+        return lambda u: k.jax(u, u, ALPHA, steps=steps)[0]
+
+    variants = [("loopkern jax.grad through kernel.jax", lambda c: _impl(lk_grad, [uj])),
+                ("jax.grad of lax.scan", lambda c: _impl(scan_grad, [uj]))]
+    b.measure(case, variants)
+    # the forward run alone: its result is the field, checked against the heat reference
+    from .heat import heat_ref
+    fwd_ref = heat_ref(u0, check_steps)
+    fwd_case = Case("heat_grad_forward", n, steps, check_steps,
+                    lambda res, done: (rel_err(res, fwd_ref) < 1e-4, "forward field"), dict())
+    b.measure(fwd_case, [("loopkern kernel.jax forward", lambda c: _impl(lk_forward, [uj]))])
