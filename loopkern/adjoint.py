@@ -6,7 +6,9 @@ the state before the step (``u``, ``v``) and the adjoints of the state after it 
 ``v_bar``; a float scalar's adjoint is a 1-element array that the step adds into), it leaves in
 the ``_bar`` arrays the adjoints of the state before the step. A driver runs it backwards over
 the steps (``loopkern/interop/jax_bridge.py`` under ``jax.grad``), renaming swap pairs' adjoints
-as the forward run renamed the arrays.
+as the forward run renamed the arrays: for each segment of the run, :func:`recorder_function`'s
+step records the states and :func:`segment_adjoint_function`'s step runs the adjoint step over
+them in reverse, each as one megakernel.
 
 Each parallel loop's iteration recomputes its locals (renamed so that each assignment has
 its own name), then walks its statements backwards: a store ``a[i] = e`` takes ``g =
@@ -271,3 +273,111 @@ def adjoint_function(parsed, active) -> tuple:
     ast.copy_location(fdef, tree)
     ast.fix_missing_locations(fdef)
     return dataclasses.replace(parsed, tree=fdef, name=fdef.name), {a: adj.bar_name(a) for a in params if a in active}
+
+
+# -- whole segments in one kernel each: the recorder and the adjoint sweep over a segment ------
+def _fresh(used, base):
+    k = 0
+    while f"{base}{k or ''}" in used:
+        k += 1
+    used.add(f"{base}{k or ''}")
+    return f"{base}{k or ''}"
+
+
+def _lk_alias(parsed):
+    import loopkern as _lk
+    for name, value in list(parsed.closure.items()) + list(parsed.globals.items()):
+        if value is _lk:
+            return name
+    raise ValueError("the step's module does not import loopkern by a name")
+
+
+def _parse_expr(text, at):
+    e = ast.parse(text, mode="eval").body
+    return _at(e, at)
+
+
+def recorder_function(parsed, state, ndims) -> tuple:
+    """The step with a record of its state: ``step_rec(t, <params>, S_a..., base)`` first
+    copies each state array ``a`` (named in ``state``, of ``ndims[a]`` dimensions) to
+    ``S_a[t - base]``, then (after ``lk.sync()``) runs the step. Returns (ParsedFunction,
+    {a: the name of S_a}, the name of base)."""
+    tree = parsed.tree
+    used = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)} | {a.arg for a in tree.args.args}
+    lk = _lk_alias(parsed)
+    t = tree.args.args[0].arg
+    stacked = {a: _fresh(used, f"{a}_states") for a in state}
+    base = _fresh(used, "base")
+    head = []
+    for a in state:
+        idx = [_fresh(used, f"i{d}") for d in range(ndims[a])]
+        if ndims[a] == 1:
+            loop = f"for {idx[0]} in {lk}.range({a}.shape[0]):\n    {stacked[a]}[{t} - {base}, {idx[0]}] = {a}[{idx[0]}]"
+        else:
+            dims = ", ".join(f"{a}.shape[{d}]" for d in range(ndims[a]))
+            loop = (f"for {', '.join(idx)} in {lk}.grid({dims}):\n"
+                    f"    {stacked[a]}[{t} - {base}, {', '.join(idx)}] = {a}[{', '.join(idx)}]")
+        head += ast.parse(loop).body
+    head += ast.parse(f"{lk}.sync()").body
+    for s in head:
+        _at(s, tree.body[0])
+    args = [copy.deepcopy(a) for a in tree.args.args] + [ast.arg(arg=stacked[a], annotation=None) for a in state] + \
+        [ast.arg(arg=base, annotation=None)]
+    fdef = ast.FunctionDef(name=f"{tree.name}_rec", args=ast.arguments(
+        posonlyargs=[], args=args, vararg=None, kwonlyargs=[], kw_defaults=[], kwarg=None, defaults=[]),
+        body=head + copy.deepcopy(tree.body), decorator_list=[], returns=None, type_params=[])
+    ast.copy_location(fdef, tree)
+    ast.fix_missing_locations(fdef)
+    return dataclasses.replace(parsed, tree=fdef, name=fdef.name), stacked, base
+
+
+def segment_adjoint_function(adjoint_parsed, state) -> tuple:
+    """The adjoint step turned into the reverse sweep over one segment, run as a megakernel
+    from step 0: ``step_seg(t, S_u, u_bar, ..., top, base)`` reads the state of primal step
+    ``base + top - t`` from ``S_a[top - t]`` (recorded by :func:`recorder_function`) instead of
+    ``a``, and sees that primal step index as its ``t``. Returns (ParsedFunction,
+    {a: the name of S_a}, names of top and base)."""
+    tree = adjoint_parsed.tree
+    used = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)} | {a.arg for a in tree.args.args}
+    t = tree.args.args[0].arg
+    stacked = {a: _fresh(used, f"{a}_states") for a in state}
+    top, base = _fresh(used, "top"), _fresh(used, "base")
+
+    class Rewrite(ast.NodeTransformer):
+        def visit_Subscript(self, node):
+            v = node.value
+            if isinstance(v, ast.Name) and v.id in stacked:
+                if not isinstance(node.ctx, ast.Load):
+                    raise ValueError(f"the adjoint step stores into the state array '{v.id}'")
+                node.slice = self.visit(node.slice)
+                elts = node.slice.elts if isinstance(node.slice, ast.Tuple) else [node.slice]
+                j = _parse_expr(f"{top} - {t}", node)
+                node.value = _at(ast.Name(id=stacked[v.id], ctx=ast.Load()), node)
+                node.slice = _at(ast.Tuple(elts=[j] + list(elts), ctx=ast.Load()), node)
+                return node
+            if isinstance(v, ast.Attribute) and v.attr == "shape" and isinstance(v.value, ast.Name) \
+                    and v.value.id in stacked:
+                node.slice = _at(ast.BinOp(left=self.visit(node.slice), op=ast.Add(), right=ast.Constant(1)), node)
+                v.value.id = stacked[v.value.id]
+                return node
+            self.generic_visit(node)
+            return node
+
+        def visit_Name(self, node):
+            if node.id == t and isinstance(node.ctx, ast.Load):
+                return _parse_expr(f"({base} + {top} - {t})", node)
+            if node.id in stacked:
+                raise ValueError(f"'{node.id}' is used other than indexed or by its shape")
+            return node
+
+    body = [Rewrite().visit(copy.deepcopy(s)) for s in tree.body]
+    args = []
+    for a in tree.args.args:
+        args.append(ast.arg(arg=stacked[a.arg], annotation=None) if a.arg in stacked else copy.deepcopy(a))
+    args += [ast.arg(arg=top, annotation=None), ast.arg(arg=base, annotation=None)]
+    fdef = ast.FunctionDef(name=f"{tree.name}_seg", args=ast.arguments(
+        posonlyargs=[], args=args, vararg=None, kwonlyargs=[], kw_defaults=[], kwarg=None, defaults=[]),
+        body=body, decorator_list=[], returns=None, type_params=[])
+    ast.copy_location(fdef, tree)
+    ast.fix_missing_locations(fdef)
+    return dataclasses.replace(adjoint_parsed, tree=fdef, name=fdef.name), stacked, (top, base)

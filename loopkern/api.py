@@ -93,8 +93,9 @@ class MegaKernel:
         """The reverse-mode (adjoint) kernel of one step with respect to the parameters named in
         ``wrt``: its step takes ``u, u_bar, ...`` (a float scalar's adjoint is a 1-element
         array) and turns the adjoints of the state after the step into those of the state
-        before it (``loopkern/adjoint.py`` says what it covers). Run one step at a time,
-        backwards, by the ``jax.grad`` driver of ``kernel.jax``. Cached per ``wrt``."""
+        before it (``loopkern/adjoint.py`` says what it covers). The ``jax.grad`` driver of
+        ``kernel.jax`` runs it backwards over segments of the run, as one megakernel per
+        segment. Cached per ``wrt``."""
         from .adjoint import adjoint_function
         from .frontend import parse_step
         key = tuple(wrt)

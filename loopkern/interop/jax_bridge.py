@@ -374,19 +374,40 @@ class _ReverseContext:
         self.nsteps = nsteps            # the step count when known at trace time, else None
 
 
+def _segment_kernels(mk, active_names, state, ndims):
+    """(the recorder, the segment's adjoint sweep, their extra parameters' names) for ``mk``:
+    see ``loopkern/adjoint.py``. Cached on ``mk``."""
+    from ..adjoint import adjoint_function, recorder_function, segment_adjoint_function
+    from ..api import MegaKernel
+    from ..frontend import parse_step
+    key = (tuple(active_names), tuple(state), tuple(sorted(ndims.items())))
+    cache = mk.__dict__.setdefault("_segment_kernels", {})
+    if key not in cache:
+        parsed = parse_step(mk.fn)
+        pairs = [(mk.spec.param_names[a], mk.spec.param_names[b]) for a, b in mk.spec.swap]
+        d = mk.dispatcher.defaults
+        rec, _, _ = recorder_function(parsed, state, ndims)
+        adj, bars = adjoint_function(parsed, set(active_names))
+        seg, _, _ = segment_adjoint_function(adj, state)
+        opts = dict(backend=d["backend"], scope=d["scope"], threads=d["threads"], blocks=d["blocks"])
+        cache[key] = (MegaKernel(rec, swap=pairs, **opts),
+                      MegaKernel(seg, swap=[(bars[a], bars[b]) for a, b in pairs if a in bars and b in bars], **opts))
+    return cache[key]
+
+
 def _reverse_sweep(ctx, name, cts, n, t0, args) -> list:
     """The cotangents of a tangent run's tangent inputs (``args`` interleaves each parameter's
     value with its tangent, an ``UndefinedPrimal``, for the active ones): the reverse sweep.
 
-    The forward run is repeated with a checkpoint of the state every k = ceil(sqrt(N)) steps
-    (lax.scan); then, segment by segment from the last, the segment's states are recomputed
-    and the adjoint step (``MegaKernel.adjoint``) runs backwards over them, the swap pairs'
-    adjoints exchanged before each step as the forward run renamed the arrays. Extra memory:
-    about 2 sqrt(N) states. One kernel.jax call per step in each direction.
+    The forward run is repeated in segments of k = ceil(sqrt(N)) steps, keeping the state at
+    the start of each; then, segment by segment from the last, one kernel (the recorder)
+    recomputes the segment recording every step's state, and one kernel (the segment's
+    adjoint sweep) runs the adjoint step backwards over those states, the swap pairs'
+    adjoints renamed as the forward run renamed the arrays. Extra memory: about 2 sqrt(N)
+    states; kernel calls: about 3 sqrt(N).
     """
     import math as _m
 
-    import jax
     import jax.numpy as jnp
     from jax.interpreters import ad
 
@@ -398,18 +419,19 @@ def _reverse_sweep(ctx, name, cts, n, t0, args) -> list:
     if nsteps is None:
         raise LoopkernError(f"kernel.jax: reverse-mode differentiation of megakernel '{name}' needs a step count "
                             f"known at trace time (a Python int), not a traced value")
-    active_names = [ctx.params[i] for i in ctx.active]
-    adj = mk.adjoint(*active_names)                 # raises StepSyntaxError for what it cannot cover
-    nparams = len(ctx.params)
-    values, tangent_pos, pos = [], {}, 0
+    params, nparams = ctx.params, len(ctx.params)
+    active_names = [params[i] for i in ctx.active]
+    mk.adjoint(*active_names)                       # raises StepSyntaxError for what it cannot cover
+    values, pos = [], 0
     for i in range(nparams):
         values.append(args[pos])
-        pos += 1
-        if i in ctx.active:
-            tangent_pos[i] = pos
-            pos += 1
+        pos += 1 + (i in ctx.active)
     arr_idx = sorted(ctx.arr_set)
-    scal = {i: values[i] for i in range(nparams) if i not in ctx.arr_set}
+    # the arrays whose contents change from step to step: written ones and swap pairs'
+    swapped = {i for pair in mk.spec.swap for i in pair}
+    state = [i for i in arr_idx if mk.spec.params[i].written or i in swapped]
+    ndims = {params[i]: len(ctx.sig[i][0]) for i in state}
+    rec, seg = _segment_kernels(mk, active_names, [params[i] for i in state], ndims)
     # the cotangents of the tangent run's outputs: per array parameter its value, then (active)
     # its tangent; only the tangents' matter
     bars, k_out = {}, 0
@@ -417,97 +439,64 @@ def _reverse_sweep(ctx, name, cts, n, t0, args) -> list:
         k_out += 1
         if i in ctx.active:
             ct = cts[k_out]
-            bars[i] = ad.instantiate_zeros(ct) if not isinstance(ct, ad.Zero) else jnp.zeros(ctx.sig[i][0],
-                                                                                              ctx.sig[i][1])
+            bars[i] = jnp.zeros(ctx.sig[i][0], ctx.sig[i][1]) if isinstance(ct, ad.Zero) else ad.instantiate_zeros(ct)
             k_out += 1
     sbars = {i: jnp.zeros((1,), ctx.sig[i][1]) for i in ctx.active if i not in ctx.arr_set}
     swap = [(a, b) for a, b in mk.spec.swap if a in bars and b in bars]
     opts = ctx.options
     k = max(1, _m.isqrt(max(nsteps, 1) - 1) + 1)
-    nseg = max(1, -(-nsteps // k))
+    lengths = [min(k, nsteps - s) for s in range(0, nsteps, k)]
     t0 = jnp.asarray(t0).reshape(())
 
-    def full(arrs):
-        d = dict(zip(arr_idx, arrs))
-        return [d[i] if i in d else scal[i] for i in range(nparams)]
+    def exchange(bar_d):
+        out = dict(bar_d)
+        for a, b in swap:
+            out[a], out[b] = bar_d[b], bar_d[a]
+        return out
 
-    def run_primal(arrs, steps, start):
-        out = mk.jax(*full(arrs), steps=steps, start=start, **opts)
-        return tuple(out[:len(arr_idx)])
-
-    def fwd_seg(arrs, s):
-        steps = jnp.clip(nsteps - s * k, 0, k).astype(jnp.int64 if jax.config.jax_enable_x64 else jnp.int32)
-        return run_primal(arrs, steps, t0 + s * k), arrs
-    arrays0 = tuple(values[i] for i in arr_idx)
-    _, ckpts = jax.lax.scan(fwd_seg, arrays0, jnp.arange(nseg))
-
-    adj_params = list(adj.spec.param_names)
-
-    def adjoint_step(state, bar_d, sbar_d, live, start):
-        argv, outs_at = [], {}
+    # forward, keeping the state at the start of each segment
+    cur = list(values)
+    starts = []
+    for s, length in enumerate(lengths):
+        starts.append(list(cur))
+        out = mk.jax(*cur, steps=length, start=t0 + s * k, **opts)
+        for slot, i in enumerate(arr_idx):
+            cur[i] = out[slot]
+    # backward, a segment at a time
+    for s in reversed(range(len(lengths))):
+        length, base = lengths[s], t0 + s * k
+        stacks = [jnp.zeros((length,) + tuple(ctx.sig[i][0]), ctx.sig[i][1]) for i in state]
+        out = rec.jax(*starts[s], *stacks, base, steps=length, start=base, **opts)
+        recorded = dict(zip(state, out[len(arr_idx):len(arr_idx) + len(state)]))
+        argv, arr_slots = [], []
         for i in range(nparams):
-            argv.append(state[arr_idx.index(i)] if i in ctx.arr_set else scal[i])
-            if i in ctx.active:
-                argv.append(bar_d[i] if i in ctx.arr_set else sbar_d[i])
-        out = adj.jax(*argv, steps=live.astype(jnp.int32), start=start, **opts)
-        # kernel.jax returns one array per array parameter of the adjoint step, in order
-        arr_params = [j for j in range(len(adj_params)) if _is_array_slot(j, ctx, nparams)]
-        got = dict(zip(arr_params, out[:len(arr_params)]))
-        slot, nb, ns = 0, {}, {}
-        for i in range(nparams):
-            slot += 1
+            if i in ctx.arr_set:
+                arr_slots.append(("state" if i in recorded else "value", i))
+            argv.append(recorded[i] if i in recorded else starts[s][i])
             if i in ctx.active:
                 if i in ctx.arr_set:
-                    nb[i] = got[slot]
+                    arr_slots.append(("bar", i))
+                    argv.append(None)
                 else:
-                    ns[i] = got[slot]
-                slot += 1
-        return nb, ns
-
-    def bwd_seg(carry, s):
-        bar_d, sbar_d = carry
-        start_arrs = tuple(c[s] for c in ckpts)
-        length = jnp.clip(nsteps - s * k, 0, k)
-
-        def rec(arrs, j):
-            steps = (j < length).astype(jnp.int32)
-            return run_primal(arrs, steps, t0 + s * k + j), arrs
-        _, states = jax.lax.scan(rec, start_arrs, jnp.arange(k))
-
-        def back(c, j):
-            bar_d, sbar_d = c
-            live = j < length
-            swapped = dict(bar_d)
-            for a, b in swap:
-                swapped[a], swapped[b] = bar_d[b], bar_d[a]
-            bar_d = {i: jnp.where(live, swapped[i], bar_d[i]) for i in bar_d}
-            nb, ns = adjoint_step(tuple(st[j] for st in states), bar_d, sbar_d, live, t0 + s * k + j)
-            return (nb, ns), None
-        (bar_d, sbar_d), _ = jax.lax.scan(back, (bar_d, sbar_d), jnp.arange(k)[::-1])
-        return (bar_d, sbar_d), None
-    (bars, sbars), _ = jax.lax.scan(bwd_seg, (bars, sbars), jnp.arange(nseg)[::-1])
-    out = []
+                    arr_slots.append(("sbar", i))
+                    argv.append(sbars[i])
+        bars = exchange(bars)
+        filled, bar_iter = [], iter([bars[i] for kind, i in arr_slots if kind == "bar"])
+        for a in argv:
+            filled.append(next(bar_iter) if a is None else a)
+        out = seg.jax(*filled, length - 1, base, steps=length, start=0, **opts)
+        for (kind, i), o in zip(arr_slots, out):
+            if kind == "bar":
+                bars[i] = o
+            elif kind == "sbar":
+                sbars[i] = o
+        bars = exchange(bars)
+    result = []
     for i in range(nparams):
-        out.append(None)
+        result.append(None)
         if i in ctx.active:
-            out.append(bars[i] if i in ctx.arr_set else sbars[i].reshape(()))
-    return out
-
-
-def _is_array_slot(j, ctx, nparams) -> bool:
-    """Whether parameter ``j`` of the adjoint step (each step parameter, then its adjoint for
-    the active ones) is an array: array parameters, and every adjoint (a scalar's is a
-    1-element array)."""
-    slot = 0
-    for i in range(nparams):
-        if slot == j:
-            return i in ctx.arr_set
-        slot += 1
-        if i in ctx.active:
-            if slot == j:
-                return True
-            slot += 1
-    return False
+            result.append(bars[i] if i in ctx.arr_set else sbars[i].reshape(()))
+    return result
 
 
 _TANGENT_P: list = []
