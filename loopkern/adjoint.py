@@ -29,9 +29,8 @@ from __future__ import annotations
 
 import ast
 import copy
-import dataclasses
 
-from .tangent import _mul, _Tangent, reject_random
+from .tangent import _mul, _Tangent, check_active, generated_step, reject_random
 
 
 class _Partial(_Tangent):
@@ -256,9 +255,7 @@ def adjoint_function(parsed, active) -> tuple:
     the step ``parsed`` differentiated with respect to the parameters named in ``active``."""
     tree = parsed.tree
     params = [a.arg for a in tree.args.args]
-    unknown = set(active) - set(params[1:])
-    if unknown:
-        raise ValueError(f"not parameters of the step (after t): {sorted(unknown)}")
+    check_active(tree, active)
     adj = _Adjoint(parsed, set(active))
     reject_random(adj.tg, tree)
     body = adj.step(copy.deepcopy(tree.body))
@@ -267,12 +264,8 @@ def adjoint_function(parsed, active) -> tuple:
         new_args.append(copy.deepcopy(a))
         if a.arg in active:
             new_args.append(ast.arg(arg=adj.bar_name(a.arg), annotation=None))
-    fdef = ast.FunctionDef(name=f"{tree.name}_vjp", args=ast.arguments(
-        posonlyargs=[], args=new_args, vararg=None, kwonlyargs=[], kw_defaults=[], kwarg=None, defaults=[]),
-        body=body or [ast.Pass()], decorator_list=[], returns=None, type_params=[])
-    ast.copy_location(fdef, tree)
-    ast.fix_missing_locations(fdef)
-    return dataclasses.replace(parsed, tree=fdef, name=fdef.name), {a: adj.bar_name(a) for a in params if a in active}
+    return (generated_step(parsed, f"{tree.name}_vjp", new_args, body),
+            {a: adj.bar_name(a) for a in params if a in active})
 
 
 # -- whole segments in one kernel each: the recorder and the adjoint sweep over a segment ------
@@ -323,12 +316,7 @@ def recorder_function(parsed, state, ndims) -> tuple:
         _at(s, tree.body[0])
     args = [copy.deepcopy(a) for a in tree.args.args] + [ast.arg(arg=stacked[a], annotation=None) for a in state] + \
         [ast.arg(arg=base, annotation=None)]
-    fdef = ast.FunctionDef(name=f"{tree.name}_rec", args=ast.arguments(
-        posonlyargs=[], args=args, vararg=None, kwonlyargs=[], kw_defaults=[], kwarg=None, defaults=[]),
-        body=head + copy.deepcopy(tree.body), decorator_list=[], returns=None, type_params=[])
-    ast.copy_location(fdef, tree)
-    ast.fix_missing_locations(fdef)
-    return dataclasses.replace(parsed, tree=fdef, name=fdef.name), stacked, base
+    return generated_step(parsed, f"{tree.name}_rec", args, head + copy.deepcopy(tree.body)), stacked, base
 
 
 def segment_adjoint_function(adjoint_parsed, state) -> tuple:
@@ -375,9 +363,4 @@ def segment_adjoint_function(adjoint_parsed, state) -> tuple:
     for a in tree.args.args:
         args.append(ast.arg(arg=stacked[a.arg], annotation=None) if a.arg in stacked else copy.deepcopy(a))
     args += [ast.arg(arg=top, annotation=None), ast.arg(arg=base, annotation=None)]
-    fdef = ast.FunctionDef(name=f"{tree.name}_seg", args=ast.arguments(
-        posonlyargs=[], args=args, vararg=None, kwonlyargs=[], kw_defaults=[], kwarg=None, defaults=[]),
-        body=body, decorator_list=[], returns=None, type_params=[])
-    ast.copy_location(fdef, tree)
-    ast.fix_missing_locations(fdef)
-    return dataclasses.replace(adjoint_parsed, tree=fdef, name=fdef.name), stacked, (top, base)
+    return generated_step(adjoint_parsed, f"{tree.name}_seg", args, body), stacked, (top, base)

@@ -366,15 +366,32 @@ def reject_random(tg: _Tangent, tree):
                                "pass the random numbers in an array")
 
 
+def check_active(tree, active):
+    """ValueError unless every name in ``active`` is a parameter of the step after ``t``."""
+    unknown = set(active) - {a.arg for a in tree.args.args[1:]}
+    if unknown:
+        raise ValueError(f"not parameters of the step (after t): {sorted(unknown)}")
+
+
+def generated_step(parsed, name, args, body):
+    """A ParsedFunction for a generated step ``name(args)`` with ``body``, placed at the
+    user's step (its nodes keep the user's lines)."""
+    tree = parsed.tree
+    fdef = ast.FunctionDef(name=name, args=ast.arguments(
+        posonlyargs=[], args=args, vararg=None, kwonlyargs=[], kw_defaults=[], kwarg=None, defaults=[]),
+        body=body or [ast.Pass()], decorator_list=[], returns=None, type_params=[])
+    ast.copy_location(fdef, tree)
+    ast.fix_missing_locations(fdef)
+    return dataclasses.replace(parsed, tree=fdef, name=fdef.name)
+
+
 def tangent_function(parsed, active) -> tuple:
     """(the tangent step as a ParsedFunction, the names of its parameters' tangents in order)
     for the step ``parsed`` differentiated with respect to the parameters named in ``active``
     (see the module docstring)."""
     tree = parsed.tree
     params = [a.arg for a in tree.args.args]
-    unknown = set(active) - set(params[1:])
-    if unknown:
-        raise ValueError(f"not parameters of the step (after t): {sorted(unknown)}")
+    check_active(tree, active)
     tg = _Tangent(parsed, set(active))
     reject_random(tg, tree)
     names = tg.active_names(tree.body)
@@ -393,12 +410,7 @@ def tangent_function(parsed, active) -> tuple:
         ast.copy_location(s, tree.body[0])
         for n in ast.walk(s):
             ast.copy_location(n, tree.body[0])
-    fdef = ast.FunctionDef(name=f"{tree.name}_jvp", args=ast.arguments(
-        posonlyargs=[], args=new_args, vararg=None, kwonlyargs=[], kw_defaults=[], kwarg=None, defaults=[]),
-        body=init + body, decorator_list=[], returns=None, type_params=[])
-    ast.copy_location(fdef, tree)
-    ast.fix_missing_locations(fdef)
-    out = dataclasses.replace(parsed, tree=fdef, name=fdef.name)
+    out = generated_step(parsed, f"{tree.name}_jvp", new_args, init + body)
     return out, {a: tg.dot_name(a) for a in params if a in active}
 
 
