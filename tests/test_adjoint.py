@@ -135,3 +135,61 @@ def test_a_read_at_another_index_of_a_stored_array_is_refused():
 
     with pytest.raises(StepSyntaxError, match="read at another index"):
         lk.megakernel(shifted).adjoint("x")
+
+
+def heat2d(t, u, v, a):
+    n = u.shape[0]
+    m = u.shape[1]
+    for i, j in lk.grid((1, n - 1), (1, m - 1)):
+        v[i, j] = u[i, j] + a * (u[i - 1, j] + u[i + 1, j] + u[i, j - 1] + u[i, j + 1] - 4.0 * u[i, j])
+
+
+def _heat2d_jnp(u, a, steps):
+    def body(k, s):
+        x, y = s
+        c = x[1:-1, 1:-1]
+        new = y.at[1:-1, 1:-1].set(c + a * (x[:-2, 1:-1] + x[2:, 1:-1] + x[1:-1, :-2] + x[1:-1, 2:] - 4.0 * c))
+        return new, x
+    return jax.lax.fori_loop(0, steps, body, (u, u))[0]
+
+
+def test_grad_and_jvp_of_a_two_dimensional_stencil(rng):
+    k = lk.megakernel(heat2d, swap=[("u", "v")])
+    u0 = jnp.asarray(rng.random((9, 7)).astype(np.float32))
+    w = jnp.asarray(rng.standard_normal((9, 7)).astype(np.float32))
+
+    def loss(u, a):
+        return (k.jax(u, u, a, steps=17)[0] * w).sum()
+
+    def ref(u, a):
+        return (_heat2d_jnp(u, a, 17) * w).sum()
+    got = jax.grad(loss, argnums=(0, 1))(u0, np.float32(0.15))
+    want = jax.grad(ref, argnums=(0, 1))(u0, np.float32(0.15))
+    np.testing.assert_allclose(np.asarray(got[0]), np.asarray(want[0]), rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(float(got[1]), float(want[1]), rtol=1e-4, atol=1e-4)
+    du = jnp.asarray(rng.standard_normal((9, 7)).astype(np.float32))
+    _, t = jax.jvp(loss, (u0, np.float32(0.15)), (du, np.float32(0.2)))
+    _, t_ref = jax.jvp(ref, (u0, np.float32(0.15)), (du, np.float32(0.2)))
+    assert float(t) == pytest.approx(float(t_ref), rel=1e-4, abs=1e-4)
+
+
+def upwind(t, u, v, c):
+    # periodic: u[i - 1] at i = 0 reads the last element (Python's negative index)
+    n = u.shape[0]
+    for i in lk.range(n):
+        v[i] = u[i] - c * (u[i] - u[i - 1]) + 0.01 * math.cos(u[(i + 1) % n])
+
+
+def test_grad_with_wrapped_and_negative_indices(rng):
+    k = lk.megakernel(upwind, swap=[("u", "v")])
+    u0 = jnp.asarray(rng.random(21).astype(np.float32))
+    w = jnp.asarray(rng.standard_normal(21).astype(np.float32))
+
+    def ref(u, c):
+        def body(i, x):
+            return x - c * (x - jnp.roll(x, 1)) + 0.01 * jnp.cos(jnp.roll(x, -1))
+        return (jax.lax.fori_loop(0, 13, body, u) * w).sum()
+    got = jax.grad(lambda u, c: (k.jax(u, u, c, steps=13)[0] * w).sum(), argnums=(0, 1))(u0, np.float32(0.4))
+    want = jax.grad(ref, argnums=(0, 1))(u0, np.float32(0.4))
+    np.testing.assert_allclose(np.asarray(got[0]), np.asarray(want[0]), rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(float(got[1]), float(want[1]), rtol=1e-4, atol=1e-4)
