@@ -193,3 +193,20 @@ def test_grad_with_wrapped_and_negative_indices(rng):
     want = jax.grad(ref, argnums=(0, 1))(u0, np.float32(0.4))
     np.testing.assert_allclose(np.asarray(got[0]), np.asarray(want[0]), rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(float(got[1]), float(want[1]), rtol=1e-4, atol=1e-4)
+
+
+def test_vmap_of_grad_and_jacrev(rng):
+    k = lk.megakernel(W.heat_step, swap=[("u", "v")])
+    u0 = jnp.asarray(rng.random((3, 20)).astype(np.float32))
+
+    def loss(u, a):
+        return (k.jax(u, u, a, steps=5)[0] ** 2).sum()
+
+    def ref(u, a):
+        return (_heat_jnp(u, a, 5) ** 2).sum()
+    got = jax.vmap(jax.grad(loss), in_axes=(0, None))(u0, np.float32(0.2))
+    want = jax.vmap(jax.grad(ref), in_axes=(0, None))(u0, np.float32(0.2))
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
+    jac = jax.jacrev(lambda u: k.jax(u, u, np.float32(0.2), steps=5)[0])(u0[0])
+    jac_ref = jax.jacrev(lambda u: _heat_jnp(u, np.float32(0.2), 5))(u0[0])
+    np.testing.assert_allclose(np.asarray(jac), np.asarray(jac_ref), rtol=1e-5, atol=1e-6)
