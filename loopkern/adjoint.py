@@ -19,10 +19,12 @@ derivatives come from the tangent rules of ``loopkern/tangent.py``.
 
 Covered for now: steps whose top level holds assignments that do not depend on the
 differentiated values and parallel loops (``lk.range``/``lk.grid``) whose bodies are
-straight-line assignments and stores (conditional expressions included), where an array the
-loop stores into is read in that loop only at the index it is stored at. Anything else
-(``if`` statements, inner loops, reductions, ``lk.sync()``, atomics, helpers, a returned
-condition, ``lk.random``) raises :class:`~loopkern.errors.StepSyntaxError` at its line.
+straight-line assignments and stores (conditional expressions included, and ``if``
+statements that assign only locals defined before them: each becomes guarded assignments
+``x = (e if taken else x)``), where an array the loop stores into is read in that loop only at
+the index it is stored at, and not after the store. Anything else (a store inside an ``if``,
+inner loops, reductions, ``lk.sync()``, atomics, helpers, a returned condition,
+``lk.random``) raises :class:`~loopkern.errors.StepSyntaxError` at its line.
 """
 
 from __future__ import annotations
@@ -83,6 +85,7 @@ class _Adjoint:
         self.active = set(active)
         self.bar = {}
         self.counter = 0
+        self.flags = set()          # the locals holding an if branch's "taken" flag
 
     def error(self, node, what):
         return self.tg.error(node, f"reverse mode: {what}",
@@ -127,9 +130,12 @@ class _Adjoint:
                 raise self.error(s, "this statement has no adjoint yet")
         return out
 
-    def loop(self, s, params):
-        body = []
-        for st in s.body:
+    def straight(self, stmts, defined, guard=None):
+        """``stmts`` as straight-line assignments: ``x op= e`` becomes ``x = x op e``, and an
+        ``if`` whose branches assign only locals defined before it becomes guarded assignments
+        ``x = (e if c else x)`` (the test kept in a local of its own, evaluated once)."""
+        out = []
+        for st in stmts:
             if isinstance(st, ast.AugAssign):
                 load = copy.deepcopy(st.target)
                 for n in ast.walk(load):
@@ -137,10 +143,51 @@ class _Adjoint:
                         n.ctx = ast.Load()
                 st = ast.copy_location(ast.Assign(targets=[st.target], value=ast.BinOp(
                     left=load, op=st.op, right=st.value)), st)
+            if isinstance(st, ast.If):
+                # each branch gets a flag: its test, and the enclosing branch's flag
+                for branch, taken in ((st.body, True), (st.orelse, False)):
+                    if not branch:
+                        continue
+                    flag = self.fresh("taken")
+                    self.flags.add(flag)
+                    test = copy.deepcopy(st.test) if taken else ast.UnaryOp(op=ast.Not(), operand=copy.deepcopy(st.test))
+                    if guard is not None:
+                        test = ast.BoolOp(op=ast.And(), values=[ast.Name(id=guard, ctx=ast.Load()), test])
+                    # the test is evaluated before either branch: both flags come first
+                    out.append(_at(ast.Assign(targets=[ast.Name(id=flag, ctx=ast.Store())], value=test), st))
+                    defined.add(flag)
+                    st_branch = (branch, flag)
+                    if taken:
+                        then_part = st_branch
+                    else:
+                        else_part = st_branch
+                for part in ([then_part] if st.body else []) + ([else_part] if st.orelse else []):
+                    branch, flag = part
+                    for b in self.straight(branch, defined, flag):
+                        tgt = b.targets[0]
+                        if isinstance(tgt, ast.Name) and tgt.id in self.flags:
+                            out.append(b)               # a nested if's flag: already guarded
+                            continue
+                        if not isinstance(tgt, ast.Name):
+                            raise self.error(b, "a store inside an 'if' has no adjoint yet")
+                        if tgt.id not in defined:
+                            raise self.error(b, f"'{tgt.id}' is first assigned inside an 'if'; assign it before")
+                        if not (isinstance(b.value, ast.IfExp) and isinstance(b.value.test, ast.Name)
+                                and b.value.test.id == flag):
+                            b.value = _at(ast.IfExp(test=ast.Name(id=flag, ctx=ast.Load()), body=b.value,
+                                                    orelse=ast.Name(id=tgt.id, ctx=ast.Load())), b)
+                        out.append(b)
+                continue
             if not isinstance(st, ast.Assign) or len(st.targets) != 1 or \
                     not isinstance(st.targets[0], (ast.Name, ast.Subscript)):
                 raise self.error(st, "this statement inside a parallel loop has no adjoint yet")
-            body.append(st)
+            if guard is None and isinstance(st.targets[0], ast.Name):
+                defined.add(st.targets[0].id)
+            out.append(st)
+        return out
+
+    def loop(self, s, params):
+        body = self.straight(s.body, set())
         # SSA: every assignment to a local gets its own name, so the backward walk sees the
         # values each statement used
         version, ssa = {}, []

@@ -210,3 +210,55 @@ def test_vmap_of_grad_and_jacrev(rng):
     jac = jax.jacrev(lambda u: k.jax(u, u, np.float32(0.2), steps=5)[0])(u0[0])
     jac_ref = jax.jacrev(lambda u: _heat_jnp(u, np.float32(0.2), 5))(u0[0])
     np.testing.assert_allclose(np.asarray(jac), np.asarray(jac_ref), rtol=1e-5, atol=1e-6)
+
+
+def branchy(t, x, k):
+    # if statements assigning locals (nested, with else), then one store
+    n = x.shape[0]
+    for i in lk.range(n):
+        y = x[i] * k
+        z = 0.5 * y
+        if y > 0.0:
+            z = math.tanh(y)
+            if y > 1.0:
+                z = z + 0.1 * y * y
+            else:
+                z = z - 0.05 * y
+        elif y < -0.5:
+            z = math.sin(y)
+        x[i] = x[i] + 0.1 * z
+
+
+def _branchy_jnp(x, k, steps):
+    def body(t, x):
+        y = x * k
+        z_pos = jnp.tanh(y) + jnp.where(y > 1.0, 0.1 * y * y, -0.05 * y)
+        z = jnp.where(y > 0.0, z_pos, jnp.where(y < -0.5, jnp.sin(y), 0.5 * y))
+        return x + 0.1 * z
+    return jax.lax.fori_loop(0, steps, body, x)
+
+
+def test_grad_through_if_statements_on_locals(rng):
+    k = lk.megakernel(branchy)
+    x0 = jnp.asarray((3 * rng.standard_normal(40)).astype(np.float32))
+
+    def loss(x, kk):
+        return (k.jax(x, kk, steps=7)[0] ** 2).sum()
+
+    def ref(x, kk):
+        return (_branchy_jnp(x, kk, 7) ** 2).sum()
+    got = jax.grad(loss, argnums=(0, 1))(x0, np.float32(0.8))
+    want = jax.grad(ref, argnums=(0, 1))(x0, np.float32(0.8))
+    np.testing.assert_allclose(np.asarray(got[0]), np.asarray(want[0]), rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(float(got[1]), float(want[1]), rtol=1e-4, atol=1e-3)
+
+
+def test_a_store_inside_an_if_is_refused():
+    def guarded(t, x):
+        n = x.shape[0]
+        for i in lk.range(n):
+            if x[i] > 0.0:
+                x[i] = x[i] * 0.5
+
+    with pytest.raises(StepSyntaxError, match="a store inside an 'if'"):
+        lk.megakernel(guarded).adjoint("x")
