@@ -17,8 +17,9 @@ adjoint of each active value ``e`` reads (``lk.atomic.add`` for array elements a
 parameters, which other iterations may share; a plain ``+=`` for locals). The partial
 derivatives come from the tangent rules of ``loopkern/tangent.py``.
 
-Covered for now: steps whose top level holds assignments that do not depend on the
-differentiated values and parallel loops (``lk.range``/``lk.grid``) whose bodies are
+Covered for now: steps whose top level holds assignments (before the loops; one that depends
+on the differentiated values is walked backwards after the loops, each thread adding its
+share of the adjoint) and parallel loops (``lk.range``/``lk.grid``) whose bodies are
 straight-line assignments and stores (conditional expressions included, and ``if``
 statements that assign only locals defined before them: each becomes guarded assignments
 ``x = (e if taken else x)``), where an array the loop stores into is read in that loop only at
@@ -116,19 +117,36 @@ class _Adjoint:
 
     # -- the step --------------------------------------------------------------------------
     def step(self, body):
-        out = []
-        params = set(self.active)
+        """The adjoint step's body: the top-level assignments recomputed (every thread computes
+        the same values), their adjoints zeroed, the parallel loops' adjoints, then the
+        active top-level assignments walked backwards (each thread adds its share)."""
+        fwd, loops, assigned = [], [], []
+        active = set(self.active)
         for s in body:
             if self.is_parallel(s):
-                out.append(self.loop(s, params))
-            elif isinstance(s, (ast.Assign, ast.AnnAssign)) and not self.tg.is_active(s.value, params) and all(
-                    isinstance(t, ast.Name) for t in (s.targets if isinstance(s, ast.Assign) else [s.target])):
-                out.append(copy.deepcopy(s))
+                loops.append(s)
+            elif isinstance(s, ast.Assign) and len(s.targets) == 1 and isinstance(s.targets[0], ast.Name):
+                name = s.targets[0].id
+                if loops:
+                    raise self.error(s, "a top-level assignment after a parallel loop has no adjoint yet")
+                if name in assigned and (name in active or self.tg.is_active(s.value, active)):
+                    raise self.error(s, f"'{name}' is assigned twice at the top level of the step")
+                assigned.append(name)
+                if self.tg.is_active(s.value, active):
+                    active.add(name)
+                fwd.append(copy.deepcopy(s))
             elif isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant):
                 continue                                # a docstring
             else:
                 raise self.error(s, "this statement has no adjoint yet")
-        return out
+        tops = [s for s in fwd if s.targets[0].id in active]
+        zero = [_at(ast.Assign(targets=[ast.Name(id=self.bar_name(s.targets[0].id), ctx=ast.Store())],
+                               value=ast.Constant(0.0)), s) for s in tops]
+        back = [self.loop(s, active) for s in loops]
+        for s in reversed(tops):
+            g = ast.Name(id=self.bar_name(s.targets[0].id), ctx=ast.Load())
+            back += self.scatter(s.value, g, active, s)
+        return fwd + zero + back
 
     def straight(self, stmts, defined, guard=None):
         """``stmts`` as straight-line assignments: ``x op= e`` becomes ``x = x op e``, and an

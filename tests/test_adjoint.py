@@ -262,3 +262,33 @@ def test_a_store_inside_an_if_is_refused():
 
     with pytest.raises(StepSyntaxError, match="a store inside an 'if'"):
         lk.megakernel(guarded).adjoint("x")
+
+
+def precomputed(t, u, v, alpha, dt):
+    # coefficients computed once at the top of the step from differentiated scalars
+    n = u.shape[0]
+    c = alpha * dt
+    c2 = c * c + 0.5 * dt
+    for i in lk.range(1, n - 1):
+        v[i] = u[i] + c * (u[i - 1] - 2.0 * u[i] + u[i + 1]) - c2 * u[i]
+    for i in lk.range(0, n, n - 1):
+        v[i] = u[i]
+
+
+def test_grad_through_top_level_coefficients(rng):
+    k = lk.megakernel(precomputed, swap=[("u", "v")])
+    u0 = jnp.asarray(rng.random(30).astype(np.float32))
+
+    def ref(u, a, dt):
+        def body(i, x):
+            c = a * dt
+            c2 = c * c + 0.5 * dt
+            return x.at[1:-1].set(x[1:-1] + c * (x[:-2] - 2 * x[1:-1] + x[2:]) - c2 * x[1:-1])
+        return (jax.lax.fori_loop(0, 11, body, u) ** 2).sum()
+
+    def loss(u, a, dt):
+        return (k.jax(u, u, a, dt, steps=11)[0] ** 2).sum()
+    got = jax.grad(loss, argnums=(0, 1, 2))(u0, np.float32(0.8), np.float32(0.25))
+    want = jax.grad(ref, argnums=(0, 1, 2))(u0, np.float32(0.8), np.float32(0.25))
+    for g, r in zip(got, want):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-4, atol=1e-4)
