@@ -70,24 +70,13 @@ class MegaKernel:
         are in ``loopkern/tangent.py``; a construct without one raises
         :class:`~loopkern.errors.StepSyntaxError` naming its line. Cached per ``wrt``.
         """
-        from .frontend import parse_step
         from .tangent import tangent_function
-        key = tuple(wrt)
-        cache = self.__dict__.setdefault("_tangents", {})
-        if key not in cache:
-            params = list(self.spec.param_names)
-            names = set(params)
-            bad = [w for w in wrt if w not in names]
-            if bad or not wrt:
-                raise ArgumentError(f"{self.spec.name}.tangent(): expected names of the step's parameters, got "
-                                    f"{list(wrt)}; the parameters are {params}")
-            parsed, dots = tangent_function(parse_step(self.fn), set(wrt))
+
+        def build(parsed, params):
+            parsed, dots = tangent_function(parsed, set(wrt))
             pairs = [(params[a], params[b]) for a, b in self.spec.swap]
-            swap = pairs + [(dots[a], dots[b]) for a, b in pairs if a in dots and b in dots]
-            d = self.dispatcher.defaults
-            cache[key] = MegaKernel(parsed, swap=swap, backend=d["backend"], scope=d["scope"],
-                                    threads=d["threads"], blocks=d["blocks"])
-        return cache[key]
+            return parsed, pairs + [(dots[a], dots[b]) for a, b in pairs if a in dots and b in dots]
+        return self._derived("tangent", wrt, build)
 
     def adjoint(self, *wrt: str) -> "MegaKernel":
         """The reverse-mode (adjoint) kernel of one step with respect to the parameters named in
@@ -97,18 +86,23 @@ class MegaKernel:
         ``kernel.jax`` runs it backwards over segments of the run, as one megakernel per
         segment. Cached per ``wrt``."""
         from .adjoint import adjoint_function
+        return self._derived("adjoint", wrt, lambda parsed, params: (adjoint_function(parsed, set(wrt))[0], ()))
+
+    def _derived(self, kind: str, wrt, build) -> "MegaKernel":
+        """The megakernel of a step generated from this one (``build(parsed step, parameter
+        names)`` -> (parsed step, swap pairs)), with this kernel's defaults; cached per
+        ``kind`` and ``wrt``. ArgumentError unless ``wrt`` names parameters of the step."""
         from .frontend import parse_step
-        key = tuple(wrt)
-        cache = self.__dict__.setdefault("_adjoints", {})
+        cache = self.__dict__.setdefault("_derived_kernels", {})
+        key = (kind, tuple(wrt))
         if key not in cache:
             params = list(self.spec.param_names)
-            bad = [w for w in wrt if w not in params]
-            if bad or not wrt:
-                raise ArgumentError(f"{self.spec.name}.adjoint(): expected names of the step's parameters, got "
+            if not wrt or any(w not in params for w in wrt):
+                raise ArgumentError(f"{self.spec.name}.{kind}(): expected names of the step's parameters, got "
                                     f"{list(wrt)}; the parameters are {params}")
-            parsed, _ = adjoint_function(parse_step(self.fn), set(wrt))
+            parsed, swap = build(parse_step(self.fn), params)
             d = self.dispatcher.defaults
-            cache[key] = MegaKernel(parsed, backend=d["backend"], scope=d["scope"], threads=d["threads"],
+            cache[key] = MegaKernel(parsed, swap=swap, backend=d["backend"], scope=d["scope"], threads=d["threads"],
                                     blocks=d["blocks"])
         return cache[key]
 

@@ -189,14 +189,12 @@ class _Lower(ast.NodeTransformer):
         proven non-negative (wrapped in uint64 by index_bounds), in a kernel that asked for it."""
         if self.access is None or not isinstance(node.value, ast.Name) or node.value.id not in self.arrays:
             return False
-        elts = node.slice.elts if isinstance(node.slice, ast.Tuple) else [node.slice]
-        return all(is_nonneg_mark(e) for e in elts)
+        return _nonneg_indices(node)
 
     def _shared_access(self, node) -> bool:
         """An access to an array in shared memory (a tile's index already shifted) that
         runtime/arrays.py lowers to the shared state space: every index proven non-negative."""
-        elts = node.slice.elts if isinstance(node.slice, ast.Tuple) else [node.slice]
-        return self.sites is None and all(is_nonneg_mark(e) for e in elts)
+        return self.sites is None and _nonneg_indices(node)
 
     def visit_Assign(self, node):
         self.generic_visit(node)
@@ -260,6 +258,12 @@ class _Lower(ast.NodeTransformer):
             ctx = [f"{_P}tid", f"{_P}nt"] + (list(_DEBUG_CTX) if self.sites is not None else [])
             node.args = node.args + [ast.Name(id=c, ctx=ast.Load()) for c in ctx]
         return node
+
+
+def _nonneg_indices(node) -> bool:
+    """Whether every index of subscript ``node`` is proven non-negative (wrapped by index_bounds)."""
+    elts = node.slice.elts if isinstance(node.slice, ast.Tuple) else [node.slice]
+    return all(is_nonneg_mark(e) for e in elts)
 
 
 def check_call(fn: str, array: str, index, site: int, node):

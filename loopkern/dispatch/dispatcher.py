@@ -301,7 +301,7 @@ class Dispatcher:
                                 f"{' that wraps around along its first dimension' if st.periodic[0] else ''}; "
                                 f"tile mode covers 1-D and 2-D stencils that do not wrap around along the first "
                                 f"dimension for now: use scope='grid'")
-        if not any(pair for pair in spec.swap):
+        if not spec.swap:
             raise ArgumentError(f"scope='tile' keeps the swap pairs' arrays on chip; step '{spec.name}' has no "
                                 f"swap pair: use scope='grid'")
         return st

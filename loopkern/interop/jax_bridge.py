@@ -375,8 +375,9 @@ class _ReverseContext:
 
 
 def _segment_kernels(mk, active_names, state, ndims):
-    """(the recorder, the segment's adjoint sweep, their extra parameters' names) for ``mk``:
-    see ``loopkern/adjoint.py``. Cached on ``mk``."""
+    """(the recorder, the segment's adjoint sweep) for ``mk``: see ``loopkern/adjoint.py``.
+    The adjoint step is generated first: it raises StepSyntaxError for what it cannot cover
+    yet. Cached on ``mk``."""
     from ..adjoint import adjoint_function, recorder_function, segment_adjoint_function
     from ..api import MegaKernel
     from ..frontend import parse_step
@@ -384,10 +385,10 @@ def _segment_kernels(mk, active_names, state, ndims):
     cache = mk.__dict__.setdefault("_segment_kernels", {})
     if key not in cache:
         parsed = parse_step(mk.fn)
+        adj, bars = adjoint_function(parsed, set(active_names))
         pairs = [(mk.spec.param_names[a], mk.spec.param_names[b]) for a, b in mk.spec.swap]
         d = mk.dispatcher.defaults
         rec, _, _ = recorder_function(parsed, state, ndims)
-        adj, bars = adjoint_function(parsed, set(active_names))
         seg, _, _ = segment_adjoint_function(adj, state)
         opts = dict(backend=d["backend"], scope=d["scope"], threads=d["threads"], blocks=d["blocks"])
         cache[key] = (MegaKernel(rec, swap=pairs, **opts),
@@ -421,7 +422,6 @@ def _reverse_sweep(ctx, name, cts, n, t0, args) -> list:
                             f"known at trace time (a Python int), not a traced value")
     params, nparams = ctx.params, len(ctx.params)
     active_names = [params[i] for i in ctx.active]
-    mk.adjoint(*active_names)                       # raises StepSyntaxError for what it cannot cover
     values, pos = [], 0
     for i in range(nparams):
         values.append(args[pos])
@@ -468,23 +468,18 @@ def _reverse_sweep(ctx, name, cts, n, t0, args) -> list:
         stacks = [jnp.zeros((length,) + tuple(ctx.sig[i][0]), ctx.sig[i][1]) for i in state]
         out = rec.jax(*starts[s], *stacks, base, steps=length, start=base, **opts)
         recorded = dict(zip(state, out[len(arr_idx):len(arr_idx) + len(state)]))
+        bars = exchange(bars)
+        # the segment kernel's parameters: each one (its recorded states for the state arrays),
+        # then its adjoint for the active ones; kernel.jax returns its arrays in that order
         argv, arr_slots = [], []
         for i in range(nparams):
             if i in ctx.arr_set:
-                arr_slots.append(("state" if i in recorded else "value", i))
+                arr_slots.append(("value", i))
             argv.append(recorded[i] if i in recorded else starts[s][i])
             if i in ctx.active:
-                if i in ctx.arr_set:
-                    arr_slots.append(("bar", i))
-                    argv.append(None)
-                else:
-                    arr_slots.append(("sbar", i))
-                    argv.append(sbars[i])
-        bars = exchange(bars)
-        filled, bar_iter = [], iter([bars[i] for kind, i in arr_slots if kind == "bar"])
-        for a in argv:
-            filled.append(next(bar_iter) if a is None else a)
-        out = seg.jax(*filled, length - 1, base, steps=length, start=0, **opts)
+                arr_slots.append(("bar" if i in ctx.arr_set else "sbar", i))
+                argv.append(bars[i] if i in ctx.arr_set else sbars[i])
+        out = seg.jax(*argv, length - 1, base, steps=length, start=0, **opts)
         for (kind, i), o in zip(arr_slots, out):
             if kind == "bar":
                 bars[i] = o

@@ -20,10 +20,10 @@ loads they replace. Any other access (an index not proven non-negative, fewer in
 dimensions, a non-contiguous array) falls back to Numba's own ``a[idx]``, with Python's
 meaning.
 
-- ``sload`` / ``sstore``: for a view of shared memory (a tile-mode kernel's tiles): the same
-  addressing through an ``addrspace(3)`` pointer (``ld.shared``/``st.shared``), a 1-D offset
-  in 32 bits (shared memory is far smaller than 2**31 elements). Arrays staged in shared memory
-  in block scope keep Numba's generic accesses.
+- ``sload`` / ``sstore``: for a view of shared memory (a tile-mode kernel's tiles, block
+  scope's staged arrays): the same addressing through an ``addrspace(3)`` pointer
+  (``ld.shared``/``st.shared``), with 64-bit offsets (32-bit ones kept LLVM from giving a
+  stencil's neighbours one base address with immediate offsets).
 """
 
 from __future__ import annotations
