@@ -7,6 +7,7 @@ owns the call path (checks, plans, launching, waiting).
 from __future__ import annotations
 
 import functools
+import types
 
 from . import codegen
 from .dispatch import Dispatcher
@@ -37,7 +38,12 @@ class MegaKernel:
                         blocks=check_count("blocks", blocks, minimum=1))
         #: the call path: checks, launch plans per call signature, launching and waiting
         self.dispatcher = Dispatcher(self.spec, defaults)
-        functools.update_wrapper(self, fn)
+        if isinstance(fn, types.FunctionType):
+            functools.update_wrapper(self, fn)
+        else:
+            # a generated step (tangent, adjoint): update_wrapper would copy its fields over
+            # this kernel's, ``fn`` (the user's function) included
+            self.__name__ = self.__qualname__ = self.spec.name
 
     def __repr__(self):
         return f"<loopkern.MegaKernel {self.spec.name}{self.dispatcher.signature}>"

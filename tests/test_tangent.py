@@ -296,3 +296,12 @@ def test_random_draws_are_refused_in_a_step_to_differentiate():
     for make in (k.tangent, k.adjoint):
         with pytest.raises(StepSyntaxError, match="lk.random draws in a step to differentiate"):
             make("u", "v")
+
+
+def test_a_generated_kernel_keeps_its_own_step():
+    # the tangent kernel's step is the generated one: differentiating it again (second order)
+    # works on that step, not on the user's function
+    kt = lk.megakernel(W.heat_step, swap=[("u", "v")]).tangent("u", "v")
+    assert kt.__name__ == "heat_step_jvp"
+    k2 = kt.tangent("u_dot", "v_dot")
+    assert k2.spec.param_names == ("u", "u_dot", "u_dot_dot", "v", "v_dot", "v_dot_dot", "alpha")
