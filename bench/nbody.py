@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from .harness import Bench, Case, have, rel_err
-from .variants import jax_impl, loopkern_variants
+from .variants import jax_impl, loopkern_impl, loopkern_variants
 
 
 def nbody_ref(pos, vel, steps, dt, eps2):
@@ -85,7 +85,15 @@ def bench_nbody(b: Bench):
     case = Case("nbody", n, 20 if args.quick else 500, 10, check, dict(pos=pos, vel=vel))
     arrays = lambda c: dict(pos=pos, vel=vel, acc=np.zeros_like(pos))  # noqa: E731
     variants = loopkern_variants(gpu, nbody_kernel, arrays, lambda c: (dt, eps2), ["pos", "vel", "acc"],
-                                 ["auto"], sweep_blocks=[4, 8, 16] if gpu else ())
+                                 ["auto"], sweep_blocks=[16] if gpu else ())
+    if gpu:
+        # the warp-split loop gives each body a group of 1-8 warps, as many as the grid has
+        # lanes for: these grids give groups of 2 (auto), 4 and 8 warps
+        for blocks, threads in ((528, 256), (264, 512), (132, 1024)):
+            variants.append((f"loopkern[grid,blocks={blocks},threads={threads}]",
+                             lambda c, b_=blocks, t_=threads: loopkern_impl(gpu, nbody_kernel(), arrays(c),
+                                                                            (dt, eps2), ["pos", "vel", "acc"],
+                                                                            scope="grid", blocks=b_, threads=t_)))
     if have("jax") and not args.no_jax:
         variants.append(("jax.lax.fori_loop", lambda c: jax_nbody(pos, vel, dt, eps2)))
     b.measure(case, variants)

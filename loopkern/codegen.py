@@ -419,36 +419,60 @@ class _BodyWriter:
         time when the loop has at most one iteration per warp of the launch; returns the
         depth at which the caller emits the usual form, under the ``else``.
 
-        Each warp takes one iteration at a time; its lanes take every 32nd value of the inner
-        loop, the accumulators are summed across the warp with shuffles, and lane 0 alone
-        runs the statements after the inner loop. The split form renders copies of the body:
-        lowering rewrites the nodes it visits.
+        Each group of 1, 2, 4 or 8 warps (``rt.group_shift``: as many as the grid has lanes
+        for) takes one iteration at a time; its lanes take every 32nd (64th, ...) value of the
+        inner loop, the accumulators are summed across each warp with shuffles and across the
+        group's warps through the block's per-warp slots (in warp order), and the group's
+        first lane alone runs the statements after the inner loop. The loop over iterations is
+        the same for every thread of a block (the group exchange has block barriers): a group
+        without an iteration in the last round computes the range's last one again and
+        discards it. The split form renders copies of the body: lowering rewrites the nodes
+        it visits.
         """
         target, lane, cur = _src(s.target), f"{_P}lane{k}", f"{_P}ws{k}"
+        gs, gme, glane, it = f"{_P}gs{k}", f"{_P}gme{k}", f"{_P}gl{k}", f"{_P}wi{k}"
+        accs = split.accumulators
         self.out.add(depth, f"if ({hi_t} - {lo_t}) * {WARP} <= {_P}nt:", s)
         d = depth + 1
+        self.out.add(d, f"{gs} = {_P}rt.group_shift({hi_t} - {lo_t}, {_P}nt, {len(accs)})", s)
         self.out.add(d, f"{lane} = {_P}tid & {WARP - 1}", s)
-        self.out.add(d, f"{cur} = {lo_t} + ({_P}tid >> {WARP.bit_length() - 1})", s)
+        self.out.add(d, f"{cur}, {gme}, {glane} = {_P}rt.group_base({_P}tid, {gs})", s)
+        if lo_t != "0":
+            self.out.add(d, f"{cur} += {lo_t}", s)
         self.out.add(d, f"while {cur} < {hi_t}:", s)
-        self.out.add(d + 1, f"{target} = {cur}", s)
-        self.out.add(d + 1, f"{cur} += {_P}nt >> {WARP.bit_length() - 1}", s)
+        self.out.add(d + 1, f"{it} = {cur} + {gme}", s)
+        self.out.add(d + 1, f"{cur} += {_P}nt >> {gs}", s)
+        self.out.add(d + 1, f"{target} = {it} if {it} < {hi_t} else {hi_t} - 1", s)
         self.body(copy.deepcopy(list(split.pre)), d + 1)
         inner = copy.deepcopy(split.inner)
         args = [self.lower.visit(a) for a in inner.iter.args]
         a, b, c = (ast.Constant(0), args[0], ast.Constant(1)) if len(args) == 1 else \
             (args[0], args[1], args[2] if len(args) == 3 else ast.Constant(1))
         if _is_one(c):
-            rng = f"{_src(a)} + {lane}, {_src(b)}, {WARP}"
+            rng = f"{_src(a)} + {glane}, {_src(b)}, 1 << {gs}"
         else:
             step = self._bind(d + 1, f"{_P}j{k}_st", c, inner)
-            rng = f"{_src(a)} + {lane} * {step}, {_src(b)}, {WARP} * {step}"
+            rng = f"{_src(a)} + {glane} * {step}, {_src(b)}, {step} << {gs}"
         self.out.add(d + 1, f"for {_src(inner.target)} in range({rng}):", inner)
         self.body(inner.body, d + 2)
-        for acc in split.accumulators:
+        for acc in accs:
             self.out.add(d + 1, f"{acc} = {_P}rt.warp_sum({acc})", inner)
+        # across the group's warps: the first barrier keeps the slots until every thread has
+        # read what was last put there (a reduction's or the previous round's values)
+        self.out.add(d + 1, f"if {gs} > {WARP.bit_length() - 1}:", inner)
+        self.out.add(d + 2, f"{_P}rt.block_barrier()", inner)
+        self.out.add(d + 2, f"if {lane} == 0:", inner)
+        for n, acc in enumerate(accs):
+            self.out.add(d + 3, f"{_P}rt.group_put({acc}, {n}, {_P}shf, {_P}shi)", inner)
+        self.out.add(d + 2, f"{_P}rt.block_barrier()", inner)
+        for n, acc in enumerate(accs):
+            self.out.add(d + 2, f"{acc} = {_P}rt.group_get({acc}, {n}, {gs}, {_P}shf, {_P}shi)", inner)
         if split.post:
-            self.out.add(d + 1, f"if {lane} == 0:", s)
+            self.out.add(d + 1, f"if {glane} == 0 and {it} < {hi_t}:", s)
             self.body(copy.deepcopy(list(split.post)), d + 2)
+        # after the loop, what a later reduction writes to the slots must wait for the reads
+        self.out.add(d, f"if {gs} > {WARP.bit_length() - 1}:", s)
+        self.out.add(d + 1, f"{_P}rt.block_barrier()", s)
         self.out.add(depth, "else:", s)
         return depth + 1
 

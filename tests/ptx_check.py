@@ -47,6 +47,9 @@ CASES = [
     ("logistic", W.logistic_step, [], [np.zeros(8), 2.9], ("thread",)),
     # a warp-split loop (loopkern/warpsplit.py): its accumulators summed with shuffles
     ("warpsplit", WS.forces, [], [np.zeros((4, 2)), np.zeros((4, 2)), 1e-2], ("grid", "block")),
+    # groups of warps exchange partial sums of every type: int64 and float32 accumulators
+    ("warpsplit_int", WS.counts, [], [np.zeros(8, i64), np.zeros((2, 2), i64), 0, 1], ("grid",)),
+    ("warpsplit_f32", WS.backwards, [], [np.zeros(8, f32), np.zeros(2, f32)], ("grid",)),
     ("mixed_reductions", W.mixed_reductions_step, [], [np.zeros(8, f32), np.zeros((3, 4))], ("grid", "block")),
     # lk.atomic: integer add (a histogram); float add, max and min, 2-D and negative indices, values
     # cast to the array's dtype, the old value used

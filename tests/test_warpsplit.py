@@ -6,6 +6,9 @@ import math
 
 import numpy as np
 import pytest
+from numba import cuda
+
+from loopkern.runtime import cuda_rt
 
 import loopkern as lk
 from loopkern.warpsplit import find_warp_split, step_has_warp_split
@@ -208,3 +211,112 @@ def test_a_backwards_strided_inner_loop(rng):
     k(a, out, steps=1, backend="cuda", threads=256)
     ref = np.array([(a[76::-2].astype(np.float64) * (i + 1)).sum() for i in range(6)])
     np.testing.assert_allclose(out, ref, rtol=1e-5)
+
+
+# ---------------------------------------------- groups of several warps (rt.group_shift)
+def few_bodies(t, pos, acc, eps2):
+    # forces on the first acc.shape[0] bodies from all of them: few outer iterations, a long
+    # inner loop
+    n = pos.shape[0]
+    for i in lk.range(acc.shape[0]):
+        xi = pos[i, 0]
+        yi = pos[i, 1]
+        ax = 0.0
+        ay = 0.0
+        for j in range(n):
+            dx = pos[j, 0] - xi
+            dy = pos[j, 1] - yi
+            r2 = dx * dx + dy * dy + eps2
+            inv = 1.0 / (r2 * math.sqrt(r2))
+            ax += dx * inv
+            ay += dy * inv
+        acc[i, 0] += ax
+        acc[i, 1] += ay
+
+
+def _group_warps(count, threads):
+    """Warps per iteration the CUDA form should pick for one block of ``threads``."""
+    g = 1
+    while g < 8 and count * 32 * 2 * g <= threads and threads % (64 * g) == 0:
+        g *= 2
+    return g
+
+
+@pytest.mark.sim
+@pytest.mark.parametrize("threads,n,warps", [(256, 1, 8), (256, 2, 4), (256, 3, 2), (128, 2, 2), (192, 2, 2),
+                                             (256, 5, 1)])
+def test_groups_of_warps_match_float64_numpy(threads, n, warps, rng):
+    # (256, 3): the block's fourth two-warp group has no iteration (it recomputes the last one
+    # and discards it); (192, 2): six warps, so groups of two
+    assert _group_warps(n, threads) == warps
+    k = lk.megakernel(few_bodies)
+    pos = rng.standard_normal((n + 300, 2))
+    acc0 = rng.standard_normal((n, 2))
+    acc = acc0.copy()
+    run = k(pos, acc, 1e-2, steps=2, backend="cuda", threads=threads)
+    assert run.steps == 2
+    p = pos.astype(np.float64)
+    d = p[None, :, :] - p[:n, None, :]
+    r2 = (d ** 2).sum(-1) + 1e-2
+    ref = acc0 + 2 * (d / (r2 * np.sqrt(r2))[..., None]).sum(1)
+    np.testing.assert_allclose(acc, ref, rtol=1e-12, atol=1e-12)
+
+
+def _group_shift_probe(out, count, naccs):
+    # the simulator hands a kernel its cuda module through the function's globals
+    if cuda.threadIdx.x == 0:
+        out[0] = cuda_rt.group_shift(count, cuda.blockDim.x, naccs)
+
+
+@pytest.mark.sim
+@pytest.mark.parametrize("threads,count", [(256, 1), (256, 2), (128, 1), (96, 1), (256, 9)])
+def test_the_group_size_rule(threads, count):
+    probe = cuda.jit(_group_shift_probe)
+    out = np.zeros(2, np.int64)
+    probe[1, threads](out, count, 1)
+    assert 1 << (int(out[0]) - 5) == _group_warps(count, threads)
+    probe[1, threads](out, count, 64)         # too many accumulators for the slots: one warp
+    assert out[0] == 5
+
+
+@pytest.mark.sim
+@pytest.mark.parametrize("rows", [1, 3])
+def test_group_integer_sums_are_exact(rows, rng):
+    k = lk.megakernel(counts)
+    a = rng.integers(0, 9, 123).astype(np.int64)
+    out = np.full((rows, 2), -1, np.int64)
+    k(a, out, 2, 3, steps=1, backend="cuda", threads=256)
+    np.testing.assert_array_equal(out, counts_ref(a, rows, 2, 3))
+
+
+def between_reductions(t, a, out, tot):
+    # grid reductions before and after a split loop share the block's per-warp slots with the
+    # group exchange
+    n = a.shape[0]
+    part = 0.0
+    for i in lk.range(n):
+        part += a[i]
+    total = lk.sum(part)
+    for i in lk.range(out.shape[0]):
+        s = 0.0
+        for j in range(n):
+            s += a[j] * (i + 1)
+        out[i] = s + total
+    part2 = 0.0
+    for i in lk.range(n):
+        part2 += a[i] * a[i]
+    biggest = lk.max(part2)
+    total2 = lk.sum(part2)
+    for i in lk.range(1):
+        tot[i] += total2 + biggest * 0.0
+
+
+@pytest.mark.sim
+def test_group_exchange_between_reductions(rng):
+    k = lk.megakernel(between_reductions)
+    a = rng.standard_normal(500)
+    out = np.zeros(2)
+    tot = np.zeros(1)
+    k(a, out, tot, steps=3, backend="cuda", threads=256)
+    np.testing.assert_allclose(out, a.sum() * np.arange(1, 3) + a.sum(), rtol=1e-12)
+    np.testing.assert_allclose(tot, 3 * (a * a).sum(), rtol=1e-12)

@@ -131,6 +131,110 @@ else:
         return v
 
 
+#: warps per group of a warp-split loop at most (loopkern/warpsplit.py): 8 warps, 256 lanes
+GROUP_WARPS_MAX = 8
+#: the kernel's per-warp slots (``_lk_shf``/``_lk_shi``) a group exchange may use: slot
+#: ``k * warps_per_block + warp`` for accumulator ``k``
+_GROUP_SLOTS = 2 * _MAX_WARPS
+
+
+@cuda.jit(device=True)
+def group_shift(count, nt, naccs):
+    """log2 of the lanes that share one iteration of a warp-split loop of ``count`` iterations
+    (5: a warp; up to 8: eight warps). Groups grow while the grid still has that many lanes for
+    every iteration, a group stays inside a block, and the block's per-warp slots hold every
+    accumulator of every warp. The same on every thread of the grid."""
+    s = 5
+    bd = cuda.blockDim.x
+    if naccs * (bd >> 5) <= _GROUP_SLOTS:
+        while s < 5 + 3 and (count << (s + 1)) <= nt and bd % (1 << (s + 1)) == 0:
+            s += 1
+    return s
+
+
+@cuda.jit(device=True)
+def group_base(tid, shift):
+    """(the first group of this thread's block, this thread's group within the block, this
+    thread's lane within its group) for groups of ``1 << shift`` consecutive threads."""
+    tix = cuda.threadIdx.x
+    return (tid - tix) >> shift, tix >> shift, tix & ((1 << shift) - 1)
+
+
+if SIMULATOR:
+    @cuda.jit(device=True)
+    def group_put(v, k, shf, shi):
+        """Lane 0 of a warp: store its warp's sum of accumulator ``k`` in the block's slots."""
+        slot = k * (cuda.blockDim.x >> 5) + (cuda.threadIdx.x >> 5)
+        if isinstance(v, (float, np.floating)):
+            shf[slot] = v
+        else:
+            shi[slot] = v
+
+    @cuda.jit(device=True)
+    def group_get(v, k, shift, shf, shi):
+        """The sum over this thread's group of accumulator ``k``: its warps' sums added in warp
+        order, in ``v``'s type (every thread of the group gets the same value)."""
+        first = k * (cuda.blockDim.x >> 5) + ((cuda.threadIdx.x >> shift) << (shift - 5))
+        is_float = isinstance(v, (float, np.floating))
+        cast = type(v) if isinstance(v, np.generic) else (float if is_float else int)
+        buf = shf if is_float else shi
+        tot = cast(buf[first])
+        for w in range(1, 1 << (shift - 5)):
+            tot = cast(tot + cast(buf[first + w]))
+        return tot
+else:
+    from numba import float64, int64, types
+    from numba.cuda.extending import overload
+
+    def group_put(v, k, shf, shi):
+        raise NotImplementedError("only callable from a loopkern kernel")
+
+    def group_get(v, k, shift, shf, shi):
+        raise NotImplementedError("only callable from a loopkern kernel")
+
+    @overload(group_put, target="cuda")
+    def _group_put_impl(v, k, shf, shi):
+        if isinstance(v, types.Float):
+            def impl(v, k, shf, shi):
+                shf[k * (cuda.blockDim.x >> 5) + (cuda.threadIdx.x >> 5)] = float64(v)
+            return impl
+        if isinstance(v, (types.Integer, types.Boolean)):
+            def impl(v, k, shf, shi):
+                shi[k * (cuda.blockDim.x >> 5) + (cuda.threadIdx.x >> 5)] = int64(v)
+            return impl
+        return None
+
+    @overload(group_get, target="cuda")
+    def _group_get_impl(v, k, shift, shf, shi):
+        # a float partial went through float64 unchanged, so casting back is exact and the sum
+        # is done in the accumulator's own type, as the sequential loop does
+        out = v
+
+        if isinstance(v, types.Float):
+            def impl(v, k, shift, shf, shi):
+                first = k * (cuda.blockDim.x >> 5) + ((cuda.threadIdx.x >> shift) << (shift - 5))
+                tot = out(shf[first])
+                for w in range(1, 1 << (shift - 5)):
+                    tot = out(tot + out(shf[first + w]))
+                return tot
+            return impl
+        if isinstance(v, (types.Integer, types.Boolean)):
+            def impl(v, k, shift, shf, shi):
+                first = k * (cuda.blockDim.x >> 5) + ((cuda.threadIdx.x >> shift) << (shift - 5))
+                tot = out(shi[first])
+                for w in range(1, 1 << (shift - 5)):
+                    tot = out(tot + out(shi[first + w]))
+                return tot
+            return impl
+        return None
+
+
+@cuda.jit(device=True)
+def block_barrier():
+    """``syncthreads``: every thread of the block must call it."""
+    cuda.syncthreads()
+
+
 @cuda.jit(device=True)
 def block_sync(bar):
     """Barrier across the threads of this block."""
