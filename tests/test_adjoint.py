@@ -72,6 +72,24 @@ def test_grad_of_heat_equals_jax_grad_of_the_jnp_loop(steps, rng):
         np.testing.assert_allclose(float(ga), float(ra), rtol=1e-4, atol=1e-4)
 
 
+def test_only_what_has_a_tangent_is_differentiated(rng):
+    # a constant scalar (a symbolic zero tangent) gets no adjoint: with one, every element of
+    # every step would add into a single number; the state arrays, written by the step, are
+    # differentiated whenever anything is (with respect to alpha alone, u's tangent grows)
+    k = lk.megakernel(W.heat_step, swap=[("u", "v")])
+    u0 = jnp.asarray(rng.random(40).astype(np.float32))
+    w = jnp.asarray(rng.standard_normal(40).astype(np.float32))
+    a = np.float32(0.2)
+    gu = jax.grad(lambda u: (k.jax(u, u, a, steps=17)[0] * w).sum())(u0)
+    ru = jax.grad(lambda u: (_heat_jnp(u, a, 17) * w).sum())(u0)
+    np.testing.assert_allclose(np.asarray(gu), np.asarray(ru), rtol=1e-4, atol=1e-5)
+    assert set(k._derived_kernels) == {("tangent", ("u", "v"))}
+    ga = jax.grad(lambda a: (k.jax(u0, u0, a, steps=17)[0] * w).sum())(a)
+    ra = jax.grad(lambda a: (_heat_jnp(u0, a, 17) * w).sum())(a)
+    np.testing.assert_allclose(float(ga), float(ra), rtol=1e-4, atol=1e-4)
+    assert ("tangent", ("u", "v", "alpha")) in k._derived_kernels
+
+
 def test_grad_of_a_two_level_scheme(rng):
     k = lk.megakernel(leapfrog, swap=[("u", "v")])
     u0 = jnp.asarray(rng.random(40).astype(np.float32))

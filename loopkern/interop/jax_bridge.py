@@ -277,9 +277,11 @@ def _build(mk, key) -> JaxCall:
         outs = core(*xs)
         return tuple(outs[:na]) + ((outs[-1],) if with_count else ())
 
-    @call.defjvp
     def _tangent_rule(primals, tangents):
         return _jvp(mk, key, primals, tangents, arr_set, with_count, call)
+    # symbolic zeros: the tangents of constants arrive as SymbolicZero, so _jvp differentiates
+    # only the parameters that have a tangent
+    call.defjvp(_tangent_rule, symbolic_zeros=True)
 
     dtypes = [dt for _, dt in sig]
 
@@ -317,11 +319,25 @@ def _jvp(mk, key, primals, tangents, arr_set, with_count, call):
         raise LoopkernError(f"kernel.jax: differentiating megakernel '{name}' with timeout= is not supported "
                             f"(the primal and tangent runs could stop at different steps); leave timeout out")
     params = [p.name for p in mk.spec.params]
-    active = [i for i, (_, dt) in enumerate(sig) if np.dtype(dt).kind == "f"]
     n_buf, t0_buf, *bufs = primals
     tans = tangents[2:]
-    if not active:
+    floats = [i for i, (_, dt) in enumerate(sig) if np.dtype(dt).kind == "f"]
+    if not floats:
         raise LoopkernError(f"kernel.jax: megakernel '{name}' has no float parameter to differentiate")
+    # differentiated: the parameters with a tangent and, when there is one, every float array
+    # the step writes (its tangent grows from the others'). A constant that the step only reads
+    # (a symbolic zero tangent) is left out: its adjoint would be computed and thrown away, and
+    # a scalar's adjoint gathers every element's contribution into one number
+    given = {i for i in floats if not isinstance(tans[i], jax.custom_derivatives.SymbolicZero)}
+    swapped = {i for pair in mk.spec.swap for i in pair}
+    written = {i for i in floats if i in arr_set and (mk.spec.params[i].written or i in swapped)}
+    active = sorted(given | written) if given else []
+    def zero_tangent(i):
+        shape, dt = sig[i]
+        return jnp.zeros(shape, dt) if np.dtype(dt).kind == "f" else np.zeros(shape, jax.dtypes.float0)
+    if not active:
+        return call(*primals), tuple(zero_tangent(i) for i in sorted(arr_set)) + (
+            (np.zeros((), jax.dtypes.float0),) if with_count else ())
     tk = mk.tangent(*[params[i] for i in active])
 
     def scalar(x):
@@ -356,7 +372,7 @@ def _jvp(mk, key, primals, tangents, arr_set, with_count, call):
             tangent_out.append(res[k])
             k += 1
         else:
-            tangent_out.append(np.zeros(sig[i][0], jax.dtypes.float0))
+            tangent_out.append(zero_tangent(i))
     if with_count:
         tangent_out.append(np.zeros((), jax.dtypes.float0))
     # the primal outputs from the primal kernel, not from the tangent run: under jacfwd the
