@@ -28,3 +28,18 @@ __all__ = [
     "LoopkernError", "StepSyntaxError", "CompileError", "ArgumentError", "LaunchError", "BackendError",
     "BoundsError", "HangError",
 ]
+
+_JAX_LOOPS = ("fori_loop", "while_loop", "scan", "JaxLoopWarning")
+
+
+def __getattr__(name):
+    # lk.fori_loop, lk.while_loop, lk.scan need JAX (an optional extra): imported on first use
+    if name in _JAX_LOOPS:
+        try:
+            import jax  # noqa: F401
+        except ImportError as exc:
+            raise ImportError(f"loopkern.{name} needs JAX, an optional extra: pip install 'loopkern[jax]' "
+                              f"(or jax itself)") from exc
+        from . import jaxloops
+        return getattr(jaxloops, name)
+    raise AttributeError(f"module 'loopkern' has no attribute {name!r}")

@@ -1,0 +1,193 @@
+"""Drop-in JAX loops (issue 14): ``lk.fori_loop`` of the jnp heat body and ``lk.while_loop`` of a jnp
+Jacobi body, against the hand-written ``@megakernel`` step and against ``jax.lax``, at 4K and 64K
+elements; QuantEcon's quadratic map with ``lk.scan`` for 10M steps; and what tracing plus
+compiling a new body costs, cold (empty cache, new process), from the disk cache (new process)
+and from the in-process cache (a new closure of the same body)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import textwrap
+
+import numpy as np
+
+from .harness import ROOT, Bench, Case, Impl, have, rel_err
+from .heat import ALPHA, heat_kernel, heat_ref, jax_heat_step
+from .jacobi import JACOBI_TOL, jacobi_kernel, jacobi_problem, jacobi_ref
+from .quadratic import quadratic_ref
+from .variants import jax_impl, loopkern_jax_variant, loopkern_variants
+
+
+def lk_heat(u, steps):
+    import loopkern as lk
+    return lk.fori_loop(0, steps, lambda i, x: jax_heat_step(x), u, fallback="error")
+
+
+def jacobi_body(c):
+    import jax.numpy as jnp
+    x, _, k = c
+    new = x.at[1:-1, 1:-1].set(np.float32(0.25) * (x[:-2, 1:-1] + x[2:, 1:-1] + x[1:-1, :-2] + x[1:-1, 2:]))
+    return new, jnp.max(jnp.abs(new - x)), k + 1
+
+
+def jacobi_loop(loop, tol):
+    import jax.numpy as jnp
+
+    def fn(u, steps):
+        kw = dict(fallback="error") if loop.__module__.startswith("loopkern") else {}
+        return loop(lambda c: (c[1] > tol) & (c[2] < steps), jacobi_body, (u, jnp.float32(jnp.inf), jnp.int32(0)),
+                    **kw)
+    return fn
+
+
+def bench_jaxloops(b: Bench):
+    args, gpu = b.args, b.gpu
+    if not have("jax") or args.no_jax:
+        b.emit(dict(workload="jaxloops", n=0, variant="lk.fori_loop", error="JAX is not installed (or --no-jax)"))
+        return
+    import jax
+    import loopkern as lk
+
+    rng = np.random.default_rng(0)
+    # -- 1-D heat: lk.fori_loop vs @megakernel vs lax.fori_loop
+    for n in [4096, 65536]:
+        u0 = rng.random(n).astype(np.float32)
+        steps = 200 if args.quick else 20000
+        check_steps = 100
+        ref = heat_ref(u0, check_steps)
+
+        def check(res, done, ref=ref):
+            e = rel_err(res, ref)
+            return e < 1e-4 and done == check_steps, f"rel_err={e:.2e} after {done} steps"
+        case = Case("jaxloops_heat1d", n, steps, check_steps, check, dict(u0=u0), bytes_per_step=8 * n)
+        variants = loopkern_variants(gpu, heat_kernel, lambda c: dict(u=c.data["u0"], v=c.data["u0"]),
+                                     lambda c: (ALPHA,), ["u", "v"], ["auto"])
+        variants.append(loopkern_jax_variant(heat_kernel, lambda c: [c.data["u0"], c.data["u0"]], lambda c: (ALPHA,)))
+        variants.append(("lk.fori_loop in jax.jit", lambda c: jax_impl(lk_heat, [c.data["u0"]])))
+        variants.append(("jax.lax.fori_loop", lambda c: jax_impl(
+            lambda u, s: jax.lax.fori_loop(0, s, lambda i, x: jax_heat_step(x), u), [c.data["u0"]])))
+        b.measure(case, variants)
+
+    # -- Jacobi to a tolerance: lk.while_loop vs @megakernel vs lax.while_loop (64x64 = 4K, 256x256 = 64K)
+    tol = JACOBI_TOL
+    for side in [64, 256]:
+        u0 = jacobi_problem(side, rng)
+        max_steps = 20000
+        ref, ref_steps, errs = jacobi_ref(u0, float(tol), max_steps)
+        rate = errs[-1] / errs[-2]
+        slack = int(np.ceil(np.log1p(8 * 2.0 ** -24 * float(np.abs(u0).max()) / float(tol)) / -np.log(rate))) + 1
+
+        def check(res, done, ref=ref, ref_steps=ref_steps, slack=slack):
+            e = float(np.abs(np.asarray(res, np.float64) - ref).max())
+            ok = done < max_steps and abs(done - ref_steps) <= slack and e <= 1e-5 + 1.1 * float(tol) * abs(
+                done - ref_steps)
+            return ok, f"converged in {done} steps (float64 reference {ref_steps}, +-{slack}), max |u - ref|={e:.1e}"
+        case = Case("jaxloops_jacobi2d", side * side, max_steps, max_steps, check, dict(u0=u0),
+                    bytes_per_step=8 * side * side, converged=lambda done: done < max_steps)
+        variants = loopkern_variants(gpu, jacobi_kernel, lambda c: dict(u=c.data["u0"], v=c.data["u0"]),
+                                     lambda c: (tol,), ["u", "v"], ["auto"])
+        variants.append(("lk.while_loop in jax.jit", lambda c: jax_impl(jacobi_loop(lk.while_loop, tol), [c.data["u0"]],
+                                                                          result_index=0, steps_index=2)))
+        variants.append(("jax.lax.while_loop", lambda c: jax_impl(jacobi_loop(jax.lax.while_loop, tol), [c.data["u0"]],
+                                                                    result_index=0, steps_index=2)))
+        b.measure(case, variants)
+
+    # -- QuantEcon's quadratic map with lk.scan, the trajectory recorded (float64)
+    total = 100_000 if args.quick else 10_000_000
+    x0 = 0.3141592653589793
+    head = quadratic_ref(x0, 20)
+
+    def qcheck(res, done):
+        e = float(np.abs(res[:21] - head).max())
+        ok = e < 1e-9 and res.shape == (done + 1,) and np.all((res >= 0) & (res <= 1))
+        return bool(ok), f"max |x - ref| over 20 steps={e:.1e}, mean={float(np.mean(res)):.4f}"
+    case = Case("jaxloops_quadratic_map", total, total, total, qcheck, dict(x0=x0))
+
+    def scan_impl(c):
+        import contextlib
+        import jax.numpy as jnp
+
+        @contextlib.contextmanager
+        def x64():
+            old = bool(jax.config.read("jax_enable_x64"))
+            jax.config.update("jax_enable_x64", True)
+            try:
+                yield
+            finally:
+                jax.config.update("jax_enable_x64", old)
+
+        def body(x, _):
+            y = 4.0 * x * (1.0 - x)
+            return y, y
+        cache, box = {}, {}
+
+        def run(steps):
+            with x64():
+                if steps not in cache:
+                    cache[steps] = jax.jit(lambda x: lk.scan(body, x, None, length=steps, fallback="error")[1])
+                box["r"] = cache[steps](jnp.float64(x0))
+                jax.block_until_ready(box["r"])
+
+        def result():
+            return np.concatenate([[x0], np.asarray(box["r"])])
+        return Impl(run, result, sync=lambda: jax.block_until_ready(box["r"]))
+    b.measure(case, [("lk.scan in jax.jit (float64)", scan_impl)])
+    for r in b.results:
+        if r["workload"] == "jaxloops_quadratic_map" and "us_per_step" in r:
+            r["seconds_for_all_steps"] = r["us_per_step"] * total / 1e6
+
+    # -- trace + compile time of a new body
+    bench_jaxloops_compile(b)
+
+
+COMPILE_SCRIPT = textwrap.dedent("""
+    import sys, time, json
+    sys.path.insert(0, {here!r})
+    t0 = time.perf_counter()
+    import numpy as np, jax, jax.numpy as jnp, loopkern as lk
+    t1 = time.perf_counter()
+    u = jnp.asarray(np.random.rand(4096).astype(np.float32))
+    def make(alpha):
+        def body(i, x):
+            return x.at[1:-1].set(x[1:-1] + alpha * (x[:-2] - 2 * x[1:-1] + x[2:]))
+        return body
+    jax.block_until_ready(u * 2)          # JAX's own start-up, not counted
+    t2 = time.perf_counter()
+    out = jax.block_until_ready(lk.fori_loop(0, 10, make(np.float32(0.25)), u, fallback="error"))
+    t3 = time.perf_counter()
+    out2 = jax.block_until_ready(lk.fori_loop(0, 10, make(np.float32(0.25)), u + 0, fallback="error"))
+    t4 = time.perf_counter()
+    ref = jax.lax.fori_loop(0, 10, make(np.float32(0.25)), u)
+    err = float(jnp.max(jnp.abs(out - ref)))
+    print(json.dumps(dict(import_s=t1 - t0, first_call_s=t3 - t2, again_s=t4 - t3, max_err=err)))
+""")
+
+
+def bench_jaxloops_compile(b: Bench):
+    """Fresh processes: the first lk.fori_loop of a body with an empty cache, then with the cache
+    on disk; in each, a second call with a new closure of the same body (trace + lowering +
+    in-process cache)."""
+    with tempfile.TemporaryDirectory() as cache:
+        env = dict(os.environ, LOOPKERN_CACHE_DIR=cache, NUMBA_CACHE_DIR=cache)
+        for label in ("empty cache", "cache on disk"):
+            row = dict(workload="compile", n=4096, variant=f"lk.fori_loop heat body, first call, new process, {label}")
+            row2 = dict(workload="compile", n=4096,
+                        variant=f"lk.fori_loop heat body, a new closure of it in the same process ({label} run)")
+            try:
+                p = subprocess.run([sys.executable, "-c", COMPILE_SCRIPT.format(here=str(ROOT))], env=env,
+                                   capture_output=True, text=True, check=True, timeout=600)
+                res = json.loads(p.stdout.strip().splitlines()[-1])
+                ok = res["max_err"] == 0.0
+                row.update(first_call_s=res["first_call_s"], import_s=res["import_s"],
+                           check=f"max |lk - lax| = {res['max_err']:.1e}")
+                row2.update(first_call_s=res["again_s"], import_s=res["import_s"], check=row["check"])
+                if not ok:
+                    row["error"] = row2["error"] = f"wrong result: {row['check']}"
+            except Exception as exc:
+                row["error"] = row2["error"] = f"{type(exc).__name__}: {getattr(exc, 'stderr', exc)}"[-400:]
+            b.emit(row)
+            b.emit(row2)

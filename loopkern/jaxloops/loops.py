@@ -1,0 +1,578 @@
+"""``lk.fori_loop``, ``lk.while_loop`` and ``lk.scan``: JAX's loops, each compiled into one
+megakernel.
+
+The body is traced to a jaxpr on abstract values of the carry (``trace.py``), lowered to the
+source of a restricted-Python step (``lower.py``), and built into a :class:`~loopkern.MegaKernel`
+(cached by that source: a second call with the same body, shapes and dtypes traces again,
+which takes milliseconds, and reuses the kernel). The kernel runs through ``kernel.jax``, so
+the loop works eagerly and inside ``jax.jit``, with traced bounds.
+
+A body outside the supported subset runs as the corresponding ``jax.lax`` loop, with one
+warning naming the first unsupported primitive and its source line (``fallback="error"``
+raises :class:`~loopkern.StepSyntaxError` instead). Derivatives (``jax.jvp``, ``jax.grad``) are routed
+through the ``jax.lax`` loop: they are exactly lax's (and so is what lax does not support,
+e.g. reverse mode through a ``while_loop``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import linecache
+import math
+import threading
+import warnings
+
+import numpy as np
+
+from ..errors import ArgumentError, Diagnostic, StepSyntaxError
+from .lower import HELPERS, Lowering
+from .trace import Lit, Unsupported, Var, flatten
+
+__all__ = ["fori_loop", "while_loop", "scan", "JaxLoopWarning", "DEFAULT_CHUNK"]
+
+#: steps per launch of a while_loop's kernel; the loop itself is unbounded (see while_loop)
+DEFAULT_CHUNK = 2 ** 31 - 1
+_FALLBACKS = ("warn", "error", "silent")
+
+
+class JaxLoopWarning(UserWarning):
+    """A loop body ran as the jax.lax loop because it is outside the compiled subset."""
+
+
+_kernels: dict = {}
+_lock = threading.Lock()
+_last_source = ""       # the step source of the latest loop (for tests and debugging)
+
+
+def _kernel(plan):
+    """The MegaKernel of a generated step (cached by its source)."""
+    from ..api import MegaKernel
+    global _last_source
+    _last_source = plan.source
+    key = (plan.source, tuple(plan.swap))
+    mk = _kernels.get(key)
+    if mk is not None:
+        return mk
+    with _lock:
+        mk = _kernels.get(key)
+        if mk is not None:
+            return mk
+        source = "import math\nimport numpy as np\nimport loopkern as lk\n" + HELPERS + "\n\n" + plan.source
+        digest = hashlib.sha1(source.encode()).hexdigest()[:16]
+        filename = f"<loopkern-jaxloops-{digest}>"
+        lines = source.splitlines(True)
+        linecache.cache[filename] = (len(source), None, lines, filename)
+        namespace = {"__name__": f"loopkern_jaxloops_{digest}"}
+        exec(compile(source, filename, "exec"), namespace)
+        fn = namespace[plan.name]
+        mk = MegaKernel(fn, swap=plan.swap)
+        _kernels[key] = mk
+    return mk
+
+
+def _check_fallback(fallback):
+    if fallback not in _FALLBACKS:
+        raise ArgumentError(f"fallback={fallback!r}: expected one of {', '.join(map(repr, _FALLBACKS))}")
+
+
+def _fallback(name, fallback, exc: Unsupported, fn=None):
+    """Warn (or raise, for fallback="error") about a body outside the subset."""
+    reason = f" ({exc.reason})" if exc.reason else ""
+    msg = (f"lk.{name}: the body uses '{exc.prim}'{reason} at {exc.where}, which loopkern does not compile yet; "
+           f"running jax.lax.{name} instead")
+    if fallback == "error":
+        w = exc.where
+        file, line, col = getattr(w, "file", "<unknown>"), getattr(w, "line", 0), getattr(w, "col", 0)
+        text = ""
+        if line:
+            text = linecache.getline(file, line)
+        step = getattr(fn, "__name__", name)
+        raise StepSyntaxError([Diagnostic(file, line, col + 1, step,
+                                          f"lk.{name}: '{exc.prim}'{reason} is outside the subset that loopkern "
+                                          f"compiles", f"use jax.lax.{name}, or fallback='warn' to run it "
+                                          f"automatically", text)]) from None
+    if fallback == "warn":
+        warnings.warn(msg, JaxLoopWarning, stacklevel=3)
+
+
+def _aval(x):
+    import jax
+    a = jax.typeof(x)
+    return jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=bool(getattr(a, "weak_type", False)))
+
+
+def _as_type(x, aval):
+    """``x`` with the dtype and weak type of ``aval`` (as the lax loop returns it)."""
+    import jax.numpy as jnp
+    x = jnp.asarray(x)
+    if x.dtype != aval.dtype:
+        x = x.astype(aval.dtype)
+    if x.shape != aval.shape:
+        x = x.reshape(aval.shape)
+    if getattr(aval, "weak_type", False) and not getattr(x, "weak_type", False):
+        try:
+            from jax._src.lax.lax import _convert_element_type
+            x = _convert_element_type(x, aval.dtype, weak_type=True)
+        except Exception:   # pragma: no cover - a JAX without it: strong type
+            pass
+    return x
+
+
+def _concrete_int(x):
+    """A Python int for a concrete integer (int, NumPy or non-traced 0-d JAX integer), else None."""
+    import jax
+    if isinstance(x, bool):
+        return None
+    if isinstance(x, (int, np.integer)):
+        return int(x)
+    if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) and x.ndim == 0 \
+            and np.issubdtype(x.dtype, np.integer):
+        return int(x)
+    return None
+
+
+def _any_size_zero(avals):
+    return any(math.prod(a.shape) == 0 for a in avals)
+
+
+def _const_args(prog):
+    return [val for _, val in prog.consts]
+
+
+def _scalar_const(val):
+    """A 0-d constant as kernel.jax takes it: a NumPy scalar if concrete, else the (traced) array."""
+    import jax
+    if isinstance(val, jax.core.Tracer):
+        return val
+    return np.asarray(val)[()]
+
+
+def _launch(plan, mk, leaves, consts, *, steps=None, max_steps=None, lo=0, xs=(), ys_avals=(), length=0):
+    """Run the kernel of ``plan`` through kernel.jax; returns (new leaves, ys, steps done or None)."""
+    import jax.numpy as jnp
+    args, arr_roles = [], []
+    for name, role, k in plan.params:
+        if role in ("carry", "carry_next"):
+            v = jnp.asarray(leaves[k])
+            args.append(v.reshape(1) if v.ndim == 0 else v)
+            arr_roles.append((role, k))
+        elif role == "count":
+            args.append(jnp.asarray(leaves[k]))
+        elif role == "x":
+            args.append(xs[k])
+            arr_roles.append((role, k))
+        elif role == "y":
+            a = ys_avals[k]
+            args.append(jnp.zeros((length,) + tuple(a.shape), a.dtype))
+            arr_roles.append((role, k))
+        elif role == "const":
+            args.append(jnp.asarray(consts[k]))
+            arr_roles.append((role, k))
+        elif role == "const_scalar":
+            args.append(_scalar_const(consts[k]))
+        elif role == "lo":
+            args.append(lo)
+        else:   # pragma: no cover
+            raise AssertionError(role)
+    if plan.returns_condition:
+        outs = mk.jax(*args, max_steps=max_steps)
+        done, outs = outs[-1], outs[:-1]
+    else:
+        outs = mk.jax(*args, steps=steps)
+        done = None
+    new = list(leaves)
+    ys = {}
+    for (role, k), o in zip(arr_roles, outs):
+        if role == "carry" and plan.carries[k].kind in ("pair", "inplace"):
+            new[k] = o.reshape(()) if jnp.ndim(leaves[k]) == 0 else o
+        elif role == "y":
+            ys[k] = o
+    return new, ys, done
+
+
+def _counted(plan, leaves, new, n):
+    """The integer counter carries ("count": k0 + c per step) after ``n`` steps."""
+    import jax.numpy as jnp
+    out = list(new)
+    for k, p in enumerate(plan.carries):
+        if p.kind == "count":
+            x = jnp.asarray(leaves[k])
+            out[k] = x + jnp.asarray(p.step, x.dtype) * jnp.asarray(n).astype(x.dtype)
+    return out
+
+
+def _lower(prog, roles, out_roles, carry_idx, cond_atom=None, ys_idx=(), xs_idx=(), length=None, reverse=False):
+    carry_in = {k: prog.invars[i] for k, i in carry_idx.items()}
+    carry_out = {k: prog.outs[j] for k, j in out_roles.items()}
+    xs_in = {k: prog.invars[i] for k, i in xs_idx}
+    ys_out = {k: prog.outs[j] for k, j in ys_idx}
+    L = Lowering(prog, roles, [], scan_length=length, reverse=reverse)
+    return L.build(carry_in, carry_out, xs_in, ys_out, cond_atom, prog.consts)
+
+
+def _promote_weak(init_avals, out_avals):
+    """lax's rule: a weakly typed init whose body output is strongly typed becomes strong."""
+    import jax
+    changed = False
+    res = []
+    for a, o in zip(init_avals, out_avals):
+        if a.weak_type and not getattr(o, "weak_type", False) and a.dtype == o.dtype:
+            res.append(jax.ShapeDtypeStruct(a.shape, a.dtype))
+            changed = True
+        else:
+            res.append(a)
+    return res, changed
+
+
+def _same_types(init_avals, out_avals):
+    return all(tuple(a.shape) == tuple(o.shape) and np.dtype(a.dtype) == np.dtype(o.dtype)
+               for a, o in zip(init_avals, out_avals))
+
+
+# ==================================================================================== fori_loop
+def fori_loop(lower, upper, body_fun, init_val, *, unroll=None, fallback="warn"):
+    """``jax.lax.fori_loop`` compiled into one megakernel.
+
+    Same signature and result as ``jax.lax.fori_loop(lower, upper, body_fun, init_val)``
+    (the result's pytree, dtypes and weak types), eagerly or inside ``jax.jit``; ``lower`` and
+    ``upper`` may be traced. ``body_fun(i, carry)`` is traced once on abstract values of the
+    carry and lowered to a megakernel step (the supported operations are listed in the
+    README's "Drop-in JAX loops"). Derivatives (``jax.jvp``, ``jax.grad``) run through
+    ``jax.lax.fori_loop``.
+
+    Args:
+        lower: the first loop index (int or 0-d integer array, traced values too).
+        upper: the loop stops before this index.
+        body_fun: ``body_fun(i, carry) -> carry`` with the same pytree, shapes and dtypes.
+        init_val: the initial carry (a pytree of arrays and numbers).
+        unroll: accepted for compatibility with ``jax.lax.fori_loop``; ignored.
+        fallback: what to do with a body outside the supported subset: "warn" (run
+            ``jax.lax.fori_loop`` with one :class:`JaxLoopWarning` naming the first unsupported
+            primitive and its source line), "error" (raise :class:`~loopkern.StepSyntaxError` pointing at its line) or "silent".
+
+    Returns:
+        The final carry, as ``jax.lax.fori_loop`` returns it.
+
+    Raises:
+        StepSyntaxError: with ``fallback="error"``, for a body outside the subset.
+        ArgumentError: a bad ``fallback``.
+    """
+    import jax
+    import jax.numpy as jnp
+    from jax import lax
+
+    _check_fallback(fallback)
+    leaves, tree = jax.tree_util.tree_flatten(init_val)
+    lo_c, hi_c = _concrete_int(lower), _concrete_int(upper)
+
+    def lax_loop(lo, hi, init):
+        return lax.fori_loop(lo, hi, body_fun, init)
+    if lo_c is not None and hi_c is not None and hi_c <= lo_c:
+        return lax_loop(lower, upper, init_val)
+    try:
+        idx_dtype = np.dtype(jnp.result_type(lower, upper))
+    except Exception:
+        return lax_loop(lower, upper, init_val)
+    if idx_dtype.kind not in "iu":
+        return lax_loop(lower, upper, init_val)
+    avals = [_aval(x) for x in leaves]
+    if _any_size_zero(avals):
+        return lax_loop(lower, upper, init_val)
+
+    def step(i, *ls):
+        out = body_fun(i, jax.tree_util.tree_unflatten(tree, ls))
+        out_leaves, out_tree = jax.tree_util.tree_flatten(out)
+        if out_tree != tree:
+            raise _TreeMismatch()
+        return out_leaves
+    i_aval = jax.ShapeDtypeStruct((), idx_dtype)
+    try:
+        closed = jax.make_jaxpr(step)(i_aval, *avals)
+        out_avals = closed.out_avals
+        if not _same_types(avals, out_avals):
+            return lax_loop(lower, upper, init_val)      # lax says what is wrong
+        avals2, changed = _promote_weak(avals, out_avals)
+        if changed:
+            avals = avals2
+            closed = jax.make_jaxpr(step)(i_aval, *avals)
+    except _TreeMismatch:
+        return lax_loop(lower, upper, init_val)
+    prog = flatten(closed)
+    n = len(leaves)
+    roles = [("index",)] + [("carry", k) for k in range(n)]
+    try:
+        plan = _lower(prog, roles, {k: k for k in range(n)}, {k: k + 1 for k in range(n)})
+        mk = _kernel(plan)
+    except Unsupported as exc:
+        _fallback("fori_loop", fallback, exc, body_fun)
+        return lax_loop(lower, upper, init_val)
+    consts = _const_args(prog)
+
+    def run(consts, leaves, lo, hi):
+        nsteps = jnp.maximum(jnp.asarray(hi) - jnp.asarray(lo), 0).astype(idx_dtype) if (
+            lo_c is None or hi_c is None) else max(hi_c - lo_c, 0)
+        new, _, _ = _launch(plan, mk, leaves, consts, steps=nsteps, lo=jnp.asarray(lo, idx_dtype) if lo_c is None
+                            else np.asarray(lo_c, idx_dtype)[()])
+        return _counted(plan, leaves, new, nsteps)
+
+    def lax_run(consts, leaves, lo, hi):
+        def body(i, c):
+            return tuple(jax.core.eval_jaxpr(closed.jaxpr, consts, i, *c))
+        return list(lax.fori_loop(lo if lo_c is None else lo_c, hi if hi_c is None else hi_c, body, tuple(leaves)))
+
+    out = _with_lax_derivatives(run, lax_run, consts, [jnp.asarray(x) if not isinstance(x, jax.Array) else x
+                                                       for x in leaves],
+                                lower if lo_c is None else lo_c, upper if hi_c is None else hi_c)
+    out = [_as_type(o, a) for o, a in zip(out, avals)]
+    return jax.tree_util.tree_unflatten(tree, out)
+
+
+class _TreeMismatch(Exception):
+    pass
+
+
+def _with_lax_derivatives(run, lax_run, consts, leaves, *bounds):
+    """``run(consts, leaves, *bounds)``, differentiated as ``lax_run`` (the jax.lax loop)."""
+    import jax
+
+    @jax.custom_jvp
+    def f(consts, leaves, *bounds):
+        return run(consts, leaves, *bounds)
+
+    @f.defjvp
+    def f_jvp(primals, tangents):
+        return jax.jvp(lambda c, l, *b: lax_run(c, l, *b), primals, tangents)
+
+    return f(list(consts), list(leaves), *bounds)
+
+
+# ==================================================================================== while_loop
+def while_loop(cond_fun, body_fun, init_val, *, max_steps=DEFAULT_CHUNK, fallback="warn"):
+    """``jax.lax.while_loop`` compiled into one megakernel; the condition is evaluated on the
+    device after every step.
+
+    Same signature and result as ``jax.lax.while_loop(cond_fun, body_fun, init_val)``: the
+    condition is checked before every call of the body, so the body may run zero times, and the
+    loop runs until the condition is false, however many steps that takes. ``max_steps`` is
+    not a bound on the loop: it is the number of steps one launch of the kernel may run (the
+    kernel's ``max_steps``); when a launch ends with the condition still true, another launch
+    continues from there (a ``jax.lax.while_loop`` over launches, checking the condition once
+    per launch). Derivatives run through ``jax.lax.while_loop`` (reverse mode is then refused by
+    JAX, as for lax).
+
+    Args:
+        cond_fun: ``cond_fun(carry) -> bool scalar``.
+        body_fun: ``body_fun(carry) -> carry`` with the same pytree, shapes and dtypes.
+        init_val: the initial carry.
+        max_steps: steps per kernel launch (an int >= 1; default 2**31 - 1).
+        fallback: "warn", "error" or "silent", as for :func:`fori_loop`.
+
+    Returns:
+        The final carry, as ``jax.lax.while_loop`` returns it.
+
+    Raises:
+        StepSyntaxError: with ``fallback="error"``, for a body or condition outside the subset.
+        ArgumentError: a bad ``fallback`` or ``max_steps``.
+    """
+    import jax
+    import jax.numpy as jnp
+    from jax import lax
+
+    _check_fallback(fallback)
+    if isinstance(max_steps, bool) or not isinstance(max_steps, (int, np.integer)) or not 1 <= max_steps < 2 ** 31:
+        raise ArgumentError(f"max_steps={max_steps!r}: expected an int from 1 to 2**31 - 1 (steps per launch)")
+    max_steps = int(max_steps)
+    leaves, tree = jax.tree_util.tree_flatten(init_val)
+
+    def lax_loop():
+        return lax.while_loop(cond_fun, body_fun, init_val)
+    avals = [_aval(x) for x in leaves]
+    if _any_size_zero(avals):
+        return lax_loop()
+
+    def step(*ls):
+        out = body_fun(jax.tree_util.tree_unflatten(tree, ls))
+        out_leaves, out_tree = jax.tree_util.tree_flatten(out)
+        if out_tree != tree:
+            raise _TreeMismatch()
+        c = cond_fun(out)
+        return list(out_leaves) + [c]
+
+    def cond_only(*ls):
+        return cond_fun(jax.tree_util.tree_unflatten(tree, ls))
+    try:
+        closed = jax.make_jaxpr(step)(*avals)
+        out_avals = closed.out_avals[:-1]
+        c_aval = closed.out_avals[-1]
+        if not _same_types(avals, out_avals) or c_aval.shape != () or np.dtype(c_aval.dtype) != np.bool_:
+            return lax_loop()
+        avals2, changed = _promote_weak(avals, out_avals)
+        if changed:
+            avals = avals2
+            closed = jax.make_jaxpr(step)(*avals)
+        cond_closed = jax.make_jaxpr(cond_only)(*avals)
+    except _TreeMismatch:
+        return lax_loop()
+    prog = flatten(closed)
+    n = len(leaves)
+    roles = [("carry", k) for k in range(n)]
+    try:
+        plan = _lower(prog, roles, {k: k for k in range(n)}, {k: k for k in range(n)}, cond_atom=prog.outs[-1])
+        mk = _kernel(plan)
+    except Unsupported as exc:
+        _fallback("while_loop", fallback, exc, body_fun)
+        return lax_loop()
+    consts = _const_args(prog)
+    cconsts = list(cond_closed.consts)
+
+    def run(all_consts, leaves):
+        bconsts, cc = all_consts[:len(consts)], all_consts[len(consts):]
+
+        def cond(ls):
+            return jax.core.eval_jaxpr(cond_closed.jaxpr, cc, *ls)[0]
+
+        def chunk(ls):
+            new, _, done = _launch(plan, mk, list(ls), bconsts, max_steps=max_steps)
+            return tuple(_counted(plan, list(ls), new, done))
+        return list(lax.while_loop(cond, chunk, tuple(leaves)))
+
+    def lax_run(all_consts, leaves):
+        bconsts, cc = all_consts[:len(consts)], all_consts[len(consts):]
+        body_closed = closed
+
+        def cond(ls):
+            return jax.core.eval_jaxpr(cond_closed.jaxpr, cc, *ls)[0]
+
+        def body(ls):
+            return tuple(jax.core.eval_jaxpr(body_closed.jaxpr, bconsts, *ls)[:-1])
+        return list(lax.while_loop(cond, body, tuple(leaves)))
+
+    out = _with_lax_derivatives(run, lax_run, consts + cconsts,
+                                [jnp.asarray(x) if not isinstance(x, jax.Array) else x for x in leaves])
+    out = [_as_type(o, a) for o, a in zip(out, avals)]
+    return jax.tree_util.tree_unflatten(tree, out)
+
+
+# ==================================================================================== scan
+def scan(f, init, xs=None, length=None, reverse=False, unroll=1, _split_transpose=False, *, fallback="warn"):
+    """``jax.lax.scan`` compiled into one megakernel.
+
+    Same signature and result as ``jax.lax.scan(f, init, xs, length, reverse)``: ``f(carry, x)
+    -> (carry, y)``, ``x`` the slices of ``xs`` along its first axis (or None), the ``y``\\ s
+    stacked into ``ys``, which the kernel writes at the scan position of each step. Derivatives
+    run through ``jax.lax.scan``.
+
+    Args:
+        f: ``f(carry, x) -> (carry, y)``.
+        init: the initial carry.
+        xs: a pytree of arrays scanned along their first axis, or None.
+        length: the number of steps (needed when ``xs`` is None; else it must match).
+        reverse: scan from the end.
+        unroll, _split_transpose: accepted for compatibility; ignored.
+        fallback: "warn", "error" or "silent", as for :func:`fori_loop`.
+
+    Returns:
+        ``(final carry, ys)`` as ``jax.lax.scan`` returns them.
+
+    Raises:
+        StepSyntaxError: with ``fallback="error"``, for a body outside the subset.
+        ArgumentError: a bad ``fallback``.
+    """
+    import jax
+    import jax.numpy as jnp
+    from jax import lax
+
+    _check_fallback(fallback)
+
+    def lax_loop():
+        return lax.scan(f, init, xs, length=length, reverse=reverse, unroll=unroll)
+    leaves, tree = jax.tree_util.tree_flatten(init)
+    x_leaves, x_tree = jax.tree_util.tree_flatten(xs)
+    lengths = {int(np.shape(x)[0]) for x in x_leaves if np.ndim(x) >= 1}
+    if any(np.ndim(x) == 0 for x in x_leaves) or len(lengths) > 1 or (length is not None and lengths and
+                                                                      lengths != {int(length)}):
+        return lax_loop()                   # lax raises its error
+    n_steps = int(length) if length is not None else (lengths.pop() if lengths else None)
+    if n_steps is None or n_steps == 0:
+        return lax_loop()
+    avals = [_aval(x) for x in leaves]
+    x_avals = [jax.ShapeDtypeStruct(np.shape(x)[1:], _aval(x).dtype, weak_type=_aval(x).weak_type) for x in x_leaves]
+    if _any_size_zero(avals) or _any_size_zero(x_avals):
+        return lax_loop()
+    state = {}
+
+    def step(*ls):
+        c = jax.tree_util.tree_unflatten(tree, ls[:len(leaves)])
+        x = jax.tree_util.tree_unflatten(x_tree, ls[len(leaves):])
+        new, y = f(c, x)
+        out_leaves, out_tree = jax.tree_util.tree_flatten(new)
+        if out_tree != tree:
+            raise _TreeMismatch()
+        y_leaves, y_tree = jax.tree_util.tree_flatten(y)
+        state["y_tree"] = y_tree
+        state["ny"] = len(y_leaves)
+        return list(out_leaves) + list(y_leaves)
+    try:
+        closed = jax.make_jaxpr(step)(*avals, *x_avals)
+        nc = len(leaves)
+        out_avals = closed.out_avals[:nc]
+        if not _same_types(avals, out_avals):
+            return lax_loop()
+        avals2, changed = _promote_weak(avals, out_avals)
+        if changed:
+            avals = avals2
+            closed = jax.make_jaxpr(step)(*avals, *x_avals)
+    except _TreeMismatch:
+        return lax_loop()
+    y_avals = closed.out_avals[nc:]
+    if _any_size_zero(y_avals):
+        return lax_loop()
+    prog = flatten(closed)
+    nx = len(x_leaves)
+    roles = [("carry", k) for k in range(nc)] + [("x", k) for k in range(nx)]
+    try:
+        plan = _lower(prog, roles, {k: k for k in range(nc)}, {k: k for k in range(nc)},
+                      ys_idx=[(k, nc + k) for k in range(len(y_avals))], xs_idx=[(k, nc + k) for k in range(nx)],
+                      length=n_steps, reverse=reverse)
+        mk = _kernel(plan)
+    except Unsupported as exc:
+        _fallback("scan", fallback, exc, f)
+        return lax_loop()
+    consts = _const_args(prog)
+    y_tree = state["y_tree"]
+
+    def run(consts, leaves, xs_l):
+        new, ys, _ = _launch(plan, mk, leaves, consts, steps=n_steps, xs=xs_l, ys_avals=y_avals, length=n_steps)
+        new = _counted(plan, leaves, new, n_steps)
+        ys_l = [ys[k] if k in ys else _const_ys(prog.outs[nc + k], y_avals[k], n_steps) for k in range(len(y_avals))]
+        return new + ys_l
+
+    def lax_run(consts, leaves, xs_l):
+        def body(c, x):
+            out = jax.core.eval_jaxpr(closed.jaxpr, consts, *c, *x)
+            return tuple(out[:nc]), tuple(out[nc:])
+        c, ys = lax.scan(body, tuple(leaves), tuple(xs_l), length=n_steps, reverse=reverse)
+        return list(c) + list(ys)
+
+    @jax.custom_jvp
+    def g(consts, leaves, xs_l):
+        return run(consts, leaves, xs_l)
+
+    @g.defjvp
+    def g_jvp(primals, tangents):
+        return jax.jvp(lax_run, primals, tangents)
+    out = g(list(consts), [jnp.asarray(x) if not isinstance(x, jax.Array) else x for x in leaves],
+            [jnp.asarray(x) for x in x_leaves])
+    carry = [_as_type(o, a) for o, a in zip(out[:nc], avals)]
+    ys = [_as_type(o, jax.ShapeDtypeStruct((n_steps,) + tuple(a.shape), a.dtype,
+                                           weak_type=getattr(a, "weak_type", False)))
+          for o, a in zip(out[nc:], y_avals)]
+    return jax.tree_util.tree_unflatten(tree, carry), jax.tree_util.tree_unflatten(y_tree, ys)
+
+
+def _const_ys(atom, aval, n):
+    """ys of a y that is a literal (the kernel has nothing to store)."""
+    import jax.numpy as jnp
+    if isinstance(atom, Lit):
+        return jnp.full((n,) + tuple(aval.shape), atom.value, aval.dtype)
+    raise Unsupported("internal", "", "a y without a store")   # pragma: no cover

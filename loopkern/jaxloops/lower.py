@@ -1,0 +1,1438 @@
+"""Lower a flat loop-body program (``trace.py``) to the source text of a restricted-Python step.
+
+Every array value is an *index function*: given one index expression per dimension it gives a
+scalar expression in restricted Python. Elementwise operations compose expressions; static and
+dynamic slices, pads, concatenations, reversals, transposes, broadcasts and reshapes rewrite the
+indices; ``select_n``, ``pad``, ``concatenate`` and ``scatter`` become conditional expressions
+whose conditions are simplified against the known ranges of the indices (inside a heat body's
+``u.at[1:-1].set(...)`` loop the condition is statically true and disappears). Scalars are
+computed once per thread at the top of the step. Whole-array reductions become ``lk.sum`` /
+``lk.max`` / ``lk.min`` over a parallel loop (a grid reduction, which is a barrier: later
+statements see everything written before it); partial reductions and small ``dot_general``\\ s
+become sequential ``range`` loops per element.
+
+The work of a step is grouped by *stage* (the number of reductions a value depends on in
+sequence): each stage runs one parallel loop per index space, in which it writes the new
+carries (into the second buffer of a swap pair, so the old carry can be read while the new one
+is written), the scan outputs ``ys[t]`` and the per-thread partial reductions. A carry that is
+its own old value with a static window replaced (``u.at[1:-1].set(...)``) is written over that
+window only (both buffers start equal and the cells outside are never written). An integer
+scalar carry that only counts (``k + 1``) is not stored at all: it is computed from the step
+index, which also keeps a condition that reads it the same on every thread.
+
+Nothing here imports numba or jax.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .trace import Eqn, Lit, Program, Unsupported, Var
+
+FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
+INTS = tuple(np.dtype(t) for t in (np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32,
+                                   np.uint64))
+BOOL = np.dtype(np.bool_)
+OK_DTYPES = FLOATS + INTS + (BOOL,)
+
+HELPERS = '''
+def jl_fmax(a, b):
+    return a if (a > b or a != a) else b
+
+
+def jl_fmin(a, b):
+    return a if (a < b or a != a) else b
+
+
+def jl_fdiv32(a, b):
+    if b != 0:
+        return a / b
+    if a != a or a == 0:
+        return np.float32(math.nan)
+    return np.float32(math.copysign(math.inf, a) * math.copysign(1.0, b))
+
+
+def jl_fdiv64(a, b):
+    if b != 0:
+        return a / b
+    if a != a or a == 0:
+        return np.float64(math.nan)
+    return np.float64(math.copysign(math.inf, a) * math.copysign(1.0, b))
+
+
+def jl_idiv(a, b):
+    if b == 0:
+        return -1
+    q = abs(a) // abs(b)
+    return q if (a >= 0) == (b > 0) else -q
+
+
+def jl_irem(a, b):
+    if b == 0:
+        return a
+    r = abs(a) % abs(b)
+    return r if a >= 0 else -r
+
+
+def jl_sign(a):
+    return a if a != a else (1 if a > 0 else (-1 if a < 0 else 0))
+'''
+
+
+# ----------------------------------------------------------------------------- indices
+@dataclass(frozen=True)
+class Ix:
+    """An index expression: ``base + off`` (``base`` None: the constant ``off``), or an opaque
+    ``text``; ``lo``/``hi`` bound its value (inclusive)."""
+    base: str | None
+    off: int
+    lo: int
+    hi: int
+    text: str | None = None
+
+    @property
+    def expr(self) -> str:
+        if self.text is not None:
+            return self.text
+        if self.base is None:
+            return str(self.off)
+        if self.off == 0:
+            return self.base
+        return f"{self.base} + {self.off}" if self.off > 0 else f"{self.base} - {-self.off}"
+
+    def shift(self, k: int) -> "Ix":
+        if k == 0:
+            return self
+        if self.text is not None:
+            return Ix(None, 0, self.lo + k, self.hi + k, f"({self.text}) + {k}" if k > 0 else f"({self.text}) - {-k}")
+        return Ix(self.base, self.off + k, self.lo + k, self.hi + k)
+
+    def narrow(self, lo: int, hi: int) -> "Ix":
+        return Ix(self.base, self.off, max(self.lo, lo), min(self.hi, hi), self.text)
+
+
+def const_ix(k: int) -> Ix:
+    return Ix(None, int(k), int(k), int(k))
+
+
+def opaque(text: str, lo: int, hi: int) -> Ix:
+    return Ix(None, 0, lo, hi, text)
+
+
+def range_cond(ix: Ix, a: int, b: int):
+    """The condition ``a <= ix < b``: True/False when the range of ``ix`` decides it, else its text."""
+    need_lo = ix.lo < a
+    need_hi = ix.hi >= b
+    if ix.hi < a or ix.lo >= b:
+        return False
+    if not need_lo and not need_hi:
+        return True
+    e = ix.expr
+    if need_lo and need_hi:
+        return f"{a} <= {e} < {b}"
+    return f"{e} >= {a}" if need_lo else f"{e} < {b}"
+
+
+# ----------------------------------------------------------------------------- literals
+def literal(value, dtype) -> str:
+    dtype = np.dtype(dtype)
+    v = np.asarray(value, dtype)[()]
+    if dtype == BOOL:
+        return "True" if bool(v) else "False"
+    if dtype.kind == "f":
+        f = float(v)
+        if math.isnan(f):
+            s = "math.nan"
+        elif math.isinf(f):
+            s = "math.inf" if f > 0 else "-math.inf"
+        else:
+            s = repr(f)
+        return f"np.{dtype.name}({s})"
+    return f"np.{dtype.name}({int(v)})"
+
+
+def cast(expr: str, dtype) -> str:
+    dtype = np.dtype(dtype)
+    if dtype == BOOL:
+        return f"bool({expr})"
+    return f"np.{dtype.name}({expr})"
+
+
+def zero(dtype) -> str:
+    return literal(0, dtype)
+
+
+# ----------------------------------------------------------------------------- blocks
+@dataclass(eq=False)
+class Block:
+    """Statements at one place of the step: the top of a stage (``loop`` None) or the body of a
+    parallel loop."""
+    stage: int
+    indent: str
+    lines: list = field(default_factory=list)
+    memo: dict = field(default_factory=dict)
+    loop: "Loop | None" = None
+
+
+@dataclass(eq=False)
+class Loop:
+    stage: int
+    space: tuple            # the index space's shape
+    box: tuple = ()         # (lo, hi) per dimension: the bounding box of the items
+    items: list = field(default_factory=list)
+    body: Block | None = None
+    names: tuple = ()
+
+
+@dataclass(eq=False)
+class Item:
+    """Work of a parallel loop: a store (``target`` params, index maker) or a reduction."""
+    kind: str               # "store" | "reduce"
+    atom: object            # the value
+    box: tuple              # the cells it covers
+    target: str = ""        # the array stored into
+    index: object = None    # fn(loop Ix tuple) -> list of index texts of the store
+    op: str = ""            # reduce: sum | max | min | or | and
+    acc: str = ""           # reduce: the per-thread accumulator's name
+    result: str = ""        # reduce: the reduced value's name
+
+
+@dataclass
+class CarryPlan:
+    """How the step keeps one carry leaf."""
+    kind: str               # "pair" (two buffers), "inplace" (one buffer, updated in place),
+    #                         "same" (unchanged), "count" (integer counter: k0 + c*t)
+    name: str = ""
+    next_name: str = ""
+    step: int = 0           # "count": the increment
+
+
+@dataclass
+class StepPlan:
+    source: str
+    name: str
+    params: list            # (name, role, payload) in parameter order
+    swap: list
+    carries: list           # CarryPlan per carry leaf
+    returns_condition: bool
+    sequential: bool
+
+
+class Lowering:
+    """Build the step of one program. ``roles`` gives each input Var its role:
+    ("index",) the loop index, ("carry", k), ("x", k) (scan: xs leaf k at the scan position);
+    ``out_roles`` each output's: ("carry", k), ("y", k), ("cond",)."""
+
+    def __init__(self, prog: Program, roles: list, out_roles: list, *, ys_shapes=(), scan_length=None,
+                 reverse=False, name="jl_step"):
+        self.prog, self.roles, self.out_roles = prog, roles, out_roles
+        self.ys_shapes = ys_shapes
+        self.scan_length = scan_length
+        self.reverse = reverse
+        self.name = name
+        self.counter = 0
+        self.input_role = {v: r for v, r in zip(prog.invars, roles)}
+        self.const_names = {}
+        self.scalar_names = {}      # Var -> top-level name
+        self.stage_memo = {}
+        self.pre: dict[int, Block] = {}
+        self.loops: list[Loop] = []
+        self.post: dict[int, list] = {}
+        self.params: list = []
+        self.carries: dict[int, CarryPlan] = {}
+        self.load_vars = set()      # top-level names read from arrays (not the same on every thread)
+        self.final: list = []       # (target text, value text) single-thread stores at the end
+        self.uses_t = False
+
+    # ---------------------------------------------------------------- helpers
+    def fresh(self, prefix="a") -> str:
+        self.counter += 1
+        return f"{prefix}{self.counter}"
+
+    def top(self, stage: int) -> Block:
+        if stage not in self.pre:
+            self.pre[stage] = Block(stage, "    ")
+        return self.pre[stage]
+
+    def unsupported(self, eqn: Eqn, reason=""):
+        raise Unsupported(eqn.prim, eqn.where, reason)
+
+    def check_dtypes(self):
+        for v in self.prog.invars:
+            if v.dtype not in OK_DTYPES:
+                raise Unsupported(f"dtype {v.dtype}", "the loop carry", "float32, float64, ints and bool only")
+        for e in self.prog.eqns:
+            for o in e.outs:
+                if o.dtype not in OK_DTYPES:
+                    self.unsupported(e, f"dtype {o.dtype}")
+            if e.prim not in RULES and e.prim not in ("reduce_sum", "reduce_max", "reduce_min", "reduce_or",
+                                                      "reduce_and", "scatter", "scatter-add", "scatter_add"):
+                self.unsupported(e)
+
+    # ---------------------------------------------------------------- stages
+    def stage(self, a) -> int:
+        if not isinstance(a, Var) or a.eqn is None:
+            return 0
+        if a in self.stage_memo:
+            return self.stage_memo[a]
+        e = a.eqn
+        s = max([self.stage(x) for x in e.ins] or [0])
+        if e.prim.startswith("reduce_") and len(e.params.get("axes", ())) == len(e.ins[0].shape) and e.ins[0].shape:
+            s += 1
+        elif e.prim == "dot_general" and not a.shape and e.ins[0].shape:
+            s += 1
+        self.stage_memo[a] = s
+        return s
+
+    # ---------------------------------------------------------------- expressions
+    def E(self, a, idx: tuple, ctx, B: Block) -> str:
+        """The expression of ``a`` at ``idx`` (Ix per dimension) in block ``B`` under the
+        condition ``ctx`` (text, or None)."""
+        if isinstance(a, Lit):
+            return literal(a.value, a.value.dtype)
+        if not a.shape:
+            return self.S(a, B)
+        if a.eqn is None:
+            return self.load_input(a, idx, ctx, B)
+        key = (a, tuple(i.expr for i in idx), ctx)
+        if key in B.memo:
+            return B.memo[key]
+        e = a.eqn
+        text = RULES[e.prim](self, e, a, idx, ctx, B)
+        if a.uses > 1 and not _trivial(text):
+            text = self.bind(text, a.dtype, ctx, B)
+        B.memo[key] = text
+        return text
+
+    def bind(self, text, dtype, ctx, B) -> str:
+        name = self.fresh()
+        B.lines.append(f"{name} = {text}" if ctx is None else f"{name} = {text} if {ctx} else {zero(dtype)}")
+        return name
+
+    def S(self, a, B: Block | None = None) -> str:
+        """A scalar value: a name (or literal) computed at the top of its stage."""
+        if isinstance(a, Lit):
+            return literal(a.value, a.value.dtype)
+        if a in self.scalar_names:
+            return self.scalar_names[a]
+        if a.eqn is None:
+            name = self.scalar_input(a)
+            self.scalar_names[a] = name
+            return name
+        st = self.stage(a)
+        T = self.top(st)
+        e = a.eqn
+        if (e.prim in REDUCTIONS and e.ins[0].shape) or (e.prim == "dot_general" and e.ins[0].shape):
+            text = self.full_reduction(e, a)
+        else:
+            text = RULES[e.prim](self, e, a, (), None, T)
+        if _trivial(text):
+            self.scalar_names[a] = text
+            return text
+        name = self.fresh("s")
+        T.lines.append(f"{name} = {text}")
+        if self._varying(text):
+            self.load_vars.add(name)
+        self.scalar_names[a] = name
+        return name
+
+    # ---------------------------------------------------------------- inputs
+    def add_param(self, name, role, payload=None):
+        self.params.append((name, role, payload))
+        return name
+
+    def load_input(self, a, idx, ctx, B) -> str:
+        key = (a, tuple(i.expr for i in idx), ctx)
+        if key in B.memo:
+            return B.memo[key]
+        role = self.input_role.get(a)
+        if role is None:      # a closed-over constant array
+            name = self.const_names[a]
+            text = f"{name}[{', '.join(i.expr for i in idx)}]"
+        elif role[0] == "carry":
+            text = f"{self.carries[role[1]].name}[{', '.join(i.expr for i in idx)}]"
+        elif role[0] == "x":
+            text = f"{self.x_names[role[1]]}[{', '.join([self.scan_pos()] + [i.expr for i in idx])}]"
+        else:   # pragma: no cover
+            raise AssertionError(role)
+        if ctx is None:
+            name = self.fresh("l")
+            B.lines.append(f"{name} = {text}")
+            text = name
+        B.memo[key] = text
+        return text
+
+    def scan_pos(self) -> str:
+        self.uses_t = True
+        return f"{self.scan_length - 1} - t" if self.reverse else "t"
+
+    def scalar_input(self, a) -> str:
+        role = self.input_role.get(a)
+        T = self.top(0)
+        if role is None:
+            return self.const_names[a]
+        if role[0] == "index":
+            self.uses_t = True
+            name = "ti"
+            T.lines.insert(0, f"ti = {cast('lo_ + t', a.dtype)}")
+            return name
+        if role[0] == "carry":
+            plan = self.carries[role[1]]
+            if plan.kind == "count":
+                self.uses_t = True
+                name = self.fresh("m")
+                T.lines.append(f"{name} = {cast(f'{plan.name} + {plan.step} * t', a.dtype)}")
+                return name
+            name = self.fresh("w")
+            T.lines.append(f"{name} = {plan.name}[0]")
+            self.load_vars.add(name)
+            return name
+        if role[0] == "x":
+            name = self.fresh("z")
+            T.lines.append(f"{name} = {self.x_names[role[1]]}[{self.scan_pos()}]")
+            self.load_vars.add(name)
+            return name
+        raise AssertionError(role)   # pragma: no cover
+
+    # ---------------------------------------------------------------- loops
+    def loop_for(self, stage: int, space: tuple) -> Loop:
+        for L in self.loops:
+            if L.stage == stage and L.space == space:
+                return L
+        L = Loop(stage, space)
+        self.loops.append(L)
+        return L
+
+    def add_item(self, stage: int, space: tuple, item: Item):
+        L = self.loop_for(stage, space)
+        if L.body is not None:
+            raise Unsupported("internal", "", "work added to a loop already generated")
+        L.items.append(item)
+
+    def full_reduction(self, e: Eqn, out: Var) -> str:
+        """A reduction of a whole array (reduce_* over every axis, or a full dot): a per-thread
+        accumulator in the loop of the input's stage, then the grid reduction."""
+        if e.prim == "dot_general":
+            (lc, rc), (lb, rb) = e.params["dimension_numbers"]
+            x, y = e.ins
+            if lb or rb or len(lc) != len(x.shape) or len(rc) != len(y.shape):
+                self.unsupported(e, "a dot to a scalar over every axis only")
+            op, src = "sum", ("dot", x, y, tuple(lc), tuple(rc))
+            space = tuple(x.shape[d] for d in lc)
+            st = max(self.stage(x), self.stage(y))
+        else:
+            op = e.prim[len("reduce_"):]
+            src = e.ins[0]
+            space = tuple(src.shape)
+            st = self.stage(src)
+        if op not in ("sum", "max", "min", "or", "and"):
+            self.unsupported(e)
+        acc = self.fresh("acc")
+        res = self.fresh("r")
+        dt = out.dtype
+        self.add_item(st, space, Item("reduce", src, tuple((0, n) for n in space), op=op, acc=acc, result=res))
+        T = self.top(st)
+        if op == "sum":
+            init = zero(np.float64 if dt.kind == "f" else dt if dt != BOOL else np.int64)
+        elif op in ("max", "min"):
+            if dt.kind == "f":
+                init = literal(-np.inf if op == "max" else np.inf, dt)
+            elif dt == BOOL:
+                init = "False" if op == "max" else "True"
+            else:
+                info = np.iinfo(dt)
+                init = literal(info.min if op == "max" else info.max, dt)
+        else:
+            init = "0" if op == "or" else "1"
+        T.lines.append(f"{acc} = {init}")
+        fn = {"sum": "lk.sum", "max": "lk.max", "min": "lk.min", "or": "lk.max", "and": "lk.min"}[op]
+        if op in ("or", "and") or dt == BOOL:
+            expr = f"{fn}({acc}) > 0"
+        elif dt.kind == "f":
+            expr = cast(f"{fn}({acc})", dt)
+        else:
+            expr = cast(f"{fn}({acc})", dt)
+        self.post.setdefault(st, []).append(f"{res} = {expr}")
+        return res
+
+    # ---------------------------------------------------------------- the program
+    def plan_carries(self, carry_in: dict, carry_out: dict, sequential_hint: bool):
+        for k, vin in carry_in.items():
+            vout = carry_out[k]
+            shape = vin.shape
+            if vout is vin:
+                self.carries[k] = CarryPlan("same", self.add_param(f"c{k}", "carry", k))
+                continue
+            if (not shape and vin.dtype.kind in "iu" and isinstance(vout, Var) and vout.eqn is not None
+                    and vout.eqn.prim in ("add", "sub") and vout.eqn.ins[0] is vin
+                    and isinstance(vout.eqn.ins[1], Lit)):
+                c = int(vout.eqn.ins[1].value)
+                self.carries[k] = CarryPlan("count", self.add_param(f"c{k}", "count", k),
+                                            step=c if vout.eqn.prim == "add" else -c)
+                continue
+            if (shape and vin.uses == 1 and isinstance(vout, Var) and vout.eqn is not None and vout.uses == 1
+                    and vout.eqn.ins[0] is vin and vout.eqn.prim in ("scatter", "dynamic_update_slice")
+                    and self.dynamic_window(vout.eqn) is not None):
+                self.carries[k] = CarryPlan("inplace", self.add_param(f"c{k}", "carry", k))
+                continue
+            a = self.add_param(f"c{k}", "carry", k)
+            b = self.add_param(f"c{k}n", "carry_next", k)
+            self.carries[k] = CarryPlan("pair", a, b)
+
+    def dynamic_window(self, e: Eqn):
+        """(start index atoms per operand dim, update var) of a scatter/dynamic_update_slice
+        that writes one window whose start is a scalar expression, or None."""
+        if e.prim == "dynamic_update_slice":
+            return list(e.ins[2:]), e.ins[1], "clamp"
+        dn = e.params["dimension_numbers"]
+        op, ind, upd = e.ins
+        if getattr(dn, "operand_batching_dims", ()) or ind.shape != (len(dn.scatter_dims_to_operand_dims),):
+            return None
+        if e.params.get("update_jaxpr") is not None and e.prim == "scatter":
+            pass
+        starts = [None] * len(op.shape)
+        for pos, d in enumerate(dn.scatter_dims_to_operand_dims):
+            starts[d] = ("ind", ind, pos)
+        return starts, upd, "drop"
+
+    def reachable_reductions(self, roots):
+        seen, order, stack = set(), [], [r for r in roots if isinstance(r, Var)]
+        while stack:
+            v = stack.pop()
+            if v in seen:
+                continue
+            seen.add(v)
+            if v.eqn is not None:
+                e = v.eqn
+                if not v.shape and e.ins and isinstance(e.ins[0], Var) and e.ins[0].shape and (
+                        e.prim in REDUCTIONS or e.prim == "dot_general"):
+                    order.append(v)
+                stack += [x for x in e.ins if isinstance(x, Var)]
+        return sorted(order, key=self.stage)
+
+    def build(self, carry_in, carry_out, xs_in, ys_out, cond, consts) -> StepPlan:
+        self.check_dtypes()
+        self.x_names = {}
+        for k in sorted(xs_in):
+            self.x_names[k] = self.add_param(f"x{k}", "x", k)
+        self.plan_carries(carry_in, carry_out, False)
+        self.y_names = {k: self.add_param(f"y{k}", "y", k) for k in sorted(ys_out)}
+        for i, (v, val) in enumerate(consts):
+            name = f"g{i}"
+            self.const_names[v] = self.add_param(name, "const" if v.shape else "const_scalar", i)
+        self.add_param("lo_", "lo")
+        # every whole-array reduction first (their loops must exist before loops are rendered)
+        for v in self.reachable_reductions(list(carry_out.values()) + list(ys_out.values()) + [cond]):
+            self.S(v)
+        # the carries
+        for k, plan in self.carries.items():
+            vout = carry_out[k]
+            vin = carry_in[k]
+            shape = vin.shape
+            if plan.kind in ("same", "count"):
+                continue
+            if not shape:
+                val = self.S(vout) if isinstance(vout, Var) else literal(vout.value, vin.dtype)
+                self.final.append((plan, "[0]", val, self.stage(vout)))
+                continue
+            if plan.kind == "inplace":
+                self.inplace_store(plan, vout.eqn)
+                continue
+            if isinstance(vout, Lit):
+                val = Var(shape, vin.dtype, False, -1)   # pragma: no cover - literals are scalars
+            windows = self.identity_windows(vout, vin)
+            st = self.stage(vout)
+            boxes = windows if windows is not None else [tuple((0, n) for n in shape)]
+            for box in boxes:
+                self.add_item(st, shape, Item("store", vout, box, target=plan.next_name,
+                                              index=lambda ix: [i.expr for i in ix]))
+        for k, v in ys_out.items():
+            name = self.y_names[k]
+            if not v.shape:
+                val = self.S(v) if isinstance(v, Var) else literal(v.value, v.dtype)
+                self.final.append((None, f"{name}[{self.scan_pos()}]", val, self.stage(v)))
+                continue
+            pos = self.scan_pos()
+            self.add_item(self.stage(v), v.shape, Item("store", v, tuple((0, n) for n in v.shape), target=name,
+                                                         index=lambda ix, pos=pos: [pos] + [i.expr for i in ix]))
+        cond_text = None
+        if cond is not None:
+            cond_text = self.S(cond) if isinstance(cond, Var) else literal(cond.value, BOOL)
+        return self.render(cond_text, cond)
+
+    def identity_windows(self, vout, vin):
+        """The static boxes outside which ``vout`` equals ``vin`` (a chain of scatters with
+        constant indices onto ``vin``), or None."""
+        boxes = []
+        v = vout
+        while isinstance(v, Var) and v is not vin:
+            e = v.eqn
+            if e is None or e.prim not in ("scatter", "scatter-add", "scatter_add", "dynamic_update_slice"):
+                return None
+            if v is not vout and v.uses != 1:
+                return None
+            w = self.static_window(e)
+            if w is None:
+                return None
+            boxes.append(w)
+            v = e.ins[0]
+        if v is not vin or not boxes:
+            return None
+        return boxes
+
+    def static_window(self, e: Eqn):
+        """The box a scatter/dynamic_update_slice with constant start indices writes, or None
+        (dynamic start, or a window that is dropped)."""
+        r = self.dynamic_window(e)
+        if r is None:
+            return None
+        starts, upd, mode = r
+        op = e.ins[0]
+        sizes = self.window_sizes(e, op, upd)
+        box = []
+        for d, n in enumerate(op.shape):
+            s = starts[d]
+            if s is None:
+                st = 0
+            else:
+                c = self.const_int(s)
+                if c is None:
+                    return None
+                st = c
+            if mode == "clamp":
+                st = min(max(st, 0), n - sizes[d])
+            elif st < 0 or st + sizes[d] > n:
+                return None
+            box.append((st, st + sizes[d]))
+        return tuple(box)
+
+    def window_sizes(self, e, op, upd):
+        if e.prim == "dynamic_update_slice":
+            return list(upd.shape)
+        dn = e.params["dimension_numbers"]
+        sizes = [1] * len(op.shape)
+        rest = [d for d in range(len(op.shape)) if d not in dn.inserted_window_dims]
+        if len(rest) != len(dn.update_window_dims):
+            self.unsupported(e, "scatter layout")
+        for d, ud in zip(rest, dn.update_window_dims):
+            sizes[d] = upd.shape[ud]
+        return sizes
+
+    def const_int(self, s):
+        """The value of a start index given as an atom or ("ind", indices var, position), if constant."""
+        if isinstance(s, tuple):
+            _, ind, pos = s
+            vals = self.const_value(ind)
+            return None if vals is None else int(np.asarray(vals).reshape(-1)[pos])
+        v = self.const_value(s)
+        return None if v is None else int(v)
+
+    def const_value(self, a, depth=0):
+        if isinstance(a, Lit):
+            return a.value
+        if not isinstance(a, Var) or a.eqn is None or depth > 8 or a.size > 64:
+            return None
+        e = a.eqn
+        vals = [self.const_value(x, depth + 1) for x in e.ins]
+        if any(v is None for v in vals):
+            return None
+        p = e.params
+        try:
+            if e.prim == "broadcast_in_dim":
+                return np.broadcast_to(np.asarray(vals[0]).reshape(
+                    [a.shape[d] if d in p["broadcast_dimensions"] and np.ndim(vals[0]) else 1
+                     for d in range(len(a.shape))]), a.shape).astype(a.dtype)
+            if e.prim == "concatenate":
+                return np.concatenate([np.atleast_1d(v) for v in vals], axis=p["dimension"]).astype(a.dtype)
+            if e.prim in ("convert_element_type", "reshape", "squeeze", "copy", "copy_p"):
+                return np.asarray(vals[0]).astype(a.dtype).reshape(a.shape)
+            if e.prim in ("add", "sub", "mul"):
+                f = {"add": np.add, "sub": np.subtract, "mul": np.multiply}[e.prim]
+                return f(vals[0], vals[1]).astype(a.dtype)
+        except Exception:
+            return None
+        return None
+
+    def scatter_index(self, s, B) -> str:
+        """The text of a (possibly dynamic) start index, computed at the top of the step."""
+        if isinstance(s, tuple):
+            _, ind, pos = s
+            c = self.const_value(ind)
+            if c is not None:
+                return str(int(np.asarray(c).reshape(-1)[pos]))
+            return self.E(ind, (const_ix(pos),), None, B)
+        return self.S(s)
+
+    def inplace_store(self, plan: CarryPlan, e: Eqn):
+        starts, upd, mode = self.dynamic_window(e)
+        op = e.ins[0]
+        sizes = self.window_sizes(e, op, upd)
+        st = max(self.stage(upd), max([self.stage(s if not isinstance(s, tuple) else s[1]) for s in starts
+                                         if s is not None] or [0]))
+        T = self.top(st)
+        names, conds = [], []
+        for d, n in enumerate(op.shape):
+            s = starts[d]
+            if s is None:
+                names.append("0")
+                continue
+            text = self.scatter_index(s, T)
+            nm = self.fresh("p")
+            if mode == "clamp":
+                T.lines.append(f"{nm} = min(max(int({text}), 0), {n - sizes[d]})")
+            else:
+                T.lines.append(f"{nm} = int({text})")
+                conds.append(f"0 <= {nm} <= {n - sizes[d]}")
+            names.append(nm)
+        guard = " and ".join(conds) if conds else None
+        if e.prim == "dynamic_update_slice":
+            umap = list(range(len(op.shape)))
+        else:
+            dn = e.params["dimension_numbers"]
+            rest = [d for d in range(len(op.shape)) if d not in dn.inserted_window_dims]
+            umap = [None] * len(op.shape)
+            for d, ud in zip(rest, dn.update_window_dims):
+                umap[d] = ud
+        add = e.prim in ("scatter-add", "scatter_add")
+        if not upd.shape:
+            val = self.S(upd) if isinstance(upd, Var) else literal(upd.value, upd.dtype)
+            target = f"{plan.name}[{', '.join(names)}]"
+            if add:
+                val = f"{target} + {val}"
+            self.final.append((None, target, val, st, guard))
+            return
+
+        def index(ix, names=names, umap=umap, nd=len(op.shape)):
+            out = []
+            for d in range(nd):
+                out.append(names[d] if umap[d] is None else (ix[umap[d]].expr if names[d] == "0"
+                                                              else f"{names[d]} + {ix[umap[d]].expr}"))
+            return out
+        if add:
+            self.unsupported(e, "an in-place scatter-add of an array")
+        self.add_item(st, upd.shape, Item("store", upd, tuple((0, n) for n in upd.shape), target=plan.name,
+                                            index=index, op=guard or ""))
+
+    # ---------------------------------------------------------------- rendering
+    def render(self, cond_text, cond) -> StepPlan:
+        # generate the loops, stage by stage (new items can appear while generating: not here,
+        # every item was registered by build)
+        for L in list(self.loops):
+            nd = len(L.space)
+            boxes = [it.box for it in L.items]
+            L.box = tuple((min(b[d][0] for b in boxes), max(b[d][1] for b in boxes)) for d in range(nd))
+            li = self.fresh("i")
+            L.names = tuple(f"{li}_{d}" for d in range(nd))
+            L.body = Block(L.stage, "        ", loop=L)
+            ix = tuple(Ix(n, 0, lo, hi - 1) for n, (lo, hi) in zip(L.names, L.box))
+            for it in L.items:
+                if it.kind == "reduce":
+                    if isinstance(it.atom, tuple):   # a full dot
+                        _, x, y, lc, rc = it.atom
+                        xi = [None] * len(x.shape)
+                        yi = [None] * len(y.shape)
+                        for p, (a, b) in enumerate(zip(lc, rc)):
+                            xi[a] = ix[p]
+                            yi[b] = ix[p]
+                        dt = x.dtype
+                        val = self.mul_text(self.E(x, tuple(xi), None, L.body), self.E(y, tuple(yi), None, L.body),
+                                            dt)
+                    else:
+                        val = self.E(it.atom, ix, None, L.body)
+                    L.body.lines.append(self.accumulate(it, val))
+                    continue
+                val = self.E(it.atom, ix, None, L.body)
+                guard = [range_cond(i, lo, hi) for i, (lo, hi) in zip(ix, it.box)]
+                guard = [g for g in guard if g is not True]
+                if it.op:
+                    guard.append(it.op)
+                store = f"{it.target}[{', '.join(it.index(ix))}] = {val}"
+                if any(g is False for g in guard):
+                    continue
+                if guard:
+                    L.body.lines.append(f"if {' and '.join(guard)}:")
+                    L.body.lines.append("    " + store)
+                else:
+                    L.body.lines.append(store)
+        sequential = not self.loops and (cond is None or not self._varying(cond_text))
+        out = [f"def {self.name}({', '.join(['t'] + [p[0] for p in self.params])}):"]
+        stages = sorted(set(self.pre) | {L.stage for L in self.loops} | set(self.post) |
+                        {f[3] for f in self.final})
+        # finals (single-thread stores at the end): scalar carries, scalar ys, in-place stores
+        for s in stages:
+            if s in self.pre:
+                out += ["    " + ln for ln in self.pre[s].lines]
+            for L in self.loops:
+                if L.stage != s:
+                    continue
+                if len(L.names) == 1:
+                    (lo, hi), = L.box
+                    out.append(f"    for {L.names[0]} in lk.range({lo}, {hi}):" if lo else
+                               f"    for {L.names[0]} in lk.range({hi}):")
+                else:
+                    dims = ", ".join(f"({lo}, {hi})" if lo else f"{hi}" for lo, hi in L.box)
+                    out.append(f"    for {', '.join(L.names)} in lk.grid({dims}):")
+                body = L.body.lines or ["pass"]
+                out += ["        " + ln for ln in body]
+            out += ["    " + ln for ln in self.post.get(s, [])]
+        finals = []
+        for f in self.final:
+            plan, target, val = f[0], f[1], f[2]
+            guard = f[4] if len(f) > 4 else None
+            if plan is not None:     # a scalar carry
+                target = f"{(plan.name if sequential or plan.kind != 'pair' else plan.next_name)}{target}"
+            line = f"{target} = {val}"
+            finals.append(line if guard is None else f"if {guard}:\n    {line}")
+        if finals:
+            if sequential:
+                out += ["    " + ln for f in finals for ln in f.split("\n")]
+            else:
+                out.append("    for q_ in lk.range(1):")
+                out += ["        " + ln for f in finals for ln in f.split("\n")]
+        if cond_text is not None:
+            if self._varying(cond_text):
+                out.append(f"    return lk.max(1 if {cond_text} else 0) > 0")
+            else:
+                out.append(f"    return {cond_text}")
+        if len(out) == 1:
+            out.append("    pass")
+        swap = []
+        if not sequential:
+            swap = [(p.name, p.next_name) for p in self.carries.values() if p.kind == "pair"]
+        else:
+            # one thread: scalar carries are updated in place
+            for k, p in self.carries.items():
+                if p.kind == "pair" and not self.param_shape(k):
+                    p.kind = "inplace"
+            swap = [(p.name, p.next_name) for p in self.carries.values() if p.kind == "pair"]
+            self.params = [q for q in self.params if not (q[1] == "carry_next" and self.carries[q[2]].kind == "inplace")]
+            out[0] = f"def {self.name}({', '.join(['t'] + [p[0] for p in self.params])}):"
+        source = "\n".join(out) + "\n"
+        return StepPlan(source, self.name, self.params, swap, [self.carries[k] for k in sorted(self.carries)],
+                        cond is not None, sequential)
+
+    def param_shape(self, k):
+        for v, r in self.input_role.items():
+            if r == ("carry", k):
+                return v.shape
+        return ()
+
+    def _varying(self, text: str) -> bool:
+        import re
+        names = set(re.findall(r"[A-Za-z_][A-Za-z_0-9]*", text))
+        return bool(names & self.load_vars) or "[" in text
+
+    def accumulate(self, it: Item, val: str) -> str:
+        a = it.acc
+        if it.op == "sum":
+            return f"{a} = {a} + {val}"
+        if it.op in ("or", "and"):
+            return f"{a} = max({a}, 1 if {val} else 0)" if it.op == "or" else f"{a} = min({a}, 1 if {val} else 0)"
+        if self._acc_float(it):
+            return f"{a} = jl_f{it.op}({a}, {val})"
+        return f"{a} = {it.op}({a}, {val})"
+
+    def _acc_float(self, it):
+        a = it.atom
+        dt = a[1].dtype if isinstance(a, tuple) else a.dtype
+        return dt.kind == "f"
+
+    def mul_text(self, x, y, dt):
+        return _arith("*", x, y, dt)
+
+
+def _trivial(text: str) -> bool:
+    return text.replace("_", "").isalnum() or (text.startswith("np.") and text.count("(") == 1
+                                                and text.endswith(")") and " " not in text)
+
+
+def _arith(op, x, y, dt):
+    dt = np.dtype(dt)
+    t = f"({x} {op} {y})"
+    if dt.kind in "iu" and dt != np.dtype(np.int64):
+        return cast(t, dt)
+    if dt == BOOL:
+        return f"bool({t})"
+    return t
+
+
+# ----------------------------------------------------------------------------- rules
+RULES = {}
+
+
+def rule(*names):
+    def deco(f):
+        for n in names:
+            RULES[n] = f
+        return f
+    return deco
+
+
+def _args(L: Lowering, e, idx, ctx, B):
+    """The operands at ``idx`` (scalars at no index)."""
+    return [L.E(a, idx if a.shape else (), ctx, B) for a in e.ins]
+
+
+BINOPS = {"add": "+", "sub": "-", "mul": "*"}
+
+
+@rule("add", "sub", "mul")
+def _binop(L, e, out, idx, ctx, B):
+    x, y = _args(L, e, idx, ctx, B)
+    return _arith(BINOPS[e.prim], x, y, out.dtype)
+
+
+@rule("div")
+def _div(L, e, out, idx, ctx, B):
+    x, y = _args(L, e, idx, ctx, B)
+    dt = out.dtype
+    if dt.kind == "f":
+        b = e.ins[1]
+        if isinstance(b, Lit) and float(b.value) != 0.0:
+            return f"({x} / {y})"
+        return f"jl_fdiv{dt.itemsize * 8}({x}, {y})"
+    return cast(f"jl_idiv({x}, {y})", dt)
+
+
+@rule("rem")
+def _rem(L, e, out, idx, ctx, B):
+    x, y = _args(L, e, idx, ctx, B)
+    dt = out.dtype
+    if dt.kind == "f":
+        return cast(f"math.fmod({x}, {y})", dt)
+    return cast(f"jl_irem({x}, {y})", dt)
+
+
+@rule("max", "min")
+def _maxmin(L, e, out, idx, ctx, B):
+    x, y = _args(L, e, idx, ctx, B)
+    dt = out.dtype
+    if dt.kind == "f":
+        return f"jl_f{e.prim}({x}, {y})"
+    if dt == BOOL:
+        return f"({x} or {y})" if e.prim == "max" else f"({x} and {y})"
+    return cast(f"{e.prim}({x}, {y})", dt)
+
+
+@rule("neg")
+def _neg(L, e, out, idx, ctx, B):
+    x, = _args(L, e, idx, ctx, B)
+    return f"(-{x})" if out.dtype.kind == "f" else cast(f"-{x}", out.dtype)
+
+
+@rule("abs")
+def _abs(L, e, out, idx, ctx, B):
+    x, = _args(L, e, idx, ctx, B)
+    return f"abs({x})" if out.dtype.kind == "f" else cast(f"abs({x})", out.dtype)
+
+
+@rule("sign")
+def _sign(L, e, out, idx, ctx, B):
+    x, = _args(L, e, idx, ctx, B)
+    return cast(f"jl_sign({x})", out.dtype)
+
+
+MATH1 = {"exp": "math.exp", "log": "math.log", "sin": "math.sin", "cos": "math.cos", "tan": "math.tan",
+         "tanh": "math.tanh", "sqrt": "math.sqrt", "log1p": "math.log1p", "expm1": "math.expm1",
+         "asin": "math.asin", "acos": "math.acos", "atan": "math.atan", "sinh": "math.sinh", "cosh": "math.cosh",
+         "asinh": "math.asinh", "acosh": "math.acosh", "atanh": "math.atanh", "erf": "math.erf",
+         "erfc": "math.erfc", "floor": "math.floor", "ceil": "math.ceil", "lgamma": "math.lgamma"}
+
+
+@rule(*MATH1)
+def _math1(L, e, out, idx, ctx, B):
+    x, = _args(L, e, idx, ctx, B)
+    return cast(f"{MATH1[e.prim]}({x})", out.dtype)
+
+
+@rule("rsqrt")
+def _rsqrt(L, e, out, idx, ctx, B):
+    x, = _args(L, e, idx, ctx, B)
+    one = literal(1, out.dtype)
+    return cast(f"{one} / math.sqrt({x})", out.dtype)
+
+
+@rule("logistic")
+def _logistic(L, e, out, idx, ctx, B):
+    x, = _args(L, e, idx, ctx, B)
+    one = literal(1, out.dtype)
+    return cast(f"{one} / ({one} + math.exp(-{x}))", out.dtype)
+
+
+@rule("square")
+def _square(L, e, out, idx, ctx, B):
+    x, = _args(L, e, idx, ctx, B)
+    return _arith("*", x, x, out.dtype)
+
+
+@rule("atan2", "pow", "nextafter")
+def _math2(L, e, out, idx, ctx, B):
+    x, y = _args(L, e, idx, ctx, B)
+    if e.prim == "pow":
+        if e.ins[1].dtype.kind != "f":
+            L.unsupported(e, "an integer exponent array")
+        return cast(f"({x} ** {y})", out.dtype)
+    if e.prim == "nextafter":
+        L.unsupported(e)
+    return cast(f"math.atan2({x}, {y})", out.dtype)
+
+
+@rule("integer_pow")
+def _ipow(L, e, out, idx, ctx, B):
+    x, = _args(L, e, idx, ctx, B)
+    y = int(e.params["y"])
+    n = abs(y)
+    if n > 16:
+        L.unsupported(e, "an exponent above 16")
+    if n == 0:
+        return literal(1, out.dtype)
+    # binary exponentiation, as XLA expands it
+    acc, base, k = None, x, n
+    while True:
+        if k & 1:
+            acc = base if acc is None else _arith("*", acc, base, out.dtype)
+        k >>= 1
+        if not k:
+            break
+        base = _arith("*", base, base, out.dtype)
+    if y < 0:
+        return cast(f"{literal(1, out.dtype)} / {acc}", out.dtype) if out.dtype.kind == "f" else L.unsupported(e)
+    return acc
+
+
+CMP = {"eq": "==", "ne": "!=", "lt": "<", "le": "<=", "gt": ">", "ge": ">="}
+
+
+@rule(*CMP)
+def _cmp(L, e, out, idx, ctx, B):
+    x, y = _args(L, e, idx, ctx, B)
+    return f"({x} {CMP[e.prim]} {y})"
+
+
+@rule("and", "or", "xor")
+def _logic(L, e, out, idx, ctx, B):
+    x, y = _args(L, e, idx, ctx, B)
+    op = {"and": "&", "or": "|", "xor": "^"}[e.prim]
+    if out.dtype == BOOL:
+        return f"bool({x} {op} {y})"
+    return cast(f"{x} {op} {y}", out.dtype)
+
+
+@rule("not")
+def _not(L, e, out, idx, ctx, B):
+    x, = _args(L, e, idx, ctx, B)
+    return f"(not {x})" if out.dtype == BOOL else cast(f"~{x}", out.dtype)
+
+
+@rule("is_finite")
+def _isfinite(L, e, out, idx, ctx, B):
+    x, = _args(L, e, idx, ctx, B)
+    return f"math.isfinite({x})"
+
+
+@rule("convert_element_type")
+def _convert(L, e, out, idx, ctx, B):
+    x, = _args(L, e, idx, ctx, B)
+    src, dt = e.ins[0].dtype, out.dtype
+    if src == dt:
+        return x
+    if dt == BOOL:
+        return f"({x} != 0)"
+    if src.kind == "f" and dt.kind in "iu":
+        # JAX: NaN -> 0, out of range saturates; in range truncates toward zero
+        info = np.iinfo(dt)
+        return (f"({literal(0, dt)} if {x} != {x} else ({literal(info.max, dt)} if {x} >= {float(info.max)} else "
+                f"({literal(info.min, dt)} if {x} <= {float(info.min)} else {cast(x, dt)})))")
+    return cast(x, dt)
+
+
+@rule("copy", "copy_p", "optimization_barrier", "reduce_precision_noop")
+def _copy(L, e, out, idx, ctx, B):
+    return L.E(e.ins[0], idx, ctx, B)
+
+
+@rule("select_n")
+def _select(L, e, out, idx, ctx, B):
+    pred = e.ins[0]
+    p = L.E(pred, idx if pred.shape else (), ctx, B)
+    cases = e.ins[1:]
+    if pred.dtype == BOOL:
+        if len(cases) != 2:
+            L.unsupported(e)
+        a = L.E(cases[0], idx if cases[0].shape else (), ctx, B)
+        b = L.E(cases[1], idx if cases[1].shape else (), ctx, B)
+        return f"({b} if {p} else {a})"
+    texts = [L.E(c, idx if c.shape else (), ctx, B) for c in cases]
+    out_t = texts[-1]
+    for k in range(len(texts) - 2, -1, -1):
+        out_t = f"({texts[k]} if {p} == {k} else {out_t})"
+    return out_t
+
+
+@rule("clamp")
+def _clamp(L, e, out, idx, ctx, B):
+    lo, x, hi = _args(L, e, idx, ctx, B)
+    if out.dtype.kind == "f":
+        return f"jl_fmin(jl_fmax({x}, {lo}), {hi})"
+    return cast(f"min(max({x}, {lo}), {hi})", out.dtype)
+
+
+@rule("iota")
+def _iota(L, e, out, idx, ctx, B):
+    d = e.params["dimension"]
+    return cast(idx[d].expr, out.dtype)
+
+
+@rule("broadcast_in_dim")
+def _bcast(L, e, out, idx, ctx, B):
+    x = e.ins[0]
+    if not x.shape:
+        return L.E(x, (), ctx, B)
+    dims = e.params["broadcast_dimensions"]
+    sub = tuple(const_ix(0) if x.shape[k] == 1 and out.shape[d] != 1 else idx[d] for k, d in enumerate(dims))
+    return L.E(x, sub, ctx, B)
+
+
+@rule("reshape")
+def _reshape(L, e, out, idx, ctx, B):
+    x = e.ins[0]
+    if e.params.get("dimensions") not in (None, ()):
+        L.unsupported(e, "reshape with dimensions")
+    if not x.shape:
+        return L.E(x, (), ctx, B)
+    # only size-1 dimensions added or removed: map the others one to one
+    a = [(d, n) for d, n in enumerate(out.shape) if n != 1]
+    b = [(d, n) for d, n in enumerate(x.shape) if n != 1]
+    if [n for _, n in a] == [n for _, n in b]:
+        sub = [const_ix(0)] * len(x.shape)
+        for (da, _), (db, _) in zip(a, b):
+            sub[db] = idx[da]
+        return L.E(x, tuple(sub), ctx, B)
+    # general: through the flat index (row-major)
+    flat, stride = [], 1
+    for d in range(len(out.shape) - 1, -1, -1):
+        flat.append(f"({idx[d].expr}) * {stride}" if stride != 1 else f"({idx[d].expr})")
+        stride *= out.shape[d]
+    f = " + ".join(reversed(flat))
+    sub, stride = [], 1
+    strides = []
+    for d in range(len(x.shape) - 1, -1, -1):
+        strides.append(stride)
+        stride *= x.shape[d]
+    strides.reverse()
+    for d, n in enumerate(x.shape):
+        sub.append(opaque(f"(({f}) // {strides[d]}) % {n}", 0, n - 1))
+    return L.E(x, tuple(sub), ctx, B)
+
+
+@rule("squeeze")
+def _squeeze(L, e, out, idx, ctx, B):
+    x = e.ins[0]
+    dims = set(d % len(x.shape) for d in e.params["dimensions"])
+    sub, k = [], 0
+    for d in range(len(x.shape)):
+        if d in dims:
+            sub.append(const_ix(0))
+        else:
+            sub.append(idx[k])
+            k += 1
+    return L.E(x, tuple(sub), ctx, B)
+
+
+@rule("expand_dims")
+def _expand(L, e, out, idx, ctx, B):   # pragma: no cover - JAX emits broadcast_in_dim/reshape
+    L.unsupported(e)
+
+
+@rule("transpose")
+def _transpose(L, e, out, idx, ctx, B):
+    perm = e.params["permutation"]
+    sub = [None] * len(perm)
+    for d, p in enumerate(perm):
+        sub[p] = idx[d]
+    return L.E(e.ins[0], tuple(sub), ctx, B)
+
+
+@rule("rev")
+def _rev(L, e, out, idx, ctx, B):
+    x = e.ins[0]
+    dims = set(e.params["dimensions"])
+    sub = []
+    for d, i in enumerate(idx):
+        if d in dims:
+            n = x.shape[d]
+            if i.text is None and i.base is None:
+                sub.append(const_ix(n - 1 - i.off))
+            else:
+                sub.append(opaque(f"{n - 1} - ({i.expr})", n - 1 - i.hi, n - 1 - i.lo))
+        else:
+            sub.append(i)
+    return L.E(x, tuple(sub), ctx, B)
+
+
+@rule("slice")
+def _slice(L, e, out, idx, ctx, B):
+    starts = e.params["start_indices"]
+    strides = e.params.get("strides") or (1,) * len(starts)
+    sub = []
+    for i, s, st in zip(idx, starts, strides):
+        if st == 1:
+            sub.append(i.shift(int(s)))
+        else:
+            sub.append(opaque(f"{int(s)} + {int(st)} * ({i.expr})", int(s) + int(st) * i.lo, int(s) + int(st) * i.hi))
+    return L.E(e.ins[0], tuple(sub), ctx, B)
+
+
+def _and_ctx(ctx, cond):
+    return cond if ctx is None else f"{ctx} and {cond}"
+
+
+@rule("pad")
+def _pad(L, e, out, idx, ctx, B):
+    x, pv = e.ins
+    cfg = e.params["padding_config"]
+    sub, conds = [], []
+    for i, (lo, hi, interior), n in zip(idx, cfg, x.shape):
+        if int(interior) != 0:
+            L.unsupported(e, "interior padding")
+        j = i.shift(-int(lo))
+        c = range_cond(j, 0, n)
+        if c is False:
+            return L.E(pv, (), ctx, B)
+        if c is not True:
+            conds.append(c)
+            j = j.narrow(0, n - 1)
+        sub.append(j)
+    if not conds:
+        return L.E(x, tuple(sub), ctx, B)
+    cond = " and ".join(conds)
+    inner = L.E(x, tuple(sub), _and_ctx(ctx, cond), B)
+    return f"({inner} if {cond} else {L.E(pv, (), ctx, B)})"
+
+
+@rule("concatenate")
+def _concat(L, e, out, idx, ctx, B):
+    d = e.params["dimension"]
+    i = idx[d]
+    pieces, off = [], 0
+    for x in e.ins:
+        n = x.shape[d]
+        j = i.shift(-off)
+        c = range_cond(j, 0, n)
+        if c is not False:
+            pieces.append((x, j.narrow(0, n - 1), c, off, n))
+        off += n
+    if len(pieces) == 1:
+        x, j, c, _, _ = pieces[0]
+        return L.E(x, idx[:d] + (j,) + idx[d + 1:], ctx, B)
+    # nested: the first piece if i is below its end, else the rest
+    text = None
+    for x, j, c, start, n in reversed(pieces):
+        sub = idx[:d] + (j,) + idx[d + 1:]
+        inner_ctx = ctx if c is True else _and_ctx(ctx, c)
+        if text is None:
+            text = L.E(x, sub, inner_ctx, B)
+        else:
+            text = f"({L.E(x, sub, inner_ctx, B)} if {i.expr} < {start + n} else {text})"
+    return text
+
+
+@rule("dynamic_slice")
+def _dslice(L, e, out, idx, ctx, B):
+    x = e.ins[0]
+    sizes = e.params["slice_sizes"]
+    sub = []
+    for d, (i, s) in enumerate(zip(idx, e.ins[1:])):
+        n = x.shape[d]
+        c = L.const_value(s)
+        if c is not None:
+            st = min(max(int(c), 0), n - sizes[d])
+            sub.append(i.shift(st))
+            continue
+        st = L.S(s)
+        start = f"min(max(int({st}), 0), {n - sizes[d]})"
+        sub.append(opaque(f"{start} + {i.expr}" if i.expr != "0" else start, 0, n - 1))
+    return L.E(x, tuple(sub), ctx, B)
+
+
+@rule("dynamic_update_slice")
+def _dus(L, e, out, idx, ctx, B):
+    x, upd = e.ins[0], e.ins[1]
+    conds, sub = [], []
+    for d, (i, s) in enumerate(zip(idx, e.ins[2:])):
+        n, m = x.shape[d], upd.shape[d]
+        c = L.const_value(s)
+        if c is not None:
+            st = min(max(int(c), 0), n - m)
+            j = i.shift(-st)
+            rc = range_cond(j, 0, m)
+            if rc is False:
+                return L.E(x, idx, ctx, B)
+            if rc is not True:
+                conds.append(rc)
+            sub.append(j.narrow(0, m - 1))
+            continue
+        st = L.S(s)
+        start = f"min(max(int({st}), 0), {n - m})"
+        j = opaque(f"{i.expr} - {start}", 0, m - 1)
+        conds.append(f"0 <= {i.expr} - {start} < {m}")
+        sub.append(j)
+    if not conds:
+        return L.E(upd, tuple(sub), ctx, B)
+    cond = " and ".join(conds)
+    return f"({L.E(upd, tuple(sub), _and_ctx(ctx, cond), B)} if {cond} else {L.E(x, idx, ctx, B)})"
+
+
+@rule("scatter", "scatter-add", "scatter_add")
+def _scatter(L, e, out, idx, ctx, B):
+    r = L.dynamic_window(e)
+    if r is None:
+        L.unsupported(e, "a scatter of more than one window (indices of one index vector only)")
+    if e.params.get("mode") is not None and "CLIP" in str(e.params.get("mode")):
+        L.unsupported(e, "mode=clip")
+    starts, upd, mode = r
+    x = e.ins[0]
+    sizes = L.window_sizes(e, x, upd)
+    dn = e.params["dimension_numbers"]
+    rest = [d for d in range(len(x.shape)) if d not in dn.inserted_window_dims]
+    umap = [None] * len(x.shape)
+    for d, ud in zip(rest, dn.update_window_dims):
+        umap[d] = ud
+    conds, usub = [], [None] * len(upd.shape)
+    dyn_ok = []
+    for d, i in enumerate(idx):
+        n, m = x.shape[d], sizes[d]
+        s = starts[d]
+        c = 0 if s is None else L.const_int(s)
+        if c is not None:
+            if c < 0 or c + m > n:       # the whole window is dropped
+                return L.E(x, idx, ctx, B)
+            j = i.shift(-c)
+            rc = range_cond(j, 0, m)
+            if rc is False:
+                return L.E(x, idx, ctx, B)
+            if rc is not True:
+                conds.append(rc)
+            j = j.narrow(0, m - 1)
+        else:
+            st = L.scatter_index(s, L.top(L.stage(out)) if B.loop is not None else B)
+            nm = L.fresh("p")
+            T = L.top(L.stage(out)) if B.loop is not None else B
+            T.lines.append(f"{nm} = int({st})")
+            dyn_ok.append(f"0 <= {nm} <= {n - m}")
+            j = opaque(f"{i.expr} - {nm}", 0, m - 1)
+            conds.append(f"0 <= {i.expr} - {nm} < {m}")
+        if umap[d] is not None:
+            usub[umap[d]] = j
+    cond = " and ".join(dyn_ok + conds) if (dyn_ok or conds) else None
+    inner_ctx = ctx if cond is None else _and_ctx(ctx, cond)
+    u = L.E(upd, tuple(usub), inner_ctx, B) if upd.shape else L.E(upd, (), inner_ctx, B)
+    if e.prim != "scatter":
+        u = _arith("+", L.E(x, idx, inner_ctx, B), u, out.dtype)
+    if cond is None:
+        return u
+    return f"({u} if {cond} else {L.E(x, idx, ctx, B)})"
+
+
+REDUCTIONS = ("reduce_sum", "reduce_max", "reduce_min", "reduce_or", "reduce_and")
+
+
+def _partial_reduce(L, e, out, idx, ctx, B):
+    """A reduction over some axes: a sequential loop per element."""
+    x = e.ins[0]
+    axes = sorted(e.params["axes"])
+    op = e.prim[len("reduce_"):]
+    if not out.shape or B.loop is None and out.shape:
+        pass
+    dt = out.dtype
+    acc = L.fresh("q")
+    if op == "sum":
+        init = zero(dt)
+    elif op in ("max", "min"):
+        init = literal(-np.inf if op == "max" else np.inf, dt) if dt.kind == "f" else (
+            literal(np.iinfo(dt).min if op == "max" else np.iinfo(dt).max, dt) if dt.kind in "iu" else
+            ("False" if op == "max" else "True"))
+    elif op == "or":
+        init = "False"
+    else:
+        init = "True"
+    loopvars = [L.fresh("r") for _ in axes]
+    sub, k = [], 0
+    for d in range(len(x.shape)):
+        if d in axes:
+            nm = loopvars[axes.index(d)]
+            sub.append(Ix(nm, 0, 0, x.shape[d] - 1))
+        else:
+            sub.append(idx[k])
+            k += 1
+    inner = Block(B.stage, B.indent, loop=B.loop)
+    val = L.E(x, tuple(sub), None, inner)
+    if op == "sum":
+        upd = f"{acc} = {_arith('+', acc, val, dt)}"
+    elif op in ("max", "min"):
+        upd = f"{acc} = jl_f{op}({acc}, {val})" if dt.kind == "f" else f"{acc} = {cast(f'{op}({acc}, {val})', dt)}"
+    elif op == "or":
+        upd = f"{acc} = {acc} or {val}"
+    else:
+        upd = f"{acc} = {acc} and {val}"
+    lines = [f"{acc} = {init}"]
+    body = inner.lines + [upd]
+    pad = ""
+    if ctx is not None:
+        lines.append(f"if {ctx}:")
+        pad = "    "
+    for n, d in enumerate(axes):
+        lines.append(pad + "    " * n + f"for {loopvars[n]} in range({x.shape[d]}):")
+    lines += [pad + "    " * len(axes) + ln for ln in body]
+    B.lines += lines
+    return acc
+
+
+for _r in REDUCTIONS:
+    RULES[_r] = _partial_reduce
+
+
+@rule("dot_general")
+def _dot(L, e, out, idx, ctx, B):
+    """A dot (matvec, matmul) to an array: a sequential sum over the contracted axes per element."""
+    (lc, rc), (lb, rb) = e.params["dimension_numbers"]
+    x, y = e.ins
+    pet = e.params.get("preferred_element_type")
+    if pet is not None and np.dtype(pet) != out.dtype:
+        L.unsupported(e, "preferred_element_type")
+    if x.dtype != out.dtype or y.dtype != out.dtype:
+        L.unsupported(e, "mixed dtypes")
+    # output dims: batch, then x's free dims, then y's free dims
+    xf = [d for d in range(len(x.shape)) if d not in lc and d not in lb]
+    yf = [d for d in range(len(y.shape)) if d not in rc and d not in rb]
+    xs, ys = [None] * len(x.shape), [None] * len(y.shape)
+    k = 0
+    for a, b in zip(lb, rb):
+        xs[a] = ys[b] = idx[k]
+        k += 1
+    for d in xf:
+        xs[d] = idx[k]
+        k += 1
+    for d in yf:
+        ys[d] = idx[k]
+        k += 1
+    loopvars = [L.fresh("r") for _ in lc]
+    for n, (a, b) in enumerate(zip(lc, rc)):
+        xs[a] = ys[b] = Ix(loopvars[n], 0, 0, x.shape[a] - 1)
+    dt = out.dtype
+    acc = L.fresh("q")
+    inner = Block(B.stage, B.indent, loop=B.loop)
+    val = _arith("*", L.E(x, tuple(xs), None, inner), L.E(y, tuple(ys), None, inner), dt)
+    lines = [f"{acc} = {zero(dt)}"]
+    pad = ""
+    if ctx is not None:
+        lines.append(f"if {ctx}:")
+        pad = "    "
+    for n, a in enumerate(lc):
+        lines.append(pad + "    " * n + f"for {loopvars[n]} in range({x.shape[a]}):")
+    lines += [pad + "    " * len(lc) + ln for ln in inner.lines + [f"{acc} = {_arith('+', acc, val, dt)}"]]
+    B.lines += lines
+    return acc

@@ -1,0 +1,192 @@
+"""Trace a JAX loop body to a flat program: every ``jit``/``pjit``, ``custom_jvp_call`` and
+``custom_vjp_call`` inlined, every value a :class:`Var` (shape, dtype, weak type, defining
+equation, use count) or a :class:`Lit` (a scalar constant).
+
+Only JAX is imported here (at call time); nothing is compiled.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+#: primitives whose sub-jaxpr is inlined (the parameter holding it)
+_CALLS = {"pjit": "jaxpr", "jit": "jaxpr", "closed_call": "call_jaxpr", "core_call": "call_jaxpr",
+          "custom_jvp_call": "call_jaxpr", "custom_vjp_call": "call_jaxpr",
+          "custom_vjp_call_jaxpr": "fun_jaxpr", "remat": "jaxpr", "checkpoint": "jaxpr",
+          "custom_lin": None}
+
+
+@dataclass(eq=False)
+class Var:
+    """One array value of the program."""
+    shape: tuple
+    dtype: np.dtype
+    weak: bool
+    id: int
+    eqn: "Eqn | None" = None
+    uses: int = 0
+
+    @property
+    def size(self):
+        return int(np.prod(self.shape, dtype=np.int64))
+
+    def __repr__(self):
+        return f"v{self.id}:{self.dtype}{list(self.shape)}"
+
+
+@dataclass(eq=False)
+class Lit:
+    """A scalar constant (a jaxpr literal, or a small concrete constant)."""
+    value: np.ndarray
+    shape: tuple = ()
+
+    @property
+    def dtype(self):
+        return self.value.dtype
+
+
+@dataclass(eq=False)
+class Eqn:
+    prim: str
+    params: dict
+    ins: list
+    outs: list
+    where: str = ""
+
+
+@dataclass(eq=False)
+class Program:
+    """A flat program: inputs, equations in order, outputs, and the closed-over constants.
+
+    ``consts`` are (Var, value) pairs: arrays (or tracers) the body closed over; their values
+    are passed to the kernel as parameters.
+    """
+    invars: list
+    eqns: list
+    outs: list
+    consts: list = field(default_factory=list)
+
+
+class Unsupported(Exception):
+    """An equation outside the supported subset: ``prim`` and ``where`` (its source line:
+    a :class:`Where`, or a string)."""
+
+    def __init__(self, prim: str, where, reason: str = ""):
+        self.prim, self.where, self.reason = prim, where, reason
+        super().__init__(f"{prim} at {where}" + (f": {reason}" if reason else ""))
+
+
+@dataclass(frozen=True)
+class Where:
+    """The user's line an equation comes from."""
+    file: str
+    line: int
+    col: int
+    function: str
+    text: str
+
+    def __str__(self):
+        return self.text
+
+
+def _where(eqn):
+    try:
+        from jax._src import source_info_util
+        text = source_info_util.summarize(eqn.source_info)
+        frame = source_info_util.user_frame(eqn.source_info.traceback) if hasattr(
+            source_info_util, "user_frame") else None
+        if frame is not None:
+            return Where(frame.file_name, int(frame.start_line), int(getattr(frame, "start_column", 0) or 0),
+                         frame.function_name, text)
+        return Where("<unknown>", 0, 0, "", text)
+    except Exception:   # pragma: no cover - a JAX without it
+        return Where("<unknown>", 0, 0, "", "<unknown>")
+
+
+def _is_literal(a) -> bool:
+    return type(a).__name__ == "Literal"
+
+
+def flatten(closed) -> Program:
+    """The :class:`Program` of a ``ClosedJaxpr``, calls inlined."""
+    counter = [0]
+
+    def new_var(aval):
+        counter[0] += 1
+        return Var(tuple(int(d) for d in aval.shape), np.dtype(aval.dtype), bool(getattr(aval, "weak_type", False)),
+                   counter[0])
+
+    eqns: list = []
+    consts: list = []
+
+    def atom(env, a):
+        if _is_literal(a):
+            return Lit(np.asarray(a.val, dtype=a.aval.dtype))
+        return env[a]
+
+    def run(jaxpr, env, outer=None):
+        for e in jaxpr.eqns:
+            name = e.primitive.name
+            where = _where(e)
+            if outer is not None and (not where.line or not where.text):
+                where = outer
+            if name in _CALLS and _CALLS[name] is not None and _CALLS[name] in e.params:
+                sub = e.params[_CALLS[name]]
+                inner = getattr(sub, "jaxpr", sub)
+                sub_consts = list(getattr(sub, "consts", ()))
+                senv = {}
+                for v, c in zip(inner.constvars, sub_consts):
+                    senv[v] = _const(v, c)
+                for v, a in zip(inner.invars, e.invars):
+                    senv[v] = atom(env, a)
+                run(inner, senv, where)
+                for v, o in zip(e.outvars, inner.outvars):
+                    env[v] = atom(senv, o)
+                continue
+            ins = [atom(env, a) for a in e.invars]
+            outs = []
+            for o in e.outvars:
+                nv = new_var(o.aval)
+                if type(o).__name__ != "DropVar":
+                    env[o] = nv
+                outs.append(nv)
+            eq = Eqn(name, dict(e.params), ins, outs, where)
+            for nv in outs:
+                nv.eqn = eq
+            eqns.append(eq)
+
+    def _const(v, c):
+        nv = new_var(v.aval)
+        consts.append((nv, c))
+        return nv
+
+    env = {}
+    jaxpr = closed.jaxpr
+    for v, c in zip(jaxpr.constvars, closed.consts):
+        env[v] = _const(v, c)
+    invars = []
+    for v in jaxpr.invars:
+        nv = new_var(v.aval)
+        env[v] = nv
+        invars.append(nv)
+    run(jaxpr, env)
+    outs = [atom(env, o) for o in jaxpr.outvars]
+    prog = Program(invars, eqns, outs, consts)
+    for e in eqns:
+        for a in e.ins:
+            if isinstance(a, Var):
+                a.uses += 1
+    for o in outs:
+        if isinstance(o, Var):
+            o.uses += 1
+    return prog
+
+
+def trace(fn, avals):
+    """``jax.make_jaxpr(fn)(*avals)`` flattened (see :func:`flatten`); also returns the
+    ``ClosedJaxpr`` and the output tree of ``fn``."""
+    import jax
+    closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*avals)
+    return flatten(closed), closed, out_shape

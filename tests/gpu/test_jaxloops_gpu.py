@@ -1,0 +1,99 @@
+"""lk.fori_loop / while_loop / scan on the GPU (JAX's GPU backend, kernel.jax's FFI path): jnp heat
+and Jacobi bodies and QuantEcon's quadratic map, against float64 NumPy references, eagerly and
+inside jax.jit; the generated kernel must run on the GPU, not fall back to jax.lax."""
+
+import os
+import warnings
+
+import numpy as np
+import pytest
+
+import loopkern as lk
+
+pytestmark = pytest.mark.gpu
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+try:                      # a missing JAX skips each test (a failure under LOOPKERN_REQUIRE_GPU=1)
+    import jax
+    import jax.numpy as jnp
+except ImportError as exc:
+    jax = jnp = None
+    JAX_ERROR = f"{type(exc).__name__}: {exc}"
+
+
+@pytest.fixture(autouse=True)
+def gpu_jax():
+    if jax is None:
+        pytest.skip(f"JAX is not installed ({JAX_ERROR})")
+    if jax.default_backend() != "gpu":
+        pytest.skip(f"JAX has no GPU backend here (default backend: {jax.default_backend()})")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", lk.JaxLoopWarning)      # a fallback to jax.lax is a failure here
+        yield
+
+
+def heat_body(alpha):
+    def body(i, u):
+        return u.at[1:-1].set(u[1:-1] + alpha * (u[:-2] - 2 * u[1:-1] + u[2:]))
+    return body
+
+
+def heat_ref(u0, steps, alpha):
+    u = np.asarray(u0, np.float64).copy()
+    for _ in range(steps):
+        u[1:-1] = u[1:-1] + alpha * (u[:-2] - 2 * u[1:-1] + u[2:])
+    return u
+
+
+@pytest.mark.parametrize("n", [4099, 65536 + 7])
+def test_heat_fori_loop_on_the_gpu(n, rng):
+    u0 = rng.random(n).astype(np.float32)
+    steps = 301
+    got = jax.jit(lambda u: lk.fori_loop(0, steps, heat_body(np.float32(0.25)), u, fallback="error"))(u0)
+    ref = heat_ref(u0, steps, 0.25)
+    assert got.dtype == jnp.float32 and got.shape == (n,)
+    assert np.abs(np.asarray(got, np.float64) - ref).max() < 1e-5
+
+
+def test_jacobi_while_loop_on_the_gpu(rng):
+    side, tol = 96, np.float32(1e-4)
+    u0 = np.zeros((side, side), np.float32)
+    u0[0, :] = rng.random(side)
+
+    def body(c):
+        x, _, k = c
+        new = x.at[1:-1, 1:-1].set(np.float32(0.25) * (x[:-2, 1:-1] + x[2:, 1:-1] + x[1:-1, :-2] + x[1:-1, 2:]))
+        return new, jnp.max(jnp.abs(new - x)), k + 1
+    x, err, k = lk.while_loop(lambda c: (c[1] > tol) & (c[2] < 50000), body,
+                              (jnp.asarray(u0), jnp.float32(jnp.inf), jnp.int32(0)), fallback="error")
+    # the float64 reference with the same stopping rule
+    r = u0.astype(np.float64)
+    steps = 0
+    while True:
+        new = r.copy()
+        new[1:-1, 1:-1] = 0.25 * (r[:-2, 1:-1] + r[2:, 1:-1] + r[1:-1, :-2] + r[1:-1, 2:])
+        e = np.abs(new - r).max()
+        r, steps = new, steps + 1
+        if not (e > float(tol) and steps < 50000):
+            break
+    assert abs(int(k) - steps) <= 3 and float(err) <= float(tol)
+    assert np.abs(np.asarray(x, np.float64) - r).max() < 1e-3
+
+
+def test_quadratic_map_scan_on_the_gpu():
+    jax.config.update("jax_enable_x64", True)
+    try:
+        def body(x, _):
+            y = 4.0 * x * (1.0 - x)
+            return y, y
+        x0 = 0.3141592653589793
+        last, ys = jax.jit(lambda x: lk.scan(body, x, None, length=1000, fallback="error"))(jnp.float64(x0))
+        ref = np.empty(1000)
+        x = x0
+        for t in range(1000):
+            x = 4.0 * x * (1.0 - x)
+            ref[t] = x
+        assert ys.dtype == jnp.float64 and ys.shape == (1000,)
+        np.testing.assert_allclose(np.asarray(ys)[:25], ref[:25], rtol=1e-9)   # chaotic: early steps only
+        assert float(last) == float(ys[-1]) and np.all((np.asarray(ys) >= 0) & (np.asarray(ys) <= 1))
+    finally:
+        jax.config.update("jax_enable_x64", False)

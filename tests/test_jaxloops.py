@@ -1,0 +1,446 @@
+"""lk.fori_loop, lk.while_loop and lk.scan on JAX's CPU backend (the loopkern CPU backend runs the
+kernel), each result against the same loop run by jax.lax on the same inputs: every supported
+primitive on random inputs, then real bodies (1-D and 2-D heat, Jacobi to a tolerance, the
+quadratic map's trajectory with scan, value iteration with a 25x25 matvec, a Thomas sweep), the
+fallback to jax.lax (warning / error), jax.jit, traced bounds, derivatives and the caches.
+
+Every compiled test passes ``fallback="error"``, so a body that silently ran as the lax loop
+would fail instead of comparing lax with itself."""
+
+import warnings
+
+import numpy as np
+import pytest
+
+import loopkern as lk
+
+jax = pytest.importorskip("jax")
+jnp = jax.numpy
+lax = jax.lax
+
+
+@pytest.fixture(autouse=True)
+def cpu_only():
+    if jax.default_backend() != "cpu":
+        pytest.skip("these tests run on JAX's CPU backend (see tests/gpu for the GPU)")
+
+
+def _x64():
+    if hasattr(jax, "enable_x64"):
+        return jax.enable_x64(True)
+    from jax.experimental import enable_x64      # older JAX
+    return enable_x64()
+
+
+def same(got, ref, exact=True, rtol=2e-6, atol=1e-6):
+    """Same pytree, shapes, dtypes and weak types; values bitwise (exact) or to a tolerance.
+
+    XLA's CPU code may fuse a multiply and an add into one FMA (one rounding), which the step's
+    separate operations do not, so float bodies with both are compared to a tolerance of a few
+    units in the last place; integer, boolean, selection and data-movement bodies bit for bit."""
+    g_leaves, g_tree = jax.tree_util.tree_flatten(got)
+    r_leaves, r_tree = jax.tree_util.tree_flatten(ref)
+    assert g_tree == r_tree
+    for g, r in zip(g_leaves, r_leaves):
+        assert g.shape == r.shape and g.dtype == r.dtype, (g.shape, g.dtype, r.shape, r.dtype)
+        assert bool(getattr(g, "weak_type", False)) == bool(getattr(r, "weak_type", False))
+        if exact:
+            np.testing.assert_array_equal(np.asarray(g), np.asarray(r))
+        else:
+            np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=rtol, atol=atol)
+
+
+def f32(rng, *shape, lo=0.0, hi=1.0):
+    return jnp.asarray(rng.uniform(lo, hi, shape).astype(np.float32))
+
+
+# ------------------------------------------------------------------------------ one primitive each
+# (name, body(i, x) -> x of the same shape and dtype, exact?) on a float32 vector of 40 in [0.5, 1.5)
+PRIMITIVE_BODIES = [
+    ("add_sub_mul", lambda i, x: (x * 0.75 + 0.125) - x * x * 0.25, True),
+    ("div_by_array", lambda i, x: x / (x + 1.0) + 0.5, True),
+    ("neg_abs", lambda i, x: jnp.abs(-x + 1.0) + 0.5, True),
+    ("max_min", lambda i, x: jnp.minimum(jnp.maximum(x, 0.8), 1.2) + 0.01 * x, True),
+    ("clip", lambda i, x: jnp.clip(x * 1.1, 0.6, 1.4), True),
+    ("integer_pow", lambda i, x: x ** 3, True),
+    ("integer_pow_neg_square", lambda i, x: 0.3 * x ** 2 + 0.2 * x ** -3 - 0.1 * jnp.square(x) + 0.6, False),
+    ("where_compare", lambda i, x: jnp.where(x > 1.0, x * 0.9, jnp.where(x <= 0.7, x + 0.2, x)), True),
+    ("rem", lambda i, x: jnp.fmod(x * 3.0, 1.0) + 0.5, True),
+    ("exp_log", lambda i, x: jnp.log(jnp.exp(x) + 1.0) * 0.6, False),
+    ("trig", lambda i, x: jnp.sin(x) * 0.5 + jnp.cos(x) * 0.5 + 0.3 * jnp.tanh(x), False),
+    ("sqrt_rsqrt", lambda i, x: jnp.sqrt(x) * 0.5 + 0.5 * lax.rsqrt(x), False),
+    ("log1p_expm1_atan2", lambda i, x: jnp.log1p(x) * 0.5 + 0.1 * jnp.expm1(x * 0.1) + 0.2 * jnp.arctan2(x, 2.0), False),
+    ("sigmoid_erf", lambda i, x: jax.nn.sigmoid(x) + 0.1 * jax.scipy.special.erf(x), False),
+    ("pow", lambda i, x: x ** 0.9 + 0.01, False),
+    ("cast_int_roundtrip", lambda i, x: (x * 100.0).astype(jnp.int32).astype(jnp.float32) / 100.0 + 0.004, True),
+    ("iota", lambda i, x: x * 0.5 + jnp.arange(40, dtype=jnp.float32) * 0.01, True),
+    ("counter", lambda i, x: x * 0.9 + i.astype(jnp.float32) * 0.01, True),
+    ("static_slices_at_set", lambda i, x: x.at[1:-1].set(0.5 * (x[:-2] + x[2:])), True),
+    ("strided_slices", lambda i, x: x * 0.99 + 0.01 * jnp.concatenate([x[1::2], x[::2]]), True),
+    ("at_set_one_index", lambda i, x: x.at[0].set(x[-1]).at[-1].set(x[1] * 0.5), True),
+    ("pad_constant", lambda i, x: 0.25 * (jnp.pad(x, 1)[:-2] + 2 * x + jnp.pad(x, 1)[2:]) + 0.1, True),
+    ("pad_edge", lambda i, x: (lambda p: (p[:-2] + p[1:-1] + p[2:]) / 3.0)(jnp.pad(x, 1, mode="edge")), True),
+    ("concatenate", lambda i, x: jnp.concatenate([x[5:] * 0.5, x[:5] * 2.0]) * 0.99, True),
+    ("roll", lambda i, x: 0.5 * (jnp.roll(x, 1) + jnp.roll(x, -3)), True),
+    ("flip", lambda i, x: 0.5 * (x + jnp.flip(x)), True),
+    ("reshape_transpose", lambda i, x: x.reshape(5, 8).T.reshape(40) * 0.999, True),
+    ("dynamic_slice_by_counter", lambda i, x: x * 0.9 + 0.1 * lax.dynamic_slice(x, (i % 30,), (10,)).sum(), False),
+    ("dynamic_update_slice_by_counter", lambda i, x: lax.dynamic_update_slice(x, x[:3] * 0.5, (i,)), True),
+    ("index_by_counter", lambda i, x: x.at[i].set(x[i - 1] * 0.5 + 0.25), True),
+    ("reduce_sum", lambda i, x: x - 0.01 * jnp.sum(x) + 0.4, False),
+    ("reduce_max_min", lambda i, x: (x - jnp.min(x)) / (jnp.max(x) - jnp.min(x)) + 0.5, True),
+    ("reduce_mean_any_all", lambda i, x: jnp.where(jnp.any(x > 1.4) & jnp.all(x > 0.0), x * 0.95, x * 1.02)
+     - 0.001 * jnp.mean(x), False),
+    ("partial_reduction_axis", lambda i, x: (x.reshape(8, 5) * 0.9 + jnp.max(x.reshape(8, 5), axis=1,
+                                                                                keepdims=True) * 0.1).reshape(40), True),
+    ("reduction_then_use", lambda i, x: x / jnp.sqrt(jnp.sum(x * x)) * 6.0, False),
+    ("matvec", lambda i, x: (jnp.eye(40, dtype=jnp.float32) * 0.5 + 0.01) @ x, False),
+    ("dot_scalar", lambda i, x: x * 0.5 + 0.02 * jnp.dot(x, x) / 40.0, False),
+]
+
+
+@pytest.mark.parametrize("name,body,exact", PRIMITIVE_BODIES, ids=[b[0] for b in PRIMITIVE_BODIES])
+def test_primitive_matches_lax(name, body, exact, rng):
+    x0 = f32(rng, 40, lo=0.9, hi=1.1)
+    steps = int(rng.integers(3, 9))
+    got = lk.fori_loop(0, steps, body, x0, fallback="error")
+    ref = lax.fori_loop(0, steps, body, x0)
+    same(got, ref, exact=False, rtol=(1e-6 if exact else 2e-5), atol=(1e-7 if exact else 2e-6))
+
+
+def test_data_movement_is_bitwise(rng):
+    def body(i, x):
+        moved = jnp.where(i % 2 == 0, jnp.roll(jnp.flip(x), 3), jnp.concatenate([x[7:], jnp.pad(x, 2)[:7]]))
+        return moved.reshape(5, 8).T.reshape(40).at[3:9].set(x[::2][:6]).at[0].set(-x[39])
+    x0 = f32(rng, 40)
+    same(lk.fori_loop(0, 7, body, x0, fallback="error"), lax.fori_loop(0, 7, body, x0))
+
+
+INT_BODIES = [
+    ("int_arith_wraps", lambda i, c: c * 1103515245 + 12345, True),
+    ("int_floordiv_mod", lambda i, c: (c // 3) * 7 + c % 5 - i, True),
+    ("int_lax_div_rem", lambda i, c: lax.div(c, 4) + lax.rem(c, 7) * 3 + 11, True),
+    ("int_bitwise", lambda i, c: (c ^ (c << 1 if False else c * 2)) & 0xFFFF | 3, True),
+    ("int_max_where", lambda i, c: jnp.where(c > 0, c - 1000, -c + 17), True),
+]
+
+
+@pytest.mark.parametrize("name,body,exact", INT_BODIES, ids=[b[0] for b in INT_BODIES])
+def test_integer_bodies_match_lax_bitwise(name, body, exact, rng):
+    c0 = jnp.asarray(rng.integers(-10 ** 6, 10 ** 6, 33).astype(np.int32))
+    got = lk.fori_loop(0, 6, body, c0, fallback="error")
+    same(got, lax.fori_loop(0, 6, body, c0))
+
+
+def test_bool_carry_and_logic(rng):
+    b0 = jnp.asarray(rng.random(31) > 0.5)
+
+    def body(i, b):           # rule 90 (xor of the neighbours), with a fixed edge
+        return jnp.logical_xor(jnp.roll(b, 1), jnp.roll(b, -1)).at[0].set(True) | (~b & False)
+    same(lk.fori_loop(0, 9, body, b0, fallback="error"), lax.fori_loop(0, 9, body, b0))
+
+
+def test_float64_and_int64_under_x64(rng):
+    with _x64():
+        x0 = jnp.asarray(rng.random(50))
+        k0 = jnp.asarray(rng.integers(-2 ** 40, 2 ** 40, 50))
+
+        def body(i, c):
+            x, k = c
+            x = x.at[1:-1].set(x[1:-1] + 0.1 * (x[:-2] - 2 * x[1:-1] + x[2:]))
+            return x, k * 3 + i
+        got = lk.fori_loop(0, 11, body, (x0, k0), fallback="error")
+        assert got[0].dtype == jnp.float64 and got[1].dtype == jnp.int64
+        ref = lax.fori_loop(0, 11, body, (x0, k0))
+        same(got[0], ref[0], exact=False, rtol=1e-14, atol=1e-15)     # XLA may fuse into an FMA
+        same(got[1], ref[1])                                           # int64 wraps the same
+
+
+# ------------------------------------------------------------------------------ real bodies
+def heat1d_body(alpha):
+    def body(i, u):
+        return u.at[1:-1].set(u[1:-1] + alpha * (u[:-2] - 2 * u[1:-1] + u[2:]))
+    return body
+
+
+def test_heat1d_is_one_lean_parallel_loop_and_bitwise(rng):
+    u0 = f32(rng, 300)
+    body = heat1d_body(0.25)
+    got = lk.fori_loop(0, 57, body, u0, fallback="error")
+    same(got, lax.fori_loop(0, 57, body, u0))
+    step = _source_of(lambda: lk.fori_loop(0, 1, body, u0, fallback="error"))
+    # one parallel loop over the interior writing the new buffer: no barrier, no scratch, no branch
+    assert step.count("lk.range(") == 1 and "lk.range(1, 299)" in step
+    assert "lk.sync" not in step and " if " not in step and "lk.max" not in step
+
+
+def _source_of(call):
+    """The step source of the kernel that ``call`` runs."""
+    from loopkern.jaxloops import loops
+    call()
+    return loops._last_source
+
+
+def test_heat1d_in_jit_with_traced_bounds_and_scalar(rng):
+    u0 = f32(rng, 129)
+
+    @jax.jit
+    def f(u, lo, hi, alpha):
+        return lk.fori_loop(lo, hi, heat1d_body(alpha), u, fallback="error")
+
+    @jax.jit
+    def ref(u, lo, hi, alpha):
+        return lax.fori_loop(lo, hi, heat1d_body(alpha), u)
+    for lo, hi in [(0, 13), (5, 9), (-4, 3), (7, 2)]:
+        same(f(u0, lo, hi, jnp.float32(0.2)), ref(u0, lo, hi, jnp.float32(0.2)), exact=False, rtol=1e-6)
+
+
+def test_heat2d_and_jacobi_to_tolerance(rng):
+    g0 = f32(rng, 20, 17)
+
+    def heat2d(i, x):
+        return x.at[1:-1, 1:-1].add(0.2 * (x[:-2, 1:-1] + x[2:, 1:-1] + x[1:-1, :-2] + x[1:-1, 2:] - 4 * x[1:-1, 1:-1]))
+    same(lk.fori_loop(0, 25, heat2d, g0, fallback="error"), lax.fori_loop(0, 25, heat2d, g0), exact=False,
+         rtol=1e-6, atol=1e-7)
+    tol = np.float32(1e-3)
+
+    def body(c):
+        x, _, k = c
+        new = x.at[1:-1, 1:-1].set(0.25 * (x[:-2, 1:-1] + x[2:, 1:-1] + x[1:-1, :-2] + x[1:-1, 2:]))
+        return new, jnp.max(jnp.abs(new - x)), k + 1
+
+    def cond(c):
+        return (c[1] > tol) & (c[2] < 1000)
+    init = (g0, jnp.float32(jnp.inf), 0)
+    got = lk.while_loop(cond, body, init, fallback="error")
+    ref = lax.while_loop(cond, body, init)
+    same(got, ref)
+    assert 5 < int(got[2]) < 1000
+    # the counter is kept out of memory and the condition needs no extra reduction
+    step = _source_of(lambda: lk.while_loop(cond, body, init, fallback="error"))
+    assert step.count("lk.max(") == 1
+
+
+def test_while_loop_zero_iterations_and_chunks(rng):
+    x0 = f32(rng, 16)
+
+    def body(c):
+        x, k = c
+        return x * 0.5 + 0.1, k + 1
+    # the condition is false at the start: no step at all (as lax)
+    same(lk.while_loop(lambda c: c[1] < 0, body, (x0, 0), fallback="error"),
+         lax.while_loop(lambda c: c[1] < 0, body, (x0, 0)))
+    # a loop longer than one launch: max_steps is steps per launch, not a bound
+    got = lk.while_loop(lambda c: c[1] < 23, body, (x0, 0), max_steps=5, fallback="error")
+    same(got, lax.while_loop(lambda c: c[1] < 23, body, (x0, 0)))
+    assert int(got[1]) == 23
+    # a condition on a value read from memory (every thread reduces it); the sum falls to 3.2
+    got = lk.while_loop(lambda c: jnp.sum(c[0]) > 4.0, body, (x0 * 4, 0), fallback="error")
+    same(got, lax.while_loop(lambda c: jnp.sum(c[0]) > 4.0, body, (x0 * 4, 0)), exact=False)
+    with pytest.raises(lk.ArgumentError, match="max_steps"):
+        lk.while_loop(lambda c: c[1] < 3, body, (x0, 0), max_steps=0)
+
+
+def test_scalar_while_loop_newton(rng):
+    a = float(rng.uniform(2, 50))
+
+    def body(c):
+        x, dx = c
+        nx = 0.5 * (x + a / x)
+        return nx, jnp.abs(nx - x)
+    init = (jnp.float32(a), jnp.float32(1.0))
+    got = lk.while_loop(lambda c: c[1] > 1e-6, body, init, fallback="error")
+    same(got, lax.while_loop(lambda c: c[1] > 1e-6, body, init))
+    assert abs(float(got[0]) - np.sqrt(a)) < 1e-5 * np.sqrt(a)
+
+
+def test_quadratic_map_scan_records_the_trajectory(rng):
+    def qmap(x, _):
+        y = 4.0 * x * (1.0 - x)
+        return y, y
+    with _x64():
+        x0 = jnp.float64(rng.uniform(0.1, 0.9))
+        got = lk.scan(qmap, x0, None, length=500, fallback="error")
+        same(got, lax.scan(qmap, x0, None, length=500))
+        step = _source_of(lambda: lk.scan(qmap, x0 + 0.0, None, length=501, fallback="error"))
+        assert "lk." not in step.split(":", 1)[1]      # one thread, no barrier (thread scope)
+    x0 = jnp.float32(0.3)
+    same(lk.scan(qmap, x0, None, length=100, fallback="error"), lax.scan(qmap, x0, None, length=100))
+
+
+def test_scan_with_xs_pytrees_reverse_and_array_ys(rng):
+    xs = {"a": f32(rng, 12, 5), "b": f32(rng, 12)}
+
+    def f(c, x):
+        s, v = c
+        v = 0.5 * v + x["a"] * x["b"]
+        s = s + jnp.sum(v)
+        return (s, v), (v * 2.0, s)
+    init = (jnp.float32(0.0), f32(rng, 5))
+    for reverse in (False, True):
+        got = lk.scan(f, init, xs, reverse=reverse, fallback="error")
+        same(got, lax.scan(f, init, xs, reverse=reverse), exact=False, rtol=1e-5)
+
+
+def test_value_iteration_with_small_dot(rng):
+    S, A = 25, 3
+    P = rng.random((S, A, S))
+    P /= P.sum(-1, keepdims=True)
+    P, R = jnp.asarray(P, jnp.float32), jnp.asarray(rng.random((S, A)), jnp.float32)
+
+    def body(c):
+        v, _ = c
+        vn = jnp.max(R + 0.9 * P @ v, axis=1)
+        return vn, jnp.max(jnp.abs(vn - v))
+    init = (jnp.zeros(S, jnp.float32), jnp.float32(1.0))
+    got = lk.while_loop(lambda c: c[1] > 1e-4, body, init, fallback="error")
+    ref = lax.while_loop(lambda c: c[1] > 1e-4, body, init)
+    same(got, ref, exact=False, rtol=1e-5, atol=2e-5)
+    # against float64 value iteration in NumPy: the fixed point
+    Pn, Rn, v = np.asarray(P, np.float64), np.asarray(R, np.float64), np.zeros(S)
+    for _ in range(500):
+        v = (Rn + 0.9 * Pn @ v).max(1)
+    np.testing.assert_allclose(np.asarray(got[0]), v, atol=2e-3)
+
+
+def test_thomas_sweep_with_counter_indexed_updates(rng):
+    n = 16
+    a, b, c, d = (f32(rng, n) for _ in range(4))
+    b = b + 3.0
+
+    def fwd(i, s):
+        cp, dp = s
+        m = b[i] - a[i] * cp[i - 1]
+        return cp.at[i].set(c[i] / m), dp.at[i].set((d[i] - a[i] * dp[i - 1]) / m)
+
+    def back(k, x):
+        i = n - 2 - k
+        return x.at[i].set(dp[i] - cp[i] * x[i + 1])
+    init = (jnp.zeros(n).at[0].set(c[0] / b[0]), jnp.zeros(n).at[0].set(d[0] / b[0]))
+    cp, dp = lk.fori_loop(1, n, fwd, init, fallback="error")
+    same((cp, dp), lax.fori_loop(1, n, fwd, init), exact=False)       # XLA may fuse into FMAs
+    x = lk.fori_loop(0, n - 1, back, dp.at[-1].set(dp[-1]), fallback="error")
+    same(x, lax.fori_loop(0, n - 1, back, dp), exact=False)
+    A = np.diag(np.asarray(b, np.float64)) + np.diag(np.asarray(a, np.float64)[1:], -1) + \
+        np.diag(np.asarray(c, np.float64)[:-1], 1)
+    np.testing.assert_allclose(np.asarray(x), np.linalg.solve(A, np.asarray(d, np.float64)), rtol=1e-4, atol=1e-5)
+
+
+def test_trajectory_recording_is_in_place(rng):
+    def body(i, c):
+        x, hist = c
+        x = x * 0.9 + 0.05 * jnp.sin(x)
+        return x, hist.at[i].set(jnp.mean(x))
+    init = (f32(rng, 64), jnp.zeros(30, jnp.float32))
+    got = lk.fori_loop(0, 30, body, init, fallback="error")
+    same(got, lax.fori_loop(0, 30, body, init), exact=False, rtol=1e-6, atol=1e-7)
+    step = _source_of(lambda: lk.fori_loop(0, 30, body, (init[0], init[1] + 1), fallback="error"))
+    assert "c1n" not in step          # the history is one buffer, written one element per step
+
+
+# ------------------------------------------------------------------------------ pytrees and types
+def test_pytree_carry_weak_types_and_passthrough(rng):
+    x0 = f32(rng, 10)
+
+    def body(i, c):
+        return {"x": c["x"] * 0.5 + c["s"], "s": c["s"] * 2.0, "k": c["k"] + 2, "fixed": c["fixed"],
+                "n": c["n"] - i}
+    init = {"x": x0, "s": 0.25, "k": 1, "fixed": x0 * 3, "n": jnp.int32(7)}
+    same(lk.fori_loop(0, 5, body, init, fallback="error"), lax.fori_loop(0, 5, body, init))
+
+
+def test_closure_over_arrays_and_traced_values(rng):
+    w = f32(rng, 24)
+    x0 = f32(rng, 24)
+
+    @jax.jit
+    def f(x, scale):
+        return lk.fori_loop(0, 6, lambda i, u: u * w * scale + 0.1, x, fallback="error")
+
+    @jax.jit
+    def g(x, scale):
+        return lax.fori_loop(0, 6, lambda i, u: u * w * scale + 0.1, x)
+    same(f(x0, jnp.float32(0.9)), g(x0, jnp.float32(0.9)), exact=False, rtol=1e-6)
+
+
+# ------------------------------------------------------------------------------ fallback
+def sorting_body(i, x):
+    return jnp.sort(x) * 0.5 + x[::-1] * 0.5
+
+
+def test_fallback_warns_once_naming_the_primitive_and_line(rng):
+    x0 = f32(rng, 20)
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        got = lk.fori_loop(0, 4, sorting_body, x0)
+    msgs = [str(m.message) for m in w if issubclass(m.category, lk.JaxLoopWarning)]
+    assert len(msgs) == 1
+    assert "'sort'" in msgs[0] and "test_jaxloops.py:" in msgs[0] and "jax.lax.fori_loop" in msgs[0]
+    same(got, lax.fori_loop(0, 4, sorting_body, x0))
+
+
+def test_fallback_error_raises_a_step_syntax_error(rng):
+    x0 = f32(rng, 20)
+    with pytest.raises(lk.StepSyntaxError, match="sort") as info:
+        lk.fori_loop(0, 4, sorting_body, x0, fallback="error")
+    assert "test_jaxloops.py" in str(info.value)
+    with pytest.raises(lk.StepSyntaxError, match="argmax"):
+        lk.while_loop(lambda c: c[1] < 3, lambda c: (c[0] * jnp.argmax(c[0]), c[1] + 1), (x0, 0), fallback="error")
+    with pytest.raises(lk.StepSyntaxError, match="while"):       # a nested loop
+        lk.scan(lambda c, _: (lax.fori_loop(0, c.astype(jnp.int32) % 3, lambda i, y: y + 1.0, c), c),
+                jnp.float32(1.0), None, length=3, fallback="error")
+    with pytest.raises(lk.ArgumentError, match="fallback"):
+        lk.fori_loop(0, 4, sorting_body, x0, fallback="maybe")
+    # a strided window written (x.at[::2]) is a scatter of many windows: not compiled yet
+    with pytest.raises(lk.StepSyntaxError, match="scatter-add"):
+        lk.fori_loop(0, 4, lambda i, x: x.at[::2].add(0.01 * x[1::2]), x0, fallback="error")
+
+
+def test_fallback_inside_jit_and_silent(rng):
+    x0 = f32(rng, 20)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = jax.jit(lambda x: lk.fori_loop(0, 3, sorting_body, x, fallback="silent"))(x0)
+    same(got, jax.jit(lambda x: lax.fori_loop(0, 3, sorting_body, x))(x0))
+
+
+# ------------------------------------------------------------------------------ derivatives, vmap
+def test_grad_and_jvp_run_through_lax(rng):
+    u0 = f32(rng, 20)
+    body = heat1d_body(0.2)
+
+    def loss(loop):
+        return lambda u: jnp.sum(loop(0, 5, body, u) ** 2)
+    np.testing.assert_allclose(np.asarray(jax.grad(loss(lk.fori_loop))(u0)),
+                               np.asarray(jax.grad(loss(lax.fori_loop))(u0)), rtol=1e-6)
+    t = f32(rng, 20)
+    p1, t1 = jax.jvp(lambda u: lk.fori_loop(0, 5, body, u), (u0,), (t,))
+    p2, t2 = jax.jvp(lambda u: lax.fori_loop(0, 5, body, u), (u0,), (t,))
+    np.testing.assert_allclose(np.asarray(t1), np.asarray(t2), rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(p1), np.asarray(p2), rtol=1e-6)
+
+
+def test_vmap(rng):
+    batch = f32(rng, 3, 30)
+    got = jax.vmap(lambda u: lk.fori_loop(0, 7, heat1d_body(0.25), u, fallback="error"))(batch)
+    same(got, jax.vmap(lambda u: lax.fori_loop(0, 7, heat1d_body(0.25), u))(batch))
+
+
+def test_kernel_is_cached_per_body_and_shapes(rng):
+    from loopkern.jaxloops import loops
+    u0 = f32(rng, 77)
+    lk.fori_loop(0, 3, heat1d_body(0.3), u0, fallback="error")
+    n = len(loops._kernels)
+    lk.fori_loop(0, 5, heat1d_body(0.3), u0 + 1.0, fallback="error")     # a new closure, same body
+    assert len(loops._kernels) == n
+    lk.fori_loop(0, 5, heat1d_body(0.3), f32(rng, 78), fallback="error")   # a new shape: a new kernel
+    assert len(loops._kernels) == n + 1
+
+
+def test_import_without_jax_keeps_working():
+    import subprocess
+    import sys
+    code = ("import sys; sys.modules['jax'] = None\nimport loopkern as lk\n"
+            "assert callable(lk.megakernel)\ntry:\n    lk.fori_loop\nexcept ImportError:\n    print('ok')\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "ok", out.stderr
