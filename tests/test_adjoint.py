@@ -310,3 +310,18 @@ def test_grad_through_top_level_coefficients(rng):
     want = jax.grad(ref, argnums=(0, 1, 2))(u0, np.float32(0.8), np.float32(0.25))
     for g, r in zip(got, want):
         np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-4, atol=1e-4)
+
+
+def test_recorded_state_stacks_do_not_size_the_grid():
+    # the recorder's and segment kernel's S_a hold one state per step: a launch covers one state
+    from loopkern.interop.jax_bridge import _launch_work, _segment_kernels
+    k = lk.megakernel(W.heat_step, swap=[("u", "v")])
+    rec, seg = _segment_kernels(k, ["u", "v"], ["u", "v"], {"u": 1, "v": 1})
+    n, steps = 5000, 71
+    for mk in (rec, seg):
+        sig = [((steps, n), "float32") if p.name.endswith("_states") else
+               ((n,), "float32") if p.name in ("u", "v", "u_bar", "v_bar") else (None, "float64")
+               for p in mk.spec.params]
+        assert sum(1 for p in mk.spec.params if p.name.endswith("_states")) == 2
+        assert _launch_work(mk, sig) == n
+    assert _launch_work(k, [((n,), "float32"), ((n,), "float32"), (None, "float64")]) == n

@@ -163,6 +163,18 @@ def _platform(mk, arrays, backend):
     return platform
 
 
+def _launch_work(mk, sig) -> int:
+    """The elements a launch of ``mk`` covers: its largest array, where a stack of recorded states
+    (the ``S_a`` of the reverse sweep's recorder and segment kernels, one state per step of a
+    segment) counts as one state. Its leading axis is steps, not parallel work: counted, it took
+    the grid to every co-resident block (660 and 1056 for 64K heat on an H200, where 132-264
+    blocks ran the same kernels 1.4-1.7x faster; bench/grad_blocks_probe.py)."""
+    stacked = mk.__dict__.get("_stacked_params", frozenset())
+    sizes = [math.prod(shape[1:] if i in stacked else shape) for i, (shape, _) in enumerate(sig)
+             if shape is not None]
+    return max(sizes or [1])
+
+
 def _cuda_options(mk, sig, scope, threads, blocks):
     """(resolved scope, threads, blocks, the CUDA device the kernel is loaded on) of a CUDA call."""
     from numba import cuda
@@ -170,6 +182,8 @@ def _cuda_options(mk, sig, scope, threads, blocks):
     from ..dispatch.config import resolve_scope
     spec = mk.spec
     defaults = mk.dispatcher.defaults
+    # the scope as before the stacks were discounted (that is what ran on the GPU); the block
+    # count of a grid launch comes from _launch_work (in _cuda_core)
     work = max([math.prod(shape) for shape, _ in sig if shape is not None] or [1])
     scope = resolve_scope(scope or defaults["scope"], work, spec.parallel, spec.light_elements)
     checks.check_thread_scope(spec, scope)
@@ -404,11 +418,15 @@ def _segment_kernels(mk, active_names, state, ndims):
         adj, bars = adjoint_function(parsed, set(active_names))
         pairs = [(mk.spec.param_names[a], mk.spec.param_names[b]) for a, b in mk.spec.swap]
         d = mk.dispatcher.defaults
-        rec, _, _ = recorder_function(parsed, state, ndims)
-        seg, _, _ = segment_adjoint_function(adj, state)
+        rec, rec_stacks, _ = recorder_function(parsed, state, ndims)
+        seg, seg_stacks, _ = segment_adjoint_function(adj, state)
         opts = dict(backend=d["backend"], scope=d["scope"], threads=d["threads"], blocks=d["blocks"])
-        cache[key] = (MegaKernel(rec, swap=pairs, **opts),
-                      MegaKernel(seg, swap=[(bars[a], bars[b]) for a, b in pairs if a in bars and b in bars], **opts))
+        kernels = (MegaKernel(rec, swap=pairs, **opts),
+                   MegaKernel(seg, swap=[(bars[a], bars[b]) for a, b in pairs if a in bars and b in bars], **opts))
+        for k, stacks in zip(kernels, (rec_stacks, seg_stacks)):
+            names = k.spec.param_names
+            k.__dict__["_stacked_params"] = frozenset(names.index(v) for v in stacks.values())
+        cache[key] = kernels
     return cache[key]
 
 
@@ -584,7 +602,7 @@ def _cuda_core(mk, sig, n_dtype, t0_dtype, scope, threads, blocks, seed, timeout
     spec = mk.spec
     n = len(spec.params)
     arr_idx = [i for i in range(n) if sig[i][0] is not None]
-    work = max([math.prod(sig[i][0]) for i in arr_idx] or [1])
+    work = _launch_work(mk, sig)
     by_ref = frozenset(i for i in range(n) if sig[i][0] is None)
     compiled = mk.dispatcher.kernels.get("cuda", scope, by_ref=by_ref,
                                          float_type=weak_float_type(sig[i][1] for i in arr_idx),
