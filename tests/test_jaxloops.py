@@ -77,6 +77,10 @@ PRIMITIVE_BODIES = [
     ("counter", lambda i, x: x * 0.9 + i.astype(jnp.float32) * 0.01, True),
     ("static_slices_at_set", lambda i, x: x.at[1:-1].set(0.5 * (x[:-2] + x[2:])), True),
     ("strided_slices", lambda i, x: x * 0.99 + 0.01 * jnp.concatenate([x[1::2], x[::2]]), True),
+    ("strided_at_add", lambda i, x: x.at[::2].add(0.01 * x[1::2]), True),
+    ("strided_at_set_reversed", lambda i, x: x.at[-2::-3].set(x[1::3] * 0.5 + 0.5), True),
+    ("strided_at_add_2d_columns", lambda i, x: x.reshape(8, 5).at[:, 1::2].add(
+        0.1 * x.reshape(8, 5)[:, ::2][:, :2]).reshape(40), True),
     ("at_set_one_index", lambda i, x: x.at[0].set(x[-1]).at[-1].set(x[1] * 0.5), True),
     ("pad_constant", lambda i, x: 0.25 * (jnp.pad(x, 1)[:-2] + 2 * x + jnp.pad(x, 1)[2:]) + 0.1, True),
     ("pad_edge", lambda i, x: (lambda p: (p[:-2] + p[1:-1] + p[2:]) / 3.0)(jnp.pad(x, 1, mode="edge")), True),
@@ -391,9 +395,9 @@ def test_fallback_error_raises_a_step_syntax_error(rng):
                 jnp.float32(1.0), None, length=3, fallback="error")
     with pytest.raises(lk.ArgumentError, match="fallback"):
         lk.fori_loop(0, 4, sorting_body, x0, fallback="maybe")
-    # a strided window written (x.at[::2]) is a scatter of many windows: not compiled yet
+    # a scatter to indices that are not evenly spaced: not compiled yet
     with pytest.raises(lk.StepSyntaxError, match="scatter-add"):
-        lk.fori_loop(0, 4, lambda i, x: x.at[::2].add(0.01 * x[1::2]), x0, fallback="error")
+        lk.fori_loop(0, 4, lambda i, x: x.at[jnp.array([3, 1, 7])].add(0.5), x0, fallback="error")
 
 
 def test_fallback_inside_jit_and_silent(rng):

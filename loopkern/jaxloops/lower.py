@@ -1286,11 +1286,88 @@ def _dus(L, e, out, idx, ctx, B):
     return f"({L.E(upd, tuple(sub), _and_ctx(ctx, cond), B)} if {cond} else {L.E(x, idx, ctx, B)})"
 
 
+def _affine_iota(a, depth=0):
+    """(c, s) when the integer vector ``a`` is ``c + s * arange(len(a))`` built from iota, literals,
+    add, sub, mul, converts and broadcasts (how JAX writes a strided ``x.at[lo:hi:s]``), else None."""
+    if depth > 8 or not isinstance(a, Var) or a.eqn is None:
+        return None
+    e = a.eqn
+    if e.prim == "iota" and len(a.shape) == 1:
+        return 0, 1
+    if e.prim in ("convert_element_type", "copy", "copy_p") or (
+            e.prim in ("broadcast_in_dim", "reshape") and e.ins[0].shape and
+            int(np.prod(e.ins[0].shape)) == a.size and max(e.ins[0].shape) == a.size):
+        return _affine_iota(e.ins[0], depth + 1)
+    if e.prim == "rev" and len(a.shape) == 1:
+        inner = _affine_iota(e.ins[0], depth + 1)
+        return None if inner is None else (inner[0] + inner[1] * (a.shape[0] - 1), -inner[1])
+    if e.prim in ("add", "sub", "mul") and len(e.ins) == 2:
+        x, y = e.ins
+        lit_x = x.value if isinstance(x, Lit) else None
+        lit_y = y.value if isinstance(y, Lit) else None
+        if lit_x is None and lit_y is None:
+            return None
+        k = int(lit_y if lit_y is not None else lit_x)
+        inner = _affine_iota(x if lit_y is not None else y, depth + 1)
+        if inner is None:
+            return None
+        c, st = inner
+        if e.prim == "add":
+            return c + k, st
+        if e.prim == "mul":
+            return c * k, st * k
+        return (c - k, st) if lit_y is not None else (k - c, -st)
+    return None
+
+
+def _strided_scatter(L, e, out, idx, ctx, B):
+    """A scatter into every s-th element along one dimension (``x.at[lo:hi:s].set/add``): the
+    element at ``i`` takes update ``(i - c) // s`` when ``(i - c) % s == 0`` and that position is
+    one of the m updates; otherwise it keeps ``x[i]``."""
+    dn = e.params["dimension_numbers"]
+    x, ind, upd = e.ins
+    if getattr(dn, "operand_batching_dims", ()) or len(dn.scatter_dims_to_operand_dims) != 1 or \
+            len(ind.shape) != 2 or ind.shape[1] != 1 or tuple(dn.inserted_window_dims) != tuple(
+                dn.scatter_dims_to_operand_dims):
+        return None
+    d = dn.scatter_dims_to_operand_dims[0]
+    m = ind.shape[0]
+    aff = _affine_iota(ind)
+    if aff is None or aff[1] == 0:
+        return None
+    c, st = aff
+    rest = [k for k in range(len(x.shape)) if k != d]
+    scatter_pos = [k for k in range(len(upd.shape)) if k not in dn.update_window_dims]
+    if len(scatter_pos) != 1 or len(rest) != len(dn.update_window_dims) or any(
+            upd.shape[ud] != x.shape[k] for k, ud in zip(rest, dn.update_window_dims)):
+        return None
+    i = idx[d]
+    if st > 0:      # update j goes to c + st * j: j = (i - c) / st
+        rel = i.expr if c == 0 else (f"({i.expr} + {-c})" if c < 0 else f"({i.expr} - {c})")
+    else:           # a reversed slice (x.at[::-2]): j = (c - i) / -st
+        rel, st = f"({c} - {i.expr})", -st
+    j = opaque(f"{rel} // {st}" if st != 1 else rel, 0, m - 1)
+    cond = f"{rel} % {st} == 0 and 0 <= {rel} // {st} < {m}" if st != 1 else f"0 <= {rel} < {m}"
+    usub = [None] * len(upd.shape)
+    usub[scatter_pos[0]] = j
+    for k, ud in zip(rest, dn.update_window_dims):
+        usub[ud] = idx[k]
+    inner_ctx = _and_ctx(ctx, cond)
+    u = L.E(upd, tuple(usub), inner_ctx, B)
+    if e.prim != "scatter":
+        u = _arith("+", L.E(x, idx, inner_ctx, B), u, out.dtype)
+    return f"({u} if {cond} else {L.E(x, idx, ctx, B)})"
+
+
 @rule("scatter", "scatter-add", "scatter_add")
 def _scatter(L, e, out, idx, ctx, B):
     r = L.dynamic_window(e)
     if r is None:
-        L.unsupported(e, "a scatter of more than one window (indices of one index vector only)")
+        strided = _strided_scatter(L, e, out, idx, ctx, B)
+        if strided is not None:
+            return strided
+        L.unsupported(e, "a scatter of more than one window (indices of one index vector or an evenly "
+                         "spaced static slice only)")
     if e.params.get("mode") is not None and "CLIP" in str(e.params.get("mode")):
         L.unsupported(e, "mode=clip")
     starts, upd, mode = r
