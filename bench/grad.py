@@ -82,3 +82,14 @@ def bench_grad(b: Bench):
     fwd_case = Case("heat_grad_forward", n, steps, check_steps,
                     lambda res, done: (rel_err(res, fwd_ref) < 1e-4, "forward field"), dict())
     b.measure(fwd_case, [("loopkern kernel.jax forward", lambda c: _impl(lk_forward, [uj]))])
+    # device memory: the temporary buffers XLA assigns the compiled gradient, in field states
+    for label, make in (("loopkern jax.grad through kernel.jax", lk_grad), ("jax.grad of lax.scan", scan_grad)):
+        row = dict(workload="heat_grad_memory", n=n, steps=steps, variant=label)
+        try:
+            m = jax.jit(make(steps)).lower(uj).compile().memory_analysis()
+            row.update(temp_bytes=int(m.temp_size_in_bytes), states=m.temp_size_in_bytes / (4 * n),
+                       check=f"{m.temp_size_in_bytes / (4 * n):.1f} field states of temporaries "
+                             f"(sqrt(N) = {np.sqrt(steps):.1f})")
+        except Exception as exc:     # a backend without memory_analysis: say so, no figure
+            row["error"] = f"memory_analysis: {type(exc).__name__}: {exc}"[:300]
+        b.emit(row)

@@ -213,7 +213,20 @@ def chunked_calls_lines(rows):
     return out
 
 
-TABLES = {"call_overhead": call_overhead_lines, "chunked_calls": chunked_calls_lines}
+def memory_lines(rows):
+    """The heat_grad_memory rows: temporaries of the compiled gradient, in field states."""
+    lines = ["## heat_grad_memory (temporary buffers of the compiled gradient, in field states)", "",
+             "| variant | n | steps N | states | bytes |", "|---|---|---|---|---|"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['variant']} | {r['n']} | {r['steps']} | error | |")
+        else:
+            lines.append(f"| {r['variant']} | {r['n']} | {r['steps']} | {r['states']:.1f} | {r['temp_bytes']} |")
+    return lines
+
+
+TABLES = {"call_overhead": call_overhead_lines, "chunked_calls": chunked_calls_lines,
+          "heat_grad_memory": memory_lines}
 
 
 def write_outputs(results, meta, outdir: Path):
@@ -273,7 +286,8 @@ def write_outputs(results, meta, outdir: Path):
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-        wls = [w for w in dict.fromkeys(r["workload"] for r in results) if w != "compile"]
+        wls = [w for w in dict.fromkeys(r["workload"] for r in results)
+               if any("us_per_step" in r for r in results if r["workload"] == w)]
         fig, axes = plt.subplots(1, len(wls), figsize=(5.5 * len(wls), 4.5), squeeze=False)
         for ax, wl in zip(axes[0], wls):
             rows = [r for r in results if r["workload"] == wl and "us_per_step" in r]

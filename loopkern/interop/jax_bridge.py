@@ -496,10 +496,14 @@ def _reverse_sweep(ctx, name, cts, n, t0, args) -> list:
         out = mk.jax(*cur, steps=length, start=t0 + s * k, **opts)
         for slot, i in enumerate(arr_idx):
             cur[i] = out[slot]
-    # backward, a segment at a time
+    # backward, a segment at a time. One set of state stacks serves every segment: each segment's
+    # recorder writes into the stacks the previous segment's sweep returned (kernel.jax aliases
+    # them), so XLA keeps one segment of states alive, not all of them (fresh stacks per segment
+    # were all live at once in XLA's buffer assignment: about 2N states for N steps)
+    rows = max(lengths)
+    stacks = [jnp.zeros((rows,) + tuple(ctx.sig[i][0]), ctx.sig[i][1]) for i in state]
     for s in reversed(range(len(lengths))):
         length, base = lengths[s], t0 + s * k
-        stacks = [jnp.zeros((length,) + tuple(ctx.sig[i][0]), ctx.sig[i][1]) for i in state]
         out = rec.jax(*starts[s], *stacks, base, steps=length, start=base, **opts)
         recorded = dict(zip(state, out[len(arr_idx):len(arr_idx) + len(state)]))
         bars = exchange(bars)
@@ -519,6 +523,8 @@ def _reverse_sweep(ctx, name, cts, n, t0, args) -> list:
                 bars[i] = o
             elif kind == "sbar":
                 sbars[i] = o
+            elif i in recorded:         # the stacks, handed on to the next segment's recorder
+                stacks[state.index(i)] = o
         bars = exchange(bars)
     result = []
     for i in range(nparams):
