@@ -4,6 +4,7 @@ wrong results. The method is described in bench.py's docstring."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
@@ -52,6 +53,18 @@ def have(module: str) -> bool:
         return True
     except Exception:
         return False
+
+
+@contextlib.contextmanager
+def jax_x64():
+    """JAX with 64-bit types for the duration (the float64 workloads), restored afterwards."""
+    import jax
+    old = bool(jax.config.read("jax_enable_x64"))
+    jax.config.update("jax_enable_x64", True)
+    try:
+        yield
+    finally:
+        jax.config.update("jax_enable_x64", old)
 
 
 @dataclass

@@ -15,7 +15,7 @@ import textwrap
 
 import numpy as np
 
-from .harness import ROOT, Bench, Case, Impl, have, rel_err
+from .harness import ROOT, Bench, Case, Impl, have, jax_x64, rel_err
 from .heat import ALPHA, heat_kernel, heat_ref, jax_heat_step
 from .jacobi import JACOBI_TOL, jacobi_kernel, jacobi_problem, jacobi_ref
 from .quadratic import quadratic_ref
@@ -108,17 +108,7 @@ def bench_jaxloops(b: Bench):
     case = Case("jaxloops_quadratic_map", total, total, total, qcheck, dict(x0=x0))
 
     def scan_impl(c):
-        import contextlib
         import jax.numpy as jnp
-
-        @contextlib.contextmanager
-        def x64():
-            old = bool(jax.config.read("jax_enable_x64"))
-            jax.config.update("jax_enable_x64", True)
-            try:
-                yield
-            finally:
-                jax.config.update("jax_enable_x64", old)
 
         def body(x, _):
             y = 4.0 * x * (1.0 - x)
@@ -126,7 +116,7 @@ def bench_jaxloops(b: Bench):
         cache, box = {}, {}
 
         def run(steps):
-            with x64():
+            with jax_x64():
                 if steps not in cache:
                     cache[steps] = jax.jit(lambda x: lk.scan(body, x, None, length=steps, fallback="error")[1])
                 box["r"] = cache[steps](jnp.float64(x0))

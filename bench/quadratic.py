@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .harness import Bench, Case, Impl, have
+from .harness import Bench, Case, Impl, have, jax_x64
 from .variants import jax_impl, loopkern_variants
 
 
@@ -59,16 +59,6 @@ def bench_quadratic(b: Bench):
         def scan(c):
             # lax.scan records the trajectory (float64, as the others); timed on a prefix (it
             # costs ~13 µs/step on a GPU, over two minutes for all 10M steps)
-            import contextlib
-
-            @contextlib.contextmanager
-            def enable_x64():
-                old = bool(jax.config.read("jax_enable_x64"))
-                jax.config.update("jax_enable_x64", True)
-                try:
-                    yield
-                finally:
-                    jax.config.update("jax_enable_x64", old)
             steps = min(total, 20000)
 
             def fn(x0_, n):
@@ -76,12 +66,12 @@ def bench_quadratic(b: Bench):
                     y = 4.0 * x * (1.0 - x)
                     return y, y
                 return jax.lax.scan(body, x0_[0], None, length=n)[1]
-            with enable_x64():
+            with jax_x64():
                 impl = jax_impl(lambda x0_, n: fn(x0_, steps), [c.data["x"][:1]])
             run, res = impl.run, impl.result
 
             def run64(n):
-                with enable_x64():
+                with jax_x64():
                     run(steps)
                 return steps
             impl.run = run64
