@@ -1,6 +1,7 @@
 """Where the time of jax.grad through kernel.jax goes (heat 64K f32): the recorder and the
-segment adjoint kernels timed alone, their launch configurations, the whole gradient at several
-step counts, and what XLA's compiled program contains (custom calls, copies, memsets).
+segment adjoint kernels timed alone (at their own and at fixed block counts), their launch
+configurations, the whole gradient at several step counts, and what XLA's compiled program
+contains (custom calls, copies, memsets).
 
     python bench/grad_probe.py
 """
@@ -41,6 +42,13 @@ f_seg = jax.jit(lambda us, ub, vs, vb: seg.jax(us, ub, vs, vb, ALPHA, L - 1, 0, 
 print(f"segment adjoint, {L} steps: {timed(f_seg, st, u, st, u) * 1e6 / L:.2f} us/step")
 for key, entry in call_cache(seg)._entries.items():
     print("  segment config", entry.config)
+# the same two kernels at fixed block counts: does the grid's size set their cost?
+for blocks in (132, 264, 528):
+    f_rec_b = jax.jit(lambda u, v, a, b, B=blocks: rec.jax(u, v, ALPHA, a, b, 0, steps=L, start=0, blocks=B))
+    f_seg_b = jax.jit(lambda us, ub, vs, vb, B=blocks: seg.jax(us, ub, vs, vb, ALPHA, L - 1, 0, steps=L, start=0,
+                                                                blocks=B))
+    print(f"blocks={blocks}: recorder {timed(f_rec_b, u, u, st, st) * 1e6 / L:.2f} us/step, "
+          f"segment adjoint {timed(f_seg_b, st, u, st, u) * 1e6 / L:.2f} us/step")
 f_fwd = jax.jit(lambda u: k.jax(u, u, ALPHA, steps=L)[0])
 print(f"forward, {L} steps: {timed(f_fwd, u) * 1e6 / L:.2f} us/step")
 for key, entry in call_cache(k)._entries.items():

@@ -168,7 +168,7 @@ def _launch_work(mk, sig) -> int:
     (the ``S_a`` of the reverse sweep's recorder and segment kernels, one state per step of a
     segment) counts as one state. Its leading axis is steps, not parallel work: counted, it took
     the grid to every co-resident block (660 and 1056 for 64K heat on an H200, where 132-264
-    blocks ran the same kernels 1.4-1.7x faster; bench/grad_blocks_probe.py)."""
+    blocks ran the same kernels 1.4-1.7x faster; bench/grad_probe.py)."""
     stacked = mk.__dict__.get("_stacked_params", frozenset())
     sizes = [math.prod(shape[1:] if i in stacked else shape) for i, (shape, _) in enumerate(sig)
              if shape is not None]
