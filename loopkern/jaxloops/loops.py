@@ -26,7 +26,7 @@ import numpy as np
 
 from ..errors import ArgumentError, Diagnostic, StepSyntaxError
 from .lower import HELPERS, Lowering
-from .trace import Lit, Unsupported, Var, flatten
+from .trace import Lit, Unsupported, flatten
 
 __all__ = ["fori_loop", "while_loop", "scan", "JaxLoopWarning", "DEFAULT_CHUNK"]
 
@@ -229,6 +229,25 @@ def _same_types(init_avals, out_avals):
                for a, o in zip(init_avals, out_avals))
 
 
+def _trace_body(step, avals, lead=(), tail=()):
+    """The closed jaxpr of ``step(*lead, *carry, *tail)`` and the carry's avals, or None when lax
+    should run the loop (and say what is wrong): the body changes the carry's pytree, shapes or
+    dtypes. As lax does, a weakly typed carry whose body output is strongly typed becomes strong
+    (and the body is traced again with it)."""
+    import jax
+    try:
+        closed = jax.make_jaxpr(step)(*lead, *avals, *tail)
+        out_avals = closed.out_avals[:len(avals)]
+        if not _same_types(avals, out_avals):
+            return None
+        promoted, changed = _promote_weak(avals, out_avals)
+        if changed:
+            closed = jax.make_jaxpr(step)(*lead, *promoted, *tail)
+        return closed, promoted
+    except _TreeMismatch:
+        return None
+
+
 # ==================================================================================== fori_loop
 def fori_loop(lower, upper, body_fun, init_val, *, unroll=None, fallback="warn"):
     """``jax.lax.fori_loop`` compiled into one megakernel.
@@ -285,18 +304,10 @@ def fori_loop(lower, upper, body_fun, init_val, *, unroll=None, fallback="warn")
         if out_tree != tree:
             raise _TreeMismatch()
         return out_leaves
-    i_aval = jax.ShapeDtypeStruct((), idx_dtype)
-    try:
-        closed = jax.make_jaxpr(step)(i_aval, *avals)
-        out_avals = closed.out_avals
-        if not _same_types(avals, out_avals):
-            return lax_loop(lower, upper, init_val)      # lax says what is wrong
-        avals2, changed = _promote_weak(avals, out_avals)
-        if changed:
-            avals = avals2
-            closed = jax.make_jaxpr(step)(i_aval, *avals)
-    except _TreeMismatch:
-        return lax_loop(lower, upper, init_val)
+    traced = _trace_body(step, avals, lead=(jax.ShapeDtypeStruct((), idx_dtype),))
+    if traced is None:
+        return lax_loop(lower, upper, init_val)          # lax says what is wrong
+    closed, avals = traced
     prog = flatten(closed)
     n = len(leaves)
     roles = [("index",)] + [("carry", k) for k in range(n)]
@@ -400,19 +411,14 @@ def while_loop(cond_fun, body_fun, init_val, *, max_steps=DEFAULT_CHUNK, fallbac
 
     def cond_only(*ls):
         return cond_fun(jax.tree_util.tree_unflatten(tree, ls))
-    try:
-        closed = jax.make_jaxpr(step)(*avals)
-        out_avals = closed.out_avals[:-1]
-        c_aval = closed.out_avals[-1]
-        if not _same_types(avals, out_avals) or c_aval.shape != () or np.dtype(c_aval.dtype) != np.bool_:
-            return lax_loop()
-        avals2, changed = _promote_weak(avals, out_avals)
-        if changed:
-            avals = avals2
-            closed = jax.make_jaxpr(step)(*avals)
-        cond_closed = jax.make_jaxpr(cond_only)(*avals)
-    except _TreeMismatch:
+    traced = _trace_body(step, avals)
+    if traced is None:
         return lax_loop()
+    closed, avals = traced
+    c_aval = closed.out_avals[-1]
+    if c_aval.shape != () or np.dtype(c_aval.dtype) != np.bool_:
+        return lax_loop()
+    cond_closed = jax.make_jaxpr(cond_only)(*avals)
     prog = flatten(closed)
     n = len(leaves)
     roles = [("carry", k) for k in range(n)]
@@ -512,18 +518,11 @@ def scan(f, init, xs=None, length=None, reverse=False, unroll=1, _split_transpos
         state["y_tree"] = y_tree
         state["ny"] = len(y_leaves)
         return list(out_leaves) + list(y_leaves)
-    try:
-        closed = jax.make_jaxpr(step)(*avals, *x_avals)
-        nc = len(leaves)
-        out_avals = closed.out_avals[:nc]
-        if not _same_types(avals, out_avals):
-            return lax_loop()
-        avals2, changed = _promote_weak(avals, out_avals)
-        if changed:
-            avals = avals2
-            closed = jax.make_jaxpr(step)(*avals, *x_avals)
-    except _TreeMismatch:
+    traced = _trace_body(step, avals, tail=x_avals)
+    if traced is None:
         return lax_loop()
+    closed, avals = traced
+    nc = len(leaves)
     y_avals = closed.out_avals[nc:]
     if _any_size_zero(y_avals):
         return lax_loop()
@@ -554,15 +553,8 @@ def scan(f, init, xs=None, length=None, reverse=False, unroll=1, _split_transpos
         c, ys = lax.scan(body, tuple(leaves), tuple(xs_l), length=n_steps, reverse=reverse)
         return list(c) + list(ys)
 
-    @jax.custom_jvp
-    def g(consts, leaves, xs_l):
-        return run(consts, leaves, xs_l)
-
-    @g.defjvp
-    def g_jvp(primals, tangents):
-        return jax.jvp(lax_run, primals, tangents)
-    out = g(list(consts), [jnp.asarray(x) if not isinstance(x, jax.Array) else x for x in leaves],
-            [jnp.asarray(x) for x in x_leaves])
+    out = _with_lax_derivatives(run, lax_run, consts, [jnp.asarray(x) if not isinstance(x, jax.Array) else x
+                                                       for x in leaves], [jnp.asarray(x) for x in x_leaves])
     carry = [_as_type(o, a) for o, a in zip(out[:nc], avals)]
     ys = [_as_type(o, jax.ShapeDtypeStruct((n_steps,) + tuple(a.shape), a.dtype,
                                            weak_type=getattr(a, "weak_type", False)))
