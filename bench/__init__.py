@@ -7,6 +7,7 @@ describes the method).
                   jax.jit, jitted JAX loops)
     heat.py, heat2d.py, jacobi.py, life.py, nbody.py, quadratic.py, grad.py   one workload each
     jaxloops.py   lk.fori_loop / while_loop / scan of jnp bodies against @megakernel and jax.lax
+    sharded.py    kernel.sharded: one shard's work on one device and the weak-scaling model
     calls.py      the host cost of one call, and one run split into 1..1000 calls
     control.py    progress, cancellation, lk.random
     compile.py    compile time in fresh processes
@@ -31,18 +32,20 @@ from .control import bench_control
 from .compile import bench_compile
 from .grad import bench_grad
 from .jaxloops import bench_jaxloops
+from .sharded import bench_sharded
 
 #: --workloads names, in the default order; "overhead" is the old name of "calls"
 WORKLOADS = {"heat": bench_heat, "heat2d": bench_heat2d, "jacobi": bench_jacobi, "life": bench_life, "nbody": bench_nbody,
              "quadratic": bench_quadratic, "calls": bench_calls, "control": bench_control,
-             "compile": bench_compile, "grad": bench_grad, "jaxloops": bench_jaxloops}
+             "compile": bench_compile, "grad": bench_grad, "jaxloops": bench_jaxloops,
+             "sharded": bench_sharded}
 ALIASES = {"overhead": "calls"}
 DEFAULT_WORKLOADS = ",".join(WORKLOADS)
 
 __all__ = [
     "ALIASES", "ALPHA", "BENCH_SCRIPT", "CMDBUF_FLAGS", "DEFAULT_WORKLOADS", "ROOT", "WORKLOADS", "Bench", "Case",
     "Impl", "bench_calls", "bench_compile", "bench_control", "bench_grad", "bench_heat", "bench_heat2d", "bench_jacobi", "bench_jaxloops", "bench_life",
-    "bench_nbody", "bench_quadratic", "device_name", "gpu_available", "have", "heat_exact", "heat_kernel",
+    "bench_nbody", "bench_quadratic", "bench_sharded", "device_name", "gpu_available", "have", "heat_exact", "heat_kernel",
     "heat_ref", "jax_heat_step", "on_device", "rel_err", "report_wrong_results", "run_cmdbuf_subprocess",
     "to_host", "write_outputs", "wrong_result",
 ]

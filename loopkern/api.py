@@ -233,6 +233,41 @@ class MegaKernel:
         return jax_call(self, args, kwargs, steps=steps, max_steps=max_steps, start=start, backend=backend,
                         scope=scope, threads=threads, blocks=blocks, seed=seed, timeout=timeout)
 
+    def sharded(self, mesh, in_specs, *, exchange_every=None, radius=None):
+        """This stencil step over fields split across the devices of a JAX mesh.
+
+        Each shard runs the step as a ``kernel.jax`` megakernel on its block plus a halo of
+        K*r cells (r: how far the step reads, inferred from its constant index offsets), K
+        steps per launch; then neighbouring shards exchange halos with ``lax.ppermute``,
+        inside ``jax.shard_map`` (``loopkern/interop/sharded.py``). Dimensions along which the
+        step wraps around (``(i + 1) % n``) are periodic; the others keep the step's own
+        treatment of the field's edges. Reductions in a returned condition are combined
+        across shards (``psum``/``pmax``/``pmin``) after each launch. Results equal the
+        single-device run bit for bit (a sum in the condition is added in another order).
+
+        Args:
+            mesh: a ``jax.sharding.Mesh``.
+            in_specs: a ``PartitionSpec`` for every array parameter (``P("x")``,
+                ``P("x", "y")``), or one per parameter after ``t`` (a tuple, or a dict by
+                name; ``None``/``P()`` for replicated arrays, which the step may only read,
+                and for scalars). Every split array is split alike.
+            exchange_every: K, the steps between halo exchanges; None: the K with the least
+                modelled time per step (``loopkern.sharding.choose_exchange_every``).
+            radius: the halo per step (an int, or one per dimension); None: what the step
+                reads. A step that returns a condition stops at a multiple of K.
+
+        Returns:
+            A :class:`~loopkern.interop.sharded.ShardedKernel`, called like :meth:`jax`.
+
+        Raises:
+            StepSyntaxError: for a step that cannot run split (``loopkern/sharding.py`` lists
+                the rules: a stencil whose cells are all treated alike along split dimensions,
+                reductions only in the returned condition, ...), at its line.
+            ArgumentError: for a bad mesh, in_specs, exchange_every or radius.
+        """
+        from .interop.sharded import ShardedKernel
+        return ShardedKernel(self, mesh, in_specs, exchange_every=exchange_every, radius=radius)
+
 
 def megakernel(fn=None, *, swap=(), backend="auto", scope="auto", threads=None, blocks=None):
     """Compile a step function into a megakernel that runs every step inside one launch.

@@ -11,7 +11,7 @@ This module decides that from the normalized step, and reports the offsets:
 - inside those loops, dimension ``k`` of an access to a resident array is ``x_k + c`` with
   ``c`` an integer known at compile time: a literal, a sum of literals, or the variable of a
   plain ``range`` loop with literal bounds (``for di in range(-1, 2)``); or, periodic,
-  ``(x_k + c) % E`` / ``(x_k + c + E) % E`` with ``E`` the array's extent ``a.shape[k]``
+  ``(x_k + c) % E`` / ``(x_k + c + E) % E`` / ``(x_k + E - c) % E`` with ``E`` the array's extent ``a.shape[k]``
   (or a name bound once to it), or the neighbour written as a conditional expression
   (``x_k - 1 if x_k > 0 else E - 1``, ``x_k + 1 if x_k < E - 1 else 0`` and their mirrored
   forms); an index may also be a name bound once, at the top of the loop body, to such an
@@ -49,6 +49,11 @@ class Stencil:
         resident: indices (into the step's parameters) of the arrays that may stay on chip:
             the swap pairs' arrays and any other array accessed only at offset 0.
         offsets: per resident array, the set of offset tuples it is read at.
+        reads, writes: per array (resident or not) accessed inside the parallel loops at
+            constant offsets, the set of offset tuples it is read (written) at.
+        irregular: per array, the line of its first access that is not at a constant offset
+            from the loop indices (or is outside the parallel loops); what sharding needs.
+        wraps: per array, the dimensions along which some access of it wraps around.
     """
 
     ndim: int
@@ -56,6 +61,10 @@ class Stencil:
     periodic: tuple[bool, ...]
     resident: frozenset[int]
     offsets: dict = field(hash=False, compare=False)   # what the kernel depends on is above
+    reads: dict = field(default_factory=dict, hash=False, compare=False)
+    writes: dict = field(default_factory=dict, hash=False, compare=False)
+    irregular: dict = field(default_factory=dict, hash=False, compare=False)
+    wraps: dict = field(default_factory=dict, hash=False, compare=False)
 
 
 @dataclass(frozen=True)
@@ -66,9 +75,11 @@ class NotStencil:
     line: int
 
 
-def find_stencil(spec) -> Stencil | NotStencil:
-    """Decide whether ``spec``'s step is a stencil; see the module docstring."""
-    return _Analysis(spec).run()
+def find_stencil(spec, need_resident: bool = True) -> Stencil | NotStencil:
+    """Decide whether ``spec``'s step is a stencil; see the module docstring. With
+    ``need_resident=False`` a step none of whose arrays could stay on chip still gets its
+    accesses described (``reads``, ``writes``, ``irregular``: what sharding needs)."""
+    return _Analysis(spec, need_resident).run()
 
 
 class _Reject(Exception):
@@ -81,8 +92,8 @@ _WHOLE = object()     # an offset that is not a compile-time constant
 
 
 class _Analysis:
-    def __init__(self, spec):
-        self.spec = spec
+    def __init__(self, spec, need_resident=True):
+        self.spec, self.need_resident = spec, need_resident
         self.names = [p.name for p in spec.params]
         self.arrays = {p.name: i for i, p in enumerate(spec.params) if p.kind == "array"}
         self.swapped = {i for pair in spec.swap for i in pair}
@@ -235,11 +246,12 @@ class _Analysis:
         if isinstance(e, ast.BinOp) and isinstance(e.op, ast.Mod):
             extent = self._extent(e.right, a, k)
             if extent:
-                inner = e.left
-                # (x + c + E) % E: the + E only keeps the left side non-negative
-                if isinstance(inner, ast.BinOp) and isinstance(inner.op, ast.Add) and self._extent(inner.right, a, k):
-                    inner = inner.left
-                got = self._linear(inner, k, loop, offsets)
+                # (x + c + E) % E, (x + E - 1) % E: a multiple of E added only keeps the left
+                # side non-negative
+                terms = _terms(e.left)
+                if terms is not None:
+                    terms = [(sg, t) for sg, t in terms if not self._extent(t, a, k)]
+                got = self._linear_terms(terms, k, loop, offsets)
                 if got is not _WHOLE:
                     self._wrapped.add(k)
                 return got
@@ -249,7 +261,9 @@ class _Analysis:
     def _linear(self, e, k, loop, offsets):
         if isinstance(e, ast.Call) and isinstance(e.func, ast.Attribute) and e.func.attr == "uint64" and len(e.args) == 1:
             e = e.args[0]
-        terms = _terms(e)
+        return self._linear_terms(_terms(e), k, loop, offsets)
+
+    def _linear_terms(self, terms, k, loop, offsets):
         if terms is None:
             return _WHOLE
         var, total = None, frozenset([0])
@@ -342,7 +356,7 @@ class _Analysis:
             if self.spec.params[a].min_ndim > self.ndim:
                 raise _Reject(f"'{name}' has more dimensions than the parallel loops", self.spec.step)
             resident.add(a)
-        if not resident:
+        if not resident and self.need_resident:
             raise _Reject("no array can stay on chip (no swap pair, nor an array written only at its own cells)",
                           self.spec.step)
         halo = [[0, 0] for _ in range(self.ndim)]
@@ -358,7 +372,23 @@ class _Analysis:
             offsets[self.names[a]] = frozenset(seen)
         periodic = tuple(any(k in self.wraps.get(a, ()) for a in resident) for k in range(self.ndim))
         return Stencil(ndim=self.ndim, halo=tuple(tuple(h) for h in halo), periodic=periodic,
-                       resident=frozenset(resident), offsets=offsets)
+                       resident=frozenset(resident), offsets=offsets, reads=self._regular(self.reads),
+                       writes=self._regular(self.writes), irregular=self._irregular(),
+                       wraps={a: frozenset(d) for a, d in self.wraps.items()})
+
+    @staticmethod
+    def _regular(accesses):
+        return {a: frozenset(c for off, _ in acc if off is not _WHOLE for c in _product(off))
+                for a, acc in accesses.items()}
+
+    def _irregular(self):
+        out = {a: getattr(n, "lineno", 0) for a, n in self.outside.items()}
+        for acc in (self.reads, self.writes):
+            for a, lst in acc.items():
+                for off, n in lst:
+                    if off is _WHOLE:
+                        out.setdefault(a, getattr(n, "lineno", 0))
+        return out
 
 
 def _assignment_counts(body) -> dict:
