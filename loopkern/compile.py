@@ -144,13 +144,21 @@ class CompiledKernel:
         return kernel
 
     def load_for_ffi(self, types: tuple, xla_ffi):
-        """Compile for ``types`` and load the cubin for the XLA FFI shim, once per device.
+        """Compile for ``types`` and register the cubin with the XLA FFI shim.
 
-        Returns (the Numba kernel, for occupancy; the CUfunction handle as an int).
+        Once per signature and compute capability (the cubin is built for the current device's),
+        not per device: the custom call names the image by its id, and the shim's handler loads
+        it into the context of the stream XLA hands it, once per device (``ffi_shim.c``), so one
+        call can run on every device of a mesh. The image is also loaded into the current device
+        here, so that a cubin it cannot run is reported now rather than from inside XLA.
+
+        Returns:
+            (the Numba kernel, for the occupancy query that sizes the grid on the current
+            device; the image id, the custom call's ``kernel`` attribute).
         """
         from numba import cuda
         dev = cuda.get_current_device()
-        key = ("ffi", types, dev.id)
+        key = ("ffi", types, dev.compute_capability)
         hit = self._specialized.get(key)
         if hit is not None:
             return hit
@@ -158,9 +166,10 @@ class CompiledKernel:
             kernel = self.dispatcher.compile(types)
         cubin = kernel._codelibrary.get_cubin(cc=dev.compute_capability)
         image = getattr(cubin, "code", cubin)
-        func = xla_ffi.load_function(dev.id, bytes(image), _entry_name(kernel))
-        self._specialized[key] = (kernel, func)
-        return kernel, func
+        image_id = xla_ffi.register_image(bytes(image), _entry_name(kernel))
+        xla_ffi.load_function(dev.id, image_id)
+        self._specialized[key] = (kernel, image_id)
+        return kernel, image_id
 
 
 def _cheap_key(v):

@@ -31,12 +31,21 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 
+# JAX's CPU backend as 4 devices, so that the CPU tests can run kernel.jax and sharded runs
+# under jax.shard_map on a mesh of several devices. XLA reads the flag when the backend is
+# first created: this runs before any test module imports jax. A count set already is kept.
+_HOST_DEVICES = "--xla_force_host_platform_device_count"
+if _HOST_DEVICES not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_HOST_DEVICES}=4".strip()
+
 REQUIRE_GPU_ENV = "LOOPKERN_REQUIRE_GPU"
 
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU (run with: pytest -m gpu)")
     config.addinivalue_line("markers", "sim: runs the CUDA code path under Numba's CUDA simulator")
+    config.addinivalue_line("markers", "multi_gpu: needs two or more GPUs (also marked gpu); on a machine with one "
+                                       "GPU run pytest -m 'gpu and not multi_gpu'")
     if gpu_selected(config):
         os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "0")
     else:

@@ -1,6 +1,8 @@
 """kernel.jax on JAX's CPU backend: eager, jit, donation, pipelines, vmap, traced scalars and
 steps, while-loop step counts, against lax.fori_loop / lax.while_loop and NumPy."""
 
+import os
+
 import numpy as np
 import pytest
 
@@ -34,6 +36,30 @@ def test_eager_matches_numpy_and_fori_loop(rng):
     assert isinstance(u, jax.Array) and u.shape == u0.shape and u.dtype == jnp.float32
     np.testing.assert_allclose(np.asarray(u), W.heat_ref(u0, 13, 0.25), rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(np.asarray(u), np.asarray(jax_heat(jnp.asarray(u0), 13, 0.25)), rtol=1e-5)
+
+
+def test_kernel_jax_inside_shard_map_on_cpu_devices(rng):
+    """kernel.jax inside jax.shard_map on a mesh of the CPU backend's devices (tests/conftest.py
+    asks XLA for 4): each device runs the call on its own block, an independent rod with fixed
+    ends, and each block is the NumPy run of that block alone."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+    k = len(jax.devices())
+    if k < 2:
+        pytest.skip(f"JAX's CPU backend has {k} device here (XLA_FLAGS={os.environ.get('XLA_FLAGS')!r})")
+    mesh = jax.make_mesh((k,), ("x",))
+    n, steps = 96, 50
+    u0 = rng.random(k * n).astype(np.float32)
+    f = jax.jit(jax.shard_map(lambda u, v: HEAT.jax(u, v, 0.25, steps=steps), mesh=mesh,
+                              in_specs=(P("x"), P("x")), out_specs=(P("x"), P("x"))))
+    x = jax.device_put(jnp.asarray(u0), NamedSharding(mesh, P("x")))
+    u, v = f(x, x)
+    assert u.shape == (k * n,) and set(u.devices()) == set(mesh.devices.flat)
+    out = np.asarray(u)
+    for b in range(k):
+        block = slice(b * n, (b + 1) * n)
+        np.testing.assert_allclose(out[block], W.heat_ref(u0[block], steps, 0.25), rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(out, np.asarray(f(x, x)[0]))     # a second run: the same
 
 
 def test_inputs_are_not_modified(rng):
@@ -332,7 +358,7 @@ def as_if_cuda(monkeypatch):
     monkeypatch.setattr(lk_compile.CompiledKernel, "load_for_ffi", lambda self, types_, xla_ffi: (None, 0x1234))
     monkeypatch.setattr(lk_config, "cuda_config", fake_config)
     monkeypatch.setattr(jax_bridge, "_platform", lambda mk, arrays, backend: "cuda")
-    monkeypatch.setattr(cuda, "get_current_device", lambda: types.SimpleNamespace(id=0))
+    monkeypatch.setattr(cuda, "get_current_device", lambda: types.SimpleNamespace(id=0, compute_capability=(9, 0)))
     kernels = (HEAT, JACOBI, SHIFT)
     for k in kernels:
         jax_bridge.call_cache(k).clear()
@@ -385,6 +411,7 @@ def test_cuda_lowering_is_the_custom_call_alone(name, as_if_cuda):
     attrs = re.search(r"mhlo\.backend_config = \{(.*?)\}", text).group(1)
     timeout = {"timeout": 1500000000, "long timeout, start": 10000000000}.get(name, 0)
     assert f"timeout_ns = {timeout} : i64" in attrs and f"count = {n_arrays + 4 if with_count else -1} : i64" in attrs
+    assert "kernel = 4660 : i64" in attrs       # the image id (load_for_ffi's, faked: 0x1234), not a CUfunction
 
 
 _cpu_registered = []
@@ -446,12 +473,37 @@ void (*fake_kernel)(void** params) = 0;
 static void logf_(const char* s) { strncat(fake_log, s, sizeof fake_log - strlen(fake_log) - 1); }
 int cuInit(unsigned f) { (void)f; return 0; }
 int cuDeviceGet(int* d, int o) { *d = o; return 0; }
-int cuDevicePrimaryCtxRetain(void** c, int d) { (void)d; *c = (void*)1; return 0; }
-int cuCtxPushCurrent_v2(void* c) { (void)c; return 0; }
-int cuCtxPopCurrent_v2(void** c) { *c = 0; return 0; }
-int cuModuleLoadData(void** m, const void* i) { (void)i; *m = (void*)1; return 0; }
-int cuModuleGetFunction(void** f, void* m, const char* n) { (void)m; (void)n; *f = (void*)0x1234; return 0; }
-int cuGetErrorName(int r, const char** s) { (void)r; *s = "FAKE_ERROR"; return 0; }
+/* device d's stream is 0x5157 + 0x1000 d, its (primary) context 0x15157 + 0x1000 d; a function
+   loaded there is 0x1234 + 0x1000 d; device d has 4 >> d SMs, each holding 2 blocks of up to
+   64 threads (1 of more). Context pushes, loads and occupancy queries go to fake_loads. */
+char fake_loads[8192];
+int fake_depth = 0, fake_nloads = 0;
+static uintptr_t current = 0;
+static void logl_(const char* s) { strncat(fake_loads, s, sizeof fake_loads - strlen(fake_loads) - 1); }
+int cuDevicePrimaryCtxRetain(void** c, int d) { *c = (void*)(uintptr_t)(0x15157 + 0x1000 * d); return 0; }
+int cuStreamGetCtx(void* s, void** c) { *c = (void*)((uintptr_t)s + 0x10000); return 0; }
+int cuCtxPushCurrent_v2(void* c) {
+  char b[64]; snprintf(b, sizeof b, "push(%p);", c); logl_(b);
+  fake_depth++; current = (uintptr_t)c; return 0;
+}
+int cuCtxPopCurrent_v2(void** c) { logl_("pop;"); fake_depth--; *c = (void*)current; current = 0; return 0; }
+int cuCtxGetDevice(int* d) { *d = (int)((current - 0x15157) / 0x1000); return 0; }
+int cuDeviceGetAttribute(int* v, int a, int d) { *v = a == 16 ? 4 >> d : -1; return 0; }
+int cuModuleLoadData(void** m, const void* i) {
+  char b[64]; snprintf(b, sizeof b, "load(%.16s);", (const char*)i); logl_(b);
+  if (!strncmp((const char*)i, "BAD", 3)) return 209;
+  fake_nloads++; *m = (void*)current; return 0;
+}
+int cuModuleUnload(void* m) { (void)m; logl_("unload;"); return 0; }
+int cuModuleGetFunction(void** f, void* m, const char* n) {
+  char b[64]; snprintf(b, sizeof b, "get(%s);", n); logl_(b);
+  *f = (void*)((uintptr_t)m - 0x15157 + 0x1234); return 0;
+}
+int cuOccupancyMaxActiveBlocksPerMultiprocessor(int* nb, void* f, int t, size_t sh) {
+  char b[64]; snprintf(b, sizeof b, "occupancy(%p,%d,%zu);", f, t, sh); logl_(b);
+  *nb = t <= 64 ? 2 : 1; return 0;
+}
+int cuGetErrorName(int r, const char** s) { *s = r == 209 ? "CUDA_ERROR_NO_BINARY_FOR_GPU" : "FAKE_ERROR"; return 0; }
 int cuMemsetD32Async(CUdeviceptr p, unsigned v, size_t n, void* s) {
   char b[128]; snprintf(b, sizeof b, "memset(+%llu,%u,%zu,%p);", p & 0xFFF, v, n, s); logf_(b);
   for (size_t i = 0; i < n; ++i) ((uint32_t*)(uintptr_t)p)[i] = v;
@@ -483,7 +535,8 @@ _HARNESS = r"""
 #include "ffi_shim.c"
 #include <stdlib.h>
 
-extern char fake_log[8192];
+extern char fake_log[8192], fake_loads[8192];
+extern int fake_depth, fake_nloads;
 extern void (*fake_kernel)(void** params);
 
 static int fails = 0;
@@ -494,7 +547,10 @@ static XLA_FFI_Error* fake_error_create(XLA_FFI_Error_Create_Args* a) {
   snprintf(last_error, sizeof last_error, "%s", a->message);
   return (XLA_FFI_Error*)1;
 }
-static XLA_FFI_Error* fake_stream_get(XLA_FFI_Stream_Get_Args* a) { a->stream = (void*)0x5157; return NULL; }
+/* the stream XLA hands the handler (device d's is 0x5157 + 0x1000 d), and the kernel called */
+static uintptr_t the_stream = 0x5157;
+static int64_t the_kernel;
+static XLA_FFI_Error* fake_stream_get(XLA_FFI_Stream_Get_Args* a) { a->stream = (void*)the_stream; return NULL; }
 
 /* a kernel with parameters nsteps, t0, u (2-D), alpha, redf, redi, bar, seed, info, host: it
    records what it sees and writes the control block as the real one does */
@@ -553,11 +609,11 @@ static int run(int64_t timeout_ns, int64_t count, int64_t coop, const int64_t* l
   int nrets = count >= 0 ? 6 : 5;
   for (int i = 0; i < nrets; ++i) { retp[i] = &rets[i]; rett[i] = XLA_FFI_RetType_BUFFER; }
 
-  int64_t func = 0x1234, blocks = 5, threads = 64, control = 4, tslot = 4, sslot = 0;
+  int64_t kernel = the_kernel, blocks = 5, threads = 64, control = 4, tslot = 4, sslot = 0;
   XLA_FFI_Scalar s[10]; XLA_FFI_Array lay = {XLA_FFI_DataType_S64, nlayout, (void*)layout};
-  const char* names[] = {"blocks", "control", "cooperative", "count", "func", "layout", "steps_slot", "threads",
+  const char* names[] = {"blocks", "control", "cooperative", "count", "kernel", "layout", "steps_slot", "threads",
                          "timeout_ns", "timeout_slot"};
-  int64_t* vals[] = {&blocks, &control, &coop, &count, &func, NULL, &sslot, &threads, &timeout_ns, &tslot};
+  int64_t* vals[] = {&blocks, &control, &coop, &count, &kernel, NULL, &sslot, &threads, &timeout_ns, &tslot};
   XLA_FFI_ByteSpan spans[10], *spanp[10]; XLA_FFI_AttrType types[10]; void* attrs[10];
   for (int i = 0; i < 10; ++i) {
     spans[i].ptr = names[i]; spans[i].len = strlen(names[i]); spanp[i] = &spans[i];
@@ -574,7 +630,7 @@ static int run(int64_t timeout_ns, int64_t count, int64_t coop, const int64_t* l
   cf.args.size = 5; cf.args.types = argt; cf.args.args = argp;
   cf.rets.size = nrets; cf.rets.types = rett; cf.rets.rets = retp;
   cf.attrs.size = 10; cf.attrs.types = types; cf.attrs.names = spanp; cf.attrs.attrs = attrs;
-  fake_log[0] = 0; last_error[0] = 0;
+  fake_log[0] = 0; fake_loads[0] = 0; last_error[0] = 0;
   memset(ctl_out, 0xAB, 17 * 4);    /* what XLA's allocator left there */
   *cnt_out = -5;
   return lk_launch(&cf) == NULL ? 0 : -1;
@@ -587,13 +643,31 @@ int main(void) {
                             1, 3, 8, 0, 0,  1, 4, 8, 0, 8};
   uint32_t* ctl = malloc(17 * 4); int32_t cnt; int32_t u[24];
   fake_kernel = kernel;
-  char expect[512];
+  char expect[512], err[512];
+
+  /* images are copied: the caller's buffer may go; the same bytes and entry, the same id */
+  char image[16] = "CUBIN-A";
+  int64_t id = 0, again = 0, other = 0;
+  CHECK(lk_register_image(image, 8, "k", &id, err, sizeof err) == 0 && id >= 1, "register: %s", err);
+  CHECK(lk_register_image(image, 8, "k", &again, err, sizeof err) == 0 && again == id, "registered again: %lld",
+        (long long)again);
+  CHECK(lk_register_image(image, 8, "k2", &other, err, sizeof err) == 0 && other != id, "another entry");
+  strcpy(image, "CUBIN-B");
+  CHECK(lk_register_image(image, 8, "k", &other, err, sizeof err) == 0 && other != id, "another image");
+  strcpy(image, "overwritten");
+  the_kernel = id;
 
   /* a timeout under 2^32 ns, the step count wanted, cooperative */
   CHECK(run(1500000000, 5, 1, layout, 50, ctl, &cnt, u) == 0, "call failed: %s", last_error);
   snprintf(expect, sizeof expect, "memset(+%llu,0,17,0x5157);memset(+%llu,1500000000,1,0x5157);coop(0x1234,5,64,0x5157);copy(4,0x5157);",
            (unsigned long long)((uintptr_t)ctl & 0xFFF), (unsigned long long)(((uintptr_t)ctl + 32) & 0xFFF));
   CHECK(!strcmp(fake_log, expect), "driver calls: %s\n  expected %s", fake_log, expect);
+  /* the first call on a device loads the kernel into the stream's context, and asks how many
+     blocks fit there, with that context pushed */
+  snprintf(expect, sizeof expect, "push(%p);load(CUBIN-A);get(k);pop;push(%p);occupancy(%p,64,0);pop;",
+           (void*)0x15157, (void*)0x15157, (void*)0x1234);
+  CHECK(!strcmp(fake_loads, expect), "loads: %s\n  expected %s", fake_loads, expect);
+  CHECK(fake_depth == 0, "context stack depth %d", fake_depth);
   CHECK(seen_timeout == 1500000000 && seen_request == 0 && seen_steps_before == 0 && seen_bar == 0,
         "the kernel saw timeout %lld request %lld steps %lld bar %u", (long long)seen_timeout,
         (long long)seen_request, (long long)seen_steps_before, seen_bar);
@@ -625,6 +699,40 @@ int main(void) {
         "driver calls: %s", fake_log);
   CHECK(seen_timeout == 0 && seen_request == 0 && seen_bar == 0 && cnt == -5, "no timeout: %lld %lld %u %d",
         (long long)seen_timeout, (long long)seen_request, seen_bar, cnt);
+
+  /* the same device again: nothing loaded or queried */
+  CHECK(run(0, 5, 1, layout, 50, ctl, &cnt, u) == 0 && !fake_loads[0] && fake_nloads == 1, "call failed: %s / %s",
+        last_error, fake_loads);
+
+  /* another device (2 SMs: 4 blocks fit) runs the same call: its own load; the grid of 5 blocks
+     cannot be co-resident there, which is said before anything is enqueued */
+  the_stream = 0x6157;
+  CHECK(run(0, 5, 1, layout, 50, ctl, &cnt, u) != 0 && fake_nloads == 2 && !fake_log[0] &&
+        strstr(last_error, "the grid of 5 blocks cannot be co-resident on device 1 (at most 4 blocks of 64 threads"),
+        "an unlike device: %s / %s", last_error, fake_log);
+  CHECK(run(0, 5, 0, layout, 50, ctl, &cnt, u) == 0 && fake_nloads == 2 &&
+        strstr(fake_log, "launch(0x2234,5,64,0x6157);"), "not cooperative on device 1: %s / %s", last_error, fake_log);
+  the_stream = 0x5157;
+
+  /* loaded from Python first (lk_load_function, the primary context): the handler finds it */
+  the_kernel = other;
+  CHECK(lk_load_function(0, other, err, sizeof err) == 0 && fake_nloads == 3, "lk_load_function: %s", err);
+  CHECK(run(0, 5, 0, layout, 50, ctl, &cnt, u) == 0 && fake_nloads == 3 && !strstr(fake_loads, "load("),
+        "after lk_load_function: %s / %s", last_error, fake_loads);
+
+  /* an image the device cannot load; an id nobody registered: errors, nothing enqueued */
+  CHECK(lk_register_image("BADCUBIN", 9, "k", &the_kernel, err, sizeof err) == 0, "register: %s", err);
+  CHECK(run(0, 5, 1, layout, 50, ctl, &cnt, u) != 0 && !fake_log[0] && fake_depth == 0 &&
+        strstr(last_error, "on the device of XLA's stream failed: CUDA_ERROR_NO_BINARY_FOR_GPU (209)"),
+        "a load error: %s / %s", last_error, fake_log);
+  CHECK(lk_load_function(1, the_kernel, err, sizeof err) != 0 &&
+        strstr(err, "on device 1 failed: CUDA_ERROR_NO_BINARY"),
+        "a load error from lk_load_function: %s", err);
+  the_kernel = 1000;
+  CHECK(run(0, 5, 1, layout, 50, ctl, &cnt, u) != 0 && !fake_log[0] &&
+        strstr(last_error, "kernel 1000 is not registered"),
+        "an unknown kernel: %s / %s", last_error, fake_log);
+  the_kernel = id;
 
   /* malformed calls fail before anything is enqueued */
   int64_t bad[50];
@@ -661,8 +769,8 @@ def test_ffi_handler_against_a_fake_driver(tmp_path):
     warn = ["-Wall", "-Wextra", "-Werror"]
     subprocess.run([cc, *warn, "-shared", "-fPIC", "-Wl,-soname,libcuda.so.1", "fake_cuda.c", "-o", "libcuda.so.1"],
                    cwd=tmp_path, check=True, capture_output=True)
-    build = subprocess.run([cc, *warn, "-I", jax.ffi.include_dir(), "-I", str(xla_ffi._SRC.parent), "harness.c",
-                            "-o", "harness", "-L.", "-l:libcuda.so.1", "-ldl", f"-Wl,-rpath,{tmp_path}"],
+    build = subprocess.run([cc, *warn, "-pthread", "-I", jax.ffi.include_dir(), "-I", str(xla_ffi._SRC.parent),
+                            "harness.c", "-o", "harness", "-L.", "-l:libcuda.so.1", "-ldl", f"-Wl,-rpath,{tmp_path}"],
                            cwd=tmp_path, capture_output=True, text=True)
     assert build.returncode == 0, build.stderr
     out = subprocess.run([str(tmp_path / "harness")], cwd=tmp_path, capture_output=True, text=True, timeout=60)

@@ -3,6 +3,19 @@
  * Built with cffi on first use (see xla_ffi.py). libcuda is resolved with dlopen at run time,
  * so this builds on machines without a GPU or a driver; only the XLA FFI header is needed.
  *
+ * Kernels are named by a small integer, not by a CUfunction: Python registers each cubin once
+ * (lk_register_image copies it into a process-lifetime table) and puts its id in the custom
+ * call's attribute "kernel". A CUfunction belongs to one context, and under jax.shard_map (or
+ * one compiled call run on several GPUs) the same custom call, attributes and all, runs on
+ * every device, each on its own stream. So the handler asks the driver for the context of the
+ * stream XLA hands it (cuStreamGetCtx) and loads the image into that context the first time it
+ * sees the pair (id, context): once per kernel and device. The functions it loaded are kept in
+ * a table guarded by one mutex (XLA runs the calls of different devices on threads of its own,
+ * concurrently), and never unloaded. For a cooperative launch it also keeps how many blocks of
+ * the function can be co-resident on that device (an occupancy query, per block size): the
+ * grid was sized on the GPU that was current when the call was built, and a mesh of unlike
+ * GPUs must fail with that said, not with CUDA_ERROR_COOPERATIVE_LAUNCH_TOO_LARGE.
+ *
  * The kernel's parameters are all arrays here (scalars and the step count arrive as 1-element
  * buffers), passed in Numba's array ABI: for each array, 5 + 2*ndim 8-byte parameters
  * (meminfo, parent, nitems, itemsize, data, shape[ndim], strides[ndim] in bytes, row-major).
@@ -29,8 +42,10 @@
  * asynchronous, and carry their value in the call.
  */
 #include <dlfcn.h>
+#include <pthread.h>
 #include <stdint.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "xla/ffi/api/c_api.h"
@@ -43,13 +58,20 @@ typedef void* CUfunction;
 typedef void* CUstream;
 typedef unsigned long long CUdeviceptr;
 
+#define LK_CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT 16
+
 static CUresult (*p_cuInit)(unsigned int);
 static CUresult (*p_cuDeviceGet)(CUdevice*, int);
 static CUresult (*p_cuDevicePrimaryCtxRetain)(CUcontext*, CUdevice);
 static CUresult (*p_cuCtxPushCurrent)(CUcontext);
 static CUresult (*p_cuCtxPopCurrent)(CUcontext*);
+static CUresult (*p_cuCtxGetDevice)(CUdevice*);
+static CUresult (*p_cuDeviceGetAttribute)(int*, int, CUdevice);
+static CUresult (*p_cuStreamGetCtx)(CUstream, CUcontext*);
 static CUresult (*p_cuModuleLoadData)(CUmodule*, const void*);
+static CUresult (*p_cuModuleUnload)(CUmodule);
 static CUresult (*p_cuModuleGetFunction)(CUfunction*, CUmodule, const char*);
+static CUresult (*p_cuOccupancyMaxActiveBlocksPerMultiprocessor)(int*, CUfunction, int, size_t);
 static CUresult (*p_cuLaunchCooperativeKernel)(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned,
                                                unsigned, unsigned, CUstream, void**);
 static CUresult (*p_cuLaunchKernel)(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
@@ -58,63 +80,240 @@ static CUresult (*p_cuGetErrorName)(CUresult, const char**);
 static CUresult (*p_cuMemsetD32Async)(CUdeviceptr, unsigned int, size_t, CUstream);
 static CUresult (*p_cuMemcpyDtoDAsync)(CUdeviceptr, CUdeviceptr, size_t, CUstream);
 
-static int lk_resolve(char* err, size_t errlen) {
-  static void* lib = NULL;
-  if (lib) return 0;
+/* Resolved once (pthread_once): the handler may first run on several XLA threads at the same
+   time, one per device. A failure is kept and reported on every call. */
+static pthread_once_t lk_resolve_once = PTHREAD_ONCE_INIT;
+static char lk_resolve_error[256];
+
+static void lk_resolve_all(void) {
   void* h = dlopen("libcuda.so.1", RTLD_NOW | RTLD_GLOBAL);
   if (!h) h = dlopen("libcuda.so", RTLD_NOW | RTLD_GLOBAL);
   if (!h) {
-    snprintf(err, errlen, "loopkern: cannot load libcuda (%s)", dlerror());
-    return -1;
+    snprintf(lk_resolve_error, sizeof lk_resolve_error, "loopkern: cannot load libcuda (%s)", dlerror());
+    return;
   }
-#define LK_SYM(var, name)                                                   \
-  *(void**)(&var) = dlsym(h, name);                                         \
-  if (!var) {                                                               \
-    snprintf(err, errlen, "loopkern: libcuda has no symbol %s", name);      \
-    return -1;                                                              \
+#define LK_SYM(var, name)                                                                        \
+  *(void**)(&var) = dlsym(h, name);                                                              \
+  if (!var) {                                                                                    \
+    snprintf(lk_resolve_error, sizeof lk_resolve_error, "loopkern: libcuda has no symbol %s", name); \
+    return;                                                                                      \
   }
+  LK_SYM(p_cuGetErrorName, "cuGetErrorName")
   LK_SYM(p_cuInit, "cuInit")
   LK_SYM(p_cuDeviceGet, "cuDeviceGet")
   LK_SYM(p_cuDevicePrimaryCtxRetain, "cuDevicePrimaryCtxRetain")
   LK_SYM(p_cuCtxPushCurrent, "cuCtxPushCurrent_v2")
   LK_SYM(p_cuCtxPopCurrent, "cuCtxPopCurrent_v2")
+  LK_SYM(p_cuCtxGetDevice, "cuCtxGetDevice")
+  LK_SYM(p_cuDeviceGetAttribute, "cuDeviceGetAttribute")
+  /* not cuStreamGetCtx_v2: that one (CUDA 12.5) takes a third parameter, the green context */
+  LK_SYM(p_cuStreamGetCtx, "cuStreamGetCtx")
   LK_SYM(p_cuModuleLoadData, "cuModuleLoadData")
+  LK_SYM(p_cuModuleUnload, "cuModuleUnload")
   LK_SYM(p_cuModuleGetFunction, "cuModuleGetFunction")
+  LK_SYM(p_cuOccupancyMaxActiveBlocksPerMultiprocessor, "cuOccupancyMaxActiveBlocksPerMultiprocessor")
   LK_SYM(p_cuLaunchCooperativeKernel, "cuLaunchCooperativeKernel")
   LK_SYM(p_cuLaunchKernel, "cuLaunchKernel")
-  LK_SYM(p_cuGetErrorName, "cuGetErrorName")
   LK_SYM(p_cuMemsetD32Async, "cuMemsetD32Async")
   LK_SYM(p_cuMemcpyDtoDAsync, "cuMemcpyDtoDAsync_v2")
 #undef LK_SYM
-  lib = h;
+}
+
+static int lk_resolve(char* err, size_t errlen) {
+  pthread_once(&lk_resolve_once, lk_resolve_all);
+  if (lk_resolve_error[0]) {
+    snprintf(err, errlen, "%s", lk_resolve_error);
+    return -1;
+  }
   return 0;
+}
+
+static const char* lk_error_name(CUresult r) {
+  const char* name = NULL;
+  if (p_cuGetErrorName) p_cuGetErrorName(r, &name);
+  return name ? name : "unknown";
 }
 
 static void lk_cuda_error(const char* what, CUresult r, char* err, size_t errlen) {
-  const char* name = "unknown";
-  if (p_cuGetErrorName) p_cuGetErrorName(r, &name);
-  snprintf(err, errlen, "loopkern: %s failed: %s (%d)", what, name ? name : "?", r);
+  snprintf(err, errlen, "loopkern: %s failed: %s (%d)", what, lk_error_name(r), r);
 }
 
-/* Load a cubin into the device's primary context (the one JAX uses); returns the function. */
-int lk_load_function(int device, const void* image, const char* name, uint64_t* func, char* err,
-                     size_t errlen) {
+/* ------------------------------------------------------------------ the kernel images
+ * Registered images, by id - 1. Process-lifetime: an id may be in any custom call XLA has
+ * compiled in this process, so an image is never removed. Ids are process-local: the
+ * attribute holds the id that the trace of this process registered. */
+typedef struct {
+  void* image;
+  size_t len;
+  char* entry;
+} lk_image;
+
+/* A function loaded into one context: the pair (id, ctx) is its key. For the cooperative
+   launch check it keeps the device's SM count and, per block size seen (up to LK_OCC of
+   them; more are queried at every launch), the blocks one SM can hold. */
+#define LK_OCC 8
+typedef struct lk_loaded {
+  int64_t id;
+  CUcontext ctx;
+  CUfunction f;
+  CUdevice dev;
+  int sms;
+  int nocc;
+  int occ_threads[LK_OCC];
+  int occ_blocks[LK_OCC];
+  struct lk_loaded* next;
+} lk_loaded;
+
+#define LK_BUCKETS 256
+/* guards the images and the loaded functions; held across a load (once per kernel and
+   device), so that two threads never load the same pair twice */
+static pthread_mutex_t lk_mutex = PTHREAD_MUTEX_INITIALIZER;
+static lk_image* lk_images = NULL;
+static int64_t lk_nimages = 0, lk_images_cap = 0;
+static lk_loaded* lk_table[LK_BUCKETS];
+
+/* Register a kernel image (a cubin, ``len`` bytes) and its entry point; *id gets its id (>= 1).
+   The bytes and the name are copied. Registering the same image and entry again gives the
+   same id. */
+int lk_register_image(const void* image, size_t len, const char* entry, int64_t* id, char* err, size_t errlen) {
+  int rc = 0;
+  pthread_mutex_lock(&lk_mutex);
+  for (int64_t i = 0; i < lk_nimages; ++i) {
+    lk_image* im = &lk_images[i];
+    if (im->len == len && !memcmp(im->image, image, len) && !strcmp(im->entry, entry)) {
+      *id = i + 1;
+      goto done;
+    }
+  }
+  if (lk_nimages == lk_images_cap) {
+    int64_t cap = lk_images_cap ? 2 * lk_images_cap : 16;
+    lk_image* grown = (lk_image*)realloc(lk_images, (size_t)cap * sizeof *grown);
+    if (!grown) goto oom;
+    lk_images = grown;
+    lk_images_cap = cap;
+  }
+  {
+    size_t elen = strlen(entry) + 1;
+    void* copy = malloc(len ? len : 1);
+    char* name = (char*)malloc(elen);
+    if (!copy || !name) {
+      free(copy);
+      free(name);
+      goto oom;
+    }
+    memcpy(copy, image, len);
+    memcpy(name, entry, elen);
+    lk_images[lk_nimages].image = copy;
+    lk_images[lk_nimages].len = len;
+    lk_images[lk_nimages].entry = name;
+    *id = ++lk_nimages;
+  }
+  goto done;
+oom:
+  snprintf(err, errlen, "loopkern: out of memory registering a kernel image of %zu bytes", len);
+  rc = -1;
+done:
+  pthread_mutex_unlock(&lk_mutex);
+  return rc;
+}
+
+static size_t lk_bucket(int64_t id, CUcontext ctx) {
+  uint64_t h = ((uint64_t)(uintptr_t)ctx >> 4) ^ ((uint64_t)id * 0x9E3779B97F4A7C15ull);
+  return (size_t)((h ^ (h >> 29)) % LK_BUCKETS);
+}
+
+/* The function of image ``id`` in context ``ctx``, loaded on the first call for the pair.
+   Call with lk_mutex held. ``where`` names the device for the error message. */
+static lk_loaded* lk_function(int64_t id, CUcontext ctx, const char* where, char* err, size_t errlen) {
+  size_t b = lk_bucket(id, ctx);
+  for (lk_loaded* l = lk_table[b]; l; l = l->next)
+    if (l->id == id && l->ctx == ctx) return l;
+  if (id < 1 || id > lk_nimages) {
+    snprintf(err, errlen, "loopkern: kernel %lld is not registered in this process (the custom call's attribute "
+             "\"kernel\" must come from kernel.jax in the same process)", (long long)id);
+    return NULL;
+  }
+  lk_loaded* l = (lk_loaded*)calloc(1, sizeof *l);
+  if (!l) {
+    snprintf(err, errlen, "loopkern: out of memory loading kernel %lld", (long long)id);
+    return NULL;
+  }
+  const lk_image* im = &lk_images[id - 1];
+  CUcontext popped;
+  CUmodule mod = NULL;
+  const char* step = "cuCtxPushCurrent";
+  CUresult r = p_cuCtxPushCurrent(ctx);
+  if (!r) {
+    step = "cuModuleLoadData";
+    r = p_cuModuleLoadData(&mod, im->image);
+    if (!r) { step = "cuModuleGetFunction"; r = p_cuModuleGetFunction(&l->f, mod, im->entry); }
+    if (!r) { step = "cuCtxGetDevice"; r = p_cuCtxGetDevice(&l->dev); }
+    if (!r) {
+      step = "cuDeviceGetAttribute";
+      r = p_cuDeviceGetAttribute(&l->sms, LK_CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, l->dev);
+    }
+    if (r && mod) p_cuModuleUnload(mod);
+    p_cuCtxPopCurrent(&popped);
+  }
+  if (r) {
+    snprintf(err, errlen, "loopkern: loading kernel %lld on %s failed: %s (%d) from %s", (long long)id, where,
+             lk_error_name(r), r, step);
+    free(l);
+    return NULL;
+  }
+  l->id = id;
+  l->ctx = ctx;
+  l->next = lk_table[b];
+  lk_table[b] = l;
+  return l;
+}
+
+/* How many blocks of ``threads`` threads of l's function can be co-resident on its device
+   (for a cooperative launch: all of them must be). Call with lk_mutex held. */
+static int lk_coresident(lk_loaded* l, int64_t threads, int64_t* limit, char* err, size_t errlen) {
+  for (int k = 0; k < l->nocc; ++k)
+    if (l->occ_threads[k] == threads) {
+      *limit = (int64_t)l->occ_blocks[k] * l->sms;
+      return 0;
+    }
+  int per_sm = 0;
+  CUcontext popped;
+  CUresult r = p_cuCtxPushCurrent(l->ctx);
+  if (!r) {
+    /* no dynamic shared memory: the launches below pass none */
+    r = p_cuOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, l->f, (int)threads, 0);
+    p_cuCtxPopCurrent(&popped);
+  }
+  if (r) {
+    snprintf(err, errlen, "loopkern: the occupancy query for kernel %lld on device %d failed: %s (%d)",
+             (long long)l->id, (int)l->dev, lk_error_name(r), r);
+    return -1;
+  }
+  if (l->nocc < LK_OCC) {
+    l->occ_threads[l->nocc] = (int)threads;
+    l->occ_blocks[l->nocc++] = per_sm;
+  }
+  *limit = (int64_t)per_sm * l->sms;
+  return 0;
+}
+
+/* Load image ``id`` into the device's primary context (the one JAX uses), as the handler
+   would on its first call there: a load error surfaces when the call is built, in Python,
+   and the handler finds the function already loaded. */
+int lk_load_function(int device, int64_t id, char* err, size_t errlen) {
   if (lk_resolve(err, errlen)) return -1;
   CUresult r;
   CUdevice dev;
-  CUcontext ctx, popped;
-  CUmodule mod;
-  CUfunction f;
+  CUcontext ctx;
   if ((r = p_cuInit(0))) { lk_cuda_error("cuInit", r, err, errlen); return -1; }
   if ((r = p_cuDeviceGet(&dev, device))) { lk_cuda_error("cuDeviceGet", r, err, errlen); return -1; }
   if ((r = p_cuDevicePrimaryCtxRetain(&ctx, dev))) { lk_cuda_error("cuDevicePrimaryCtxRetain", r, err, errlen); return -1; }
-  if ((r = p_cuCtxPushCurrent(ctx))) { lk_cuda_error("cuCtxPushCurrent", r, err, errlen); return -1; }
-  r = p_cuModuleLoadData(&mod, image);
-  if (!r) r = p_cuModuleGetFunction(&f, mod, name);
-  p_cuCtxPopCurrent(&popped);
-  if (r) { lk_cuda_error("loading the kernel", r, err, errlen); return -1; }
-  *func = (uint64_t)(uintptr_t)f;
-  return 0;
+  char where[32];
+  snprintf(where, sizeof where, "device %d", device);
+  pthread_mutex_lock(&lk_mutex);
+  lk_loaded* l = lk_function(id, ctx, where, err, errlen);
+  pthread_mutex_unlock(&lk_mutex);
+  return l ? 0 : -1;
 }
 
 static XLA_FFI_Error* lk_error(const XLA_FFI_Api* api, const char* msg) {
@@ -182,16 +381,15 @@ XLA_FFI_Error* lk_launch(XLA_FFI_CallFrame* cf) {
   if (lk_resolve(err, sizeof err)) return lk_error(api, err);
 
   int ok = 1;
-  int64_t func = lk_scalar(cf, "func", &ok), blocks = lk_scalar(cf, "blocks", &ok);
+  int64_t kernel = lk_scalar(cf, "kernel", &ok), blocks = lk_scalar(cf, "blocks", &ok);
   int64_t threads = lk_scalar(cf, "threads", &ok), coop = lk_scalar(cf, "cooperative", &ok);
   int64_t control = lk_scalar(cf, "control", &ok), timeout_ns = lk_scalar(cf, "timeout_ns", &ok);
   int64_t timeout_slot = lk_scalar(cf, "timeout_slot", &ok), count = lk_scalar(cf, "count", &ok);
   int64_t steps_slot = lk_scalar(cf, "steps_slot", &ok);
   XLA_FFI_Array* a_layout = (XLA_FFI_Array*)lk_attr(cf, "layout", XLA_FFI_AttrType_ARRAY);
   if (!ok || !a_layout || a_layout->dtype != XLA_FFI_DataType_S64 || a_layout->size % 5)
-    return lk_error(api, "loopkern: the custom call's attributes are malformed (func, blocks, threads, cooperative, "
+    return lk_error(api, "loopkern: the custom call's attributes are malformed (kernel, blocks, threads, cooperative, "
                          "layout, control, timeout_ns, timeout_slot, count, steps_slot)");
-  CUfunction f = (CUfunction)(uintptr_t)func;
   const int64_t* layout = (const int64_t*)a_layout->data;
 
   /* the control block: zeroed, then the timeout; the step count's destination */
@@ -263,10 +461,34 @@ XLA_FFI_Error* lk_launch(XLA_FFI_CallFrame* cf) {
   if (e) return e;
   CUstream stream = (CUstream)sa.stream;
 
+  /* the kernel in the context of XLA's stream: the same call runs on every device of a mesh */
+  CUcontext ctx;
+  CUresult r = p_cuStreamGetCtx(stream, &ctx);
+  if (r) {
+    lk_cuda_error("finding the context of XLA's stream (cuStreamGetCtx)", r, err, sizeof err);
+    return lk_error(api, err);
+  }
+  pthread_mutex_lock(&lk_mutex);
+  lk_loaded* l = lk_function(kernel, ctx, "the device of XLA's stream", err, sizeof err);
+  int64_t limit = 0;
+  int bad = !l || (coop && lk_coresident(l, threads, &limit, err, sizeof err));
+  CUfunction f = l ? l->f : NULL;
+  CUdevice dev = l ? l->dev : -1;
+  pthread_mutex_unlock(&lk_mutex);
+  if (bad) return lk_error(api, err);
+  if (coop && blocks > limit) {
+    snprintf(err, sizeof err, "loopkern: the grid of %lld blocks cannot be co-resident on device %d (at most %lld "
+             "blocks of %lld threads of this kernel fit there at once), and a cooperative launch needs all of them: "
+             "the grid was sized on the GPU that was current when the call was built; on a mesh of unlike GPUs "
+             "pass blocks=%lld or fewer", (long long)blocks, (int)dev, (long long)limit, (long long)threads,
+             (long long)limit);
+    return lk_error(api, err);
+  }
+
   /* the control block (and the barrier counter after it) to zero, then the timeout's nonzero
      words (little-endian: the low word first); the kernel writes the other slots */
   CUdeviceptr ctl_ptr = (CUdeviceptr)(uintptr_t)ctl->data;
-  CUresult r = p_cuMemsetD32Async(ctl_ptr, 0, (size_t)(ctl_bytes / 4), stream);
+  r = p_cuMemsetD32Async(ctl_ptr, 0, (size_t)(ctl_bytes / 4), stream);
   for (int w = 0; !r && w < 2; ++w) {
     unsigned int v = (unsigned int)((uint64_t)timeout_ns >> (32 * w));
     if (v) r = p_cuMemsetD32Async(ctl_ptr + 8 * (CUdeviceptr)timeout_slot + 4 * (CUdeviceptr)w, v, 1, stream);

@@ -1,7 +1,10 @@
 """``kernel.jax(...)``: a megakernel as a functional JAX operation, eager or inside ``jax.jit``.
 
 On a GPU the call lowers to an XLA FFI custom call (``xla_ffi.py``) that launches the
-Numba-compiled kernel on XLA's own stream. Array parameters are aliased to the outputs, so
+Numba-compiled kernel on XLA's own stream. The call names the kernel by the id of its registered
+cubin, not by a device's handle: the handler loads the image into the context of the stream XLA
+hands it, once per device, so the same call runs on whichever device XLA runs it on (each
+device of the mesh inside ``jax.shard_map``). Array parameters are aliased to the outputs, so
 under ``donate_argnums`` no buffer is copied; scalars and the step count travel as 1-element
 device buffers, so they may be traced values (numbers known at trace time are constants). The
 custom call is the only operation XLA runs for it: its handler zeroes the control block and the
@@ -10,16 +13,20 @@ step count out after it (``ffi_shim.c``). On JAX's CPU backend the same call run
 CPU-compiled kernel through ``jax.pure_callback`` (Python once per call, not per step).
 
 Every call checks its arguments (cheap: types, shapes, dtypes), then looks its *signature* up
-in a small cache on the kernel (:class:`CallCache`, on ``mk.dispatcher``): the platform and
-device, each parameter's shape and dtype (arrays) or dtype (scalars), the dtypes of the step
-count and start, the resolved scope, threads and blocks, the seed, the timeout and whether the
-step returns a condition. An entry (:class:`JaxCall`) holds what was built for that signature:
-the compiled kernel and its launch configuration, the result shapes, aliases and ``layout``
-attribute, the ``ffi_call`` (or the ``pure_callback`` host function), the ``custom_jvp``
-wrapper, and a ``jax.jit`` of all of it for eager calls. So a second trace (a new jitted
-function with the same shapes) or an eager call does no occupancy query, no cubin load and no
-custom-call construction; an eager call with a signature seen before is one dispatch of an
-already compiled executable.
+in a small cache on the kernel (:class:`CallCache`, on ``mk.dispatcher``): the platform and the
+kind of device (its compute capability), each parameter's shape and dtype (arrays) or dtype
+(scalars), the dtypes of the step count and start, the resolved scope, threads and blocks, the
+seed, the timeout and whether the step returns a condition. An entry (:class:`JaxCall`) holds
+what was built for that signature: the compiled kernel and its launch configuration, the result
+shapes, aliases and ``layout`` attribute, the ``ffi_call`` (or the ``pure_callback`` host
+function), the ``custom_jvp`` wrapper, and a ``jax.jit`` of all of it for eager calls. So a
+second trace (a new jitted function with the same shapes) or an eager call does no occupancy
+query, no cubin load and no custom-call construction; an eager call with a signature seen
+before is one dispatch of an already compiled executable.
+
+The cubin is built for, and the launch configuration (the plan) sized by an occupancy query on,
+Numba's current device, so an entry is per kind of device, not per device; at its first launch
+on a device the handler loads the kernel there and checks that the grid can be co-resident.
 """
 
 from __future__ import annotations
@@ -176,7 +183,7 @@ def _launch_work(mk, sig) -> int:
 
 
 def _cuda_options(mk, sig, scope, threads, blocks):
-    """(resolved scope, threads, blocks, the CUDA device the kernel is loaded on) of a CUDA call."""
+    """(resolved scope, threads, blocks, the kind of CUDA device the call is built for) of a CUDA call."""
     from numba import cuda
 
     from ..dispatch.config import resolve_scope
@@ -190,10 +197,12 @@ def _cuda_options(mk, sig, scope, threads, blocks):
     if scope == "tile":
         raise ArgumentError(f"{spec.name}.jax(): scope='tile' is not available under kernel.jax yet; "
                             f"use scope='grid'")
-    # the cubin is loaded into (and the occupancy asked of) Numba's current device, for traced
-    # and concrete arrays alike (CompiledKernel.load_for_ffi): what the built call depends on
-    device = cuda.get_current_device().id
-    return scope, threads or defaults["threads"], blocks or defaults["blocks"], device
+    # Not the device itself: the custom call runs on whichever device XLA gives it (every one of
+    # a mesh under shard_map), and the handler loads the kernel there. But the cubin is built for
+    # the current device's compute capability and the grid sized by an occupancy query on it
+    # (CompiledKernel.load_for_ffi, cuda_config), so the entry is for that kind of device.
+    kind = cuda.get_current_device().compute_capability
+    return scope, threads or defaults["threads"], blocks or defaults["blocks"], kind
 
 
 # ------------------------------------------------------------------------------ the cache
@@ -250,10 +259,10 @@ def jax_call(mk, args, kwargs, *, steps=None, max_steps=None, start=0, backend=N
     t0, t0_dtype = _step_count("start", start)
     platform = _platform(mk, arrays, backend)
     if platform == "cuda":
-        scope, threads, blocks, device = _cuda_options(mk, sig, scope, threads, blocks)
+        scope, threads, blocks, kind = _cuda_options(mk, sig, scope, threads, blocks)
     else:
-        scope = threads = blocks = device = None
-    key = (platform, device, sig, n_dtype, t0_dtype, scope, threads, blocks, seed, timeout,
+        scope = threads = blocks = kind = None
+    key = (platform, kind, sig, n_dtype, t0_dtype, scope, threads, blocks, seed, timeout,
            bool(mk.spec.returns_condition))
     cache = call_cache(mk)
     try:
@@ -276,7 +285,7 @@ def _build(mk, key) -> JaxCall:
     import jax
     import jax.numpy as jnp
 
-    platform, device, sig, n_dtype, t0_dtype, scope, threads, blocks, seed, timeout, returns_condition = key
+    platform, kind, sig, n_dtype, t0_dtype, scope, threads, blocks, seed, timeout, returns_condition = key
     arr_set = frozenset(i for i, (shape, _) in enumerate(sig) if shape is not None)
     na = len(arr_set)
     with_count = returns_condition or timeout is not None
@@ -284,7 +293,6 @@ def _build(mk, key) -> JaxCall:
         core, config = _cuda_core(mk, sig, n_dtype, t0_dtype, scope, threads, blocks, seed, timeout, with_count)
     else:
         core, config = _cpu_core(mk, sig, seed, timeout), None
-    name = mk.spec.name
 
     @jax.custom_jvp
     def call(*xs):
@@ -327,7 +335,7 @@ def _jvp(mk, key, primals, tangents, arr_set, with_count, call):
     import jax
     import jax.numpy as jnp
 
-    platform, device, sig, n_dtype, t0_dtype, scope, threads, blocks, seed, timeout, returns_condition = key
+    platform, kind, sig, n_dtype, t0_dtype, scope, threads, blocks, seed, timeout, returns_condition = key
     name = mk.spec.name
     if timeout is not None:
         raise LoopkernError(f"kernel.jax: differentiating megakernel '{name}' with timeout= is not supported "
@@ -622,7 +630,7 @@ def _cuda_core(mk, sig, n_dtype, t0_dtype, scope, threads, blocks, seed, timeout
         nbsig.append(nb(dtype, len(shape)) if shape is not None else nb(dtype, 1))
     nbsig += [types.float64[:, ::1], types.int64[:, ::1], types.uint32[::1], types.uint32[::1], types.int64[::1],
               types.int64[::1]]
-    kernel, func = compiled.load_for_ffi(tuple(nbsig), xla_ffi)
+    kernel, image_id = compiled.load_for_ffi(tuple(nbsig), xla_ffi)
     if mk.dispatcher.warp_split:
         work *= WARP            # a warp per iteration of its few-iteration loop (see warpsplit.py)
     plan = cuda_config(kernel, scope, work, threads, blocks, simulator=False)
@@ -666,7 +674,9 @@ def _cuda_core(mk, sig, n_dtype, t0_dtype, scope, threads, blocks, seed, timeout
     seed_words = np.array([seed & 0xFFFFFFFF, seed >> 32, (seed & 0xFFFFFFFF) ^ 1], np.uint32)
     call = jax.ffi.ffi_call(xla_ffi.TARGET, tuple(results), input_output_aliases=aliases,
                             vmap_method="sequential")
-    attrs = dict(func=np.int64(func), blocks=np.int64(plan.blocks), threads=np.int64(plan.threads),
+    # the kernel by its image id: the handler loads it into the context of the stream XLA runs
+    # the call on (each device of a mesh under shard_map), and checks that the grid fits there
+    attrs = dict(kernel=np.int64(image_id), blocks=np.int64(plan.blocks), threads=np.int64(plan.threads),
                  cooperative=np.int64(1 if plan.scope == "grid" else 0), layout=np.array(layout, np.int64),
                  control=np.int64(ctl), timeout_ns=np.int64(int(timeout * 1e9) if timeout is not None else 0),
                  timeout_slot=np.int64(TIMEOUT_NS), count=np.int64(count if with_count else -1),

@@ -3,6 +3,11 @@
 The shim is compiled with cffi on first use into the cache directory, against the XLA FFI
 header that jaxlib ships. It needs a C compiler and Python's headers but no CUDA toolkit,
 GPU or driver: libcuda is opened at run time.
+
+A custom call names its kernel by an image id (:func:`register_image`), not by a CUfunction:
+a CUfunction belongs to one device's context, while under ``jax.shard_map`` the same custom
+call runs on every device of the mesh. The handler loads the image into the context of the
+stream XLA hands it, once per device, and keeps the function (``ffi_shim.c``).
 """
 
 from __future__ import annotations
@@ -18,7 +23,8 @@ from ..errors import BackendError
 TARGET = "loopkern_launch"
 _SRC = Path(__file__).with_name("ffi_shim.c")
 _CDEF = """
-int lk_load_function(int device, const void* image, const char* name, uint64_t* func, char* err, size_t errlen);
+int lk_register_image(const void* image, size_t len, const char* entry, int64_t* id, char* err, size_t errlen);
+int lk_load_function(int device, int64_t id, char* err, size_t errlen);
 void* lk_launch_address(void);
 """
 _lock = threading.Lock()
@@ -45,7 +51,9 @@ def build_shim():
         if not built:
             ffi = FFI()
             ffi.cdef(_CDEF)
-            ffi.set_source(name, source, include_dirs=[include], libraries=["dl"], extra_compile_args=["-O2"])
+            # pthread: the handler's table of loaded kernels is shared by XLA's threads
+            ffi.set_source(name, source, include_dirs=[include], libraries=["dl", "pthread"],
+                           extra_compile_args=["-O2"])
             try:
                 built = [Path(ffi.compile(tmpdir=str(build), verbose=False))]
             except Exception as exc:
@@ -74,13 +82,36 @@ def register_cuda_target():
         _state["registered"] = True
 
 
-def load_function(device: int, cubin: bytes, entry: str) -> int:
-    """Load ``cubin`` into the device's primary context; returns the CUfunction as an int."""
+def register_image(cubin: bytes, entry: str) -> int:
+    """Register a kernel image with the shim (a copy, kept for the life of the process).
+
+    Args:
+        cubin: the compiled kernel, for one compute capability.
+        entry: the name of its kernel function.
+
+    Returns:
+        The image's id, the custom call's ``kernel`` attribute; the same image and entry
+        registered again give the same id.
+    """
     mod = build_shim()
     ffi, lib = mod.ffi, mod.lib
-    out = ffi.new("uint64_t*")
+    out = ffi.new("int64_t*")
     err = ffi.new("char[512]")
-    image = ffi.from_buffer(cubin)
-    if lib.lk_load_function(device, image, entry.encode(), out, err, 512) != 0:
+    if lib.lk_register_image(ffi.from_buffer(cubin), len(cubin), entry.encode(), out, err, 512) != 0:
         raise BackendError(ffi.string(err).decode(errors="replace"))
     return int(out[0])
+
+
+def load_function(device: int, image_id: int) -> None:
+    """Load a registered image into the device's primary context, as the handler would on its
+    first call there (it then finds it loaded): so that a cubin the device cannot run is
+    reported when the call is built, not when XLA runs it.
+
+    Raises:
+        BackendError: libcuda is missing, or the driver could not load the image.
+    """
+    mod = build_shim()
+    ffi, lib = mod.ffi, mod.lib
+    err = ffi.new("char[512]")
+    if lib.lk_load_function(device, image_id, err, 512) != 0:
+        raise BackendError(ffi.string(err).decode(errors="replace"))

@@ -342,3 +342,72 @@ def test_repeated_jit_calls_condition_step(rng):
         u, _, steps = short(jnp.asarray(g0), jnp.asarray(g0))
         assert int(steps) == 7
         assert rel_err(u, ref7) < 1e-5
+
+
+# ------------------------------------------------------------------------------ several devices
+# The custom call names its kernel by the id of a registered cubin, and the handler loads it
+# into the context of the stream XLA hands it, once per device (ffi_shim.c): so the same call
+# runs on any GPU, and inside jax.shard_map on every device of the mesh. Each shard below is an
+# independent rod with fixed ends, compared with the NumPy run of its block alone.
+def _sharded_heat(mesh, steps, scope):
+    from jax.sharding import PartitionSpec as P
+    return jax.jit(jax.shard_map(lambda u, v: HEAT.jax(u, v, 0.25, steps=steps, scope=scope), mesh=mesh,
+                                 in_specs=(P("x"), P("x")), out_specs=(P("x"), P("x"))))
+
+
+def _check_blocks(u, u0, shards, steps):
+    out, n = np.asarray(u), len(u0) // shards
+    for b in range(shards):
+        block = slice(b * n, (b + 1) * n)
+        assert rel_err(out[block], W.heat_ref(u0[block], steps, 0.25)) < 1e-5, f"shard {b}"
+
+
+@pytest.mark.parametrize("scope", [None, "grid"])
+def test_kernel_jax_inside_shard_map_on_a_one_device_mesh(scope, rng):
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+    mesh = jax.make_mesh((1,), ("x",))
+    u0 = rng.random(1 << 14).astype(np.float32)
+    x = jax.device_put(jnp.asarray(u0), NamedSharding(mesh, P("x")))    # JAX 0.10: the inputs carry it
+    f = _sharded_heat(mesh, 50, scope)
+    u, _ = f(x, x)
+    _check_blocks(u, u0, 1, 50)
+    np.testing.assert_array_equal(np.asarray(f(x, x)[0]), np.asarray(u))
+
+
+@pytest.mark.parametrize("scope", [None, "grid"])
+def test_one_compiled_call_on_every_gpu(scope, rng):
+    """One jitted function and one kernel.jax entry (built on Numba's current device, device 0),
+    run on each visible GPU in turn, jitted and eager: on every other device the handler loads
+    the kernel there at the first launch. With one GPU this checks the same path once."""
+    from loopkern.interop import jax_bridge
+    jax_bridge.call_cache(HEAT).clear()
+    steps = 50
+    f = jax.jit(lambda u, v: HEAT.jax(u, v, 0.25, steps=steps, scope=scope))
+    for d in jax.devices("gpu"):
+        u0 = rng.random(1 << 14).astype(np.float32)
+        x = jax.device_put(jnp.asarray(u0), d)
+        u, _ = f(x, x)
+        assert u.devices() == {d}
+        _check_blocks(u, u0, 1, steps)
+        u2, _ = HEAT.jax(x, x, 0.25, steps=steps, scope=scope)          # eager
+        assert u2.devices() == {d}
+        np.testing.assert_array_equal(np.asarray(u2), np.asarray(u))
+    assert len(jax_bridge.call_cache(HEAT)) == 1       # not an entry per device
+
+
+@pytest.mark.multi_gpu
+@pytest.mark.parametrize("scope", [None, "grid"])
+def test_kernel_jax_inside_shard_map_on_several_gpus(scope, rng):
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+    gpus = len(jax.devices("gpu"))
+    if gpus < 2:
+        pytest.skip(f"needs at least 2 GPUs (this machine has {gpus})")
+    for shards in sorted({2, gpus}):
+        mesh = jax.make_mesh((shards,), ("x",))
+        u0 = rng.random(shards << 14).astype(np.float32)
+        x = jax.device_put(jnp.asarray(u0), NamedSharding(mesh, P("x")))
+        u, _ = _sharded_heat(mesh, 50, scope)(x, x)
+        assert set(u.devices()) == set(mesh.devices.flat)
+        _check_blocks(u, u0, shards, 50)
