@@ -71,6 +71,7 @@ def gpus():
     return devs
 
 
+@pytest.mark.multi_gpu
 def test_split_across_gpus_heat_jacobi_life(rng, gpus):
     count = len(gpus)
     m = jax.make_mesh((count,), ("x",), devices=gpus)
