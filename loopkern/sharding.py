@@ -692,11 +692,12 @@ class ExchangeCosts:
         memory_bytes_s: the device's memory bandwidth (the step's traffic and the copies that
             place received halos into the window).
         step_floor_s: the least a step costs whatever its size (the grid barrier).
-        window_copies: how many times per launch XLA copies the changing arrays' windows
-            (read and written) around the launch and the exchange, measured: on the H200 at a
-            16K x 16K float32 block, one shard's launches of 25 steps cost 3 ms more than the
+        launch_passes: a cost of each launch that grows with the window, in passes over the
+            changing arrays' windows (read and written), measured: on the H200 at a 16K x 16K
+            float32 block, one shard's launches of 25 steps cost about 3 ms more each than the
             same steps on the bare block (bench/sharded.py, bench-results/session11), about
-            three passes over the two 1 GiB windows.
+            three passes over the two 1 GiB windows. Its cause is not identified: XLA's
+            compiled program copies no window inside the loop (bench/sharded_hlo_probe.py).
     """
 
     launch_s: float
@@ -704,7 +705,7 @@ class ExchangeCosts:
     link_bytes_s: float
     memory_bytes_s: float
     step_floor_s: float
-    window_copies: float = 3.0
+    launch_passes: float = 3.0
 
 
 #: H200 figures: launch and barrier from bench-results (kernel.jax call overhead, the 1-D heat
@@ -762,7 +763,7 @@ def model_step_time(plan: ShardPlan, block, parts, k_steps: int, itemsize: int, 
     # sent over the link, and sliced, concatenated and placed on both sides
     chunk += moved / costs.link_bytes_s + 4 * moved / costs.memory_bytes_s
     if moved:
-        chunk += costs.window_copies * 2 * cells * itemsize * len(plan.state) / costs.memory_bytes_s
+        chunk += costs.launch_passes * 2 * cells * itemsize * len(plan.state) / costs.memory_bytes_s
     if plan.condition is not None:
         chunk += costs.collective_s
     return chunk / k_steps

@@ -374,7 +374,7 @@ def test_bad_arguments(rng):
 def test_cost_model_trades_exchanges_against_redundant_work():
     plan = jacobi.sharded(mesh(4), P("x")).plan
     free = sharding.ExchangeCosts(launch_s=0, collective_s=0, link_bytes_s=math.inf, memory_bytes_s=1e12,
-                                  step_floor_s=0, window_copies=0)
+                                  step_floor_s=0, launch_passes=0)
     costly = sharding.ExchangeCosts(launch_s=1.0, collective_s=1.0, link_bytes_s=1e9, memory_bytes_s=1e12,
                                     step_floor_s=0)
     block, parts = (4096, 4096), (4, 1)
