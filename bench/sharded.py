@@ -14,7 +14,9 @@ On a machine with one GPU the exchange between devices cannot run, so this measu
 The modelled efficiency adds what is not measured, for each exchange: two collectives of
 ``GPU_COSTS.collective_s`` per split dimension and the slabs' bytes over
 ``GPU_COSTS.link_bytes_s`` (``loopkern/sharding.py`` says where those figures come from).
-Efficiency = single-device time per step / modelled sharded time per step. When a machine
+Efficiency = single-device time per step (``kernel.jax`` on the block, one launch of the same
+number of steps: each call has a fixed cost, so rows are compared at equal step counts) /
+modelled sharded time per step. When a machine
 with several GPUs runs ``examples/sharded_heat2d.py``, that measurement replaces the model.
 """
 
@@ -98,7 +100,7 @@ def bench_sharded(b: Bench):
         win = Windows(plan, (n, n), halo, parts, ("x", "y"), permute=lambda x, axis, pairs: x,
                       index=lambda axis: jnp.int32(1))       # an inner shard: halos on both sides
         ck = _chunk_kernel(kernel, sk.parsed, plan, ())
-        chunks = max(1, steps // k)
+        chunks = max(2, steps // k)
 
         def local(u):
             lo = win.offsets()
@@ -112,6 +114,30 @@ def bench_sharded(b: Bench):
             wu, wv = lax.fori_loop(0, chunks, body, (wu, wv))
             return win.from_window(wu, lo)
         fn = jax.jit(local)
+
+        # the same launches without the exchange, and the user's step on the bare block in
+        # launches of K steps: where a shard's extra time per step comes from
+        def launches_only(u):
+            lo = win.offsets()
+            bounds = [x for d in range(2) for x in (lo[d], lo[d] + n)]
+            c = (win.to_window(u, lo), win.to_window(u, lo))
+            c = lax.fori_loop(0, chunks, lambda _, c: tuple(ck.jax(*c, alpha, *bounds, steps=k)), c)
+            return win.from_window(c[0], lo)
+
+        def block_launches(u):
+            return lax.fori_loop(0, chunks, lambda _, c: tuple(kernel.jax(*c, alpha, steps=k)), (u, u))[0]
+        one_launch = jax.jit(lambda u: kernel.jax(u, u, alpha, steps=chunks * k)[0])
+        t_one, ts = _median_time(lambda: jax.block_until_ready(one_launch(u0)), args.reps)
+        base_p = t_one / (chunks * k)      # the baseline for this row: the same steps, one launch
+        b.emit(dict(workload="sharded", n=n * n, variant=f"kernel.jax on the bare block, {label}, one launch",
+                    steps=chunks * k, us_per_step=base_p * 1e6, runs_s=ts, check="baseline of this row"))
+        for what, g in (("the shard's step on its window, no exchange", launches_only),
+                        ("kernel.jax on the bare block", block_launches)):
+            gj = jax.jit(g)
+            t_g, ts = _median_time(lambda: jax.block_until_ready(gj(u0)), args.reps)
+            b.emit(dict(workload="sharded", n=n * n, variant=f"{what}, {label}, launches of K={k}",
+                        steps=chunks * k, us_per_step=t_g / (chunks * k) * 1e6, runs_s=ts, exchange_every=k,
+                        check="timing only"))
 
         def run_local():
             jax.block_until_ready(fn(u0))
@@ -129,7 +155,7 @@ def bench_sharded(b: Bench):
         b.emit(dict(workload="sharded", n=n * n, variant=f"one shard's local work, {label}, K={k}", steps=chunks * k,
                     us_per_step=per_step * 1e6, runs_s=ts, exchange_every=k, halo=list(halo),
                     link_and_collectives_us_per_step=unmeasured * 1e6, modelled_us_per_step=modelled * 1e6,
-                    modelled_efficiency=base / modelled,
+                    modelled_efficiency=base_p / modelled,
                     model_inputs=dict(collective_s=costs.collective_s, link_bytes_s=costs.link_bytes_s,
                                       slab_bytes_per_exchange=moved),
                     check="timing only (the collective is the identity here)"))

@@ -692,12 +692,12 @@ class ExchangeCosts:
         memory_bytes_s: the device's memory bandwidth (the step's traffic and the copies that
             place received halos into the window).
         step_floor_s: the least a step costs whatever its size (the grid barrier).
-        launch_passes: a cost of each launch that grows with the window, in passes over the
+        launch_passes: the cost of each launch beyond its steps, in passes over the
             changing arrays' windows (read and written), measured: on the H200 at a 16K x 16K
-            float32 block, one shard's launches of 25 steps cost about 3 ms more each than the
-            same steps on the bare block (bench/sharded.py, bench-results/session11), about
-            three passes over the two 1 GiB windows. Its cause is not identified: XLA's
-            compiled program copies no window inside the loop (bench/sharded_hlo_probe.py).
+            float32 block, kernel.jax in launches of 183 steps costs 19 us/step more than in
+            one launch (about 3.5 ms per launch; bench/sharded.py, bench-results/session11),
+            about three passes over the two 1 GiB windows. Its cause is not identified:
+            XLA's compiled loop copies no window (bench/sharded_hlo_probe.py).
     """
 
     launch_s: float
