@@ -49,7 +49,8 @@ from dataclasses import dataclass
 
 from .errors import ArgumentError, StepSyntaxError
 from .spec import marker_of
-from .stencil import NotStencil, find_stencil
+from .adjoint import _fresh, _lk_alias
+from .stencil import NotStencil, _assignment_counts, _extent_of, find_stencil
 from .tangent import generated_step
 
 REDUCTIONS = ("sum", "max", "min")
@@ -65,7 +66,6 @@ class ShardPlan:
 
     Attributes:
         ndim: dimensions of the step's index space (and of its sharded arrays).
-        split: per dimension, whether the sharded arrays are split along it.
         radius: per dimension, the most cells a step reads away from the cell it writes.
         periodic: per dimension, whether the field wraps around (some access wraps).
         state: indices (into the step's parameters) of the sharded arrays whose contents change
@@ -82,7 +82,6 @@ class ShardPlan:
     """
 
     ndim: int
-    split: tuple[bool, ...]
     radius: tuple[int, ...]
     periodic: tuple[bool, ...]
     state: tuple[int, ...]
@@ -228,7 +227,7 @@ def plan_sharding(parsed, spec, sharded: dict, radius=None) -> ShardPlan:
     accs, slots, cond, slot_names, inlined = _Reductions(parsed, spec).run()
     state = tuple(a for a in sorted(sharded) if a in written or a in swapped)
     fixed = tuple(a for a in sorted(sharded) if a not in state)
-    return ShardPlan(ndim=ndim, split=split, radius=tuple(reach), periodic=periodic, state=state, fixed=fixed,
+    return ShardPlan(ndim=ndim, radius=tuple(reach), periodic=periodic, state=state, fixed=fixed,
                      accumulators=accs, slots=slots, condition=cond, slot_names=slot_names,
                      inlined=inlined)
 
@@ -248,7 +247,6 @@ class _Invariance:
 
     def extent_dim(self, e):
         """k if ``e`` is ``a.shape[k]`` (or ``len(a)``) of a sharded array, else None."""
-        from .stencil import _extent_of
         got = _extent_of(e, self.arrays)
         if got is not None and got[0] in self.sharded:
             return got[1]
@@ -414,7 +412,6 @@ class _Reductions:
             raise self.error(node, "under kernel.sharded a step returns its condition once, as its last statement",
                              "compute the condition into a local and 'return' it at the end")
         # top-level names feeding the condition (m = lk.max(err); return m > tol)
-        from .stencil import _assignment_counts
         counts = _assignment_counts(body)
         defs = {}
         for s in body[:-1] if ret is not None else body:
@@ -581,14 +578,6 @@ def _lk_name(parsed, func) -> str | None:
     return None
 
 
-def _fresh(used, base):
-    k = 0
-    while f"{base}{k or ''}" in used:
-        k += 1
-    used.add(f"{base}{k or ''}")
-    return f"{base}{k or ''}"
-
-
 def chunk_step(parsed, plan: ShardPlan, kinds=()) -> tuple:
     """The step a shard runs: ``name_shard(t, <params>, lo_0, hi_0, ..., redf, redi)``.
 
@@ -601,7 +590,6 @@ def chunk_step(parsed, plan: ShardPlan, kinds=()) -> tuple:
     on the values combined across shards. ``kinds``: 'i' or 'f' per slot
     (:func:`accumulator_kinds`). Returns (ParsedFunction, names of lo/hi per
     dimension as [(lo, hi), ...], name of redf, name of redi)."""
-    from .adjoint import _lk_alias
     tree = parsed.tree
     used = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)} | {a.arg for a in tree.args.args}
     lk = None
