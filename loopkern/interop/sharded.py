@@ -118,6 +118,7 @@ class ShardedKernel:
                                     f"{plan.ndim} dimensions); split every field alike")
         self.parsed = parsed
         self._calls = {}
+        self._chosen = {}       # the cost model's K per (block, parts, itemsize, costs)
         self.last_plan = None
 
     def _split_dims(self):
@@ -186,7 +187,11 @@ class ShardedKernel:
         elif top is not None and top < 1:
             k_steps = 0
         else:
-            k_steps = choose_exchange_every(plan, block, parts, itemsize, costs)
+            # up to thousands of model evaluations: once per geometry, not per call
+            got = (block, parts, itemsize, costs)
+            if got not in self._chosen:
+                self._chosen[got] = choose_exchange_every(plan, block, parts, itemsize, costs)
+            k_steps = self._chosen[got]
         if k_steps == 0:
             r = max(plan.radius)
             raise ArgumentError(f"blocks of {block} cells are thinner than one step's halo exchange needs "
@@ -263,17 +268,15 @@ class ShardedKernel:
         float_dt = _float_dtype(sig, sharded)
         int_dt = jnp.dtype(jax.dtypes.canonicalize_dtype(np.int64))
         nslots = max(len(plan.slots), 1)
-        win_ops = Windows(plan, block, halo, parts, axes)
-        offsets, exchange, to_window, from_window = (win_ops.offsets, win_ops.exchange, win_ops.to_window,
-                                                     win_ops.from_window)
+        win = Windows(plan, block, halo, parts, axes)
 
         combine = {"sum": lax.psum, "max": lax.pmax, "min": lax.pmin}
 
         def local(n, t0, *vals):
-            lo = offsets()
-            wins = {a: to_window(vals[a], lo) for a in sharded}
+            lo = win.offsets()
+            wins = {a: win.to_window(vals[a], lo) for a in sharded}
             for a in plan.fixed:
-                wins[a] = exchange(wins[a], lo)
+                wins[a] = win.exchange(wins[a], lo)
             bounds = []
             for k in range(plan.ndim):
                 bounds += [lo[k], lo[k] + block[k]]
@@ -283,7 +286,7 @@ class ShardedKernel:
                 done, _, ws = carry
                 cur = dict(zip(state, ws))
                 for a in state:
-                    cur[a] = exchange(cur[a], lo)
+                    cur[a] = win.exchange(cur[a], lo)
                 kk = jnp.minimum(jnp.asarray(k_steps, n.dtype), n - done)
                 argv = [cur.get(a, wins.get(a, vals[a])) if a in self.axes_of else vals[a] for a in range(nparams)]
                 argv += bounds
@@ -309,7 +312,7 @@ class ShardedKernel:
             done, _, ws = lax.while_loop(more, body, (jnp.zeros((), n.dtype), jnp.bool_(True),
                                                       tuple(wins[a] for a in state)))
             final = dict(zip(state, ws))
-            outs = tuple(from_window(final[a], lo) if a in final else vals[a] for a in arr_idx)
+            outs = tuple(win.from_window(final[a], lo) if a in final else vals[a] for a in arr_idx)
             return outs + ((done.astype(jnp.int32),) if with_count else ())
 
         fn = jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
