@@ -41,6 +41,36 @@ def heat2d_step():
     return sharded_heat2d
 
 
+def shard_work(kernel, sk, n, parts, k, chunks, alpha, exchange=True):
+    """One shard's local work on one device: ``chunks`` launches of ``k`` steps of
+    ``kernel.sharded``'s generated step on the window of an n x n block split ``parts`` ways,
+    each after a halo exchange (``exchange``) whose collective is the identity (the same bytes
+    are moved on the device; no link is used). The shard is an inner one along every split
+    dimension. Returns u -> the block after the run."""
+    from jax import lax
+    import jax.numpy as jnp
+
+    from loopkern import sharding
+    from loopkern.interop.sharded import Windows, _chunk_kernel
+
+    plan = sk.plan
+    win = Windows(plan, (n, n), sharding.halo_widths(plan, k, parts), parts, ("x", "y"),
+                  permute=lambda x, axis, pairs: x, index=lambda axis: jnp.int32(1))
+    ck = _chunk_kernel(kernel, sk.parsed, plan, ())
+
+    def local(u):
+        lo = win.offsets()
+        bounds = [x for d in range(2) for x in (lo[d], lo[d] + n)]
+
+        def body(_, c):
+            if exchange:
+                c = tuple(win.exchange(a, lo) for a in c)
+            return tuple(ck.jax(*c, alpha, *bounds, steps=k))
+        wu, _ = lax.fori_loop(0, chunks, body, (win.to_window(u, lo), win.to_window(u, lo)))
+        return win.from_window(wu, lo)
+    return local
+
+
 def _median_time(fn, reps):
     fn()
     ts = []
@@ -62,7 +92,6 @@ def bench_sharded(b: Bench):
     from jax.sharding import PartitionSpec as P
 
     from loopkern import sharding
-    from loopkern.interop.sharded import Windows, _chunk_kernel
 
     kernel = heat2d_step()
     n = 1024 if args.quick else 16384
@@ -97,32 +126,11 @@ def bench_sharded(b: Bench):
     for parts, label in (((2, 1), "P=2 (mesh 2x1)"), ((2, 2), "P=4 (mesh 2x2)")):
         k = sharding.choose_exchange_every(plan, (n, n), parts, 4, costs)
         halo = sharding.halo_widths(plan, k, parts)
-        win = Windows(plan, (n, n), halo, parts, ("x", "y"), permute=lambda x, axis, pairs: x,
-                      index=lambda axis: jnp.int32(1))       # an inner shard: halos on both sides
-        ck = _chunk_kernel(kernel, sk.parsed, plan, ())
         chunks = max(2, steps // k)
-
-        def local(u):
-            lo = win.offsets()
-            bounds = [x for d in range(2) for x in (lo[d], lo[d] + n)]
-            wu, wv = win.to_window(u, lo), win.to_window(u, lo)
-
-            def body(_, c):
-                a, bb = c
-                a, bb = win.exchange(a, lo), win.exchange(bb, lo)
-                return tuple(ck.jax(a, bb, alpha, *bounds, steps=k))
-            wu, wv = lax.fori_loop(0, chunks, body, (wu, wv))
-            return win.from_window(wu, lo)
-        fn = jax.jit(local)
-
+        fn = jax.jit(shard_work(kernel, sk, n, parts, k, chunks, alpha))
         # the same launches without the exchange, and the user's step on the bare block in
         # launches of K steps: where a shard's extra time per step comes from
-        def launches_only(u):
-            lo = win.offsets()
-            bounds = [x for d in range(2) for x in (lo[d], lo[d] + n)]
-            c = (win.to_window(u, lo), win.to_window(u, lo))
-            c = lax.fori_loop(0, chunks, lambda _, c: tuple(ck.jax(*c, alpha, *bounds, steps=k)), c)
-            return win.from_window(c[0], lo)
+        launches_only = shard_work(kernel, sk, n, parts, k, chunks, alpha, exchange=False)
 
         def block_launches(u):
             return lax.fori_loop(0, chunks, lambda _, c: tuple(kernel.jax(*c, alpha, steps=k)), (u, u))[0]
