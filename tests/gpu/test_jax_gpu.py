@@ -5,8 +5,6 @@ own ops; every result against a float64 NumPy reference or a closed form (tests/
 Without JAX, or with a JAX that has no GPU backend, these tests skip; LOOPKERN_REQUIRE_GPU=1
 makes that a failure (tests/conftest.py)."""
 
-import os
-
 import numpy as np
 import pytest
 
@@ -14,14 +12,9 @@ import loopkern as lk
 import refs
 import workloads as W
 
+from .jax_gpu import jax, jnp, require_gpu_jax
+
 pytestmark = pytest.mark.gpu
-os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-try:                      # a missing JAX skips each test (a failure under LOOPKERN_REQUIRE_GPU=1)
-    import jax
-    import jax.numpy as jnp
-except ImportError as exc:
-    jax = jnp = None
-    JAX_ERROR = f"{type(exc).__name__}: {exc}"
 
 HEAT = lk.megakernel(W.heat_step, swap=[("u", "v")])
 JACOBI = lk.megakernel(W.jacobi_step, swap=[("u", "v")])
@@ -30,10 +23,7 @@ SHIFT = lk.megakernel(refs.shift_step, swap=[("u", "v")])
 
 @pytest.fixture(autouse=True)
 def gpu_jax():
-    if jax is None:
-        pytest.skip(f"JAX is not installed ({JAX_ERROR})")
-    if jax.default_backend() != "gpu":
-        pytest.skip(f"JAX has no GPU backend here (default backend: {jax.default_backend()}): install jax[cuda13]")
+    require_gpu_jax(": install jax[cuda13]")
 
 
 def rel_err(a, ref):

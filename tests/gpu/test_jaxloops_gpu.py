@@ -2,7 +2,6 @@
 and Jacobi bodies and QuantEcon's quadratic map, against float64 NumPy references, eagerly and
 inside jax.jit; the generated kernel must run on the GPU, not fall back to jax.lax."""
 
-import os
 import warnings
 
 import numpy as np
@@ -10,22 +9,14 @@ import pytest
 
 import loopkern as lk
 
+from .jax_gpu import jax, jnp, require_gpu_jax
+
 pytestmark = pytest.mark.gpu
-os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-try:                      # a missing JAX skips each test (a failure under LOOPKERN_REQUIRE_GPU=1)
-    import jax
-    import jax.numpy as jnp
-except ImportError as exc:
-    jax = jnp = None
-    JAX_ERROR = f"{type(exc).__name__}: {exc}"
 
 
 @pytest.fixture(autouse=True)
 def gpu_jax():
-    if jax is None:
-        pytest.skip(f"JAX is not installed ({JAX_ERROR})")
-    if jax.default_backend() != "gpu":
-        pytest.skip(f"JAX has no GPU backend here (default backend: {jax.default_backend()})")
+    require_gpu_jax()
     with warnings.catch_warnings():
         warnings.simplefilter("error", lk.JaxLoopWarning)      # a fallback to jax.lax is a failure here
         yield

@@ -2,20 +2,13 @@
 where the machine has two or more, the fields split across them with halo exchanges, against
 float64 NumPy references and the single-device run."""
 
-import os
-
 import numpy as np
 import pytest
 
+from .jax_gpu import jax, jnp, require_gpu_jax
+
 pytestmark = pytest.mark.gpu
-os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-try:                      # a missing JAX skips each test (a failure under LOOPKERN_REQUIRE_GPU=1)
-    import jax
-    import jax.numpy as jnp
-    from jax.sharding import PartitionSpec as P
-except ImportError as exc:
-    jax = jnp = P = None
-    JAX_ERROR = f"{type(exc).__name__}: {exc}"
+P = jax.sharding.PartitionSpec if jax is not None else None
 
 from test_sharded import heat_ref, jacobi, jacobi_ref, life, life_ref  # noqa: E402  (tests/ is on sys.path)
 
@@ -24,10 +17,7 @@ import loopkern as lk  # noqa: E402
 
 @pytest.fixture(autouse=True)
 def gpu_jax():
-    if jax is None:
-        pytest.skip(f"JAX is not installed ({JAX_ERROR})")
-    if jax.default_backend() != "gpu":
-        pytest.skip(f"JAX has no GPU backend here (default backend: {jax.default_backend()})")
+    require_gpu_jax()
 
 
 @lk.megakernel(swap=[("u", "v")])
