@@ -245,3 +245,62 @@ def test_the_layout_names_every_stop_code_the_host_reports():
     assert layout.STOPPED[layout.BOUNDS] == "error"
     assert runs.SLICE_START not in (layout.STEPS, layout.REQUEST, layout.WHY, layout.DONE, layout.TIMEOUT_NS)
     assert runs.SLICE_START < layout.HOST_SIZE
+
+
+@pytest.mark.sim
+def test_the_same_device_arrays_again_skip_the_key_and_other_arrays_do_not(monkeypatch, rng):
+    from numba import cuda
+    k = _heat()
+    n = 64
+    u0, w0 = rng.random(n).astype(np.float32), rng.random(n).astype(np.float32)
+    u, v = cuda.to_device(u0), cuda.to_device(u0)
+    k(u, v, 0.25, steps=3, threads=32)                    # the full path, remembered
+    keys = []
+    real_key = dispatch_mod.call_key
+    monkeypatch.setattr(dispatch_mod, "call_key", lambda values: keys.append(1) or real_key(values))
+    k(u, v, 0.25, steps=4, threads=32)
+    assert keys == [], "the same arrays again computed the signature"
+    np.testing.assert_allclose(u.copy_to_host(), refs.heat_exact(u0, 7, np.float32(0.25)), rtol=2e-5, atol=2e-6)
+    # another pair of the same signature, and the first pair in the other order: each is its own
+    # call, with its own pointers
+    w, x = cuda.to_device(w0), cuda.to_device(w0)
+    k(w, x, 0.1, steps=5, threads=32)
+    np.testing.assert_allclose(w.copy_to_host(), refs.heat_exact(w0, 5, np.float32(0.1)), rtol=2e-5, atol=2e-6)
+    np.testing.assert_allclose(u.copy_to_host(), refs.heat_exact(u0, 7, np.float32(0.25)), rtol=2e-5, atol=2e-6)
+    state = v.copy_to_host()                              # the state one step before u's
+    k(v, u, 0.2, steps=2, threads=32)                    # runs from v's state, and ends in v
+    np.testing.assert_allclose(v.copy_to_host(), refs.heat_exact(state, 2, np.float32(0.2)), rtol=2e-5, atol=2e-6)
+    assert len(keys) == 2 and len(k.dispatcher.plans) == 1
+    # arrays that die and are replaced never match the memo of the dead ones
+    del u, v, w, x
+    import gc
+    gc.collect()
+    for _ in range(3):
+        a0 = rng.random(n).astype(np.float32)
+        a, b = cuda.to_device(a0), cuda.to_device(a0)
+        k(a, b, 0.3, steps=2, threads=32)
+        np.testing.assert_allclose(a.copy_to_host(), refs.heat_exact(a0, 2, np.float32(0.3)), rtol=2e-5, atol=2e-6)
+        del a, b
+
+
+@pytest.mark.sim
+def test_the_same_arrays_with_bad_values_or_options_are_still_refused(rng):
+    from numba import cuda
+    k = lk.megakernel(W.counter_step, swap=[("a", "b")])
+    a0 = rng.integers(0, 100, 40).astype(np.int64)
+    a, b = cuda.to_device(a0), cuda.to_device(a0)
+    k(a, b, 7, steps=2, threads=32)
+    k(a, b, 7, steps=1, start=2, threads=32, debug=True)
+    np.testing.assert_array_equal(a.copy_to_host(), W.counter_ref(a0, 3, 7))
+    with pytest.raises(lk.ArgumentError, match="does not fit in int64"):
+        k(a, b, 2 ** 63, steps=1, threads=32)
+    # equal to the values that passed (1 == True, 32.0 == 32), but not what the options take
+    with pytest.raises(lk.ArgumentError, match="debug=1"):
+        k(a, b, 7, steps=1, threads=32, debug=1)
+    with pytest.raises(lk.ArgumentError, match="threads"):
+        k(a, b, 7, steps=1, threads=32.0)
+    with pytest.raises(lk.ArgumentError, match="share memory"):
+        k(a, a, 7, steps=1, threads=32)
+    np.testing.assert_array_equal(a.copy_to_host(), W.counter_ref(a0, 3, 7))
+    k(a, b, np.int64(5), steps=2, threads=32)             # another kind of number: another plan
+    np.testing.assert_array_equal(a.copy_to_host(), W.counter_ref(W.counter_ref(a0, 3, 7), 2, 5))

@@ -162,3 +162,55 @@ def test_the_shared_memory_opt_in_sets_the_attribute_on_the_right_handle(
         assert c[1] == D.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES and c[2] == 100000 and c[3] == 0xF00
         if c[0] == "kernel":
             assert c[4] == 3
+
+
+_NUMBER_DTYPES = ["bool", "int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "uint64", "float32",
+                  "float64"]
+
+
+def _random_number(rng, dtype):
+    d = np.dtype(dtype)
+    if d.kind == "b":
+        return bool(rng.integers(0, 2))
+    if d.kind in "iu":
+        info = np.iinfo(d)
+        return d.type(rng.integers(info.min, info.max, endpoint=True, dtype=d))
+    return float(rng.normal() * 10.0 ** rng.integers(-30, 30))
+
+
+def test_call_words_hold_each_value_as_the_kernel_declares_it(rng):
+    from loopkern.dispatch.plan import CallWords
+    for _ in range(200):
+        dtypes = list(rng.choice(_NUMBER_DTYPES, size=int(rng.integers(0, 5))))
+        narrays = int(rng.integers(0, 4))
+        cw = CallWords(narrays, dtypes)
+        buf = (ctypes.c_uint64 * cw.nwords)(*([0xDEADBEEF] * cw.nwords))     # stale words from a last call
+        view = np.frombuffer(buf, np.uint64)
+        nsteps, start = int(rng.integers(0, 2 ** 40)), int(rng.integers(0, 2 ** 62))
+        ptrs = [int(p) for p in rng.integers(0, 2 ** 48, narrays)]
+        values = [_random_number(rng, d) for d in dtypes]
+        seed = int(rng.integers(0, 2 ** 63)) * 2 + 1
+        cw.fill(buf, view, nsteps, start, ptrs, values, seed)
+        assert view.view(np.int64)[:2].tolist() == [nsteps, start]
+        assert view[2:2 + narrays].tolist() == ptrs
+        for k, (d, v) in enumerate(zip(dtypes, values), start=2 + narrays):
+            d = np.dtype(d)
+            word = view[k:k + 1].view(np.uint8)
+            assert word[d.itemsize:].tolist() == [0] * (8 - d.itemsize), "a stale byte above the value"
+            got = word[:d.itemsize].view(d)[0]
+            assert got == d.type(v), (d, v, got)          # the same rounding as NumPy's
+        assert int(view[-1]) == seed
+
+
+def test_call_words_convert_a_float_beyond_float32_as_numpy_does():
+    from loopkern.dispatch.plan import CallWords
+    cw = CallWords(1, ["float32", "float64", "float32"])
+    buf = (ctypes.c_uint64 * cw.nwords)()
+    view = np.frombuffer(buf, np.uint64)
+    cw.fill(buf, view, 5, 7, [1234], [1e39, 1e300, -3.4e38 * 10], 99)
+    assert view.view(np.int64)[:3].tolist() == [5, 7, 1234]
+    f32 = view[3:4].view(np.float32)
+    assert np.isposinf(f32[0]) and f32[1] == 0
+    assert view[4:5].view(np.float64)[0] == 1e300
+    assert np.isneginf(view[5:6].view(np.float32)[0])
+    assert int(view[6]) == 99

@@ -39,7 +39,7 @@ from .config import (AUTO_TILE_MIN_ELEMENTS, LaunchConfig, choose_backend, cuda_
                      tile_config)
 from .kernels import KernelCache, check_types, index_bits_for
 from .plan import PlanCache, make_plan
-from .signature import call_key
+from .signature import LastCall, call_key
 
 log = logging.getLogger("loopkern")
 
@@ -65,6 +65,12 @@ class Options:
 _START_LIMIT, _SEED_LIMIT = 2 ** 62, 2 ** 64
 
 
+def _options_key(opts: tuple) -> tuple:
+    """The launch options as a dict key that tells ``True`` from ``1`` and ``256`` from
+    ``256.0`` (equal as keys, but only the first of each passes the checks)."""
+    return opts + tuple(map(type, opts))
+
+
 class Dispatcher:
     """Everything between a :class:`~loopkern.api.MegaKernel` call and its kernel."""
 
@@ -78,6 +84,7 @@ class Dispatcher:
             [inspect.Parameter(p.name, inspect.Parameter.POSITIONAL_OR_KEYWORD) for p in spec.params])
         self._swapped = {i for pair in spec.swap for i in pair}
         self._launch_options: dict = {}
+        self._last: LastCall | None = None      # the last common call's plan (signature.LastCall)
 
     # -- binding -------------------------------------------------------------------------------
     def bind_names(self, args, kwargs) -> dict:
@@ -146,7 +153,7 @@ class Dispatcher:
         o.watchdog = watchdog if type(watchdog) is float and watchdog > 0 else checks.check_seconds(
             "watchdog", watchdog)
         try:
-            launch = self._launch_options[(backend, scope, threads, blocks, debug, control)]
+            launch = self._launch_options[_options_key((backend, scope, threads, blocks, debug, control))]
         except (KeyError, TypeError):
             launch = self._check_launch_options(backend, scope, threads, blocks, debug, control)
         o.backend, o.scope, o.threads, o.blocks, o.debug, o.control = launch
@@ -168,7 +175,7 @@ class Dispatcher:
         launch = (choose_backend(b), s, t, n, debug, bool(control))
         try:
             # "auto" is resolved once per process, so the resolved backend may be remembered
-            self._launch_options[(backend, scope, threads, blocks, debug, control)] = launch
+            self._launch_options[_options_key((backend, scope, threads, blocks, debug, control))] = launch
         except TypeError:
             pass
         return launch
@@ -314,32 +321,39 @@ class Dispatcher:
         The common call (positional arguments, ``steps=``, no progress) with a signature seen
         before goes straight to its plan; anything else takes :meth:`options` and :meth:`plan`.
         """
-        if (progress is False and max_steps is None and type(steps) is int and steps >= 0
-                and type(start) is int and 0 <= start < _START_LIMIT and type(seed) is int
-                and 0 <= seed < _SEED_LIMIT and (watchdog is None or type(watchdog) is float and watchdog > 0)
-                and (timeout is None or type(timeout) is float and timeout > 0)
-                and not kwargs and len(args) == self.nparams):
+        common = (progress is False and max_steps is None and type(steps) is int and steps >= 0
+                  and type(start) is int and 0 <= start < _START_LIMIT and type(seed) is int
+                  and 0 <= seed < _SEED_LIMIT and (watchdog is None or type(watchdog) is float and watchdog > 0)
+                  and (timeout is None or type(timeout) is float and timeout > 0)
+                  and not kwargs and len(args) == self.nparams)
+        if common:
+            opts = (backend, scope, threads, blocks, debug, control)
+            last = self._last
+            if last is not None and last.match(opts, args) and (last.ctx == 0 or driver.current_context() == last.ctx):
+                return self._run(last.plan, args, last.ptrs, Options(steps, start, seed, timeout, watchdog))
             try:
-                launch = self._launch_options[(backend, scope, threads, blocks, debug, control)]
+                launch = self._launch_options[_options_key(opts)]
                 sig = call_key(args)
             except (KeyError, TypeError):
                 sig = None
             if sig is not None:
+                ctx = 0
                 if launch[0] == "cuda" and not _simulator():
                     driver.ensure_context()
-                    key = launch + (driver.current_context(),) + sig
-                else:
-                    key = launch + (0,) + sig
-                plan = self.plans.get(key)
+                    ctx = driver.current_context()
+                plan = self.plans.get(launch + (ctx,) + sig)
                 if plan is not None:
                     ptrs = plan.check_values(args)
                     if ptrs is not None:
+                        self._last = LastCall.remember(opts, ctx, args, plan, ptrs)
                         return self._run(plan, args, ptrs, Options(steps, start, seed, timeout, watchdog))
         o = self.options(steps, max_steps, start, backend, scope, threads, blocks, seed, progress, timeout, debug,
                          watchdog, control)
         if o.progress is not False:
             return self._start(self.values(args, kwargs), o, monitor=False).wait()
         plan, values, ptrs = self.plan(self.values(args, kwargs), o)
+        if common:
+            self._last = LastCall.remember(opts, o.key[-1], args, plan, ptrs)
         return self._run(plan, values, ptrs, o)
 
     def _run(self, plan, values, ptrs, o: Options) -> Run:

@@ -166,9 +166,6 @@ class ParamBlock:
         self.words = np.zeros(max(nwords, 1), np.uint64)
         base = self.words.ctypes.data
         self.params = (ctypes.c_void_p * max(nwords, 1))(*[base + 8 * k for k in range(max(nwords, 1))])
-        self.i64 = self.words.view(np.int64)
-        # by dtype char: the words seen as that type; word k is element k * (8 // itemsize)
-        self.views = {c: self.words.view(np.dtype(c)) for c in "?bBhHiIlLqQfd"}
 
 
 class _LaunchAttribute(ctypes.Structure):

@@ -20,8 +20,10 @@ Running a plan:
 
 from __future__ import annotations
 
+import ctypes
 import linecache
 import math
+import struct
 import threading
 import time
 from collections import OrderedDict
@@ -36,6 +38,10 @@ from . import buffers
 from .args import ArrayArg, byte_extent, c_strides
 from .config import LaunchConfig
 from .signature import INT64_MAX, INT64_MIN, _cai_ptr, probe
+
+#: struct codes of the numbers a kernel parameter can be (little-endian, by dtype.str)
+_STRUCT_CODES = {"b1": "?", "i1": "b", "u1": "B", "i2": "h", "u2": "H", "i4": "i", "u4": "I", "i8": "q",
+                 "u8": "Q", "f2": "e", "f4": "f", "f8": "d"}
 
 #: plans kept per kernel (least recently used dropped first)
 PLANS_PER_KERNEL = 64
@@ -142,6 +148,13 @@ class Slot:
         from . import driver
         self.event = driver.new_event()
         self.params = driver.ParamBlock(plan.nwords)
+        # the words a call changes live in one buffer of their own, in plan.call_words order, so
+        # that one struct.pack_into writes them all; the launch finds each through its pointer
+        self.call_words = (ctypes.c_uint64 * len(plan.call_words))()
+        base = ctypes.addressof(self.call_words)
+        for k, word in enumerate(plan.call_words):
+            self.params.params[word] = base + 8 * k
+        self.call_view = np.frombuffer(self.call_words, np.uint64)
         w = self.params.words
         for i, p in enumerate(plan.params):
             if p.kind == "scalar":
@@ -162,6 +175,35 @@ class Slot:
         """The array parameters after the user's, in kernel order, except the seed (a number)."""
         redf, redi, bar, info = self.scratch
         return [redf, redi, bar, info, self.block] + ([self.dbg] if self.dbg is not None else [])
+
+
+class CallWords:
+    """The parameter words a CUDA call fills in, in one buffer: the step count, the start, each
+    GPU array's data pointer, each number parameter (in the low bytes of its word, as the
+    kernel declares it) and the seed."""
+
+    def __init__(self, narrays: int, scalar_dtypes):
+        self.dtypes = [np.dtype(d) for d in scalar_dtypes]
+        self.narrays = narrays
+        self.nwords = 3 + narrays + len(self.dtypes)
+        self._pack = struct.Struct("<qq" + "Q" * narrays + "".join(
+            _STRUCT_CODES[d.str[1:]] + "x" * (8 - d.itemsize) for d in self.dtypes) + "Q").pack_into
+
+    def fill(self, buffer, view, nsteps, start, ptrs, scalars, seed):
+        """Write the words into ``buffer`` (``view``: the same memory as a uint64 array).
+
+        One ``struct.pack_into`` writes them all. It refuses a float beyond float32's range,
+        which NumPy's conversion (the kernel's own rule for arrays) rounds to infinity: such a
+        call writes each number through NumPy instead, so both convert alike."""
+        try:
+            self._pack(buffer, 0, nsteps, start, *ptrs, *scalars, seed)
+        except (struct.error, OverflowError):
+            view[:2] = np.array([nsteps, start], np.int64).view(np.uint64)
+            view[2:2 + len(ptrs)] = ptrs
+            for k, (dtype, v) in enumerate(zip(self.dtypes, scalars), start=2 + len(ptrs)):
+                view[k] = 0
+                view[k:k + 1].view(np.uint8)[:dtype.itemsize].view(dtype)[0] = v
+            view[-1] = seed
 
 
 class LaunchPlan:
@@ -205,18 +247,18 @@ class LaunchPlan:
         self.device_staged = self._pointer_pairs(
             [(i, j) for i in staged for j in self.devices if j != i and (j not in staged or i < j)
              and frozenset((i, j)) not in swapped])
-        self.scalar_words = []
+        self.scalars = [i for i, p in enumerate(params) if p.kind == "scalar"]
+        self.call_words = ()
         if backend == "cuda" and not simulator:
             self._layout_words()
-            for i, p in enumerate(params):
-                if p.kind == "scalar":
-                    self.scalar_words.append((i, p.dtype.char, p.word * (8 // p.dtype.itemsize)))
+            self.call_words = (0, 1, *(params[i].word + 4 for i in self.devices),
+                               *(params[i].word for i in self.scalars), self.seed_word)
+            self.packer = CallWords(len(self.devices), [params[i].dtype for i in self.scalars])
             from . import driver
             self.func = driver.kernel_handle(kernel)
             c = config
             self._launch = driver.make_launcher(self.func, c.blocks, c.threads, c.shared, c.scope in ("grid", "tile"))
             self._event_record = driver.driver().event_record
-        self.device_words = [params[i].word + 4 for i in self.devices]   # each array's data pointer
         self.slots = buffers.FreeList(lambda: Slot(self))
 
     # -- the parameter words (CUDA) ---------------------------------------------------------
@@ -316,15 +358,8 @@ class LaunchPlan:
     def fill_words(self, values, ptrs, slot, nsteps, start, seed):
         """Write this call's values into the slot's parameter words (CUDA); ``ptrs`` are the GPU
         arrays' pointers from :meth:`check_values`."""
-        pb = slot.params
-        i64 = pb.i64
-        i64[0] = nsteps
-        i64[1] = start
-        pb.words[self.seed_word] = seed
-        for word, ptr in zip(self.device_words, ptrs):
-            i64[word] = ptr
-        for i, view, index in self.scalar_words:
-            pb.views[view][index] = values[i]
+        self.packer.fill(slot.call_words, slot.call_view, nsteps, start, ptrs, [values[i] for i in self.scalars],
+                         seed)
 
     def launch(self, slot, record=True):
         """Launch on the legacy default stream with the slot's parameter words (CUDA, through the

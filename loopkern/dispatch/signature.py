@@ -12,6 +12,8 @@ swap pairs, memory shared with a staged array; integers outside int64) is checke
 
 from __future__ import annotations
 
+import weakref
+
 import numpy as np
 
 _PROBES: dict = {}
@@ -157,3 +159,63 @@ def call_key(values) -> tuple | None:
 
 
 INT64_MIN, INT64_MAX = -(2 ** 63), 2 ** 63 - 1
+
+
+#: key functions of array types whose key and pointer cannot change while the object lives:
+#: Numba's device arrays set shape, strides, dtype and memory once, in their constructor (the
+#: simulator's stand-in likewise). NumPy, CuPy and PyTorch arrays can be reshaped, resized or
+#: made read-only in place, so their keys are read on every call.
+_STABLE_ARRAYS = (_numba_device_key, _simulator_key)
+_NUMBERS = (_int_key, _float_key, _bool_key, _generic_key)
+
+
+class LastCall:
+    """A kernel's last plan, for the commonest call of all: the same array objects again.
+
+    A loop that calls ``k(u, v, alpha, steps=n)`` over and over passes the very same arrays
+    each time. For arrays whose key cannot change (``_STABLE_ARRAYS``) the object's identity
+    then stands for its key and pointer, so such a call skips ``call_key`` and the plan's
+    pointer checks: it checks the arrays by identity (through weak references, so a dead array
+    whose id is reused never matches), the numbers by exact type and, for Python ints, the
+    int64 range, and the call options by identity. Anything else returns None: the call takes
+    the full lookup, which gives every error it would have given.
+    """
+
+    __slots__ = ("opts", "ctx", "arrays", "numbers", "plan", "ptrs")
+
+    def __init__(self, opts, ctx, arrays, numbers, plan, ptrs):
+        self.opts, self.ctx, self.arrays, self.numbers, self.plan, self.ptrs = opts, ctx, arrays, numbers, plan, ptrs
+
+    @classmethod
+    def remember(cls, opts: tuple, ctx: int, values, plan, ptrs) -> "LastCall | None":
+        """The memo of a call that ran ``plan`` with ``values`` (None if one of them is not a
+        stable array or a number)."""
+        arrays, numbers = [], []
+        for i, v in enumerate(values):
+            t = type(v)
+            key = probe(t)[0]
+            if key in _STABLE_ARRAYS:
+                try:
+                    arrays.append((i, weakref.ref(v)))
+                except TypeError:
+                    return None
+            elif key in _NUMBERS:
+                numbers.append((i, t))
+            else:
+                return None
+        return cls(opts, ctx, tuple(arrays), tuple(numbers), plan, ptrs)
+
+    def match(self, opts: tuple, values) -> bool:
+        """Whether a call with these options and values may run this plan with these pointers
+        (the caller compares the CUDA context)."""
+        for a, b in zip(opts, self.opts):
+            if a is not b:
+                return False
+        for i, ref in self.arrays:
+            if ref() is not values[i]:
+                return False
+        for i, t in self.numbers:
+            v = values[i]
+            if type(v) is not t or (t is int and not INT64_MIN <= v <= INT64_MAX):
+                return False
+        return True
