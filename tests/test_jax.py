@@ -514,18 +514,31 @@ int cuMemcpyDtoDAsync_v2(CUdeviceptr d, CUdeviceptr s, size_t n, void* st) {
   memcpy((void*)(uintptr_t)d, (void*)(uintptr_t)s, n);
   return 0;
 }
-static int launch(const char* how, void* f, unsigned g, unsigned t, void* s, void** params) {
-  char b[128]; snprintf(b, sizeof b, "%s(%p,%u,%u,%p);", how, f, g, t, s); logf_(b);
+/* a launch with dynamic shared memory logs it; one with more than the function was allowed
+   (the 48 KiB default, or what cuFuncSetAttribute raised it to) fails, as the driver's does */
+static int allowed[8];
+int cuFuncSetAttribute(void* f, int a, int v) {
+  char b[64]; snprintf(b, sizeof b, "attr(%p,%d,%d);", f, a, v); logl_(b);
+  if (a == 8) allowed[((uintptr_t)f - 0x1234) / 0x1000 % 8] = v;
+  return 0;
+}
+static int launch(const char* how, void* f, unsigned g, unsigned t, unsigned sh, void* s, void** params) {
+  char b[128];
+  if (sh) snprintf(b, sizeof b, "%s(%p,%u,%u,%p,shared=%u);", how, f, g, t, s, sh);
+  else snprintf(b, sizeof b, "%s(%p,%u,%u,%p);", how, f, g, t, s);
+  logf_(b);
+  int limit = allowed[((uintptr_t)f - 0x1234) / 0x1000 % 8];
+  if (sh > (unsigned)(limit > 48 * 1024 ? limit : 48 * 1024)) return 1;   /* CUDA_ERROR_INVALID_VALUE */
   if (fake_kernel) fake_kernel(params);
   return 0;
 }
 int cuLaunchCooperativeKernel(void* f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
                               unsigned sh, void* s, void** p) {
-  (void)gy; (void)gz; (void)by; (void)bz; (void)sh; return launch("coop", f, gx, bx, s, p);
+  (void)gy; (void)gz; (void)by; (void)bz; return launch("coop", f, gx, bx, sh, s, p);
 }
 int cuLaunchKernel(void* f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
                    unsigned sh, void* s, void** p, void** e) {
-  (void)gy; (void)gz; (void)by; (void)bz; (void)sh; (void)e; return launch("launch", f, gx, bx, s, p);
+  (void)gy; (void)gz; (void)by; (void)bz; (void)e; return launch("launch", f, gx, bx, sh, s, p);
 }
 """
 
@@ -549,7 +562,7 @@ static XLA_FFI_Error* fake_error_create(XLA_FFI_Error_Create_Args* a) {
 }
 /* the stream XLA hands the handler (device d's is 0x5157 + 0x1000 d), and the kernel called */
 static uintptr_t the_stream = 0x5157;
-static int64_t the_kernel;
+static int64_t the_kernel, the_shared = 0;
 static XLA_FFI_Error* fake_stream_get(XLA_FFI_Stream_Get_Args* a) { a->stream = (void*)the_stream; return NULL; }
 
 /* a kernel with parameters nsteps, t0, u (2-D), alpha, redf, redi, bar, seed, info, host: it
@@ -610,12 +623,13 @@ static int run(int64_t timeout_ns, int64_t count, int64_t coop, const int64_t* l
   for (int i = 0; i < nrets; ++i) { retp[i] = &rets[i]; rett[i] = XLA_FFI_RetType_BUFFER; }
 
   int64_t kernel = the_kernel, blocks = 5, threads = 64, control = 4, tslot = 4, sslot = 0;
-  XLA_FFI_Scalar s[10]; XLA_FFI_Array lay = {XLA_FFI_DataType_S64, nlayout, (void*)layout};
-  const char* names[] = {"blocks", "control", "cooperative", "count", "kernel", "layout", "steps_slot", "threads",
-                         "timeout_ns", "timeout_slot"};
-  int64_t* vals[] = {&blocks, &control, &coop, &count, &kernel, NULL, &sslot, &threads, &timeout_ns, &tslot};
-  XLA_FFI_ByteSpan spans[10], *spanp[10]; XLA_FFI_AttrType types[10]; void* attrs[10];
-  for (int i = 0; i < 10; ++i) {
+  XLA_FFI_Scalar s[11]; XLA_FFI_Array lay = {XLA_FFI_DataType_S64, nlayout, (void*)layout};
+  const char* names[] = {"blocks", "control", "cooperative", "count", "kernel", "layout", "shared", "steps_slot",
+                         "threads", "timeout_ns", "timeout_slot"};
+  int64_t* vals[] = {&blocks, &control, &coop, &count, &kernel, NULL, &the_shared, &sslot, &threads, &timeout_ns,
+                     &tslot};
+  XLA_FFI_ByteSpan spans[11], *spanp[11]; XLA_FFI_AttrType types[11]; void* attrs[11];
+  for (int i = 0; i < 11; ++i) {
     spans[i].ptr = names[i]; spans[i].len = strlen(names[i]); spanp[i] = &spans[i];
     if (vals[i]) { s[i].dtype = XLA_FFI_DataType_S64; s[i].value = vals[i]; types[i] = XLA_FFI_AttrType_SCALAR; attrs[i] = &s[i]; }
     else { types[i] = XLA_FFI_AttrType_ARRAY; attrs[i] = &lay; }
@@ -629,7 +643,7 @@ static int run(int64_t timeout_ns, int64_t count, int64_t coop, const int64_t* l
   cf.stage = XLA_FFI_ExecutionStage_EXECUTE;
   cf.args.size = 5; cf.args.types = argt; cf.args.args = argp;
   cf.rets.size = nrets; cf.rets.types = rett; cf.rets.rets = retp;
-  cf.attrs.size = 10; cf.attrs.types = types; cf.attrs.names = spanp; cf.attrs.attrs = attrs;
+  cf.attrs.size = 11; cf.attrs.types = types; cf.attrs.names = spanp; cf.attrs.attrs = attrs;
   fake_log[0] = 0; fake_loads[0] = 0; last_error[0] = 0;
   memset(ctl_out, 0xAB, 17 * 4);    /* what XLA's allocator left there */
   *cnt_out = -5;
@@ -733,6 +747,22 @@ int main(void) {
         strstr(last_error, "kernel 1000 is not registered"),
         "an unknown kernel: %s / %s", last_error, fake_log);
   the_kernel = id;
+
+  /* dynamic shared memory: passed to the launch and to the occupancy query; above 48 KiB the
+     function is allowed it first, once per size it grows to */
+  the_shared = 40000;
+  CHECK(run(0, 5, 0, layout, 50, ctl, &cnt, u) == 0 && strstr(fake_log, "launch(0x1234,5,64,0x5157,shared=40000);") &&
+        !strstr(fake_loads, "attr("), "40000 bytes: %s / %s / %s", last_error, fake_log, fake_loads);
+  the_shared = 100000;
+  CHECK(run(0, 5, 1, layout, 50, ctl, &cnt, u) == 0 && strstr(fake_log, "coop(0x1234,5,64,0x5157,shared=100000);") &&
+        strstr(fake_loads, "attr(0x1234,8,100000);") && strstr(fake_loads, "occupancy(0x1234,64,100000);"),
+        "100000 bytes: %s / %s / %s", last_error, fake_log, fake_loads);
+  CHECK(run(0, 5, 1, layout, 50, ctl, &cnt, u) == 0 && !strstr(fake_loads, "attr(") &&
+        !strstr(fake_loads, "occupancy("), "100000 bytes again: %s / %s", last_error, fake_loads);
+  the_shared = -1;
+  CHECK(run(0, 5, 1, layout, 50, ctl, &cnt, u) != 0 && strstr(last_error, "malformed") && !fake_log[0],
+        "negative shared memory: %s / %s", last_error, fake_log);
+  the_shared = 0;
 
   /* malformed calls fail before anything is enqueued */
   int64_t bad[50];

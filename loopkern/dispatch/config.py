@@ -105,13 +105,15 @@ class LaunchConfig:
 STAGE_MAX_BYTES = 48 * 1024 - 2048
 
 
-def plan_staging(spec, argv) -> tuple[tuple, int]:
+def plan_staging(spec, argv, check_overlap: bool = True) -> tuple[tuple, int]:
     """Which array arguments block scope holds in shared memory: (indices, bytes).
 
     Every array of the swap pairs' dtype (of the first array's, without swap) joins, swap
     pairs together and in parameter order, while the total fits in STAGE_MAX_BYTES; nothing is
     staged if a swap pair does not fit or if a staged array shares memory with another
-    argument (the copies would then diverge).
+    argument (the copies would then diverge). ``check_overlap=False`` leaves that test out,
+    for arrays known to be separate buffers (``kernel.jax``: every array the kernel writes is
+    a result buffer of its own).
     """
     from .args import ArrayArg, overlaps
     arrays = {i: a for i, a in enumerate(argv) if isinstance(a, ArrayArg)}
@@ -133,7 +135,7 @@ def plan_staging(spec, argv) -> tuple[tuple, int]:
             continue
         chosen += group
         total += need
-    for i in chosen:
+    for i in chosen if check_overlap else ():
         for j, b in arrays.items():
             if j != i and overlaps(arrays[i], b):
                 return (), 0

@@ -79,6 +79,12 @@ static CUresult (*p_cuLaunchKernel)(CUfunction, unsigned, unsigned, unsigned, un
 static CUresult (*p_cuGetErrorName)(CUresult, const char**);
 static CUresult (*p_cuMemsetD32Async)(CUdeviceptr, unsigned int, size_t, CUstream);
 static CUresult (*p_cuMemcpyDtoDAsync)(CUdeviceptr, CUdeviceptr, size_t, CUstream);
+static CUresult (*p_cuFuncSetAttribute)(CUfunction, int, int);
+
+/* CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES: a kernel must opt in to more than the 48 KiB
+   of dynamic shared memory every launch may have */
+#define LK_CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES 8
+#define LK_DEFAULT_SHARED (48 * 1024)
 
 /* Resolved once (pthread_once): the handler may first run on several XLA threads at the same
    time, one per device. A failure is kept and reported on every call. */
@@ -116,6 +122,7 @@ static void lk_resolve_all(void) {
   LK_SYM(p_cuLaunchKernel, "cuLaunchKernel")
   LK_SYM(p_cuMemsetD32Async, "cuMemsetD32Async")
   LK_SYM(p_cuMemcpyDtoDAsync, "cuMemcpyDtoDAsync_v2")
+  LK_SYM(p_cuFuncSetAttribute, "cuFuncSetAttribute")
 #undef LK_SYM
 }
 
@@ -149,8 +156,9 @@ typedef struct {
 } lk_image;
 
 /* A function loaded into one context: the pair (id, ctx) is its key. For the cooperative
-   launch check it keeps the device's SM count and, per block size seen (up to LK_OCC of
-   them; more are queried at every launch), the blocks one SM can hold. */
+   launch check it keeps the device's SM count and, per block size and dynamic shared memory
+   seen (up to LK_OCC of them; more are queried at every launch), the blocks one SM can hold;
+   and the dynamic shared memory it has been allowed beyond the default. */
 #define LK_OCC 8
 typedef struct lk_loaded {
   int64_t id;
@@ -160,7 +168,9 @@ typedef struct lk_loaded {
   int sms;
   int nocc;
   int occ_threads[LK_OCC];
+  int64_t occ_shared[LK_OCC];
   int occ_blocks[LK_OCC];
+  int64_t shared_allowed;
   struct lk_loaded* next;
 } lk_loaded;
 
@@ -268,11 +278,32 @@ static lk_loaded* lk_function(int64_t id, CUcontext ctx, const char* where, char
   return l;
 }
 
-/* How many blocks of ``threads`` threads of l's function can be co-resident on its device
-   (for a cooperative launch: all of them must be). Call with lk_mutex held. */
-static int lk_coresident(lk_loaded* l, int64_t threads, int64_t* limit, char* err, size_t errlen) {
+/* Let l's function launch with ``shared`` bytes of dynamic shared memory (beyond the default
+   48 KiB a function must opt in, once per size). Call with lk_mutex held. */
+static int lk_allow_shared(lk_loaded* l, int64_t shared, char* err, size_t errlen) {
+  if (shared <= LK_DEFAULT_SHARED || shared <= l->shared_allowed) return 0;
+  CUcontext popped;
+  CUresult r = p_cuCtxPushCurrent(l->ctx);
+  if (!r) {
+    r = p_cuFuncSetAttribute(l->f, LK_CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, (int)shared);
+    p_cuCtxPopCurrent(&popped);
+  }
+  if (r) {
+    snprintf(err, errlen, "loopkern: kernel %lld on device %d cannot have %lld bytes of shared memory "
+             "(cuFuncSetAttribute: %s (%d))", (long long)l->id, (int)l->dev, (long long)shared,
+             lk_error_name(r), r);
+    return -1;
+  }
+  l->shared_allowed = shared;
+  return 0;
+}
+
+/* How many blocks of ``threads`` threads of l's function, each with ``shared`` bytes of dynamic
+   shared memory, can be co-resident on its device (for a cooperative launch: all of them must
+   be). Call with lk_mutex held. */
+static int lk_coresident(lk_loaded* l, int64_t threads, int64_t shared, int64_t* limit, char* err, size_t errlen) {
   for (int k = 0; k < l->nocc; ++k)
-    if (l->occ_threads[k] == threads) {
+    if (l->occ_threads[k] == threads && l->occ_shared[k] == shared) {
       *limit = (int64_t)l->occ_blocks[k] * l->sms;
       return 0;
     }
@@ -280,8 +311,7 @@ static int lk_coresident(lk_loaded* l, int64_t threads, int64_t* limit, char* er
   CUcontext popped;
   CUresult r = p_cuCtxPushCurrent(l->ctx);
   if (!r) {
-    /* no dynamic shared memory: the launches below pass none */
-    r = p_cuOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, l->f, (int)threads, 0);
+    r = p_cuOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, l->f, (int)threads, (size_t)shared);
     p_cuCtxPopCurrent(&popped);
   }
   if (r) {
@@ -291,6 +321,7 @@ static int lk_coresident(lk_loaded* l, int64_t threads, int64_t* limit, char* er
   }
   if (l->nocc < LK_OCC) {
     l->occ_threads[l->nocc] = (int)threads;
+    l->occ_shared[l->nocc] = shared;
     l->occ_blocks[l->nocc++] = per_sm;
   }
   *limit = (int64_t)per_sm * l->sms;
@@ -385,11 +416,12 @@ XLA_FFI_Error* lk_launch(XLA_FFI_CallFrame* cf) {
   int64_t threads = lk_scalar(cf, "threads", &ok), coop = lk_scalar(cf, "cooperative", &ok);
   int64_t control = lk_scalar(cf, "control", &ok), timeout_ns = lk_scalar(cf, "timeout_ns", &ok);
   int64_t timeout_slot = lk_scalar(cf, "timeout_slot", &ok), count = lk_scalar(cf, "count", &ok);
-  int64_t steps_slot = lk_scalar(cf, "steps_slot", &ok);
+  int64_t steps_slot = lk_scalar(cf, "steps_slot", &ok), shared = lk_scalar(cf, "shared", &ok);
   XLA_FFI_Array* a_layout = (XLA_FFI_Array*)lk_attr(cf, "layout", XLA_FFI_AttrType_ARRAY);
-  if (!ok || !a_layout || a_layout->dtype != XLA_FFI_DataType_S64 || a_layout->size % 5)
+  if (!ok || !a_layout || a_layout->dtype != XLA_FFI_DataType_S64 || a_layout->size % 5 || shared < 0 ||
+      shared > INT32_MAX)
     return lk_error(api, "loopkern: the custom call's attributes are malformed (kernel, blocks, threads, cooperative, "
-                         "layout, control, timeout_ns, timeout_slot, count, steps_slot)");
+                         "layout, control, timeout_ns, timeout_slot, count, steps_slot, shared)");
   const int64_t* layout = (const int64_t*)a_layout->data;
 
   /* the control block: zeroed, then the timeout; the step count's destination */
@@ -471,7 +503,8 @@ XLA_FFI_Error* lk_launch(XLA_FFI_CallFrame* cf) {
   pthread_mutex_lock(&lk_mutex);
   lk_loaded* l = lk_function(kernel, ctx, "the device of XLA's stream", err, sizeof err);
   int64_t limit = 0;
-  int bad = !l || (coop && lk_coresident(l, threads, &limit, err, sizeof err));
+  int bad = !l || lk_allow_shared(l, shared, err, sizeof err) ||
+            (coop && lk_coresident(l, threads, shared, &limit, err, sizeof err));
   CUfunction f = l ? l->f : NULL;
   CUdevice dev = l ? l->dev : -1;
   pthread_mutex_unlock(&lk_mutex);
@@ -497,8 +530,10 @@ XLA_FFI_Error* lk_launch(XLA_FFI_CallFrame* cf) {
     lk_cuda_error("initialising the control block", r, err, sizeof err);
     return lk_error(api, err);
   }
-  r = coop ? p_cuLaunchCooperativeKernel(f, (unsigned)blocks, 1, 1, (unsigned)threads, 1, 1, 0, stream, params)
-           : p_cuLaunchKernel(f, (unsigned)blocks, 1, 1, (unsigned)threads, 1, 1, 0, stream, params, NULL);
+  r = coop ? p_cuLaunchCooperativeKernel(f, (unsigned)blocks, 1, 1, (unsigned)threads, 1, 1, (unsigned)shared, stream,
+                                         params)
+           : p_cuLaunchKernel(f, (unsigned)blocks, 1, 1, (unsigned)threads, 1, 1, (unsigned)shared, stream, params,
+                              NULL);
   if (r) {
     lk_cuda_error("launching the megakernel", r, err, sizeof err);
     return lk_error(api, err);

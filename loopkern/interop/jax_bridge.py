@@ -16,7 +16,8 @@ Every call checks its arguments (cheap: types, shapes, dtypes), then looks its *
 in a small cache on the kernel (:class:`CallCache`, on ``mk.dispatcher``): the platform and the
 kind of device (its compute capability), each parameter's shape and dtype (arrays) or dtype
 (scalars), the dtypes of the step count and start, the resolved scope, threads and blocks, the
-seed, the timeout and whether the step returns a condition. An entry (:class:`JaxCall`) holds
+seed, the timeout, whether the step returns a condition and whether block scope stages its
+arrays in shared memory (not for a short run: ``STAGE_MIN_STEPS``). An entry (:class:`JaxCall`) holds
 what was built for that signature: the compiled kernel and its launch configuration, the result
 shapes, aliases and ``layout`` attribute, the ``ffi_call`` (or the ``pure_callback`` host
 function), the ``custom_jvp`` wrapper, and a ``jax.jit`` of all of it for eager calls. So a
@@ -38,7 +39,7 @@ import threading
 import numpy as np
 
 from ..dispatch import checks
-from ..dispatch.args import check_dtype, weak_float_type
+from ..dispatch.args import ArrayArg, check_dtype, weak_float_type
 from ..dispatch.plan import LRUCache
 from ..errors import ArgumentError, LoopkernError
 from ..runtime.layout import HOST_SIZE, STEPS, TIMEOUT_NS
@@ -205,6 +206,15 @@ def _cuda_options(mk, sig, scope, threads, blocks):
     return scope, threads or defaults["threads"], blocks or defaults["blocks"], kind
 
 
+#: kernel.jax at block scope stages its arrays in shared memory (as a direct call does) unless
+#: the step count is a Python int below this. Inside XLA a launch with 32 KiB of dynamic shared
+#: memory cost about 16 µs more per call than one without (H200, 2026-12-04, 4K heat, one step,
+#: bench/jax_call_probe.py: 106 against 90 µs per jitted call), while staging saves about
+#: 0.5 µs per step (4K heat: 0.61 against 1.1 µs per step): it pays from about 32 steps. A
+#: traced step count is taken to be a long run.
+STAGE_MIN_STEPS = 32
+
+
 # ------------------------------------------------------------------------------ the cache
 class JaxCall:
     """What ``kernel.jax`` built for one signature.
@@ -262,8 +272,10 @@ def jax_call(mk, args, kwargs, *, steps=None, max_steps=None, start=0, backend=N
         scope, threads, blocks, kind = _cuda_options(mk, sig, scope, threads, blocks)
     else:
         scope = threads = blocks = kind = None
+    count = steps if steps is not None else max_steps
+    stage = scope != "block" or not (isinstance(count, numbers.Integral) and count < STAGE_MIN_STEPS)
     key = (platform, kind, sig, n_dtype, t0_dtype, scope, threads, blocks, seed, timeout,
-           bool(mk.spec.returns_condition))
+           bool(mk.spec.returns_condition), stage)
     cache = call_cache(mk)
     try:
         entry = cache.get(key)
@@ -285,12 +297,13 @@ def _build(mk, key) -> JaxCall:
     import jax
     import jax.numpy as jnp
 
-    platform, kind, sig, n_dtype, t0_dtype, scope, threads, blocks, seed, timeout, returns_condition = key
+    platform, kind, sig, n_dtype, t0_dtype, scope, threads, blocks, seed, timeout, returns_condition, stage = key
     arr_set = frozenset(i for i, (shape, _) in enumerate(sig) if shape is not None)
     na = len(arr_set)
     with_count = returns_condition or timeout is not None
     if platform == "cuda":
-        core, config = _cuda_core(mk, sig, n_dtype, t0_dtype, scope, threads, blocks, seed, timeout, with_count)
+        core, config = _cuda_core(mk, sig, n_dtype, t0_dtype, scope, threads, blocks, seed, timeout, with_count,
+                                  stage)
     else:
         core, config = _cpu_core(mk, sig, seed, timeout), None
 
@@ -335,7 +348,7 @@ def _jvp(mk, key, primals, tangents, arr_set, with_count, call):
     import jax
     import jax.numpy as jnp
 
-    platform, kind, sig, n_dtype, t0_dtype, scope, threads, blocks, seed, timeout, returns_condition = key
+    platform, kind, sig, n_dtype, t0_dtype, scope, threads, blocks, seed, timeout, returns_condition, stage = key
     name = mk.spec.name
     if timeout is not None:
         raise LoopkernError(f"kernel.jax: differentiating megakernel '{name}' with timeout= is not supported "
@@ -602,13 +615,13 @@ def _cpu_core(mk, sig, seed, timeout):
     return core
 
 
-def _cuda_core(mk, sig, n_dtype, t0_dtype, scope, threads, blocks, seed, timeout, with_count):
+def _cuda_core(mk, sig, n_dtype, t0_dtype, scope, threads, blocks, seed, timeout, with_count, stage=True):
     import jax
     import jax.numpy as jnp
     from numba import types
     from numba.np.numpy_support import from_dtype
 
-    from ..dispatch.config import cuda_config
+    from ..dispatch.config import cuda_config, plan_staging
     from ..dispatch.kernels import index_bits_for
     from ..warpsplit import WARP
     from . import xla_ffi
@@ -618,9 +631,20 @@ def _cuda_core(mk, sig, n_dtype, t0_dtype, scope, threads, blocks, seed, timeout
     arr_idx = [i for i in range(n) if sig[i][0] is not None]
     work = _launch_work(mk, sig)
     by_ref = frozenset(i for i in range(n) if sig[i][0] is None)
-    compiled = mk.dispatcher.kernels.get("cuda", scope, by_ref=by_ref,
+    # block scope holds its arrays in shared memory as the direct call does (plan_staging),
+    # unless ``stage`` is False (a short run, see STAGE_MIN_STEPS). The arrays the kernel
+    # writes are results of the custom call, each a buffer of its own (an aliased input is
+    # copied by XLA unless donated), so no staged array shares memory with another argument
+    # that the kernel writes
+    staged, stage_bytes = (), 0
+    if scope == "block" and stage:
+        argv = [ArrayArg(spec.params[i].name, None, "device", tuple(sig[i][0]), np.dtype(sig[i][1]), None, 0)
+                if sig[i][0] is not None else None for i in range(n)]
+        staged, stage_bytes = plan_staging(spec, argv, check_overlap=False)
+    compiled = mk.dispatcher.kernels.get("cuda", scope, by_ref=by_ref, staged=staged,
                                          float_type=weak_float_type(sig[i][1] for i in arr_idx),
-                                         index_bits=index_bits_for([math.prod(sig[i][0]) for i in arr_idx], False, ()))
+                                         index_bits=index_bits_for([math.prod(sig[i][0]) for i in arr_idx], False,
+                                                                   staged))
 
     def nb(dtype, ndim):
         return types.Array(from_dtype(np.dtype(dtype)), ndim, "C")
@@ -633,7 +657,7 @@ def _cuda_core(mk, sig, n_dtype, t0_dtype, scope, threads, blocks, seed, timeout
     kernel, image_id = compiled.load_for_ffi(tuple(nbsig), xla_ffi)
     if mk.dispatcher.warp_split:
         work *= WARP            # a warp per iteration of its few-iteration loop (see warpsplit.py)
-    plan = cuda_config(kernel, scope, work, threads, blocks, simulator=False)
+    plan = cuda_config(kernel, scope, work, threads, blocks, simulator=False, shared=stage_bytes)
     xla_ffi.register_cuda_target()
 
     # The custom call is the only operation XLA runs for the call: every input is a parameter
@@ -680,7 +704,7 @@ def _cuda_core(mk, sig, n_dtype, t0_dtype, scope, threads, blocks, seed, timeout
                  cooperative=np.int64(1 if plan.scope == "grid" else 0), layout=np.array(layout, np.int64),
                  control=np.int64(ctl), timeout_ns=np.int64(int(timeout * 1e9) if timeout is not None else 0),
                  timeout_slot=np.int64(TIMEOUT_NS), count=np.int64(count if with_count else -1),
-                 steps_slot=np.int64(STEPS))
+                 steps_slot=np.int64(STEPS), shared=np.int64(plan.shared))
 
     def core(nsteps_buf, t0_buf, *vals):
         outs = call(nsteps_buf, t0_buf, *vals, seed_words, **attrs)

@@ -401,3 +401,53 @@ def test_kernel_jax_inside_shard_map_on_several_gpus(scope, rng):
         u, _ = _sharded_heat(mesh, 50, scope)(x, x)
         assert set(u.devices()) == set(mesh.devices.flat)
         _check_blocks(u, u0, shards, 50)
+
+
+def _staged_entries(k):
+    from loopkern.interop import jax_bridge
+    return [e for e in jax_bridge.call_cache(k).values() if e.config is not None and e.config.shared > 0]
+
+
+@pytest.mark.parametrize("n", [100, 4096])
+def test_block_scope_holds_its_arrays_in_shared_memory_under_jit(n, rng):
+    """At block scope kernel.jax stages the swap pairs in shared memory, as the direct call
+    does (the handler passes the dynamic shared memory): odd and even step counts, donated or
+    not, in jit and eager, against the float64 reference and the direct call."""
+    from numba import cuda
+    k = lk.megakernel(W.heat_step, swap=[("u", "v")])
+    f = jax.jit(lambda u, v, s: k.jax(u, v, np.float32(0.3), steps=s, scope="block"))
+    g = jax.jit(lambda u, v: k.jax(u, v, np.float32(0.3), steps=8, scope="block"), donate_argnums=(0, 1))
+    for steps in (1, 2, 7, int(rng.integers(50, 400))):
+        u0, w0 = rng.random(n).astype(np.float32), rng.random(n).astype(np.float32)
+        u, v = f(jnp.asarray(u0), jnp.asarray(w0), steps)
+        ref_u = W.heat_ref(u0, steps, 0.3)
+        assert rel_err(u, ref_u) < 1e-5
+        # v holds the state one step earlier (the pair swaps every step)
+        assert rel_err(v, W.heat_ref(u0, steps - 1, 0.3)) < 1e-5
+        du, dv = cuda.to_device(u0), cuda.to_device(w0)
+        k(du, dv, np.float32(0.3), steps=steps, scope="block")
+        np.testing.assert_array_equal(np.asarray(u), du.copy_to_host())
+    assert _staged_entries(k), "no kernel.jax call at block scope staged its arrays"
+    # a short run of a static step count is not staged (jax_bridge.STAGE_MIN_STEPS), and is right
+    from loopkern.interop import jax_bridge
+    assert 8 < jax_bridge.STAGE_MIN_STEPS
+    u0 = rng.random(n).astype(np.float32)
+    u, _ = g(jnp.asarray(u0), jnp.asarray(u0))
+    assert rel_err(u, W.heat_ref(u0, 8, 0.3)) < 1e-5
+    shared = sorted(e.config.shared for e in jax_bridge.call_cache(k).values())
+    assert shared[0] == 0 and shared[-1] > 0, shared
+
+
+def test_staged_jacobi_with_a_reduction_stops_where_the_reference_does(rng):
+    k = lk.megakernel(W.jacobi_step, swap=[("u", "v")])
+    u0 = np.zeros((64, 64), np.float32)
+    u0[0, :] = 1.0
+    u0[:, 0] = rng.random(64).astype(np.float32)
+    tol = 1e-3
+    _, ref_steps = W.jacobi_ref(u0, tol, 20000)
+    f = jax.jit(lambda a, b: k.jax(a, b, np.float32(tol), max_steps=20000, scope="block"))
+    u, v, steps = f(jnp.asarray(u0), jnp.asarray(u0))
+    assert abs(int(steps) - ref_steps) <= 1
+    ref, _ = W.jacobi_ref(u0, tol, int(steps))
+    np.testing.assert_allclose(np.asarray(u), ref, rtol=1e-4, atol=1e-5)
+    assert _staged_entries(k)
