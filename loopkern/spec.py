@@ -156,16 +156,33 @@ class StepSpec:
 
     @cached_property
     def light_elements(self) -> bool:
-        """Each parallel loop's body is straight-line work per element (no loop and no helper
-        call inside it; no parallel loop in a helper): a stencil, not an all-pairs sum. Such
-        steps are cheap per element, so one block can hold a small problem (scope="auto")."""
+        """Each parallel loop's body is straight-line work per element (no loop inside it, and
+        no call of a helper that loops; no parallel loop in a helper): a stencil, not an
+        all-pairs sum. Such steps are cheap per element, so one block can hold a small problem
+        (scope="auto"). A helper without loops (``max`` written out, say) is straight-line too:
+        calling it costs no more than writing its body in place."""
         def is_parallel(n):
             return isinstance(n, ast.For) and marker_of(n.iter) in ("range", "grid")
         for h in self.helpers:
             if any(is_parallel(n) for st in h.body for n in ast.walk(st)):
                 return False
+        by_symbol = {h.symbol: h for h in self.helpers}
+        looping: dict = {}
+
+        def loops_in(nodes, seen) -> bool:
+            for n in (m for st in nodes for m in ast.walk(st)):
+                if isinstance(n, (ast.For, ast.While)):
+                    return True
+                if is_helper_call(n):
+                    h = by_symbol.get(n.func.id)
+                    if h is None or n.func.id in seen:
+                        return True           # unknown, or a call back into itself: not straight-line
+                    if n.func.id not in looping:
+                        looping[n.func.id] = loops_in(h.body, seen | {n.func.id})
+                    if looping[n.func.id]:
+                        return True
+            return False
         for loop in (n for st in self.step.body for n in ast.walk(st) if is_parallel(n)):
-            for n in (m for st in loop.body for m in ast.walk(st)):
-                if isinstance(n, (ast.For, ast.While)) or is_helper_call(n):
-                    return False
+            if loops_in(loop.body, frozenset()):
+                return False
         return True

@@ -196,12 +196,32 @@ def all_pairs_step(t, x, f):
         f[i] = s
 
 
+def pair_sum(x, i):
+    s = 0.0
+    for j in range(x.shape[0]):
+        s += x[j] - x[i]
+    return s
+
+
+def twice_pair_sum(x, i):
+    return 2.0 * pair_sum(x, i)
+
+
+def looping_helper_step(t, x, f):
+    # the same all-pairs work, in a helper called through another helper
+    for i in lk.range(x.shape[0]):
+        f[i] = twice_pair_sum(x, i)
+
+
 def test_auto_scope_keeps_heavy_steps_on_a_grid():
     from loopkern.dispatch.config import resolve_scope
+    # a helper without loops (W.helper_step's damp and laplacian) is as light as its body
+    # written in place; one that loops, directly or through another helper, is not
     light = {name: lk.megakernel(fn).spec.light_elements
              for name, fn in (("heat", W.heat_step), ("jacobi", W.jacobi_step), ("life", W.life_step),
-                              ("helper", W.helper_step), ("nbody", all_pairs_step))}
-    assert light == dict(heat=True, jacobi=True, life=False, helper=False, nbody=False)
+                              ("helper", W.helper_step), ("nbody", all_pairs_step),
+                              ("looping_helper", looping_helper_step))}
+    assert light == dict(heat=True, jacobi=True, life=False, helper=True, nbody=False, looping_helper=False)
     assert resolve_scope("auto", 3072, True, light["nbody"]) == "grid"
     assert resolve_scope("auto", 3072, True, light["heat"]) == "block"
 
