@@ -268,6 +268,11 @@ def test_quadratic_map_scan_records_the_trajectory(rng):
         same(got, lax.scan(qmap, x0, None, length=500))
         step = _source_of(lambda: lk.scan(qmap, x0 + 0.0, None, length=501, fallback="error"))
         assert "lk." not in step.split(":", 1)[1]      # one thread, no barrier (thread scope)
+        # the carry is stored after y[t], so the compiler keeps it in a register between steps
+        lines = [ln.strip() for ln in step.splitlines()]
+        carry_store = max(i for i, ln in enumerate(lines) if ln.startswith("c0[0] ="))
+        ys_store = max(i for i, ln in enumerate(lines) if ln.startswith("y0[t] ="))
+        assert ys_store < carry_store == len(lines) - 1, step
     x0 = jnp.float32(0.3)
     same(lk.scan(qmap, x0, None, length=100, fallback="error"), lax.scan(qmap, x0, None, length=100))
 

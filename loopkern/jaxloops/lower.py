@@ -779,7 +779,7 @@ class Lowering:
                 out += ["        " + ln for ln in body]
             out += ["    " + ln for ln in self.post.get(s, [])]
         finals = []
-        for f in self.final:
+        for f in self._finals_in_order():
             plan, target, val = f[0], f[1], f[2]
             guard = f[4] if len(f) > 4 else None
             if plan is not None:     # a scalar carry
@@ -813,6 +813,21 @@ class Lowering:
         source = "\n".join(out) + "\n"
         return StepPlan(source, self.name, self.params, swap, [self.carries[k] for k in sorted(self.carries)],
                         cond is not None, sequential)
+
+    def _finals_in_order(self) -> list:
+        """The final stores, the scalar carries' last. A carry is read back at the start of the
+        next step; with its store after every other store of the step, nothing between the two
+        may alias it, so the compiler keeps the value in a register from one step to the next
+        (one thread's scan then runs at the speed of its arithmetic, not of a memory round
+        trip: y[t] written after c[0] made LLVM reload c[0]). The order is kept when a final's
+        value reads a carry's array (it never does today: values are computed names)."""
+        import re
+        carries = [f for f in self.final if f[0] is not None]
+        others = [f for f in self.final if f[0] is None]
+        names = {f[0].name for f in carries} | {f[0].next_name for f in carries}
+        if any(set(re.findall(r"[A-Za-z_][A-Za-z_0-9]*", str(f[2]))) & names for f in self.final):
+            return list(self.final)
+        return others + carries
 
     def param_shape(self, k):
         for v, r in self.input_role.items():
