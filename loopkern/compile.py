@@ -39,6 +39,13 @@ def simulator_enabled() -> bool:
     costs more than the rest of the question); the flag itself is read each time.
     """
     if not _NUMBA_CONFIG:
+        if "numba" not in sys.modules:
+            # what Numba's config will read when it is imported; not importing it here keeps a
+            # kernel.jax call whose cubin is on disk free of Numba (interop/ffi_kernels.py)
+            try:
+                return bool(int(os.environ.get("NUMBA_ENABLE_CUDASIM") or 0))
+            except ValueError:
+                pass
         from numba import config
         _NUMBA_CONFIG.append(config)
     return bool(_NUMBA_CONFIG[0].ENABLE_CUDASIM)
@@ -64,14 +71,25 @@ def cache_dir() -> Path:
     return path
 
 
+def numba_version() -> str:
+    """Numba's version, without importing Numba when it is not loaded yet (from its metadata)."""
+    mod = sys.modules.get("numba")
+    if mod is not None:
+        return mod.__version__
+    from importlib import metadata
+    try:
+        return metadata.version("numba")
+    except metadata.PackageNotFoundError:
+        import numba
+        return numba.__version__
+
+
 def runtime_fingerprint() -> str:
     """Hash of the runtime modules generated code imports: a change to them must miss the cache."""
-    import numba
-
     from . import __version__
 
     # read, not imported: importing cuda_rt would load numba.cuda for a CPU-only run
-    h = hashlib.sha256(f"{__version__} numba {numba.__version__}".encode())
+    h = hashlib.sha256(f"{__version__} numba {numba_version()}".encode())
     here = Path(__file__).resolve().parent / "runtime"
     # every module of the package, so that a new one cannot be left out
     for path in sorted(here.glob("*.py")):
@@ -143,7 +161,7 @@ class CompiledKernel:
         self._specialized[types] = kernel
         return kernel
 
-    def load_for_ffi(self, types: tuple, xla_ffi):
+    def load_for_ffi(self, types: tuple, xla_ffi, disk_key=None):
         """Compile for ``types`` and register the cubin with the XLA FFI shim.
 
         Once per signature and compute capability (the cubin is built for the current device's),
@@ -151,6 +169,10 @@ class CompiledKernel:
         it into the context of the stream XLA hands it, once per device (``ffi_shim.c``), so one
         call can run on every device of a mesh. The image is also loaded into the current device
         here, so that a cubin it cannot run is reported now rather than from inside XLA.
+
+        ``disk_key``: a description of ``types`` without Numba (see :func:`cubin_key`); when
+        given, the cubin is also written to the disk cache under it, so that a later process
+        can launch it without Numba (:func:`load_cubin`).
 
         Returns:
             (the Numba kernel, for the occupancy query that sizes the grid on the current
@@ -166,10 +188,84 @@ class CompiledKernel:
             kernel = self.dispatcher.compile(types)
         cubin = kernel._codelibrary.get_cubin(cc=dev.compute_capability)
         image = getattr(cubin, "code", cubin)
-        image_id = xla_ffi.register_image(bytes(image), _entry_name(kernel))
+        entry = _entry_name(kernel)
+        image_id = xla_ffi.register_image(bytes(image), entry)
         xla_ffi.load_function(dev.id, image_id)
+        if disk_key is not None:
+            store_cubin(cubin_key(self.source.text, disk_key, dev.compute_capability), bytes(image), entry,
+                        int(kernel.max_threads_per_block))
         self._specialized[key] = (kernel, image_id)
         return kernel, image_id
+
+
+# -- cubins on disk: kernel.jax without Numba ----------------------------------------------
+#
+# kernel.jax's custom call names a cubin that the FFI shim loads itself (interop/ffi_shim.c);
+# Numba only compiles it. So each cubin it compiles is also written here, with its entry point
+# and the most threads per block it can run, under a key of everything that made it: the
+# generated source (which carries runtime_fingerprint), the kernel's parameter types, the
+# compute capability and the versions of Numba and numba-cuda. A new process building the same
+# call finds it (interop/jax_bridge.py) and registers it with the shim directly: Numba is not
+# even imported. A file that cannot be read, or does not hold what its name says, is a miss.
+
+@dataclass(frozen=True)
+class CachedCubin:
+    image: bytes
+    entry: str
+    max_threads_per_block: int
+
+
+def _package_version(name: str) -> str:
+    from importlib import metadata
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return "none"
+
+
+def cubin_key(source_text: str, types_key, cc) -> str:
+    """The disk cache key of the cubin of ``source_text`` for parameters ``types_key`` (any
+    repr-stable description) on compute capability ``cc``."""
+    h = hashlib.sha256(source_text.encode())
+    h.update(repr((types_key, tuple(cc), numba_version(), _package_version("numba-cuda"))).encode())
+    return h.hexdigest()[:32]
+
+
+def _cubin_paths(key: str):
+    d = cache_dir().parent / "cubins"
+    return d / f"{key}.cubin", d / f"{key}.json"
+
+
+def store_cubin(key: str, image: bytes, entry: str, max_threads_per_block: int) -> None:
+    """Write a cubin to the disk cache (atomically; a failure to write only loses the cache)."""
+    import json
+    image_path, meta_path = _cubin_paths(key)
+    meta = dict(entry=entry, max_threads_per_block=max_threads_per_block, bytes=len(image),
+                sha256=hashlib.sha256(image).hexdigest())
+    try:
+        image_path.parent.mkdir(parents=True, exist_ok=True)
+        for path, data in ((image_path, image), (meta_path, json.dumps(meta).encode())):
+            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+            os.replace(tmp, path)
+    except OSError:
+        pass
+
+
+def load_cubin(key: str) -> CachedCubin | None:
+    """The cubin stored under ``key``, or None (absent, unreadable, or not the bytes its
+    metadata describes)."""
+    import json
+    image_path, meta_path = _cubin_paths(key)
+    try:
+        meta = json.loads(meta_path.read_text())
+        image = image_path.read_bytes()
+        if len(image) != meta["bytes"] or hashlib.sha256(image).hexdigest() != meta["sha256"]:
+            return None
+        return CachedCubin(image, str(meta["entry"]), int(meta["max_threads_per_block"]))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def _cheap_key(v):

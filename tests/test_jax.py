@@ -350,12 +350,16 @@ def as_if_cuda(monkeypatch):
 
     from loopkern import compile as lk_compile
     from loopkern.dispatch import config as lk_config
+    from loopkern.interop import xla_ffi as lk_xla_ffi
 
-    def fake_config(kernel, scope, work, threads, blocks, simulator, shared=0):
+    def fake_config(kernel, scope, work, threads, blocks, simulator, shared=0, sms=None):
         if scope == "thread":
             return lk_config.LaunchConfig("thread", 1, 1)
         return lk_config.LaunchConfig(scope, blocks or (132 if scope == "grid" else 1), threads or 256)
-    monkeypatch.setattr(lk_compile.CompiledKernel, "load_for_ffi", lambda self, types_, xla_ffi: (None, 0x1234))
+    monkeypatch.setattr(lk_compile.CompiledKernel, "load_for_ffi",
+                        lambda self, types_, xla_ffi, disk_key=None: (None, 0x1234))
+    monkeypatch.setattr(lk_xla_ffi, "current_device", lambda: (0, (9, 0), 132))
+    monkeypatch.setattr(lk_compile, "load_cubin", lambda key: None)      # nothing on disk: Numba's path
     monkeypatch.setattr(lk_config, "cuda_config", fake_config)
     monkeypatch.setattr(jax_bridge, "_platform", lambda mk, arrays, backend: "cuda")
     monkeypatch.setattr(cuda, "get_current_device", lambda: types.SimpleNamespace(id=0, compute_capability=(9, 0)))
@@ -412,6 +416,59 @@ def test_cuda_lowering_is_the_custom_call_alone(name, as_if_cuda):
     timeout = {"timeout": 1500000000, "long timeout, start": 10000000000}.get(name, 0)
     assert f"timeout_ns = {timeout} : i64" in attrs and f"count = {n_arrays + 4 if with_count else -1} : i64" in attrs
     assert "kernel = 4660 : i64" in attrs       # the image id (load_for_ffi's, faked: 0x1234), not a CUfunction
+
+
+def test_a_cubin_on_disk_is_launched_without_compiling(as_if_cuda, monkeypatch):
+    """A kernel.jax call whose cubin an earlier process compiled registers that cubin with the
+    shim and sizes its grid from the driver's answers: Numba compiles nothing."""
+    from loopkern import compile as lk_compile
+    from loopkern.dispatch import config as lk_config
+    from loopkern.interop import xla_ffi
+
+    keys, seen = [], {}
+
+    def load(key):
+        keys.append(key)
+        return lk_compile.CachedCubin(b"CUBIN", "entry_fn", 640)
+    monkeypatch.setattr(lk_compile, "load_cubin", load)
+    monkeypatch.setattr(xla_ffi, "register_image", lambda image, entry: seen.update(image=(image, entry)) or 0x777)
+    monkeypatch.setattr(xla_ffi, "function_limits", lambda dev, image_id, threads=0, shared=0: (512, 7 * threads))
+    monkeypatch.setattr(lk_compile.CompiledKernel, "load_for_ffi", lambda *a, **k: pytest.fail("Numba compiled"))
+    fake = lk_config.cuda_config
+
+    def sizing(kernel, scope, *args, **kw):
+        seen.update(max_threads=kernel.max_threads_per_block, blocks=kernel.max_cooperative_grid_blocks(64))
+        return fake(kernel, scope, *args, **kw)
+    monkeypatch.setattr(lk_config, "cuda_config", sizing)
+    text = jax.jit(lambda a, b: SHIFT.jax(a, b, steps=10, scope="grid")).trace(
+        jnp.zeros(4096, jnp.int32), jnp.ones(4096, jnp.int32)).lower(lowering_platforms=("cuda",)).as_text()
+    attrs = re.search(r"mhlo\.backend_config = \{(.*?)\}", text).group(1)
+    assert "kernel = 1911 : i64" in attrs                        # 0x777, the registered cached image
+    assert seen == dict(image=(b"CUBIN", "entry_fn"), max_threads=512, blocks=448)   # min(640, the driver's 512)
+    # the key is of the generated source and the parameter types: another dtype, another key
+    jax.jit(lambda a, b: SHIFT.jax(a, b, steps=10, scope="grid")).trace(
+        jnp.zeros(4096, jnp.float32), jnp.ones(4096, jnp.float32)).lower(lowering_platforms=("cuda",))
+    assert len(keys) == 2 and keys[0] != keys[1]
+
+
+def test_cubins_on_disk_round_trip_and_a_damaged_one_is_a_miss(monkeypatch, tmp_path):
+    from loopkern import compile as lk_compile
+    monkeypatch.setenv("LOOPKERN_CACHE_DIR", str(tmp_path))
+    key = lk_compile.cubin_key("source", ("types",), (9, 0))
+    assert key != lk_compile.cubin_key("source", ("types",), (8, 0))
+    assert key != lk_compile.cubin_key("source ", ("types",), (9, 0))
+    assert key != lk_compile.cubin_key("source", ("types", 1), (9, 0))
+    assert lk_compile.load_cubin(key) is None
+    image = bytes(range(256)) * 10
+    lk_compile.store_cubin(key, image, "entry", 896)
+    assert lk_compile.load_cubin(key) == lk_compile.CachedCubin(image, "entry", 896)
+    cubin = next(tmp_path.rglob(f"{key}.cubin"))
+    cubin.write_bytes(image[:-1] + b"x")                         # same length, other bytes
+    assert lk_compile.load_cubin(key) is None
+    cubin.write_bytes(image[:100])
+    assert lk_compile.load_cubin(key) is None
+    next(tmp_path.rglob(f"{key}.json")).write_text("{not json")
+    assert lk_compile.load_cubin(key) is None
 
 
 _cpu_registered = []
@@ -488,6 +545,8 @@ int cuCtxPushCurrent_v2(void* c) {
 }
 int cuCtxPopCurrent_v2(void** c) { logl_("pop;"); fake_depth--; *c = (void*)current; current = 0; return 0; }
 int cuCtxGetDevice(int* d) { *d = (int)((current - 0x15157) / 0x1000); return 0; }
+int cuCtxGetCurrent(void** c) { *c = (void*)current; return 0; }
+int cuFuncGetAttribute(int* v, int a, void* f) { (void)f; *v = a == 0 ? 768 : -1; return 0; }
 int cuDeviceGetAttribute(int* v, int a, int d) { *v = a == 16 ? 4 >> d : -1; return 0; }
 int cuModuleLoadData(void** m, const void* i) {
   char b[64]; snprintf(b, sizeof b, "load(%.16s);", (const char*)i); logl_(b);
@@ -747,6 +806,18 @@ int main(void) {
         strstr(last_error, "kernel 1000 is not registered"),
         "an unknown kernel: %s / %s", last_error, fake_log);
   the_kernel = id;
+
+  /* without Numba: the current device (no current context: device 0) and a function's limits
+     in a device's primary context (device 1: 2 SMs, 2 blocks of up to 64 threads each) */
+  int devno = -1, major = 0, minor = 0, sms = 0, most = 0;
+  int64_t fit = -1;
+  CHECK(lk_current_device(&devno, &major, &minor, &sms, err, sizeof err) == 0 && devno == 0 && sms == 4,
+        "lk_current_device: %s (%d, %d SMs)", err, devno, sms);
+  CHECK(lk_function_limits(1, id, 64, 0, &most, &fit, err, sizeof err) == 0 && most == 768 && fit == 4,
+        "lk_function_limits: %s (%d, %lld)", err, most, (long long)fit);
+  CHECK(lk_function_limits(1, id, 0, 0, &most, &fit, err, sizeof err) == 0 && fit == 0, "no threads: %lld",
+        (long long)fit);
+  CHECK(fake_depth == 0, "context stack depth %d after the queries", fake_depth);
 
   /* dynamic shared memory: passed to the launch and to the occupancy query; above 48 KiB the
      function is allowed it first, once per size it grows to */

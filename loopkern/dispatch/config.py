@@ -155,7 +155,7 @@ def resolve_scope(scope: str, work: int, parallel: bool = True, light: bool = Tr
 
 
 def cuda_config(kernel, scope: str, work: int, threads: int | None, blocks: int | None,
-              simulator: bool, shared: int = 0) -> LaunchConfig:
+              simulator: bool, shared: int = 0, sms: int | None = None) -> LaunchConfig:
     """Pick blocks and threads for a CUDA launch and check that they can run.
 
     Args:
@@ -166,6 +166,7 @@ def cuda_config(kernel, scope: str, work: int, threads: int | None, blocks: int 
         blocks: blocks asked for, or None.
         simulator: running under Numba's CUDA simulator (one block only).
         shared: bytes of dynamic shared memory the kernel needs (block scope's staged arrays).
+        sms: the device's SM count, if the caller knows it (else Numba's current device's).
 
     Raises:
         LaunchError: the request cannot be co-resident or is malformed.
@@ -203,7 +204,7 @@ def cuda_config(kernel, scope: str, work: int, threads: int | None, blocks: int 
     if limit < 1:
         raise LaunchError(f"threads={threads}: not even one block of this kernel fits on the device")
     if blocks is None:
-        blocks = auto_blocks(work, threads, limit, _sm_count())
+        blocks = auto_blocks(work, threads, limit, sms if sms is not None else _sm_count())
     if blocks < 1:
         raise LaunchError(f"blocks={blocks}: must be at least 1")
     if blocks > limit:

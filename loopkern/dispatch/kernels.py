@@ -18,24 +18,41 @@ class KernelCache:
     def __init__(self, spec):
         self.spec = spec
         self.variants: dict = {}
+        self.sources: dict = {}
         self._lock = threading.Lock()
+
+    def source(self, backend, scope, by_ref=None, debug=False, staged=(), control=True, float_type=None,
+               index_bits=None, tile=None):
+        """The :class:`~loopkern.codegen.KernelSource` of one variant (rendered once), without
+        compiling it: ``kernel.jax`` looks its cubin up on disk by it first
+        (``interop/ffi_kernels.py``)."""
+        from ..compile import runtime_fingerprint, simulator_enabled
+        key = (backend, scope, by_ref, debug, staged, control, float_type, index_bits, tile)
+        src = self.sources.get(key)
+        if src is None:
+            with self._lock:
+                src = self.sources.get(key)
+                if src is None:
+                    cache = not (backend == "cuda" and simulator_enabled())
+                    src = self.sources[key] = codegen.render_kernel(
+                        self.spec, backend, scope, cache=cache, fingerprint=f"runtime {runtime_fingerprint()}",
+                        by_ref=by_ref, debug=debug, staged=staged, control=control, float_type=float_type,
+                        index_bits=index_bits, tile=tile)
+        return src
 
     def get(self, backend, scope, by_ref=None, debug=False, staged=(), control=True, float_type=None,
             index_bits=None, tile=None):
         """The :class:`~loopkern.compile.CompiledKernel` of one variant (rendered and loaded on
         first use; Numba compiles it per argument types in ``specialize``)."""
-        from ..compile import compile_kernel, runtime_fingerprint, simulator_enabled
+        from ..compile import compile_kernel
         key = (backend, scope, by_ref, debug, staged, control, float_type, index_bits, tile)
         k = self.variants.get(key)
         if k is None:
+            src = self.source(backend, scope, by_ref=by_ref, debug=debug, staged=staged, control=control,
+                              float_type=float_type, index_bits=index_bits, tile=tile)
             with self._lock:
                 k = self.variants.get(key)
                 if k is None:
-                    cache = not (backend == "cuda" and simulator_enabled())
-                    src = codegen.render_kernel(self.spec, backend, scope, cache=cache,
-                                                fingerprint=f"runtime {runtime_fingerprint()}", by_ref=by_ref,
-                                                debug=debug, staged=staged, control=control,
-                                                float_type=float_type, index_bits=index_bits, tile=tile)
                     k = self.variants[key] = compile_kernel(src)
         return k
 

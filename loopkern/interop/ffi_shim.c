@@ -80,6 +80,12 @@ static CUresult (*p_cuGetErrorName)(CUresult, const char**);
 static CUresult (*p_cuMemsetD32Async)(CUdeviceptr, unsigned int, size_t, CUstream);
 static CUresult (*p_cuMemcpyDtoDAsync)(CUdeviceptr, CUdeviceptr, size_t, CUstream);
 static CUresult (*p_cuFuncSetAttribute)(CUfunction, int, int);
+static CUresult (*p_cuFuncGetAttribute)(int*, int, CUfunction);
+static CUresult (*p_cuCtxGetCurrent)(CUcontext*);
+
+#define LK_CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK 0
+#define LK_CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR 75
+#define LK_CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR 76
 
 /* CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES: a kernel must opt in to more than the 48 KiB
    of dynamic shared memory every launch may have */
@@ -123,6 +129,8 @@ static void lk_resolve_all(void) {
   LK_SYM(p_cuMemsetD32Async, "cuMemsetD32Async")
   LK_SYM(p_cuMemcpyDtoDAsync, "cuMemcpyDtoDAsync_v2")
   LK_SYM(p_cuFuncSetAttribute, "cuFuncSetAttribute")
+  LK_SYM(p_cuFuncGetAttribute, "cuFuncGetAttribute")
+  LK_SYM(p_cuCtxGetCurrent, "cuCtxGetCurrent")
 #undef LK_SYM
 }
 
@@ -345,6 +353,66 @@ int lk_load_function(int device, int64_t id, char* err, size_t errlen) {
   lk_loaded* l = lk_function(id, ctx, where, err, errlen);
   pthread_mutex_unlock(&lk_mutex);
   return l ? 0 : -1;
+}
+
+/* The device of the calling thread's current context (device 0 when it has none, which is
+   Numba's current device then too), its compute capability and its number of SMs: what a
+   kernel.jax call is built for, asked without Numba when the kernel's cubin is cached. */
+int lk_current_device(int* device, int* major, int* minor, int* sms, char* err, size_t errlen) {
+  if (lk_resolve(err, errlen)) return -1;
+  CUresult r;
+  CUcontext ctx = NULL;
+  CUdevice dev = 0;
+  if ((r = p_cuInit(0))) { lk_cuda_error("cuInit", r, err, errlen); return -1; }
+  if ((r = p_cuCtxGetCurrent(&ctx))) { lk_cuda_error("cuCtxGetCurrent", r, err, errlen); return -1; }
+  if (ctx) {
+    if ((r = p_cuCtxGetDevice(&dev))) { lk_cuda_error("cuCtxGetDevice", r, err, errlen); return -1; }
+  } else if ((r = p_cuDeviceGet(&dev, 0))) {
+    lk_cuda_error("cuDeviceGet", r, err, errlen);
+    return -1;
+  }
+  if ((r = p_cuDeviceGetAttribute(major, LK_CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, dev)) ||
+      (r = p_cuDeviceGetAttribute(minor, LK_CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, dev)) ||
+      (r = p_cuDeviceGetAttribute(sms, LK_CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, dev))) {
+    lk_cuda_error("cuDeviceGetAttribute", r, err, errlen);
+    return -1;
+  }
+  *device = (int)dev;
+  return 0;
+}
+
+/* For image ``id`` in device ``device``'s primary context (loaded there on first use): the most
+   threads per block its function can run, and (threads > 0) how many blocks of ``threads``
+   threads with ``shared`` bytes of dynamic shared memory fit on the device at once. */
+int lk_function_limits(int device, int64_t id, int64_t threads, int64_t shared, int* max_threads, int64_t* blocks,
+                       char* err, size_t errlen) {
+  *blocks = 0;
+  if (lk_resolve(err, errlen)) return -1;
+  CUresult r;
+  CUdevice dev;
+  CUcontext ctx;
+  if ((r = p_cuInit(0))) { lk_cuda_error("cuInit", r, err, errlen); return -1; }
+  if ((r = p_cuDeviceGet(&dev, device))) { lk_cuda_error("cuDeviceGet", r, err, errlen); return -1; }
+  if ((r = p_cuDevicePrimaryCtxRetain(&ctx, dev))) { lk_cuda_error("cuDevicePrimaryCtxRetain", r, err, errlen); return -1; }
+  char where[32];
+  snprintf(where, sizeof where, "device %d", device);
+  int rc = -1;
+  pthread_mutex_lock(&lk_mutex);
+  lk_loaded* l = lk_function(id, ctx, where, err, errlen);
+  if (l) {
+    CUcontext popped;
+    r = p_cuCtxPushCurrent(l->ctx);
+    if (!r) {
+      r = p_cuFuncGetAttribute(max_threads, LK_CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK, l->f);
+      p_cuCtxPopCurrent(&popped);
+    }
+    if (r)
+      lk_cuda_error("cuFuncGetAttribute(MAX_THREADS_PER_BLOCK)", r, err, errlen);
+    else if (threads <= 0 || !lk_coresident(l, threads, shared, blocks, err, errlen))
+      rc = 0;
+  }
+  pthread_mutex_unlock(&lk_mutex);
+  return rc;
 }
 
 static XLA_FFI_Error* lk_error(const XLA_FFI_Api* api, const char* msg) {

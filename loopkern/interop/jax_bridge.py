@@ -32,6 +32,7 @@ on a device the handler loads the kernel there and checks that the grid can be c
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 import threading
@@ -185,9 +186,8 @@ def _launch_work(mk, sig) -> int:
 
 def _cuda_options(mk, sig, scope, threads, blocks):
     """(resolved scope, threads, blocks, the kind of CUDA device the call is built for) of a CUDA call."""
-    from numba import cuda
-
     from ..dispatch.config import resolve_scope
+    from . import xla_ffi
     spec = mk.spec
     defaults = mk.dispatcher.defaults
     # the scope as before the stacks were discounted (that is what ran on the GPU); the block
@@ -202,7 +202,7 @@ def _cuda_options(mk, sig, scope, threads, blocks):
     # a mesh under shard_map), and the handler loads the kernel there. But the cubin is built for
     # the current device's compute capability and the grid sized by an occupancy query on it
     # (CompiledKernel.load_for_ffi, cuda_config), so the entry is for that kind of device.
-    kind = cuda.get_current_device().compute_capability
+    kind = xla_ffi.current_device()[1]
     return scope, threads or defaults["threads"], blocks or defaults["blocks"], kind
 
 
@@ -615,12 +615,43 @@ def _cpu_core(mk, sig, seed, timeout):
     return core
 
 
-def _cuda_core(mk, sig, n_dtype, t0_dtype, scope, threads, blocks, seed, timeout, with_count, stage=True):
-    import jax
-    import jax.numpy as jnp
+class _ShimKernel:
+    """What the grid sizing (``dispatch/config.py``'s ``cuda_config``) asks of a kernel, for a
+    cubin from the disk cache: answered by the driver through the FFI shim, which loads the
+    image into the device's primary context (so that a cubin it cannot run is reported now)."""
+
+    def __init__(self, device, image_id, max_threads_per_block, shared):
+        from . import xla_ffi
+        self._limits = functools.partial(xla_ffi.function_limits, device, image_id)
+        self._shared = shared
+        self.max_threads_per_block = min(max_threads_per_block, self._limits()[0])
+
+    def max_cooperative_grid_blocks(self, threads: int) -> int:
+        return self._limits(threads, self._shared)[1]
+
+
+def _compile_for_ffi(compiled, n_dtype, t0_dtype, sig, types_key, xla_ffi):
+    """Compile with Numba for the custom call's parameter types and register the cubin (and
+    store it on disk under ``types_key``): (the Numba kernel, the image id)."""
     from numba import types
     from numba.np.numpy_support import from_dtype
 
+    def nb(dtype, ndim):
+        return types.Array(from_dtype(np.dtype(dtype)), ndim, "C")
+
+    nbsig = [nb(n_dtype, 1), nb(t0_dtype, 1)]
+    for shape, dtype in sig:
+        nbsig.append(nb(dtype, len(shape)) if shape is not None else nb(dtype, 1))
+    nbsig += [types.float64[:, ::1], types.int64[:, ::1], types.uint32[::1], types.uint32[::1], types.int64[::1],
+              types.int64[::1]]
+    return compiled.load_for_ffi(tuple(nbsig), xla_ffi, disk_key=types_key)
+
+
+def _cuda_core(mk, sig, n_dtype, t0_dtype, scope, threads, blocks, seed, timeout, with_count, stage=True):
+    import jax
+    import jax.numpy as jnp
+
+    from ..compile import cubin_key, load_cubin
     from ..dispatch.config import cuda_config, plan_staging
     from ..dispatch.kernels import index_bits_for
     from ..warpsplit import WARP
@@ -641,23 +672,26 @@ def _cuda_core(mk, sig, n_dtype, t0_dtype, scope, threads, blocks, seed, timeout
         argv = [ArrayArg(spec.params[i].name, None, "device", tuple(sig[i][0]), np.dtype(sig[i][1]), None, 0)
                 if sig[i][0] is not None else None for i in range(n)]
         staged, stage_bytes = plan_staging(spec, argv, check_overlap=False)
-    compiled = mk.dispatcher.kernels.get("cuda", scope, by_ref=by_ref, staged=staged,
-                                         float_type=weak_float_type(sig[i][1] for i in arr_idx),
-                                         index_bits=index_bits_for([math.prod(sig[i][0]) for i in arr_idx], False,
-                                                                   staged))
-
-    def nb(dtype, ndim):
-        return types.Array(from_dtype(np.dtype(dtype)), ndim, "C")
-
-    nbsig = [nb(n_dtype, 1), nb(t0_dtype, 1)]
-    for shape, dtype in sig:
-        nbsig.append(nb(dtype, len(shape)) if shape is not None else nb(dtype, 1))
-    nbsig += [types.float64[:, ::1], types.int64[:, ::1], types.uint32[::1], types.uint32[::1], types.int64[::1],
-              types.int64[::1]]
-    kernel, image_id = compiled.load_for_ffi(tuple(nbsig), xla_ffi)
+    variant = dict(by_ref=by_ref, staged=staged, float_type=weak_float_type(sig[i][1] for i in arr_idx),
+                   index_bits=index_bits_for([math.prod(sig[i][0]) for i in arr_idx], False, staged))
+    # the kernel's parameters without Numba: the step count, the start, each parameter (an
+    # array, or a number as a 1-element array), then the scratch, seed, info and control
+    # buffers, always of the same types
+    types_key = ("ffi-v1", np.dtype(n_dtype).str, np.dtype(t0_dtype).str,
+                 tuple((np.dtype(dtype).str, len(shape) if shape is not None else 1) for shape, dtype in sig))
+    device, cc, sms = xla_ffi.current_device()
+    source = mk.dispatcher.kernels.source("cuda", scope, **variant)
+    cached = load_cubin(cubin_key(source.text, types_key, cc))
+    if cached is not None:
+        # compiled by an earlier process: registered with the shim as it is, without Numba
+        image_id = xla_ffi.register_image(cached.image, cached.entry)
+        kernel = _ShimKernel(device, image_id, cached.max_threads_per_block, stage_bytes)
+    else:
+        kernel, image_id = _compile_for_ffi(mk.dispatcher.kernels.get("cuda", scope, **variant), n_dtype, t0_dtype,
+                                            sig, types_key, xla_ffi)
     if mk.dispatcher.warp_split:
         work *= WARP            # a warp per iteration of its few-iteration loop (see warpsplit.py)
-    plan = cuda_config(kernel, scope, work, threads, blocks, simulator=False, shared=stage_bytes)
+    plan = cuda_config(kernel, scope, work, threads, blocks, simulator=False, shared=stage_bytes, sms=sms)
     xla_ffi.register_cuda_target()
 
     # The custom call is the only operation XLA runs for the call: every input is a parameter

@@ -25,6 +25,9 @@ _SRC = Path(__file__).with_name("ffi_shim.c")
 _CDEF = """
 int lk_register_image(const void* image, size_t len, const char* entry, int64_t* id, char* err, size_t errlen);
 int lk_load_function(int device, int64_t id, char* err, size_t errlen);
+int lk_current_device(int* device, int* major, int* minor, int* sms, char* err, size_t errlen);
+int lk_function_limits(int device, int64_t id, int64_t threads, int64_t shared, int* max_threads, int64_t* blocks,
+                       char* err, size_t errlen);
 void* lk_launch_address(void);
 """
 _lock = threading.Lock()
@@ -115,3 +118,37 @@ def load_function(device: int, image_id: int) -> None:
     err = ffi.new("char[512]")
     if lib.lk_load_function(device, image_id, err, 512) != 0:
         raise BackendError(ffi.string(err).decode(errors="replace"))
+
+
+def current_device() -> tuple:
+    """(ordinal, compute capability, SM count) of the calling thread's current CUDA device (that
+    of its current context; device 0 without one, as for Numba), through the driver: no Numba.
+
+    Raises:
+        BackendError: libcuda is missing or the driver refused.
+    """
+    mod = build_shim()
+    ffi, lib = mod.ffi, mod.lib
+    out = ffi.new("int[4]")
+    err = ffi.new("char[512]")
+    if lib.lk_current_device(out, out + 1, out + 2, out + 3, err, 512) != 0:
+        raise BackendError(ffi.string(err).decode(errors="replace"))
+    return int(out[0]), (int(out[1]), int(out[2])), int(out[3])
+
+
+def function_limits(device: int, image_id: int, threads: int = 0, shared: int = 0) -> tuple:
+    """(most threads per block, blocks of ``threads`` threads with ``shared`` bytes of dynamic
+    shared memory that fit on the device at once; 0 when ``threads`` is 0) of a registered
+    image's function in device ``device``'s primary context, loading it there if needed.
+
+    Raises:
+        BackendError: libcuda is missing, or the driver could not load or query the function.
+    """
+    mod = build_shim()
+    ffi, lib = mod.ffi, mod.lib
+    most = ffi.new("int*")
+    blocks = ffi.new("int64_t*")
+    err = ffi.new("char[512]")
+    if lib.lk_function_limits(device, image_id, threads, shared, most, blocks, err, 512) != 0:
+        raise BackendError(ffi.string(err).decode(errors="replace"))
+    return int(most[0]), int(blocks[0])

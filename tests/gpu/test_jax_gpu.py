@@ -143,12 +143,15 @@ def test_timeout_and_seed_inside_jit(rng):
     np.testing.assert_allclose(np.asarray(b), ref_z.astype(np.float32), rtol=1e-6, atol=1e-7)
 
 
-def test_repeated_traces_reuse_one_cached_call(rng, monkeypatch):
+def test_repeated_traces_reuse_one_cached_call(rng, monkeypatch, tmp_path):
     """A signature is built once (kernel load, occupancy query, custom call): new jitted
     functions with the same shapes and eager calls reuse it, and every result is right."""
     from loopkern import compile as lk_compile
     from loopkern.dispatch import config as lk_config
     from loopkern.interop import jax_bridge
+
+    # an empty disk cache: the cubin is Numba's (load_for_ffi), not one an earlier test stored
+    monkeypatch.setenv("LOOPKERN_CACHE_DIR", str(tmp_path))
 
     entries = jax_bridge.call_cache(HEAT)
     entries.clear()
@@ -451,3 +454,40 @@ def test_staged_jacobi_with_a_reduction_stops_where_the_reference_does(rng):
     ref, _ = W.jacobi_ref(u0, tol, int(steps))
     np.testing.assert_allclose(np.asarray(u), ref, rtol=1e-4, atol=1e-5)
     assert _staged_entries(k)
+
+
+_CHILD = """
+import sys, json
+import numpy as np, jax, jax.numpy as jnp
+sys.path.insert(0, {tests!r})
+import loopkern as lk, workloads as W
+k = lk.megakernel(W.heat_step, swap=[("u", "v")])
+u0 = np.random.default_rng(3).random({n}).astype(np.float32)
+u, v = jax.jit(lambda a, b: k.jax(a, b, np.float32(0.25), steps=77))(jnp.asarray(u0), jnp.asarray(u0))
+ref = W.heat_ref(u0, 77, 0.25)
+err = float(np.linalg.norm(np.asarray(u, np.float64) - ref) / np.linalg.norm(ref))
+print(json.dumps(dict(err=err, numba="numba" in sys.modules)))
+"""
+
+
+@pytest.mark.parametrize("n", [4096, 1 << 16])
+def test_a_new_process_launches_a_cached_cubin_without_numba(n, tmp_path):
+    """The first process compiles with Numba and stores the cubin; a second one with the same
+    cache directory registers it with the FFI shim without importing Numba at all (block scope
+    with staged arrays at 4K, a cooperative grid at 64K), with the same result."""
+    import json
+    import os
+    import subprocess
+    import sys
+    tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, LOOPKERN_CACHE_DIR=str(tmp_path), NUMBA_CACHE_DIR=str(tmp_path / "numba"))
+    env.pop("NUMBA_ENABLE_CUDASIM", None)
+    runs = []
+    for _ in range(2):
+        p = subprocess.run([sys.executable, "-c", _CHILD.format(tests=tests, n=n)], env=env, capture_output=True,
+                           text=True, timeout=300)
+        assert p.returncode == 0, p.stderr[-3000:]
+        runs.append(json.loads(p.stdout.strip().splitlines()[-1]))
+    assert runs[0]["numba"] and not runs[1]["numba"], runs
+    assert runs[0]["err"] < 1e-5 and runs[1]["err"] == runs[0]["err"], runs
+    assert list(tmp_path.rglob("*.cubin")), "no cubin was stored"
