@@ -372,6 +372,61 @@ def test_closure_over_arrays_and_traced_values(rng):
     same(f(x0, jnp.float32(0.9)), g(x0, jnp.float32(0.9)), exact=False, rtol=1e-6)
 
 
+# ------------------------------------------------------------------------------ cond and switch
+def test_cond_on_a_reduction_and_switch_on_the_counter(rng):
+    """lax.cond and lax.switch in a body become selects between their inlined branches."""
+    x0 = f32(rng, 50)
+
+    def halve_or_drift(i, x):
+        return lax.cond(jnp.max(x) > 0.5, lambda y: y * 0.9, lambda y: y + 0.01 * i, x)
+    same(lk.fori_loop(0, 30, halve_or_drift, x0, fallback="error"), lax.fori_loop(0, 30, halve_or_drift, x0))
+
+    def three_ways(i, x):
+        return lax.switch(i % 3, [lambda y: y * 0.5, lambda y: y + 1.0, lambda y: jnp.sin(y)], x)
+    same(lk.fori_loop(0, 7, three_ways, x0, fallback="error"), lax.fori_loop(0, 7, three_ways, x0),
+         exact=False)
+    step = _source_of(lambda: lk.fori_loop(0, 7, three_ways, x0 + 0.0, fallback="error"))
+    assert "cond" not in step and "sin(" in step
+
+    # an index past the last branch is clamped, as lax.switch does
+    def clamped(i, x):
+        return lax.switch(i - 2, [lambda y: y - 1.0, lambda y: y * 2.0], x)
+    same(lk.fori_loop(0, 6, clamped, x0, fallback="error"), lax.fori_loop(0, 6, clamped, x0))
+
+
+def test_cond_with_pytree_operands_in_while_loop_and_scan(rng):
+    a0, b0 = f32(rng, 8, 8), jnp.float32(0.0)
+
+    def body(c):
+        x, total, k = c
+        x, total = lax.cond(k % 2 == 0, lambda p: (p[0] * 0.5, p[1] + jnp.sum(p[0])),
+                            lambda p: (p[0] + 0.25, p[1] - 1.0), (x, total))
+        return x, total, k + 1
+    init = (a0, b0, jnp.int32(0))
+    same(lk.while_loop(lambda c: c[2] < 9, body, init, fallback="error"),
+         lax.while_loop(lambda c: c[2] < 9, body, init), exact=False)
+
+    def scan_body(c, x):
+        y = lax.cond(x > 0.5, lambda v: v * x, lambda v: v - x, c)
+        return y, y * 2.0
+    xs = f32(rng, 12)
+    same(lk.scan(scan_body, jnp.float32(1.0), xs, fallback="error"), lax.scan(scan_body, jnp.float32(1.0), xs))
+
+
+def test_an_unsupported_primitive_inside_a_branch_falls_back_naming_it(rng):
+    x0 = f32(rng, 20)
+
+    def body(i, x):
+        return lax.cond(i > 2, jnp.sort, lambda y: y * 0.5, x)
+    with pytest.raises(lk.StepSyntaxError, match="sort"):
+        lk.fori_loop(0, 4, body, x0, fallback="error")
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        got = lk.fori_loop(0, 4, body, x0)
+    assert any("'sort'" in str(m.message) for m in w if issubclass(m.category, lk.JaxLoopWarning))
+    same(got, lax.fori_loop(0, 4, body, x0))
+
+
 # ------------------------------------------------------------------------------ fallback
 def sorting_body(i, x):
     return jnp.sort(x) * 0.5 + x[::-1] * 0.5

@@ -1,6 +1,7 @@
 """Trace a JAX loop body to a flat program: every ``jit``/``pjit``, ``custom_jvp_call`` and
-``custom_vjp_call`` inlined, every value a :class:`Var` (shape, dtype, weak type, defining
-equation, use count) or a :class:`Lit` (a scalar constant).
+``custom_vjp_call`` inlined, each ``cond`` (``lax.cond``/``lax.switch``) turned into its
+inlined branches and a ``select_n`` per result, every value a :class:`Var` (shape, dtype,
+weak type, defining equation, use count) or a :class:`Lit` (a scalar constant).
 
 Only JAX is imported here (at call time); nothing is compiled.
 """
@@ -144,6 +145,28 @@ def flatten(closed) -> Program:
                 run(inner, senv, where)
                 for v, o in zip(e.outvars, inner.outvars):
                     env[v] = atom(senv, o)
+                continue
+            if name == "cond":
+                # lax.cond / lax.switch: every branch inlined, each result a select_n on the
+                # branch index. The branches are pure functions of the operands, so computing
+                # the one not taken changes nothing but the work done (a branch's own
+                # unsupported primitive still falls back, naming itself)
+                which = atom(env, e.invars[0])
+                taken = []
+                for br in e.params["branches"]:
+                    inner = br.jaxpr
+                    benv = {v: _const(v, c) for v, c in zip(inner.constvars, br.consts)}
+                    for v, a in zip(inner.invars, e.invars[1:]):
+                        benv[v] = atom(env, a)
+                    run(inner, benv, where)
+                    taken.append([atom(benv, o) for o in inner.outvars])
+                for k, o in enumerate(e.outvars):
+                    nv = new_var(o.aval)
+                    if type(o).__name__ != "DropVar":
+                        env[o] = nv
+                    eq = Eqn("select_n", {}, [which] + [outs_of[k] for outs_of in taken], [nv], where)
+                    nv.eqn = eq
+                    eqns.append(eq)
                 continue
             ins = [atom(env, a) for a in e.invars]
             outs = []
