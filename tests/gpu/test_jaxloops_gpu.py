@@ -88,3 +88,20 @@ def test_quadratic_map_scan_on_the_gpu():
         assert float(last) == float(ys[-1]) and np.all((np.asarray(ys) >= 0) & (np.asarray(ys) <= 1))
     finally:
         jax.config.update("jax_enable_x64", False)
+
+
+@pytest.mark.parametrize("n", [1000, 1 << 17])
+def test_cond_on_a_reduction_on_the_gpu(n, rng):
+    """lax.cond whose predicate is a grid reduction (the max of the field), at block scope and on
+    a cooperative grid, against a float64 NumPy loop."""
+    from jax import lax
+    u0 = rng.random(n).astype(np.float32)
+
+    def body(i, x):
+        return lax.cond(jnp.max(x) > 0.6, lambda y: y * np.float32(0.9), lambda y: y + np.float32(0.01), x)
+    got = np.asarray(jax.jit(lambda x: lk.fori_loop(0, 60, body, x, fallback="error"))(jnp.asarray(u0)))
+    # the same float32 operations (each correctly rounded), so the branch taken is the same
+    ref = u0.copy()
+    for _ in range(60):
+        ref = ref * np.float32(0.9) if ref.max() > np.float32(0.6) else ref + np.float32(0.01)
+    np.testing.assert_array_equal(got, ref)
