@@ -100,6 +100,11 @@ PRIMITIVE_BODIES = [
     ("reduction_then_use", lambda i, x: x / jnp.sqrt(jnp.sum(x * x)) * 6.0, False),
     ("matvec", lambda i, x: (jnp.eye(40, dtype=jnp.float32) * 0.5 + 0.01) @ x, False),
     ("dot_scalar", lambda i, x: x * 0.5 + 0.02 * jnp.dot(x, x) / 40.0, False),
+    ("cumsum_normalised", lambda i, x: x * 0.5 + jnp.cumsum(x) / jnp.sum(x), False),
+    ("cumsum_2d_axis0_reverse", lambda i, x: x * 0.5 + lax.cumsum(x.reshape(8, 5), axis=0, reverse=True).reshape(40)
+     / 16.0, False),
+    ("cummax_cummin_cumprod", lambda i, x: (lax.cummax(x) + lax.cummin(x.reshape(8, 5), axis=1, reverse=True).reshape(40))
+     * 0.5 + 0.1 * jnp.cumprod(x * 0.1 + 0.95) - 0.05, False),
 ]
 
 
@@ -126,6 +131,7 @@ INT_BODIES = [
     ("int_lax_div_rem", lambda i, c: lax.div(c, 4) + lax.rem(c, 7) * 3 + 11, True),
     ("int_bitwise", lambda i, c: (c ^ (c << 1 if False else c * 2)) & 0xFFFF | 3, True),
     ("int_max_where", lambda i, c: jnp.where(c > 0, c - 1000, -c + 17), True),
+    ("int_cumsum_cummax", lambda i, c: (jnp.cumsum(c % 1000) + lax.cummax(c, reverse=True)) % 100003 - i, True),
 ]
 
 

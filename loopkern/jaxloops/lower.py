@@ -1487,6 +1487,50 @@ for _r in REDUCTIONS:
     RULES[_r] = _partial_reduce
 
 
+@rule("cumsum", "cumprod", "cummax", "cummin")
+def _cumulative(L, e, out, idx, ctx, B):
+    """``jnp.cumsum`` and friends along one axis: a sequential loop per element over the
+    elements up to its own (from it to the end with ``reverse``). Integers agree with JAX
+    bit for bit; floats to rounding, since JAX's own order of operations is a parallel scan."""
+    x = e.ins[0]
+    axis, rev = e.params["axis"], e.params.get("reverse", False)
+    dt = out.dtype
+    op = e.prim[len("cum"):]
+    if dt.kind not in "iuf":
+        L.unsupported(e, f"dtype {dt}")
+    n = x.shape[axis]
+    here = idx[axis]
+    if op == "sum":
+        init = zero(dt)
+    elif op == "prod":
+        init = literal(1, dt)
+    elif dt.kind == "f":
+        init = literal(-np.inf if op == "max" else np.inf, dt)
+    else:
+        init = literal(np.iinfo(dt).min if op == "max" else np.iinfo(dt).max, dt)
+    acc, r = L.fresh("q"), L.fresh("r")
+    sub = list(idx)
+    sub[axis] = Ix(r, 0, here.lo if rev else 0, n - 1 if rev else here.hi)
+    inner = Block(B.stage, B.indent, loop=B.loop)
+    val = L.E(x, tuple(sub), None, inner)
+    if op in ("sum", "prod"):
+        upd = f"{acc} = {_arith('+' if op == 'sum' else '*', acc, val, dt)}"
+    elif dt.kind == "f":
+        upd = f"{acc} = jl_f{op}({acc}, {val})"
+    else:
+        upd = f"{acc} = {cast(f'{op}({acc}, {val})', dt)}"
+    lines = [f"{acc} = {init}"]
+    pad = ""
+    if ctx is not None:
+        lines.append(f"if {ctx}:")
+        pad = "    "
+    span = f"range({here.expr}, {n})" if rev else f"range(({here.expr}) + 1)"
+    lines.append(pad + f"for {r} in {span}:")
+    lines += [pad + "    " + ln for ln in inner.lines + [upd]]
+    B.lines += lines
+    return acc
+
+
 @rule("dot_general")
 def _dot(L, e, out, idx, ctx, B):
     """A dot (matvec, matmul) to an array: a sequential sum over the contracted axes per element."""
