@@ -433,6 +433,36 @@ def test_an_unsupported_primitive_inside_a_branch_falls_back_naming_it(rng):
     same(got, lax.fori_loop(0, 4, body, x0))
 
 
+# ------------------------------------------------------------------------------ argmax, argmin
+def test_argmax_and_argmin_whole_and_along_an_axis(rng):
+    x0 = f32(rng, 40)
+
+    def halve_the_largest(i, x):
+        k = jnp.argmax(x)
+        return x.at[k].set(x[k] * 0.5) + 0.001 * jnp.argmin(x).astype(jnp.float32)
+    same(lk.fori_loop(0, 25, halve_the_largest, x0, fallback="error"), lax.fori_loop(0, 25, halve_the_largest, x0))
+
+    def rows(i, x):
+        m = x.reshape(8, 5)
+        return (m * 0.9 + 0.02 * jnp.argmax(m, axis=1, keepdims=True) - 0.01 * jnp.argmin(m, axis=0)).reshape(40)
+    same(lk.fori_loop(0, 6, rows, x0, fallback="error"), lax.fori_loop(0, 6, rows, x0), exact=False)
+
+
+def test_argmax_ties_nans_and_integers_as_jax(rng):
+    # ties: the first index; a NaN: the first NaN's index (argmax and argmin alike)
+    tied = jnp.asarray(np.array([1.0, 3.0, 0.5, 3.0, 0.5], np.float32))
+    nans = jnp.asarray(np.array([1.0, np.nan, 9.0, np.nan, -2.0], np.float32))
+    ints = jnp.asarray(rng.integers(-3, 3, 17).astype(np.int32))
+    for x0 in (tied, nans, ints):
+        def body(c):
+            x, a, b, k = c
+            return x, jnp.argmax(x).astype(jnp.int32), jnp.argmin(x).astype(jnp.int32), k + 1
+        init = (x0, jnp.int32(-1), jnp.int32(-1), jnp.int32(0))
+        got = lk.while_loop(lambda c: c[3] < 2, body, init, fallback="error")
+        same(got, lax.while_loop(lambda c: c[3] < 2, body, init))
+    assert int(got[1]) == int(np.argmax(np.asarray(ints)))
+
+
 # ------------------------------------------------------------------------------ fallback
 def sorting_body(i, x):
     return jnp.sort(x) * 0.5 + x[::-1] * 0.5
@@ -454,8 +484,8 @@ def test_fallback_error_raises_a_step_syntax_error(rng):
     with pytest.raises(lk.StepSyntaxError, match="sort") as info:
         lk.fori_loop(0, 4, sorting_body, x0, fallback="error")
     assert "test_jaxloops.py" in str(info.value)
-    with pytest.raises(lk.StepSyntaxError, match="argmax"):
-        lk.while_loop(lambda c: c[1] < 3, lambda c: (c[0] * jnp.argmax(c[0]), c[1] + 1), (x0, 0), fallback="error")
+    with pytest.raises(lk.StepSyntaxError, match="cumlogsumexp"):
+        lk.while_loop(lambda c: c[1] < 3, lambda c: (lax.cumlogsumexp(c[0]), c[1] + 1), (x0, 0), fallback="error")
     with pytest.raises(lk.StepSyntaxError, match="while"):       # a nested loop
         lk.scan(lambda c, _: (lax.fori_loop(0, c.astype(jnp.int32) % 3, lambda i, y: y + 1.0, c), c),
                 jnp.float32(1.0), None, length=3, fallback="error")

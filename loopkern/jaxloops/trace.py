@@ -1,6 +1,7 @@
 """Trace a JAX loop body to a flat program: every ``jit``/``pjit``, ``custom_jvp_call`` and
 ``custom_vjp_call`` inlined, each ``cond`` (``lax.cond``/``lax.switch``) turned into its
-inlined branches and a ``select_n`` per result, every value a :class:`Var` (shape, dtype,
+inlined branches and a ``select_n`` per result, each ``argmax``/``argmin`` into two
+reductions (:func:`_arg_reduction`), every value a :class:`Var` (shape, dtype,
 weak type, defining equation, use count) or a :class:`Lit` (a scalar constant).
 
 Only JAX is imported here (at call time); nothing is compiled.
@@ -106,6 +107,31 @@ def _where(eqn):
         return Where("<unknown>", 0, 0, "", "<unknown>")
 
 
+def _arg_reduction(name, x, axis, index_dtype, where, emit):
+    """``argmax``/``argmin`` of ``x`` along ``axis`` in primitives the lowering supports: the
+    extreme value ``m`` (a reduction), then the least index whose element equals ``m`` (a second
+    one), so ties give the first index, as in JAX; with a NaN present the extreme is NaN and
+    the first NaN's index is returned, as JAX does."""
+    shape = x.shape
+    kept = [d for d in range(len(shape)) if d != axis]
+    rest = tuple(shape[d] for d in kept)
+    extreme = emit("reduce_max" if name == "argmax" else "reduce_min", {"axes": (axis,), "out_sharding": None}, [x],
+                   rest, x.dtype, where)
+    spread = emit("broadcast_in_dim", {"shape": shape, "broadcast_dimensions": tuple(kept), "sharding": None},
+                  [extreme], shape, x.dtype, where)
+    hit = emit("eq", {}, [x, spread], shape, np.bool_, where)
+    if x.dtype.kind == "f":
+        x_nan = emit("ne", {}, [x, x], shape, np.bool_, where)
+        m_nan = emit("ne", {}, [spread, spread], shape, np.bool_, where)
+        both = emit("and", {}, [x_nan, m_nan], shape, np.bool_, where)
+        hit = emit("or", {}, [hit, both], shape, np.bool_, where)
+    index = emit("iota", {"dtype": index_dtype, "shape": shape, "dimension": axis, "sharding": None}, [], shape,
+                 index_dtype, where)
+    past = Lit(np.asarray(shape[axis], dtype=index_dtype))
+    chosen = emit("select_n", {}, [hit, past, index], shape, index_dtype, where)
+    return emit("reduce_min", {"axes": (axis,), "out_sharding": None}, [chosen], rest, index_dtype, where)
+
+
 def _is_literal(a) -> bool:
     return type(a).__name__ == "Literal"
 
@@ -146,6 +172,10 @@ def flatten(closed) -> Program:
                 for v, o in zip(e.outvars, inner.outvars):
                     env[v] = atom(senv, o)
                 continue
+            if name in ("argmax", "argmin") and len(e.params["axes"]) == 1:
+                env[e.outvars[0]] = _arg_reduction(name, atom(env, e.invars[0]), e.params["axes"][0],
+                                                   np.dtype(e.params["index_dtype"]), where, emit)
+                continue
             if name == "cond":
                 # lax.cond / lax.switch: every branch inlined, each result a select_n on the
                 # branch index. The branches are pure functions of the operands, so computing
@@ -183,6 +213,15 @@ def flatten(closed) -> Program:
     def _const(v, c):
         nv = new_var(v.aval)
         consts.append((nv, c))
+        return nv
+
+    def emit(prim, params, ins, shape, dtype, where):
+        """A new equation of one result (``shape``, ``dtype``): its Var."""
+        counter[0] += 1
+        nv = Var(tuple(shape), np.dtype(dtype), False, counter[0])
+        eq = Eqn(prim, params, list(ins), [nv], where)
+        nv.eqn = eq
+        eqns.append(eq)
         return nv
 
     env = {}
