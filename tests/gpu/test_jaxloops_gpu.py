@@ -105,3 +105,26 @@ def test_cond_on_a_reduction_on_the_gpu(n, rng):
     for _ in range(60):
         ref = ref * np.float32(0.9) if ref.max() > np.float32(0.6) else ref + np.float32(0.01)
     np.testing.assert_array_equal(got, ref)
+
+
+@pytest.mark.parametrize("n", [1000, 1 << 17])
+def test_argmax_and_cumsum_on_the_gpu(n, rng):
+    """argmax (two grid reductions) and cumsum (a prefix loop per element) in one body, against
+    the same float32 loop in NumPy."""
+    u0 = rng.random(n).astype(np.float32)
+
+    def body(i, x):
+        k = jnp.argmax(x)
+        return x.at[k].set(x[k] * np.float32(0.5))
+    got = np.asarray(jax.jit(lambda x: lk.fori_loop(0, 40, body, x, fallback="error"))(jnp.asarray(u0)))
+    ref = u0.copy()
+    for _ in range(40):
+        k = int(np.argmax(ref))
+        ref[k] = ref[k] * np.float32(0.5)
+    np.testing.assert_array_equal(got, ref)
+    c0 = rng.integers(0, 5, 513).astype(np.int32)
+    got = np.asarray(lk.fori_loop(0, 3, lambda i, c: jnp.cumsum(c) % 1009, jnp.asarray(c0), fallback="error"))
+    ref = c0.astype(np.int64)
+    for _ in range(3):
+        ref = np.cumsum(ref) % 1009
+    np.testing.assert_array_equal(got, ref.astype(np.int32))
