@@ -463,6 +463,33 @@ def test_argmax_ties_nans_and_integers_as_jax(rng):
     assert int(got[1]) == int(np.argmax(np.asarray(ints)))
 
 
+# ------------------------------------------------------------------------------ gathers
+def test_gathers_with_computed_indices(rng):
+    """x[idx], jnp.take and row/column gathers with indices computed in the body or closed
+    over, out-of-range ones clamped (and filled with mode="fill"), as jax.lax does."""
+    x0 = f32(rng, 40)
+    perm = jnp.asarray(rng.permutation(40).astype(np.int32))
+
+    def body(i, x):
+        j = (jnp.arange(40) * 7 + i) % 40
+        beyond = jnp.arange(40) * 3 - 20                      # negative and past the end
+        return (0.4 * x[j] + 0.3 * x[perm] + 0.2 * x[beyond]
+                + 0.1 * jnp.take(x, jnp.clip(j - 5, -3, 50), mode="fill", fill_value=0.0))
+    same(lk.fori_loop(0, 6, body, x0, fallback="error"), lax.fori_loop(0, 6, body, x0), exact=False)
+    m0 = f32(rng, 6, 5)
+    cols = jnp.asarray(np.array([4, 0, 3, 1, 2], np.int32))
+
+    def rows_and_columns(i, m):
+        return m[(jnp.arange(6) * 5 + i) % 6] * 0.5 + m[:, cols] * 0.5
+    same(lk.fori_loop(0, 4, rows_and_columns, m0, fallback="error"), lax.fori_loop(0, 4, rows_and_columns, m0),
+         exact=False)
+    c0 = jnp.asarray(rng.integers(0, 30, 30).astype(np.int32))
+
+    def lookup(i, c):                                          # an integer table looked up by itself
+        return (c[c] + c[(c * 7) % 30] + i) % 30
+    same(lk.fori_loop(0, 5, lookup, c0, fallback="error"), lax.fori_loop(0, 5, lookup, c0))
+
+
 # ------------------------------------------------------------------------------ fallback
 def sorting_body(i, x):
     return jnp.sort(x) * 0.5 + x[::-1] * 0.5

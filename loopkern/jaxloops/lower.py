@@ -1273,6 +1273,43 @@ def _dslice(L, e, out, idx, ctx, B):
     return L.E(x, tuple(sub), ctx, B)
 
 
+@rule("gather")
+def _gather(L, e, out, idx, ctx, B):
+    """``x[i]`` with an array of computed indices ``i`` along one dimension (``jnp.take``,
+    ``x[idx]``, ``x[:, idx]``): per element of the result, one read at the index the indices
+    array holds there. XLA clamps an index to the dimension (the ``promise_in_bounds`` and
+    ``clip`` modes; JAX has already made negative ones count from the end); ``fill`` gives JAX's
+    fill value out of bounds. Any other form of gather is left to jax.lax."""
+    x, ind = e.ins
+    dn = e.params["dimension_numbers"]
+    mode = str(e.params.get("mode", "")).rsplit(".", 1)[-1].lower()
+    if (getattr(dn, "operand_batching_dims", ()) or len(dn.start_index_map) != 1
+            or tuple(dn.collapsed_slice_dims) != tuple(dn.start_index_map) or not ind.shape or ind.shape[-1] != 1
+            or mode not in ("promise_in_bounds", "clip", "fill_or_drop")):
+        L.unsupported(e, "only x[indices] along one dimension")
+    k = dn.start_index_map[0]
+    sizes = e.params["slice_sizes"]
+    kept = [d for d in range(len(x.shape)) if d != k]
+    if sizes[k] != 1 or any(sizes[d] != x.shape[d] for d in kept) or len(dn.offset_dims) != len(kept):
+        L.unsupported(e, "only whole slices along the other dimensions")
+    offset = sorted(dn.offset_dims)
+    batch = [d for d in range(len(out.shape)) if d not in offset]
+    raw = f"int({L.E(ind, tuple(idx[d] for d in batch) + (const_ix(0),), ctx, B)})"
+    n = x.shape[k]
+    sub = []
+    for d in range(len(x.shape)):
+        sub.append(opaque(f"min(max({raw}, 0), {n - 1})", 0, n - 1) if d == k else idx[offset[kept.index(d)]])
+    val = L.E(x, tuple(sub), ctx, B)
+    if mode != "fill_or_drop":
+        return val
+    fill = e.params.get("fill_value")
+    dt = out.dtype
+    if fill is None:
+        fill = (np.nan if dt.kind == "f" else True if dt == BOOL else np.iinfo(dt).min if dt.kind == "i"
+                else np.iinfo(dt).max)
+    return f"({val} if 0 <= {raw} < {n} else {literal(fill, dt)})"
+
+
 @rule("dynamic_update_slice")
 def _dus(L, e, out, idx, ctx, B):
     x, upd = e.ins[0], e.ins[1]

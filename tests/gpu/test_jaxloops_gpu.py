@@ -128,3 +128,21 @@ def test_argmax_and_cumsum_on_the_gpu(n, rng):
     for _ in range(3):
         ref = np.cumsum(ref) % 1009
     np.testing.assert_array_equal(got, ref.astype(np.int32))
+
+
+def test_gather_with_computed_indices_on_the_gpu(rng):
+    """x[idx] with indices computed per element, clamped past the ends, against NumPy."""
+    n = 1 << 16
+    u0 = rng.random(n).astype(np.float32)
+
+    def body(i, x):
+        j = (jnp.arange(n) * 7 + i) % n
+        return np.float32(0.5) * x[j] + np.float32(0.5) * x[jnp.arange(n) * 2 - 100]
+    got = np.asarray(jax.jit(lambda x: lk.fori_loop(0, 5, body, x, fallback="error"))(jnp.asarray(u0)))
+    ref = u0.copy()
+    for i in range(5):
+        j = (np.arange(n) * 7 + i) % n
+        beyond = np.arange(n) * 2 - 100
+        beyond = np.clip(np.where(beyond < 0, beyond + n, beyond), 0, n - 1)
+        ref = np.float32(0.5) * ref[j] + np.float32(0.5) * ref[beyond]
+    np.testing.assert_array_equal(got, ref)
