@@ -1469,55 +1469,57 @@ def _scatter(L, e, out, idx, ctx, B):
 REDUCTIONS = ("reduce_sum", "reduce_max", "reduce_min", "reduce_or", "reduce_and")
 
 
-def _partial_reduce(L, e, out, idx, ctx, B):
-    """A reduction over some axes: a sequential loop per element."""
-    x = e.ins[0]
-    axes = sorted(e.params["axes"])
-    op = e.prim[len("reduce_"):]
-    if not out.shape or B.loop is None and out.shape:
-        pass
-    dt = out.dtype
-    acc = L.fresh("q")
-    if op == "sum":
-        init = zero(dt)
-    elif op in ("max", "min"):
-        init = literal(-np.inf if op == "max" else np.inf, dt) if dt.kind == "f" else (
-            literal(np.iinfo(dt).min if op == "max" else np.iinfo(dt).max, dt) if dt.kind in "iu" else
-            ("False" if op == "max" else "True"))
-    elif op == "or":
-        init = "False"
-    else:
-        init = "True"
-    loopvars = [L.fresh("r") for _ in axes]
-    sub, k = [], 0
-    for d in range(len(x.shape)):
-        if d in axes:
-            nm = loopvars[axes.index(d)]
-            sub.append(Ix(nm, 0, 0, x.shape[d] - 1))
-        else:
-            sub.append(idx[k])
-            k += 1
+def _start_and_update(op, dt):
+    """A running ``op``'s start value and its update (``acc = ...``, from the name ``acc`` and
+    the next value's text), over values of ``dt``."""
+    if op in ("sum", "prod"):
+        return (zero(dt) if op == "sum" else literal(1, dt),
+                lambda acc, v: f"{acc} = {_arith('+' if op == 'sum' else '*', acc, v, dt)}")
+    if op in ("max", "min"):
+        if dt.kind == "f":
+            return literal(-np.inf if op == "max" else np.inf, dt), lambda acc, v: f"{acc} = jl_f{op}({acc}, {v})"
+        start = (literal(np.iinfo(dt).min if op == "max" else np.iinfo(dt).max, dt) if dt.kind in "iu"
+                 else "False" if op == "max" else "True")
+        return start, lambda acc, v: f"{acc} = {cast(f'{op}({acc}, {v})', dt)}"
+    if op == "or":
+        return "False", lambda acc, v: f"{acc} = {acc} or {v}"
+    return "True", lambda acc, v: f"{acc} = {acc} and {v}"
+
+
+def _running_loop(L, acc, x, sub, ctx, B, op, dt, headers):
+    """Emit ``acc = start``, then (only where ``ctx`` holds) the nested loops ``headers``
+    (``"for r in range(...):"``, outermost first) whose body reads ``x`` at ``sub`` and updates
+    ``acc`` with ``op``; returns ``acc``."""
+    start, update = _start_and_update(op, dt)
     inner = Block(B.stage, B.indent, loop=B.loop)
     val = L.E(x, tuple(sub), None, inner)
-    if op == "sum":
-        upd = f"{acc} = {_arith('+', acc, val, dt)}"
-    elif op in ("max", "min"):
-        upd = f"{acc} = jl_f{op}({acc}, {val})" if dt.kind == "f" else f"{acc} = {cast(f'{op}({acc}, {val})', dt)}"
-    elif op == "or":
-        upd = f"{acc} = {acc} or {val}"
-    else:
-        upd = f"{acc} = {acc} and {val}"
-    lines = [f"{acc} = {init}"]
-    body = inner.lines + [upd]
+    lines = [f"{acc} = {start}"]
     pad = ""
     if ctx is not None:
         lines.append(f"if {ctx}:")
         pad = "    "
-    for n, d in enumerate(axes):
-        lines.append(pad + "    " * n + f"for {loopvars[n]} in range({x.shape[d]}):")
-    lines += [pad + "    " * len(axes) + ln for ln in body]
+    for n, header in enumerate(headers):
+        lines.append(pad + "    " * n + header)
+    lines += [pad + "    " * len(headers) + ln for ln in inner.lines + [update(acc, val)]]
     B.lines += lines
     return acc
+
+
+def _partial_reduce(L, e, out, idx, ctx, B):
+    """A reduction over some axes: a sequential loop per element."""
+    x = e.ins[0]
+    axes = sorted(e.params["axes"])
+    acc = L.fresh("q")
+    loopvars = [L.fresh("r") for _ in axes]
+    sub, k = [], 0
+    for d in range(len(x.shape)):
+        if d in axes:
+            sub.append(Ix(loopvars[axes.index(d)], 0, 0, x.shape[d] - 1))
+        else:
+            sub.append(idx[k])
+            k += 1
+    headers = [f"for {loopvars[n]} in range({x.shape[d]}):" for n, d in enumerate(axes)]
+    return _running_loop(L, acc, x, sub, ctx, B, e.prim[len("reduce_"):], out.dtype, headers)
 
 
 for _r in REDUCTIONS:
@@ -1532,40 +1534,15 @@ def _cumulative(L, e, out, idx, ctx, B):
     x = e.ins[0]
     axis, rev = e.params["axis"], e.params.get("reverse", False)
     dt = out.dtype
-    op = e.prim[len("cum"):]
     if dt.kind not in "iuf":
         L.unsupported(e, f"dtype {dt}")
     n = x.shape[axis]
     here = idx[axis]
-    if op == "sum":
-        init = zero(dt)
-    elif op == "prod":
-        init = literal(1, dt)
-    elif dt.kind == "f":
-        init = literal(-np.inf if op == "max" else np.inf, dt)
-    else:
-        init = literal(np.iinfo(dt).min if op == "max" else np.iinfo(dt).max, dt)
     acc, r = L.fresh("q"), L.fresh("r")
     sub = list(idx)
     sub[axis] = Ix(r, 0, here.lo if rev else 0, n - 1 if rev else here.hi)
-    inner = Block(B.stage, B.indent, loop=B.loop)
-    val = L.E(x, tuple(sub), None, inner)
-    if op in ("sum", "prod"):
-        upd = f"{acc} = {_arith('+' if op == 'sum' else '*', acc, val, dt)}"
-    elif dt.kind == "f":
-        upd = f"{acc} = jl_f{op}({acc}, {val})"
-    else:
-        upd = f"{acc} = {cast(f'{op}({acc}, {val})', dt)}"
-    lines = [f"{acc} = {init}"]
-    pad = ""
-    if ctx is not None:
-        lines.append(f"if {ctx}:")
-        pad = "    "
     span = f"range({here.expr}, {n})" if rev else f"range(({here.expr}) + 1)"
-    lines.append(pad + f"for {r} in {span}:")
-    lines += [pad + "    " + ln for ln in inner.lines + [upd]]
-    B.lines += lines
-    return acc
+    return _running_loop(L, acc, x, sub, ctx, B, e.prim[len("cum"):], dt, [f"for {r} in {span}:"])
 
 
 @rule("dot_general")
