@@ -336,19 +336,27 @@ static int lk_coresident(lk_loaded* l, int64_t threads, int64_t shared, int64_t*
   return 0;
 }
 
-/* Load image ``id`` into the device's primary context (the one JAX uses), as the handler
-   would on its first call there: a load error surfaces when the call is built, in Python,
-   and the handler finds the function already loaded. */
-int lk_load_function(int device, int64_t id, char* err, size_t errlen) {
+/* Device ``device``'s primary context (the one JAX uses), retained, and ``where``, the
+   device's name for error messages. */
+static int lk_primary_context(int device, CUcontext* ctx, char* where, size_t wherelen, char* err,
+                              size_t errlen) {
   if (lk_resolve(err, errlen)) return -1;
   CUresult r;
   CUdevice dev;
-  CUcontext ctx;
   if ((r = p_cuInit(0))) { lk_cuda_error("cuInit", r, err, errlen); return -1; }
   if ((r = p_cuDeviceGet(&dev, device))) { lk_cuda_error("cuDeviceGet", r, err, errlen); return -1; }
-  if ((r = p_cuDevicePrimaryCtxRetain(&ctx, dev))) { lk_cuda_error("cuDevicePrimaryCtxRetain", r, err, errlen); return -1; }
+  if ((r = p_cuDevicePrimaryCtxRetain(ctx, dev))) { lk_cuda_error("cuDevicePrimaryCtxRetain", r, err, errlen); return -1; }
+  snprintf(where, wherelen, "device %d", device);
+  return 0;
+}
+
+/* Load image ``id`` into the device's primary context, as the handler would on its first
+   call there: a load error surfaces when the call is built, in Python, and the handler finds
+   the function already loaded. */
+int lk_load_function(int device, int64_t id, char* err, size_t errlen) {
+  CUcontext ctx;
   char where[32];
-  snprintf(where, sizeof where, "device %d", device);
+  if (lk_primary_context(device, &ctx, where, sizeof where, err, errlen)) return -1;
   pthread_mutex_lock(&lk_mutex);
   lk_loaded* l = lk_function(id, ctx, where, err, errlen);
   pthread_mutex_unlock(&lk_mutex);
@@ -387,15 +395,10 @@ int lk_current_device(int* device, int* major, int* minor, int* sms, char* err, 
 int lk_function_limits(int device, int64_t id, int64_t threads, int64_t shared, int* max_threads, int64_t* blocks,
                        char* err, size_t errlen) {
   *blocks = 0;
-  if (lk_resolve(err, errlen)) return -1;
-  CUresult r;
-  CUdevice dev;
   CUcontext ctx;
-  if ((r = p_cuInit(0))) { lk_cuda_error("cuInit", r, err, errlen); return -1; }
-  if ((r = p_cuDeviceGet(&dev, device))) { lk_cuda_error("cuDeviceGet", r, err, errlen); return -1; }
-  if ((r = p_cuDevicePrimaryCtxRetain(&ctx, dev))) { lk_cuda_error("cuDevicePrimaryCtxRetain", r, err, errlen); return -1; }
   char where[32];
-  snprintf(where, sizeof where, "device %d", device);
+  if (lk_primary_context(device, &ctx, where, sizeof where, err, errlen)) return -1;
+  CUresult r;
   int rc = -1;
   pthread_mutex_lock(&lk_mutex);
   lk_loaded* l = lk_function(id, ctx, where, err, errlen);
