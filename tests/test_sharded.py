@@ -12,6 +12,8 @@ import loopkern as lk
 from loopkern import sharding
 from loopkern.errors import ArgumentError, StepSyntaxError
 
+import workloads as W
+
 jax = pytest.importorskip("jax")
 jnp = jax.numpy
 P = jax.sharding.PartitionSpec
@@ -67,15 +69,7 @@ def wide(t, u, v, k):
         v[i] = u[i] + k[i] * (u[i - 2] + u[i + 2] - 2.0 * u[i]) * 0.1
 
 
-@lk.megakernel(swap=[("u", "v")])
-def jacobi(t, u, v, tol):
-    n, m = u.shape[0], u.shape[1]
-    err = 0.0
-    for i, j in lk.grid((1, n - 1), (1, m - 1)):
-        new = 0.25 * (u[i - 1, j] + u[i + 1, j] + u[i, j - 1] + u[i, j + 1])
-        v[i, j] = new
-        err = max(err, abs(new - u[i, j]))
-    return lk.max(err) > tol
+jacobi = lk.megakernel(W.jacobi_step, swap=[("u", "v")])
 
 
 def jacobi_ref(u0, tol, max_steps, every):
