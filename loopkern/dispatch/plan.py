@@ -184,7 +184,6 @@ class CallWords:
 
     def __init__(self, narrays: int, scalar_dtypes):
         self.dtypes = [np.dtype(d) for d in scalar_dtypes]
-        self.narrays = narrays
         self.nwords = 3 + narrays + len(self.dtypes)
         self._pack = struct.Struct("<qq" + "Q" * narrays + "".join(
             _STRUCT_CODES[d.str[1:]] + "x" * (8 - d.itemsize) for d in self.dtypes) + "Q").pack_into
