@@ -900,7 +900,7 @@ def render_kernel(spec: StepSpec, backend: str, scope: str = "grid", *, cache: b
         thread_count = "cuda.gridsize(1)" if scope == "grid" else "cuda.blockDim.x"
         # a step that ends by returning a reduction's verdict already passed a barrier after
         # its last array access: the one inside the reduction
-        barrier = "" if ends_in_reduction(spec.step) else f"{_P}rt.{scope}_sync({_P}bar)"
+        barrier = "" if ends_in_reduction(spec.step, swap_partners(spec)) else f"{_P}rt.{scope}_sync({_P}bar)"
         if tile is not None:
             # never elided: the halo exchange needs it between the publish and the gather
             barrier = tile_barrier
@@ -939,28 +939,96 @@ def render_kernel(spec: StepSpec, backend: str, scope: str = "grid", *, cache: b
     return KernelSource(text, backend, scope, spec.name, line_map, debug, tuple(sites.sites) if sites else ())
 
 
-def ends_in_reduction(fs: FunctionSpec) -> bool:
-    """The step's only ``return`` is its last statement, and every thread evaluates a reduction
-    in it on every step, after the step's last array access.
+def swap_partners(spec) -> dict:
+    """Each swapped array parameter's name -> its partner's name."""
+    out = {}
+    for i, j in spec.swap:
+        a, b = spec.params[i].name, spec.params[j].name
+        out[a], out[b] = b, a
+    return out
+
+
+def ends_in_reduction(fs: FunctionSpec, partners: dict | None = None) -> bool:
+    """Every thread evaluates a reduction on every step after the step's last access of
+    memory that another thread of the run reads or writes.
 
     Then the barrier inside that reduction orders every array access of the step before every
     access of the next, as the barrier between steps would, and that one is left out (Jacobi
     to tolerance: one grid barrier per step instead of two). The stop decision's slots and
     the reductions' own two-slot protocol only need one barrier per step.
 
-    The proof must hold on every path: the value reads no array and calls no helper (nothing
-    after the reduction touches memory another thread writes), and a reduction is reached
-    unconditionally (:func:`always_reduces`): ``return t < 5 or lk.max(err) > tol`` skips the
-    reduction on steps 0-4, so it keeps the step barrier.
+    The proof must hold on every path. The step's only ``return`` is its last statement and
+    reads no array and calls no helper; a reduction is reached unconditionally
+    (:func:`always_reduces`): ``return t < 5 or lk.max(err) > tol`` skips the reduction on steps
+    0-4, so it keeps the step barrier. Either the returned value reduces, or a top-level
+    assignment of a reduction comes before it and everything between the two is
+    (:func:`_register_tail`) assignments of locals and stores of them into *write-only* arrays
+    (the form ``lk.while_loop`` lowers a carried reduction to): ``r = lk.max(e)``, then
+    ``for q in lk.range(1): err_next[0] = r``, then ``return r > tol``. A write-only array, and
+    its swap partner, appears nowhere else in the step, so no thread ever reads it during the
+    run; its element is stored by the same iteration, so the same thread, every step (constant
+    bounds and indices), so stores of different steps are in that thread's program order; the
+    exchange after an odd step count has its own barrier (render_kernel).
     """
     body = list(fs.body)
     returns = [n for st in body for n in ast.walk(st) if isinstance(n, ast.Return)]
     if len(returns) != 1 or not body or body[-1] is not returns[0] or returns[0].value is None:
         return False
     value = returns[0].value
-    if any(is_helper_call(n) or isinstance(n, ast.Subscript) for n in ast.walk(value)):
+    if _touches_memory(value):
         return False
-    return always_reduces(value)
+    if always_reduces(value):
+        return True
+    for k in range(len(body) - 2, -1, -1):
+        st = body[k]
+        if (isinstance(st, ast.Assign) and len(st.targets) == 1 and isinstance(st.targets[0], ast.Name)
+                and not _touches_memory(st.value) and always_reduces(st.value)):
+            return _register_tail(body[:k + 1], body[k + 1:-1], partners or {})
+    return False
+
+
+def _touches_memory(e) -> bool:
+    """``e`` reads an array element or calls a helper (which may)."""
+    return any(is_helper_call(n) or isinstance(n, ast.Subscript) for n in ast.walk(e))
+
+
+def _register_tail(before: list, tail: list, partners: dict) -> bool:
+    """``tail`` (the statements after a step's last reduction, before its return) touches no
+    memory another thread reads or writes (see :func:`ends_in_reduction`): assignments of
+    locals from locals, and ``lk.range`` loops with constant bounds whose bodies only store
+    such values into write-only arrays at constant indices or the loop index."""
+    stored = set()
+    for st in tail:
+        if isinstance(st, ast.Assign) and len(st.targets) == 1 and isinstance(st.targets[0], ast.Name):
+            if _touches_memory(st.value):
+                return False
+            continue
+        if not (isinstance(st, ast.For) and marker_of(st.iter) == "range" and isinstance(st.target, ast.Name)
+                and not st.orelse and all(isinstance(a, ast.Constant) and type(a.value) is int
+                                          for a in st.iter.args)):
+            return False
+        var = st.target.id
+        for store in st.body:
+            if not (isinstance(store, ast.Assign) and len(store.targets) == 1
+                    and isinstance(store.targets[0], ast.Subscript)
+                    and isinstance(store.targets[0].value, ast.Name)):
+                return False
+            target = store.targets[0]
+            index = target.slice.elts if isinstance(target.slice, ast.Tuple) else [target.slice]
+            if not all(isinstance(i, ast.Constant) and type(i.value) is int
+                       or isinstance(i, ast.Name) and i.id == var for i in index):
+                return False
+            if _touches_memory(store.value):
+                return False
+            stored.add(target.value.id)
+    # write-only: the stored arrays and their partners appear nowhere but as those targets
+    names = stored | {partners[a] for a in stored if a in partners}
+    targets = {id(st.targets[0].value) for loop in tail if isinstance(loop, ast.For) for st in loop.body}
+    for st in before + tail:
+        for n in ast.walk(st):
+            if isinstance(n, ast.Name) and n.id in names and id(n) not in targets:
+                return False
+    return True
 
 
 def always_reduces(e: ast.expr) -> bool:

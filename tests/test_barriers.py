@@ -53,6 +53,42 @@ def test_short_circuited_reductions_match_numpy(fn, verdict, elided, backend, sc
     assert ref_steps > 5
 
 
+TAIL_CASES = [(W.reduce_then_store, True), (W.reduce_then_store_read, False), (W.reduce_then_store_state, False),
+              (W.reduce_then_store_moving, False)]
+
+
+@pytest.mark.parametrize("fn,elided", TAIL_CASES, ids=[c[0].__name__ for c in TAIL_CASES])
+def test_a_reduction_followed_by_write_only_stores_replaces_the_barrier(fn, elided):
+    """lk.while_loop's form of a carried reduction (codegen.ends_in_reduction): elided only when
+    every store after the reduction goes, from a fixed thread, to an array that no thread reads."""
+    k = lk.megakernel(fn, swap=[("u", "v"), ("e", "en")])
+    for scope in ("grid", "block"):
+        loop = k.source("cuda", scope).split("while _lk_t < _lk_nsteps:")[1].split("if _lk_t % 2 == 1:")[0]
+        assert (f"_lk_rt.{scope}_sync(_lk_bar)" not in loop) == elided, scope
+
+
+@pytest.mark.parametrize("backend,scope", BACKENDS)
+def test_a_reduction_followed_by_write_only_stores_matches_numpy(backend, scope, rng):
+    n = 60 if backend == "cuda" else 400
+    tol = 1e-3
+    k = lk.megakernel(W.reduce_then_store, swap=[("u", "v"), ("e", "en")])
+    u0 = rng.random(n)
+    for steps in (1, 6, 40):
+        u, v, e, en = u0.copy(), u0.copy(), np.full(1, -1.0), np.full(1, -1.0)
+        run = k(u, v, e, en, tol, max_steps=steps, backend=backend, scope=scope)
+        want_u, want_prev, want_steps = W.smooth_ref(u0, tol, steps, lambda t, err: err > tol)
+        assert run.steps == want_steps
+        np.testing.assert_allclose(u, want_u, rtol=1e-13, atol=1e-13)
+        # e holds the last step's reduction (the newest of its pair), en the one before
+        last = np.abs(want_u[1:-1] - want_prev[1:-1]).max()
+        np.testing.assert_allclose(e[0], last, rtol=1e-12)
+        if want_steps > 1:
+            before = W.smooth_ref(u0, tol, want_steps - 1, lambda t, err: err > tol)
+            np.testing.assert_allclose(en[0], np.abs(before[0][1:-1] - before[1][1:-1]).max(), rtol=1e-12)
+        else:
+            assert en[0] == -1.0
+
+
 def _expr(text):
     """A normalized expression: lk.sum/max/min become their markers."""
     for name in ("sum", "max", "min"):

@@ -367,6 +367,67 @@ def reduce_every_step(t, u, v, tol):
     return lk.max(err) > tol or t < 5
 
 
+# The form lk.while_loop lowers a carried reduction to: the reduction assigned to a local, its
+# value stored by one iteration into a write-only swap pair, the verdict returned. Its barrier
+# replaces the one between steps (codegen.ends_in_reduction); each variant below breaks one
+# condition of that proof and keeps the barrier.
+def reduce_then_store(t, u, v, e, en, tol):
+    n = u.shape[0]
+    err = 0.0
+    for i in lk.range(1, n - 1):
+        new = 0.5 * u[i] + 0.25 * (u[i - 1] + u[i + 1])
+        v[i] = new
+        err = max(err, abs(new - u[i]))
+    r = lk.max(err)
+    go = r > tol
+    for q in lk.range(1):
+        en[0] = r
+    return go
+
+
+def reduce_then_store_read(t, u, v, e, en, tol):
+    # e, the partner of the stored array, is read: the next step would read this step's store
+    n = u.shape[0]
+    err = 0.0 * e[0]
+    for i in lk.range(1, n - 1):
+        new = 0.5 * u[i] + 0.25 * (u[i - 1] + u[i + 1])
+        v[i] = new
+        err = max(err, abs(new - u[i]))
+    r = lk.max(err)
+    for q in lk.range(1):
+        en[0] = r
+    return r > tol
+
+
+def reduce_then_store_state(t, u, v, e, en, tol):
+    # a store after the reduction into the state that other threads read next step
+    n = u.shape[0]
+    err = 0.0
+    for i in lk.range(1, n - 1):
+        new = 0.5 * u[i] + 0.25 * (u[i - 1] + u[i + 1])
+        v[i] = new
+        err = max(err, abs(new - u[i]))
+    r = lk.max(err)
+    for q in lk.range(1):
+        en[0] = r
+        v[0] = u[0]
+    return r > tol
+
+
+def reduce_then_store_moving(t, u, v, e, en, tol):
+    # the stored element's thread changes from step to step (a loop bound that is not constant)
+    n = u.shape[0]
+    err = 0.0
+    for i in lk.range(1, n - 1):
+        new = 0.5 * u[i] + 0.25 * (u[i - 1] + u[i + 1])
+        v[i] = new
+        err = max(err, abs(new - u[i]))
+    r = lk.max(err)
+    for q in lk.range(t % 2, 1):
+        en[0] = r
+    return r > tol
+
+
 def smooth_ref(u0, tol, max_steps, keep_going):
     """float64 NumPy: the same iteration; ``keep_going(t, err)`` is the step's verdict."""
     u = u0.astype(np.float64).copy()

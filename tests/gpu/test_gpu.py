@@ -103,6 +103,26 @@ def test_jacobi_one_barrier_per_step_is_race_free(rng):
         np.testing.assert_array_equal(u, ref)
 
 
+def test_reduction_then_write_only_store_one_barrier_per_step_is_race_free(rng):
+    # lk.while_loop's form: the reduction assigned, then stored by one thread into a write-only
+    # swap pair, the verdict returned; its barrier replaces the one between steps. 700 steps on
+    # every resident block and on a few, the state and both stored reductions against NumPy
+    k = lk.megakernel(W.reduce_then_store, swap=[("u", "v"), ("e", "en")])
+    loop = k.source("cuda").split("while _lk_t < _lk_nsteps:")[1].split("if _lk_t % 2 == 1:")[0]
+    assert "_lk_rt.grid_sync(_lk_bar)" not in loop
+    u0 = rng.random(1 << 18)
+    for steps in (700, 699):
+        want_u, want_prev, _ = W.smooth_ref(u0, 0.0, steps, lambda t, err: True)
+        before_u, before_prev, _ = W.smooth_ref(u0, 0.0, steps - 1, lambda t, err: True)
+        for blocks in (None, 7):
+            u, v, e, en = u0.copy(), u0.copy(), np.zeros(1), np.zeros(1)
+            run = k(u, v, e, en, -1.0, max_steps=steps, backend="cuda", scope="grid", blocks=blocks)
+            assert (run.steps, run.stopped) == (steps, "steps")
+            np.testing.assert_allclose(u, want_u, rtol=1e-13, atol=1e-13)
+            np.testing.assert_allclose(e[0], np.abs(want_u[1:-1] - want_prev[1:-1]).max(), rtol=1e-12)
+            np.testing.assert_allclose(en[0], np.abs(before_u[1:-1] - before_prev[1:-1]).max(), rtol=1e-12)
+
+
 @pytest.mark.parametrize("scope,blocks", LAUNCHES)
 def test_life_multiblock(scope, blocks, rng):
     n = 512 if scope == "grid" else 64
