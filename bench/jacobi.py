@@ -144,7 +144,7 @@ def bench_jacobi(b: Bench):
                         f"max |u - ref|={e:.1e}")
         case = Case("jacobi2d", n * n, max_steps, max_steps, check, dict(u0=u0), bytes_per_step=8 * n * n,
                     converged=lambda done: done < max_steps)
-        scopes = (["auto", "grid"] + (["block", "tile"] if n <= 256 else [])) if gpu else ["auto"]
+        scopes = (["auto", "grid"] + (["block", "tile", "cluster"] if n <= 256 else [])) if gpu else ["auto"]
         variants = loopkern_variants(gpu, jacobi_kernel, lambda c: dict(u=c.data["u0"], v=c.data["u0"]),
                                      lambda c: (tol,), ["u", "v"], scopes)
         if have("jax") and not args.no_jax:

@@ -1,5 +1,6 @@
-"""Time the bench's heat kernels over scopes, block and thread counts (tuning scope="tile"):
-``python bench/tile_probe.py [heat:N[,N...]] [heat2d:SIDE[,SIDE...]] [threads=T,T] [blocks=B,B]``.
+"""Time the bench's heat kernels over scopes, block and thread counts (tuning scope="tile" and
+scope="cluster"): ``python bench/tile_probe.py [heat:N[,N...]] [heat2d:SIDE[,SIDE...]]
+[threads=T,T] [blocks=B,B] [scope=tile,cluster]``.
 
 Each configuration runs once to compile, then five times; prints the median µs per step and
 whether the field equals the grid scope's bit for bit after the same steps.
@@ -19,6 +20,7 @@ from numba import cuda  # noqa: E402
 opts = dict(a.split(":", 1) if ":" in a else a.split("=", 1) for a in sys.argv[1:])
 threads_list = [int(x) for x in opts.get("threads", "256,512,1024").split(",")]
 blocks_list = [None if x == "auto" else int(x) for x in opts.get("blocks", "auto,132,264").split(",")]
+scopes = opts.get("scope", "tile").split(",")
 
 
 def timed(k, u0, alpha, steps, scope, blocks, threads):
@@ -36,16 +38,18 @@ def timed(k, u0, alpha, steps, scope, blocks, threads):
 def probe(name, k, u0, alpha, steps):
     base, ref, r = timed(k, u0, alpha, steps, "grid", None, None)
     print(f"{name} grid auto: {base:.3f} us/step (blocks={r.blocks} threads={r.threads})", flush=True)
-    for threads in threads_list:
-        for blocks in blocks_list:
-            try:
-                us, out, r = timed(k, u0, alpha, steps, "tile", blocks, threads)
-            except Exception as exc:                      # a configuration that does not fit
-                print(f"{name} tile blocks={blocks} threads={threads}: {type(exc).__name__}: {str(exc)[:150]}")
-                continue
-            same = "bitwise equal" if np.array_equal(out, ref) else "DIFFERS from grid"
-            print(f"{name} tile blocks={r.blocks} threads={threads}: {us:.3f} us/step ({us / base:.2f}x grid), "
-                  f"{same}", flush=True)
+    for scope in scopes:
+        for threads in threads_list:
+            for blocks in blocks_list:
+                try:
+                    us, out, r = timed(k, u0, alpha, steps, scope, blocks, threads)
+                except Exception as exc:                      # a configuration that does not fit
+                    print(f"{name} {scope} blocks={blocks} threads={threads}: {type(exc).__name__}: "
+                          f"{str(exc)[:150]}")
+                    continue
+                same = "bitwise equal" if np.array_equal(out, ref) else "DIFFERS from grid"
+                print(f"{name} {scope} blocks={r.blocks} threads={threads}: {us:.3f} us/step "
+                      f"({us / base:.2f}x grid), {same}", flush=True)
 
 
 rng = np.random.default_rng(0)

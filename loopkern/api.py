@@ -51,15 +51,15 @@ class MegaKernel:
     # -- inspection ------------------------------------------------------------------------
     def source(self, backend: str = "cuda", scope: str = "grid") -> str:
         """The generated kernel source for ``backend`` ("cuda" or "cpu") and ``scope`` ("grid",
-        "block", "thread", or "tile" for the CUDA backend: ArgumentError if the step is not a
-        stencil that tile mode can keep on chip)."""
+        "block", "thread", or "tile" / "cluster" for the CUDA backend: ArgumentError if the
+        step is not a stencil that tile mode can keep on chip)."""
         check_choice("backend", backend, ("cuda", "cpu"))
-        check_choice("scope", scope, ("grid", "block", "thread", "tile"))
-        if scope == "tile":
+        check_choice("scope", scope, ("grid", "block", "thread", "tile", "cluster"))
+        if scope in ("tile", "cluster"):
             if backend != "cuda":
-                raise ArgumentError("scope='tile' exists for the CUDA backend only")
+                raise ArgumentError(f"scope='{scope}' exists for the CUDA backend only")
             return codegen.render_kernel(self.spec, "cuda", "grid", fingerprint="",
-                                         tile=self.dispatcher.tile_stencil()).text
+                                         tile=self.dispatcher.tile_stencil(scope), cluster=scope == "cluster").text
         check_thread_scope(self.spec, scope)
         return codegen.render_kernel(self.spec, backend, scope, fingerprint="").text
 
@@ -144,7 +144,10 @@ class MegaKernel:
                 in shared memory for the whole run, for 1-D and 2-D stencils that do not wrap
                 around along the first dimension: ArgumentError says why a step does not
                 qualify, LaunchError when the tiles do not fit on the chip; "auto" picks it
-                for a 1-D stencil from ``AUTO_TILE_MIN_ELEMENTS`` elements when they fit).
+                for a 1-D stencil from ``AUTO_TILE_MIN_ELEMENTS`` elements when they fit;
+                "cluster" is tile mode in one thread-block cluster of up to 16 blocks, whose
+                barrier is the cluster's hardware barrier: compute capability 9.0+, for
+                fields whose tiles fit in 16 blocks' shared memory).
             threads: threads per block (CUDA only; a multiple of 32).
             blocks: blocks in the grid (CUDA grid scope; must all fit on the device at once).
             seed: the seed of ``lk.random`` draws (an integer from 0 to 2**64 - 1).

@@ -716,7 +716,7 @@ def _jit_options(backend: str, cache: bool) -> tuple[str, str]:
 def render_kernel(spec: StepSpec, backend: str, scope: str = "grid", *, cache: bool = True,
                   fingerprint: str = "", by_ref: frozenset | None = None, debug: bool = False,
                   staged: tuple = (), control: bool = True, float_type: str | None = None,
-                  index_bits: int | None = None, tile=None) -> KernelSource:
+                  index_bits: int | None = None, tile=None, cluster: bool = False) -> KernelSource:
     """Render the kernel module for ``spec``.
 
     Args:
@@ -756,6 +756,10 @@ def render_kernel(spec: StepSpec, backend: str, scope: str = "grid", *, cache: b
             (cells in 1-D) of ``row`` elements and ``halo`` both sides' widths along the first
             dimension, which the launch must provide; only edge rows go through global memory
             (see ``_tile_lines``). ``T`` must be at least the halo on either side.
+        cluster: (tile mode only) the grid is launched as one thread-block cluster (compute
+            capability 9.0+, ``scope="cluster"``): every barrier, the ones inside grid
+            reductions and ``lk.sync()`` included, is the cluster's hardware barrier
+            (``cuda_rt.cluster_sync``) instead of the grid barrier.
 
     Returns:
         The :class:`KernelSource`.
@@ -798,13 +802,17 @@ def render_kernel(spec: StepSpec, backend: str, scope: str = "grid", *, cache: b
         if not resident or not set(resident) <= set(tile.resident):
             raise ValueError("tile mode keeps the swap pairs' arrays on chip: the stencil must make them resident")
         ctx_params = ctx_params + [f"{_P}{n}" for n in _TILE_CTX]
+    if cluster and tile is None:
+        raise ValueError("cluster launches exist for tile mode only")
+    # the runtime's barrier and reductions: a cluster's own, else the scope's
+    sync = "cluster" if cluster else scope
     tile_names = frozenset(spec.params[i].name for i in resident) if tile is not None else None
     pieces: list[_Lines] = []
     for h in spec.helpers:
-        pieces.append(_render_function(h, spec.filename, backend, scope, False, helper_ctx, device_deco, sites,
+        pieces.append(_render_function(h, spec.filename, backend, sync, False, helper_ctx, device_deco, sites,
                                        float_type, index_bits))
     staged_names = frozenset(spec.params[i].name for i in staged) if backend == "cuda" else frozenset()
-    step_lines = _render_function(spec.step, spec.filename, backend, scope, True, ctx_params, "", sites, float_type,
+    step_lines = _render_function(spec.step, spec.filename, backend, sync, True, ctx_params, "", sites, float_type,
                                   index_bits, tile_names, staged_names)
 
     n = len(spec.params)
@@ -833,7 +841,7 @@ def render_kernel(spec: StepSpec, backend: str, scope: str = "grid", *, cache: b
     tile_barrier = ""
     if tile is not None:
         written = [i for i in resident if spec.params[i].written]
-        tile_pro, tile_barrier, tile_copy = _tile_lines(tile, kparams, resident, written)
+        tile_pro, tile_barrier, tile_copy = _tile_lines(tile, kparams, resident, written, sync)
         prologue += tile_pro
         # the global buffers the edge cells go through swap with the tiles
         swap_lines += [f"{_INDENT * 2}{_P}e{a}, {_P}e{b} = {_P}e{b}, {_P}e{a}" for a, b in spec.swap]
@@ -845,7 +853,7 @@ def render_kernel(spec: StepSpec, backend: str, scope: str = "grid", *, cache: b
     # whatever the step's own barrier was (it may have been elided, see ends_in_reduction).
     copy_lines = []
     swapped = {i for pair in spec.swap for i in pair}
-    fence = f"{_INDENT * 2}{_P}rt.{scope}_sync({_P}bar)" if backend == "cuda" and scope != "thread" else ""
+    fence = f"{_INDENT * 2}{_P}rt.{sync}_sync({_P}bar)" if backend == "cuda" and scope != "thread" else ""
     if staged:
         # shared-memory copies: each parameter's array is written from the copy its name
         # now refers to, so no exchange is needed
@@ -900,7 +908,7 @@ def render_kernel(spec: StepSpec, backend: str, scope: str = "grid", *, cache: b
         thread_count = "cuda.gridsize(1)" if scope == "grid" else "cuda.blockDim.x"
         # a step that ends by returning a reduction's verdict already passed a barrier after
         # its last array access: the one inside the reduction
-        barrier = "" if ends_in_reduction(spec.step, swap_partners(spec)) else f"{_P}rt.{scope}_sync({_P}bar)"
+        barrier = "" if ends_in_reduction(spec.step, swap_partners(spec)) else f"{_P}rt.{sync}_sync({_P}bar)"
         if tile is not None:
             # never elided: the halo exchange needs it between the publish and the gather
             barrier = tile_barrier
@@ -913,7 +921,7 @@ def render_kernel(spec: StepSpec, backend: str, scope: str = "grid", *, cache: b
     # The step's decorator line is in the template; drop the empty one rendered above.
     step_def, step_body = step_lines.lines[1], step_lines.lines[2:]
     mapping = dict(
-        name=spec.name, filename=spec.filename, lineno=str(spec.lineno), scope=scope,
+        name=spec.name, filename=spec.filename, lineno=str(spec.lineno), scope=sync,
         fingerprint=fingerprint, helpers="\n".join(helpers_text),
         device_options=(", " + dev_opts if dev_opts and backend == "cuda" else dev_opts),
         kernel_options=ker_opts,
@@ -1075,7 +1083,7 @@ def _tile_index(e):
     return ast.BinOp(left=e, op=ast.Sub(), right=base)
 
 
-def _tile_lines(tile, kparams, resident, written) -> tuple[list, str, list]:
+def _tile_lines(tile, kparams, resident, written, sync: str = "grid") -> tuple[list, str, list]:
     """(prologue lines, the step barrier's text, copy-back lines) of a tile-mode kernel.
 
     Each block keeps its tile of every resident array in shared memory for the whole run: one
@@ -1087,7 +1095,7 @@ def _tile_lines(tile, kparams, resident, written) -> tuple[list, str, list]:
     to (the rename rule of swap pairs). A 2-D tile holds whole rows, so the second dimension
     needs no exchange (and may wrap around: it is all on chip).
 
-    The barrier is the grid's. A barrier among neighbouring blocks only (per-block step counts
+    The barrier is ``sync``'s: the grid's, or a cluster's (a grid launched as one cluster). A barrier among neighbouring blocks only (per-block step counts
     with release/acquire, and a stop plan reaching every block within blocks + 1 steps)
     measured slower on the H200 (1M heat, 512 threads: 3.02 µs/step against 2.80;
     bench-results/session7) and was taken out (commit 5595242 has it).
@@ -1136,7 +1144,7 @@ def _tile_lines(tile, kparams, resident, written) -> tuple[list, str, list]:
             (f"{_P}tlo + {_P}r if {_P}r < {hr} else {_P}thi - {hl} + ({_P}r - {hr})",
              f"{_P}tlo <= {_P}c < {_P}thi"),
             [f"{at(f'{_P}e{i}', f'{_P}c')} = {at(f'{_P}w{i}', f'{_P}c - {_P}tb')}" for i in written])
-    bar.append(f"{_P}rt.grid_sync({_P}bar)")
+    bar.append(f"{_P}rt.{sync}_sync({_P}bar)")
     if hl + hr and written:
         bar += cells(
             0, f"range({hl + hr})",

@@ -121,21 +121,24 @@ from loopkern.stencil import find_stencil  # noqa: E402
 
 for name, fn, swap, args in (("heat", W.heat_step, [("u", "v")], [np.zeros(8, f32), np.zeros(8, f32), f32(0.25)]),
                              ("jacobi", W.jacobi_step, [("u", "v")], [np.zeros((4, 4)), np.zeros((4, 4)), 1e-3])):
-    k = lk.megakernel(fn, swap=swap)
-    sig = (types.int64, types.int64, *[typeof(a) for a in args[:2]], scalar_type(args[2]), *SCRATCH, types.uint64,
-           types.int64[::1], types.int64[::1])
-    rec = dict(kernel=name, scope="tile", by_ref=False, debug=False, staged=False, atomics=False, index_bits=None)
-    try:
-        src = codegen.render_kernel(k.spec, "cuda", "grid", cache=False, tile=find_stencil(k.spec))
-        ptx, _ = cuda.compile_ptx(compile_kernel(src).dispatcher.py_func, sig, cc=(9, 0))
-        rec.update(ok=True, own_barrier=ptx.count("atom.add.release.gpu"), cg=ptx.count("cudaCGSynchronize"),
-                   shuffles=ptx.count("shfl.sync"), globaltimer=ptx.count("%globaltimer"),
-                   volatile_host=ptx.count("st.volatile.u64"), sys_fence=ptx.count("membar.sys"), bounds_records=0,
-                   dynamic_shared=ptx.count(".extern .shared"), extern_funcs=ptx.count(".extern .func"), atom_add=0,
-                   atom_minmax=0, atom_cas=0, ld_global=0, st_global=0,
-                   # the tiles' element accesses in the shared state space (runtime/arrays.py)
-                   ld_shared=len(re.findall(r"\bld\.shared\.(?:[suf]\d+|b\d+)\b", ptx)),
-                   st_shared=len(re.findall(r"\bst\.shared\.(?:[suf]\d+|b\d+)\b", ptx)))
-    except Exception as exc:
-        rec.update(ok=False, error=f"{type(exc).__name__}: {exc}"[:2000])
-    print(json.dumps(rec), flush=True)
+    for cluster in (False, True):
+        k = lk.megakernel(fn, swap=swap)
+        sig = (types.int64, types.int64, *[typeof(a) for a in args[:2]], scalar_type(args[2]), *SCRATCH, types.uint64,
+               types.int64[::1], types.int64[::1])
+        rec = dict(kernel=name, scope="cluster" if cluster else "tile", by_ref=False, debug=False, staged=False,
+                   atomics=False, index_bits=None)
+        try:
+            src = codegen.render_kernel(k.spec, "cuda", "grid", cache=False, tile=find_stencil(k.spec), cluster=cluster)
+            ptx, _ = cuda.compile_ptx(compile_kernel(src).dispatcher.py_func, sig, cc=(9, 0))
+            rec.update(ok=True, own_barrier=ptx.count("atom.add.release.gpu"), cg=ptx.count("cudaCGSynchronize"),
+                       cluster_barrier=ptx.count("barrier.cluster.arrive"),
+                       shuffles=ptx.count("shfl.sync"), globaltimer=ptx.count("%globaltimer"),
+                       volatile_host=ptx.count("st.volatile.u64"), sys_fence=ptx.count("membar.sys"), bounds_records=0,
+                       dynamic_shared=ptx.count(".extern .shared"), extern_funcs=ptx.count(".extern .func"), atom_add=0,
+                       atom_minmax=0, atom_cas=0, ld_global=0, st_global=0,
+                       # the tiles' element accesses in the shared state space (runtime/arrays.py)
+                       ld_shared=len(re.findall(r"\bld\.shared\.(?:[suf]\d+|b\d+)\b", ptx)),
+                       st_shared=len(re.findall(r"\bst\.shared\.(?:[suf]\d+|b\d+)\b", ptx)))
+        except Exception as exc:
+            rec.update(ok=False, error=f"{type(exc).__name__}: {exc}"[:2000])
+        print(json.dumps(rec), flush=True)

@@ -26,6 +26,11 @@ def test_cuda_kernels_compile_to_ptx():
         assert r["extern_funcs"] == 0, r
         if r["scope"] in ("grid", "tile"):
             assert r["own_barrier"] >= 1, r       # every grid kernel synchronises with it
+        if r["scope"] == "cluster":
+            # a cluster launch synchronises with the cluster's hardware barrier only
+            assert r["own_barrier"] == 0 and r["cluster_barrier"] >= 1, r
+        else:
+            assert r.get("cluster_barrier", 0) == 0, r
         if r["scope"] == "thread":
             assert r["own_barrier"] == 0, r       # a sequential step pays no barrier
         # run control: the leader reads the GPU clock and publishes to host memory with a fence
@@ -37,9 +42,9 @@ def test_cuda_kernels_compile_to_ptx():
             assert r["bounds_records"] >= 1 or not r["debug"], r
         else:
             assert (r["bounds_records"] >= 1) == r["debug"], r   # only debug kernels check bounds
-        if r["staged"] or r["scope"] == "tile":
+        if r["staged"] or r["scope"] in ("tile", "cluster"):
             assert r["dynamic_shared"] >= 1, r         # the arrays live in dynamic shared memory
-        if r["scope"] == "tile" or r["staged"] and r["kernel"] in ("heat", "jacobi", "life"):
+        if r["scope"] in ("tile", "cluster") or r["staged"] and r["kernel"] in ("heat", "jacobi", "life"):
             # the step's accesses to shared memory: ld.shared/st.shared (Numba's own would be
             # generic ld/st)
             assert r["ld_shared"] >= 3 and r["st_shared"] >= 1, r
@@ -48,6 +53,7 @@ def test_cuda_kernels_compile_to_ptx():
     assert any(r["shuffles"] for r in recs if r["kernel"] in ("jacobi", "normalize"))
     assert all(r["shuffles"] >= 5 for r in recs if r["kernel"] == "warpsplit")     # 5 xor steps per sum
     assert [r["kernel"] for r in recs if r["scope"] == "tile"] == ["heat", "jacobi"]
+    assert [r["kernel"] for r in recs if r["scope"] == "cluster"] == ["heat", "jacobi"]
     # loopkern's own element accesses: the stencils' loads and stores in the global state space
     # (Numba's own lowering emits generic ld/st for them)
     own = [r for r in recs if r["index_bits"] and r["kernel"] in ("heat", "jacobi", "life")]

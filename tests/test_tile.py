@@ -145,21 +145,22 @@ def test_tile_mode_refuses_what_it_does_not_cover():
         codegen.render_kernel(h.spec, "cuda", "grid", tile=find_stencil(lk.megakernel(W.helper_step, swap=[("u", "v")]).spec))
 
 
-def test_scope_tile_through_a_call_continues_runs_exactly(rng):
+@pytest.mark.parametrize("scope", ["tile", "cluster"])
+def test_scope_tile_through_a_call_continues_runs_exactly(scope, rng):
     from numba import cuda
     k = lk.megakernel(W.heat_step, swap=[("u", "v")])
     u0 = rng.random(120)
     u, v = cuda.to_device(u0), cuda.to_device(u0)
     t = 0
     for steps in (3, 4, 1):
-        run = k(u, v, 0.25, steps=steps, start=t, backend="cuda", scope="tile")
-        assert (run.scope, run.blocks, run.steps) == ("tile", 1, steps)
+        run = k(u, v, 0.25, steps=steps, start=t, backend="cuda", scope=scope)
+        assert (run.scope, run.blocks, run.steps) == (scope, 1, steps)
         t = run.next_start
     np.testing.assert_allclose(u.copy_to_host(), refs.heat_exact(u0, 8, 0.25), rtol=1e-12, atol=1e-14)
     np.testing.assert_allclose(v.copy_to_host(), refs.heat_exact(u0, 7, 0.25), rtol=1e-12, atol=1e-14)
     # NumPy arrays go through device copies, as in every scope
     a, b = u0.copy(), u0.copy()
-    k(a, b, 0.25, steps=5, backend="cuda", scope="tile")
+    k(a, b, 0.25, steps=5, backend="cuda", scope=scope)
     np.testing.assert_allclose(a, refs.heat_exact(u0, 5, 0.25), rtol=1e-12, atol=1e-14)
 
 
@@ -184,14 +185,15 @@ def test_scope_tile_says_why_it_cannot_run(rng):
         no_swap(x, y, 0.1, steps=1, backend="cuda", scope="tile")
 
 
-def test_jacobi_to_tolerance_in_tile_mode(rng):
+@pytest.mark.parametrize("scope", ["tile", "cluster"])
+def test_jacobi_to_tolerance_in_tile_mode(scope, rng):
     # a reduction in the step and a condition as its last statement; the tile's grid barrier
     # is kept, so the stop comes at the same step as a NumPy loop
     from numba import cuda
     k = lk.megakernel(W.jacobi_step, swap=[("u", "v")])
     u0 = rng.random((9, 10))
     u, v = cuda.to_device(u0), cuda.to_device(u0)
-    run = k(u, v, 1e-3, max_steps=500, backend="cuda", scope="tile")
+    run = k(u, v, 1e-3, max_steps=500, backend="cuda", scope=scope)
     ref = u0.copy()
     steps = 0
     while steps < 500:
@@ -225,3 +227,56 @@ def test_scope_auto_tries_tile_mode_only_for_large_one_dimensional_stencils_on_a
     assert not heat._auto_tile(big, plain, sim=True)                       # the simulator runs one block
     assert not lk.megakernel(heat2d, swap=[("u", "v")]).dispatcher._auto_tile(big, plain, sim=False)
     assert not lk.megakernel(W.logistic_step).dispatcher._auto_tile(big, plain, sim=False)   # not a stencil
+
+
+def test_a_cluster_kernel_uses_the_cluster_barrier_everywhere():
+    # every barrier of a cluster launch, the ones inside reductions and lk.sync() included,
+    # must be the cluster's: a grid barrier there would count blocks of another launch's
+    # protocol, and a cluster barrier in a grid launch would not span the grid
+    def two_phase(t, u, v, w, c):
+        n = u.shape[0]
+        for i in lk.range(1, n - 1):
+            w[i] = u[i] + c * (u[i - 1] - 2.0 * u[i] + u[i + 1])
+        lk.sync()
+        for i in lk.range(1, n - 1):
+            v[i] = w[i]
+        for i in lk.range(0, n, n - 1):
+            v[i] = u[i]
+        return lk.max(w[0]) > -1.0
+
+    for fn, syncs in ((W.jacobi_step, 1), (two_phase, 2)):
+        k = lk.megakernel(fn, swap=[("u", "v")])
+        st = find_stencil(k.spec)
+        assert hasattr(st, "halo"), st
+        src = codegen.render_kernel(k.spec, "cuda", "grid", tile=st, cluster=True).text
+        # the tile's halo exchange, and lk.sync()
+        assert src.count("_lk_rt.cluster_sync(") == syncs and "_lk_rt.cluster_finish(" in src
+        assert "grid_sync" not in src and "_lk_rt.grid_" not in src
+        assert "_lk_rt.cluster_max(" in src
+        plain = codegen.render_kernel(k.spec, "cuda", "grid", tile=st).text
+        assert "cluster_" not in plain
+    h = lk.megakernel(W.heat_step, swap=[("u", "v")])
+    with pytest.raises(ValueError, match="cluster launches exist for tile mode only"):
+        codegen.render_kernel(h.spec, "cuda", "grid", cluster=True)
+    assert "_lk_rt.cluster_sync(" in h.source("cuda", "cluster")
+
+
+def test_scope_cluster_says_why_it_cannot_run(rng):
+    from numba import cuda
+    from loopkern.errors import ArgumentError, LaunchError
+    x = cuda.to_device(rng.random(64))
+    y = cuda.to_device(rng.random(64))
+    life = lk.megakernel(W.life_step, swap=[("a", "b")])
+    g = cuda.to_device(np.zeros((8, 8), np.int64))
+    with pytest.raises(ArgumentError, match="scope='cluster': step 'life_step' is a 2-D stencil that wraps around"):
+        life(g, cuda.to_device(np.zeros((8, 8), np.int64)), cuda.to_device(np.zeros(4, np.int64)), steps=1,
+             backend="cuda", scope="cluster")
+    heat = lk.megakernel(W.heat_step, swap=[("u", "v")])
+    with pytest.raises(ArgumentError, match="scope='cluster' has no bounds-checked kernel"):
+        heat(x, y, 0.1, steps=1, backend="cuda", scope="cluster", debug=True)
+    with pytest.raises(LaunchError, match="simulator can run only one cooperative block"):
+        heat(x, y, 0.1, steps=1, backend="cuda", scope="cluster", blocks=2)
+    with pytest.raises(ArgumentError, match="scope='cluster' keeps the swap pairs' arrays on chip"):
+        lk.megakernel(W.heat_step)(x, y, 0.1, steps=1, backend="cuda", scope="cluster")
+    with pytest.raises(ArgumentError, match="scope='cluster' exists for the CUDA backend only"):
+        heat.source("cpu", "cluster")

@@ -12,7 +12,7 @@ from ..errors import ArgumentError
 from ..spec import ARRAY, SCALAR
 
 BACKENDS = ("auto", "cuda", "cpu")
-SCOPES = ("auto", "grid", "block", "thread", "tile")
+SCOPES = ("auto", "grid", "block", "thread", "tile", "cluster")
 
 
 def check_array_use(p, shape, filename):

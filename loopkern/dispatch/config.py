@@ -89,7 +89,8 @@ class LaunchConfig:
     """The grid a run is launched with.
 
     Attributes:
-        scope: ``"grid"``, ``"block"``, ``"tile"`` (a grid keeping tiles on chip) or ``"cpu"``.
+        scope: ``"grid"``, ``"block"``, ``"tile"`` (a grid keeping tiles on chip), ``"cluster"``
+            (tiles on chip in one thread-block cluster) or ``"cpu"``.
         blocks: blocks in the grid (1 for block scope).
         threads: threads per block.
     """
@@ -255,17 +256,21 @@ TILE_BLOCKS_PER_SM = (1, 2, 4, 8)
 
 
 def tile_config(kernel, n: int, cell_bytes: int, halo: tuple, threads: int | None, blocks: int | None,
-                simulator: bool) -> LaunchConfig:
-    """Blocks, threads and dynamic shared memory of a tile-mode launch (``scope="tile"``).
+                simulator: bool, cluster: bool = False) -> LaunchConfig:
+    """Blocks, threads and dynamic shared memory of a tile-mode launch (``scope="tile"``, or
+    ``scope="cluster"`` with ``cluster``: the grid is one thread-block cluster).
 
     Each block keeps ``T = ceil(n / blocks)`` cells plus the halo (``halo`` = cells below,
     above) of every resident array in shared memory: ``cell_bytes`` bytes per cell (the
     resident arrays' itemsizes summed). A tile must be at least as long as the halo on either
-    side (a block's halo then comes from its two neighbours only).
+    side (a block's halo then comes from its two neighbours only). A grid takes the fewest
+    blocks per SM that fit; a cluster the most blocks (up to 16) that the device schedules
+    together, since more blocks share the work and its barrier costs about the same.
 
     Raises:
         LaunchError: no block count fits (or the one asked for does not).
     """
+    name = "cluster" if cluster else "tile"
     lo, hi = halo
     wide = max(lo, hi, 1)
     if threads is None:
@@ -279,17 +284,31 @@ def tile_config(kernel, n: int, cell_bytes: int, halo: tuple, threads: int | Non
         if blocks not in (None, 1):
             raise LaunchError(f"blocks={blocks}: Numba's CUDA simulator can run only one cooperative block; "
                               f"pass blocks=1 (or leave it out)")
-        return LaunchConfig("tile", 1, threads, shared_for(1))
+        return LaunchConfig(name, 1, threads, shared_for(1))
     from numba import cuda
 
     from . import driver
     dev = cuda.get_current_device()
+    func = driver.kernel_handle(kernel)
+    if cluster:
+        if tuple(dev.compute_capability) < (9, 0):
+            raise LaunchError(f"scope='cluster' needs thread-block clusters (compute capability 9.0 or newer); "
+                              f"this GPU has {dev.compute_capability[0]}.{dev.compute_capability[1]}: "
+                              f"use scope='tile' or 'grid'")
+        if blocks is not None and not 1 <= blocks <= driver.CLUSTER_MAX:
+            raise LaunchError(f"blocks={blocks}: scope='cluster' runs one cluster of 1 to {driver.CLUSTER_MAX} "
+                              f"blocks")
+        driver.allow_large_clusters(func, int(dev.id))
     max_shared = int(getattr(dev, "MAX_SHARED_MEMORY_PER_BLOCK_OPTIN", 48 * 1024)) - int(
         getattr(kernel, "shared_mem_per_block", 0))
     # above 48 KiB a kernel must opt in, before the occupancy query and the launch
-    driver.allow_dynamic_shared(driver.kernel_handle(kernel), max_shared, int(dev.id))
-    sms = _sm_count()
-    candidates = [blocks] if blocks is not None else [sms * k for k in TILE_BLOCKS_PER_SM]
+    driver.allow_dynamic_shared(func, max_shared, int(dev.id))
+    if blocks is not None:
+        candidates = [blocks]
+    elif cluster:
+        candidates = [16, 8, 4, 2, 1]
+    else:
+        candidates = [_sm_count() * k for k in TILE_BLOCKS_PER_SM]
     why = []
     for b in candidates:
         if b < 1:
@@ -301,10 +320,16 @@ def tile_config(kernel, n: int, cell_bytes: int, halo: tuple, threads: int | Non
         if shared > max_shared:
             why.append(f"{b} blocks need {shared} bytes of shared memory per block (at most {max_shared})")
             continue
-        limit = int(kernel.max_cooperative_grid_blocks(threads, shared))
-        if b > limit:
-            why.append(f"{b} blocks of {threads} threads with {shared} bytes each: at most {limit} fit at once")
-            continue
-        return LaunchConfig("tile", b, threads, shared)
-    raise LaunchError("scope='tile' cannot keep this field on chip: " + "; ".join(why)
-                      + "; use scope='grid'")
+        if cluster:
+            if driver.max_active_clusters(func, b, threads, shared) < 1:
+                why.append(f"a cluster of {b} blocks of {threads} threads with {shared} bytes each cannot be "
+                           f"scheduled on this device")
+                continue
+        else:
+            limit = int(kernel.max_cooperative_grid_blocks(threads, shared))
+            if b > limit:
+                why.append(f"{b} blocks of {threads} threads with {shared} bytes each: at most {limit} fit at once")
+                continue
+        return LaunchConfig(name, b, threads, shared)
+    raise LaunchError(f"scope='{name}' cannot keep this field on chip: " + "; ".join(why)
+                      + ("; use scope='tile' or 'grid'" if cluster else "; use scope='grid'"))

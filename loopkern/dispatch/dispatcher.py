@@ -228,8 +228,8 @@ class Dispatcher:
         work = max([a.size for a in argv if isinstance(a, ArrayArg)] or [1])
         checks.check_thread_scope(spec, o.scope)
         scope = resolve_scope(o.scope, work, spec.parallel, spec.light_elements)
-        if scope == "tile":
-            return self._make_tile_plan(argv, run_values, float_type, o, sim)
+        if scope in ("tile", "cluster"):
+            return self._make_tile_plan(argv, run_values, float_type, o, sim, cluster=scope == "cluster")
         if o.scope == "auto" and scope == "grid" and self._auto_tile(work, o, sim):
             try:
                 return self._make_tile_plan(argv, run_values, float_type, o, sim)
@@ -248,29 +248,31 @@ class Dispatcher:
         return make_plan(spec, "cuda", argv, compiled, kernel, config, debug=o.debug, staged=staged,
                          simulator=sim), run_values
 
-    def _make_tile_plan(self, argv, run_values, float_type, o: Options, sim: bool):
-        """The plan of a ``scope="tile"`` call: the step must be a one-dimensional stencil whose
-        swap pairs' arrays (kept on chip) share one length and dtype (ArgumentError otherwise)."""
+    def _make_tile_plan(self, argv, run_values, float_type, o: Options, sim: bool, cluster: bool = False):
+        """The plan of a ``scope="tile"`` (or ``"cluster"``) call: the step must be a 1-D or 2-D
+        stencil whose swap pairs' arrays (kept on chip) share one shape and dtype
+        (ArgumentError otherwise)."""
         spec = self.spec
+        name = "cluster" if cluster else "tile"
         if o.debug:
-            raise ArgumentError("scope='tile' has no bounds-checked kernel yet: run debug=True with scope='grid'")
-        st = self.tile_stencil()
+            raise ArgumentError(f"scope='{name}' has no bounds-checked kernel yet: run debug=True with scope='grid'")
+        st = self.tile_stencil(name)
         resident = sorted(i for pair in spec.swap for i in pair)
         arrays = [argv[i] for i in resident]
         first = arrays[0]
         for a in arrays:
             if len(a.shape) != st.ndim or a.shape != first.shape or a.dtype != first.dtype:
-                raise ArgumentError(f"scope='tile': the arrays kept on chip must all be {st.ndim}-D of one shape and "
+                raise ArgumentError(f"scope='{name}': the arrays kept on chip must all be {st.ndim}-D of one shape and "
                                     f"dtype; '{first.name}' is {first.dtype}{list(first.shape)} and '{a.name}' is "
                                     f"{a.dtype}{list(a.shape)}")
-        compiled = self.kernels.get("cuda", "grid", control=o.control, float_type=float_type, tile=st)
+        compiled = self.kernels.get("cuda", "grid", control=o.control, float_type=float_type, tile=st, cluster=cluster)
         types = _cuda_param_types(compiled, argv)
         check_types(spec, compiled, types, run_values)
         kernel = compiled.specialize_types(_cuda_kernel_types(types, False))
         # tiles are ranges of the first dimension: a "cell" is one element (1-D) or one row (2-D)
         row = math.prod(first.shape[1:])
         config = tile_config(kernel, first.shape[0], row * sum(a.dtype.itemsize for a in arrays), st.halo[0],
-                             o.threads, o.blocks, sim)
+                             o.threads, o.blocks, sim, cluster=cluster)
         return make_plan(spec, "cuda", argv, compiled, kernel, config, debug=False, staged=(),
                          simulator=sim), run_values
 
@@ -292,8 +294,9 @@ class Dispatcher:
             return False
         return st.ndim == 1
 
-    def tile_stencil(self):
-        """The step's stencil for ``scope="tile"`` (ArgumentError when tile mode cannot run it)."""
+    def tile_stencil(self, scope: str = "tile"):
+        """The step's stencil for ``scope="tile"`` or ``"cluster"`` (ArgumentError, naming
+        ``scope``, when tile mode cannot run it)."""
         from ..stencil import Stencil, find_stencil
         spec = self.spec
         st = self.__dict__.get("_stencil")
@@ -301,15 +304,15 @@ class Dispatcher:
             st = self._stencil = find_stencil(spec)
         where = f"{spec.filename}:{getattr(st, 'line', spec.lineno)}"
         if not isinstance(st, Stencil):
-            raise ArgumentError(f"scope='tile': step '{spec.name}' is not a stencil ({where}: {st.reason}); "
+            raise ArgumentError(f"scope='{scope}': step '{spec.name}' is not a stencil ({where}: {st.reason}); "
                                 f"use scope='grid'")
         if st.ndim > 2 or st.periodic[0]:
-            raise ArgumentError(f"scope='tile': step '{spec.name}' is a {st.ndim}-D stencil"
+            raise ArgumentError(f"scope='{scope}': step '{spec.name}' is a {st.ndim}-D stencil"
                                 f"{' that wraps around along its first dimension' if st.periodic[0] else ''}; "
                                 f"tile mode covers 1-D and 2-D stencils that do not wrap around along the first "
                                 f"dimension for now: use scope='grid'")
         if not spec.swap:
-            raise ArgumentError(f"scope='tile' keeps the swap pairs' arrays on chip; step '{spec.name}' has no "
+            raise ArgumentError(f"scope='{scope}' keeps the swap pairs' arrays on chip; step '{spec.name}' has no "
                                 f"swap pair: use scope='grid'")
         return st
 

@@ -63,6 +63,12 @@ class _Driver:
             self.launch_ex.restype = ctypes.c_int
         except AttributeError:
             self.launch_ex = None
+        # thread-block clusters (CUDA 12+): how many fit, and a CUkernel's CUfunction
+        self.occupancy_clusters = self.kernel_get_function = None
+        if hasattr(lib, "cuOccupancyMaxActiveClusters"):
+            self.occupancy_clusters = fn("cuOccupancyMaxActiveClusters", ctypes.POINTER(ctypes.c_int), vp, vp)
+        if hasattr(lib, "cuKernelGetFunction"):
+            self.kernel_get_function = fn("cuKernelGetFunction", ctypes.POINTER(vp), vp)
 
 
 def driver() -> _Driver:
@@ -124,27 +130,65 @@ def kernel_handle(kernel) -> int:
 
 
 CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
+CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED = 14
 
 
 CUDA_ERROR_INVALID_HANDLE = 400
 
 
-def allow_dynamic_shared(func: int, nbytes: int, device: int):
-    """Let kernel ``func`` launch on device ordinal ``device`` with ``nbytes`` of dynamic shared
-    memory (above 48 KiB a kernel must opt in).
+def _set_attribute(func: int, attr: int, value: int, device: int, what: str):
+    """Set attribute ``attr`` of kernel ``func`` on device ordinal ``device``.
 
     ``func`` may be a CUkernel (what Numba's library loading hands out) or a CUfunction: the
     kernel call is tried first and the function call only when the driver says the handle is
     not a kernel; any other error, or both refusing, raises LaunchError.
     """
     d = driver()
-    attr = CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
     if d.kernel_set_attribute is not None:
-        code = d.kernel_set_attribute(attr, nbytes, func, device)
+        code = d.kernel_set_attribute(attr, value, func, device)
         if code != CUDA_ERROR_INVALID_HANDLE:
-            check(code, f"cuKernelSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES, {nbytes})")
+            check(code, f"cuKernelSetAttribute({what}, {value})")
             return
-    check(d.func_set_attribute(func, attr, nbytes), f"cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES, {nbytes})")
+    check(d.func_set_attribute(func, attr, value), f"cuFuncSetAttribute({what}, {value})")
+
+
+def allow_dynamic_shared(func: int, nbytes: int, device: int):
+    """Let kernel ``func`` launch on device ordinal ``device`` with ``nbytes`` of dynamic shared
+    memory (above 48 KiB a kernel must opt in)."""
+    _set_attribute(func, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, nbytes, device,
+                   "MAX_DYNAMIC_SHARED_SIZE_BYTES")
+
+
+#: blocks in a thread-block cluster: at most 8 everywhere, 16 where the device allows a
+#: non-portable size (H100/H200) and the kernel opted in
+CLUSTER_PORTABLE_MAX = 8
+CLUSTER_MAX = 16
+
+
+def allow_large_clusters(func: int, device: int):
+    """Let kernel ``func`` launch in clusters of more than CLUSTER_PORTABLE_MAX blocks."""
+    _set_attribute(func, CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1, device,
+                   "NON_PORTABLE_CLUSTER_SIZE_ALLOWED")
+
+
+def max_active_clusters(func: int, blocks: int, threads: int, shared: int) -> int:
+    """How many clusters of ``blocks`` blocks of kernel ``func`` (``threads`` threads and
+    ``shared`` bytes of dynamic shared memory each) the current device can run at once; 0 if
+    none can (the driver refusing the size counts as none)."""
+    d = driver()
+    if d.occupancy_clusters is None:
+        return 0
+    cfg = _LaunchConfig(blocks, 1, 1, threads, 1, 1, shared, None, None, 0)
+    attr = _ClusterAttribute(CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION, 0, blocks, 1, 1)
+    cfg.attrs, cfg.nattrs = ctypes.addressof(attr), 1
+    count = ctypes.c_int(0)
+    code = d.occupancy_clusters(ctypes.byref(count), ctypes.c_void_p(func), ctypes.byref(cfg))
+    if code == CUDA_ERROR_INVALID_HANDLE and d.kernel_get_function is not None:
+        # a CUkernel handle: the occupancy query wants the function in the current context
+        f = ctypes.c_void_p()
+        check(d.kernel_get_function(ctypes.byref(f), ctypes.c_void_p(func)), "cuKernelGetFunction")
+        code = d.occupancy_clusters(ctypes.byref(count), f, ctypes.byref(cfg))
+    return int(count.value) if code == CUDA_SUCCESS else 0
 
 
 def new_event() -> int:
@@ -181,19 +225,34 @@ class _LaunchConfig(ctypes.Structure):
                 ("nattrs", ctypes.c_uint)]
 
 
+class _ClusterAttribute(ctypes.Structure):
+    """CUlaunchAttribute holding a cluster's dimensions (the value union's clusterDim)."""
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_int), ("x", ctypes.c_uint), ("y", ctypes.c_uint),
+                ("z", ctypes.c_uint), ("rest", ctypes.c_char * 52)]
+
+
 CU_LAUNCH_ATTRIBUTE_COOPERATIVE = 2
-assert ctypes.sizeof(_LaunchAttribute) == 72
+CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION = 4
+assert ctypes.sizeof(_LaunchAttribute) == 72 and ctypes.sizeof(_ClusterAttribute) == 72
 
 
-def make_launcher(func: int, blocks: int, threads: int, shared: int, cooperative: bool):
+def make_launcher(func: int, blocks: int, threads: int, shared: int, cooperative: bool, cluster: bool = False):
     """A call ``launch(params) -> CUresult`` that launches kernel ``func`` on the legacy default
-    stream with this grid (cooperatively if asked), ``params`` being the parameter pointer
-    array (:class:`ParamBlock`'s ``params``)."""
+    stream with this grid (cooperatively if asked; as one thread-block cluster of every block
+    if ``cluster``), ``params`` being the parameter pointer array (:class:`ParamBlock`'s
+    ``params``)."""
     d = driver()
+    if cluster and d.launch_ex is None:
+        raise LaunchError("scope='cluster' needs cuLaunchKernelEx (a CUDA 12 driver)")
     if d.launch_ex is not None:
         cfg = _LaunchConfig(blocks, 1, 1, threads, 1, 1, shared, None, None, 0)
-        attr = _LaunchAttribute(CU_LAUNCH_ATTRIBUTE_COOPERATIVE, 0, 1)
-        if cooperative:
+        if cluster:
+            # every block in one cluster: all are scheduled together, as a cooperative launch
+            # promises, and the cluster's hardware barrier spans the grid
+            attr = _ClusterAttribute(CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION, 0, blocks, 1, 1)
+        else:
+            attr = _LaunchAttribute(CU_LAUNCH_ATTRIBUTE_COOPERATIVE, 0, 1)
+        if cooperative or cluster:
             cfg.attrs, cfg.nattrs = ctypes.addressof(attr), 1
 
         def launch(params, fn=d.launch_ex, ref=ctypes.byref(cfg), f=ctypes.c_void_p(func), _keep=(cfg, attr)):

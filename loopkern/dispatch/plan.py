@@ -256,7 +256,8 @@ class LaunchPlan:
             from . import driver
             self.func = driver.kernel_handle(kernel)
             c = config
-            self._launch = driver.make_launcher(self.func, c.blocks, c.threads, c.shared, c.scope in ("grid", "tile"))
+            self._launch = driver.make_launcher(self.func, c.blocks, c.threads, c.shared, c.scope in ("grid", "tile"),
+                                                cluster=c.scope == "cluster")
             self._event_record = driver.driver().event_record
         self.slots = buffers.FreeList(lambda: Slot(self))
 

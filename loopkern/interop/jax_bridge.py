@@ -195,8 +195,8 @@ def _cuda_options(mk, sig, scope, threads, blocks):
     work = max([math.prod(shape) for shape, _ in sig if shape is not None] or [1])
     scope = resolve_scope(scope or defaults["scope"], work, spec.parallel, spec.light_elements)
     checks.check_thread_scope(spec, scope)
-    if scope == "tile":
-        raise ArgumentError(f"{spec.name}.jax(): scope='tile' is not available under kernel.jax yet; "
+    if scope in ("tile", "cluster"):
+        raise ArgumentError(f"{spec.name}.jax(): scope='{scope}' is not available under kernel.jax yet; "
                             f"use scope='grid'")
     # Not the device itself: the custom call runs on whichever device XLA gives it (every one of
     # a mesh under shard_map), and the handler loads the kernel there. But the cubin is built for

@@ -1,5 +1,6 @@
-"""scope="tile" on the GPU: each block keeps its tile of the swap pairs' arrays in shared memory
-for the whole run and exchanges only its edge cells. Every run is compared bit for bit with the
+"""scope="tile" and scope="cluster" on the GPU: each block keeps its tile of the swap pairs'
+arrays in shared memory for the whole run and exchanges only its edge cells (a cluster's
+blocks pass the cluster's hardware barrier instead of the grid barrier). Every run is compared bit for bit with the
 same step in scope="grid" (the same arithmetic in the same order, so any difference is a
 missing or stale halo cell) and with a float64 reference, over thousands of steps, at several
 block counts, on fields that do not divide into equal tiles; a run stopped by its timeout must
@@ -30,13 +31,14 @@ def wide_step(t, u, v, c):
         v[i] = u[i]
 
 
-def _both(k, u0, scalars, steps, blocks, dtype=np.float32, **kw):
+def _both(k, u0, scalars, steps, blocks, dtype=np.float32, mode="tile", **kw):
+    """The same run in ``mode`` ("tile" or "cluster", with ``blocks``) and in the grid scope."""
     cuda = _cuda()
     out = {}
-    for scope in ("tile", "grid"):
+    for scope in (mode, "grid"):
         u, v = cuda.to_device(u0.astype(dtype)), cuda.to_device(u0.astype(dtype))
         run = k(u, v, *scalars, steps=steps, backend="cuda", scope=scope,
-                blocks=blocks if scope == "tile" else None, **kw)
+                blocks=blocks if scope == mode else None, **kw)
         assert run.scope == scope and run.steps == steps
         out[scope] = (u.copy_to_host(), v.copy_to_host(), run)
     return out
@@ -195,3 +197,130 @@ def test_scope_auto_keeps_a_large_one_dimensional_stencil_on_chip(rng):
     np.testing.assert_allclose(u.copy_to_host(), W.heat_ref(u0, 501, 0.25), rtol=0, atol=1e-12)
     small = cuda.to_device(u0[:65536]), cuda.to_device(u0[:65536])
     assert k(*small, 0.25, steps=3, backend="cuda").scope == "grid"
+
+
+# -- scope="cluster": the same tiles in one thread-block cluster (H100/H200: up to 16 blocks) ----
+
+@pytest.fixture
+def clusters():
+    """Skips a test on a GPU without thread-block clusters (compute capability below 9.0)."""
+    if tuple(_cuda().get_current_device().compute_capability) < (9, 0):
+        pytest.skip("thread-block clusters need compute capability 9.0 or newer")
+
+
+needs_clusters = pytest.mark.usefixtures("clusters")
+
+
+# uneven tiles at the portable and non-portable cluster sizes; 300001 float32 cells in two
+# buffers fill 150 KB of each of 16 blocks' shared memory
+@needs_clusters
+@pytest.mark.parametrize("n,blocks", [(65536 + 7, 7), (65536 + 7, 16), (65536 + 7, None), (4097, 3),
+                                      (300001, None)])
+def test_heat_in_a_cluster_equals_the_grid_scope_bit_for_bit(n, blocks, rng):
+    k = lk.megakernel(W.heat_step, swap=[("u", "v")])
+    u0 = rng.random(n)
+    steps = 3001
+    out = _both(k, u0, (np.float32(0.25),), steps, blocks, mode="cluster")
+    np.testing.assert_array_equal(out["cluster"][0], out["grid"][0])
+    np.testing.assert_array_equal(out["cluster"][1], out["grid"][1])
+    exact = refs.heat_exact(u0.astype(np.float32), steps, 0.25)
+    assert np.abs(out["cluster"][0] - exact).max() < 1e-4
+    assert out["cluster"][2].blocks == (blocks or 16)
+
+
+@needs_clusters
+@pytest.mark.parametrize("blocks", [9, None])
+def test_a_wide_uneven_stencil_in_a_cluster(blocks, rng):
+    k = lk.megakernel(wide_step, swap=[("u", "v")])
+    u0 = rng.random(100003)
+    out = _both(k, u0, (0.05,), 999, blocks, dtype=np.float64, mode="cluster")
+    np.testing.assert_array_equal(out["cluster"][0], out["grid"][0])
+    np.testing.assert_array_equal(out["cluster"][1], out["grid"][1])
+
+
+@needs_clusters
+@pytest.mark.parametrize("shape,blocks", [((517, 333), 7), ((256, 256), None), ((300, 200), 16)])
+def test_two_dimensional_heat_in_a_cluster_equals_the_grid_scope(shape, blocks, rng):
+    from bench.heat2d import heat2d_kernel
+    k = heat2d_kernel()
+    u0 = rng.random(shape)
+    out = _both(k, u0, (np.float32(0.2),), 1001, blocks, mode="cluster")
+    np.testing.assert_array_equal(out["cluster"][0], out["grid"][0])
+    np.testing.assert_array_equal(out["cluster"][1], out["grid"][1])
+
+
+@needs_clusters
+def test_jacobi_to_tolerance_in_a_cluster_stops_where_the_grid_scope_does(rng):
+    # the lk.max reduction combines the blocks' partial results across the cluster barrier
+    cuda = _cuda()
+    k = lk.megakernel(W.jacobi_step, swap=[("u", "v")])
+    u0 = rng.random((300, 49))
+    tol = 1e-3
+    runs, states = {}, {}
+    for scope in ("cluster", "grid"):
+        u, v = cuda.to_device(u0), cuda.to_device(u0)
+        runs[scope] = k(u, v, tol, max_steps=20000, backend="cuda", scope=scope)
+        states[scope] = u.copy_to_host()
+    assert runs["cluster"].stopped == "condition" and runs["cluster"].steps == runs["grid"].steps
+    np.testing.assert_array_equal(states["cluster"], states["grid"])
+    ref, ref_steps = W.jacobi_ref(u0, tol, 20000)
+    assert abs(runs["cluster"].steps - ref_steps) <= 1
+    np.testing.assert_allclose(states["cluster"], ref, rtol=0, atol=1e-9)
+
+
+@needs_clusters
+def test_a_step_that_also_writes_global_memory_in_a_cluster(rng):
+    cuda = _cuda()
+    k = lk.megakernel(heat_with_probe, swap=[("u", "v")])
+    u0 = rng.random(65536 + 7).astype(np.float32)
+    out = {}
+    for scope in ("cluster", "grid"):
+        u, v, p = cuda.to_device(u0), cuda.to_device(u0), cuda.to_device(np.zeros(5, np.float32))
+        k(u, v, p, np.float32(0.25), steps=2003, backend="cuda", scope=scope)
+        out[scope] = (u.copy_to_host(), p.copy_to_host())
+    np.testing.assert_array_equal(out["cluster"][0], out["grid"][0])
+    np.testing.assert_array_equal(out["cluster"][1], out["grid"][1])
+
+
+@needs_clusters
+def test_a_cancel_and_a_timeout_in_a_cluster_leave_exactly_run_steps_steps(rng):
+    import time
+    cuda = _cuda()
+    k = lk.megakernel(W.heat_step, swap=[("u", "v")])
+    u0 = rng.random(65536 + 7).astype(np.float32)
+    u, v = cuda.to_device(u0), cuda.to_device(u0)
+    h = k.start(u, v, np.float32(0.25), steps=10 ** 9, backend="cuda", scope="cluster")
+    time.sleep(0.2)
+    h.cancel()
+    run = h.wait(timeout=30)
+    assert run.stopped == "cancelled" and 0 < run.steps < 10 ** 9, run
+    a, b = cuda.to_device(u0), cuda.to_device(u0)
+    k(a, b, np.float32(0.25), steps=run.steps, backend="cuda", scope="grid")
+    np.testing.assert_array_equal(u.copy_to_host(), a.copy_to_host())
+    np.testing.assert_array_equal(v.copy_to_host(), b.copy_to_host())
+    u, v = cuda.to_device(u0), cuda.to_device(u0)
+    run = k(u, v, np.float32(0.25), steps=10 ** 9, backend="cuda", scope="cluster", timeout=0.3)
+    assert run.stopped == "timeout" and 0 < run.steps < 10 ** 9
+    a, b = cuda.to_device(u0), cuda.to_device(u0)
+    k(a, b, np.float32(0.25), steps=run.steps, backend="cuda", scope="grid")
+    np.testing.assert_array_equal(u.copy_to_host(), a.copy_to_host())
+    again = k(u, v, np.float32(0.25), steps=1001, backend="cuda", scope="cluster")
+    k(a, b, np.float32(0.25), steps=1001, backend="cuda", scope="grid")
+    assert again.steps == 1001 and again.stopped == "steps"
+    np.testing.assert_array_equal(u.copy_to_host(), a.copy_to_host())
+
+
+@needs_clusters
+def test_a_cluster_refuses_what_it_cannot_hold_before_anything_runs(rng):
+    from loopkern.errors import LaunchError
+    cuda = _cuda()
+    k = lk.megakernel(W.heat_step, swap=[("u", "v")])
+    u0 = rng.random(1 << 20).astype(np.float32)       # 8 MB in two buffers: more than 16 SMs hold
+    u, v = cuda.to_device(u0), cuda.to_device(u0)
+    with pytest.raises(LaunchError, match="scope='cluster' cannot keep this field on chip"):
+        k(u, v, np.float32(0.25), steps=10, backend="cuda", scope="cluster")
+    small = cuda.to_device(u0[:4096]), cuda.to_device(u0[:4096])
+    with pytest.raises(LaunchError, match="blocks=17: scope='cluster' runs one cluster of 1 to 16 blocks"):
+        k(*small, np.float32(0.25), steps=10, backend="cuda", scope="cluster", blocks=17)
+    np.testing.assert_array_equal(u.copy_to_host(), u0)
+    np.testing.assert_array_equal(small[0].copy_to_host(), u0[:4096])
