@@ -41,7 +41,7 @@ class Run:
             ``"timeout"`` (``timeout=`` passed). In every case the arrays hold the state after
             exactly ``steps`` steps, with the newest state in the first array of each swap pair.
         backend: ``"cuda"`` or ``"cpu"``.
-        scope: ``"grid"``, ``"block"``, ``"thread"`` or ``"cpu"``.
+        scope: ``"grid"``, ``"block"``, ``"thread"``, ``"tile"``, ``"cluster"`` or ``"cpu"``.
         blocks: blocks launched (1 on the CPU).
         threads: threads per block (1 on the CPU).
         start: the step index ``t`` of the run's first step (the call's ``start=``).
