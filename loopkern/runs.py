@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass
 
 from .errors import BoundsError, HangError, LaunchError
-from .runtime.layout import (BOUNDS, CANCEL, DONE, PAUSE, REQUEST, STEPS, STOPPED, TIMEOUT, WHY)
+from .runtime.layout import (CANCEL, DONE, PAUSE, REQUEST, STEPS, STOPPED, TIMEOUT, WHY)
 #: when the watchdog fires it cancels the run and gives the kernel this long to reach a step
 #: boundary before reporting it as stuck
 WATCHDOG_GRACE_S = 5.0
@@ -273,13 +273,15 @@ class RunHandle:
                 raise
             raise LaunchError(f"{self.name}: the kernel failed while running: {exc}") from exc
         steps, why = int(self._host[STEPS]), int(self._host[WHY])
+        # the debug record is read before on_finish gives the run's buffers back
+        message = self._describe_error(steps) if self._describe_error is not None else None
         try:
             if self._on_finish is not None:
                 self._on_finish()
         finally:
             self._close(steps)
-        if why == BOUNDS and self._describe_error is not None:
-            self._error = BoundsError(self._describe_error(steps))
+        if message is not None:
+            self._error = BoundsError(message)
             raise self._error
         plan = self._plan
         self._result = Run(steps, STOPPED[why], self._backend, plan.scope, plan.blocks, plan.threads, self._start)

@@ -208,6 +208,27 @@ def test_debug_reports_an_out_of_bounds_store_without_making_it(backend, rng):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("how", ["call", "start"])
+def test_debug_reports_an_out_of_bounds_access_in_the_last_step(backend, how, rng):
+    # no step boundary follows the offence, so nothing stops the run for it: the record must
+    # still be read when the run ends for any other reason (its step count here)
+    n = SIZE[backend]
+    k = lk.megakernel(W.oob_step)
+    u = rng.random(n)
+    buf = np.full(n + 8, 7.0)
+    v = buf[:n]
+    with pytest.raises(lk.BoundsError, match="out-of-bounds store to 'v' at step t=2"):
+        if how == "call":
+            k(u, v, 1, steps=1, start=2, backend=backend, threads=THREADS[backend], debug=True)
+        else:
+            k.start(u, v, 1, steps=1, start=2, backend=backend, threads=THREADS[backend], debug=True).wait()
+    assert np.all(buf[n:] == 7.0)
+    # a clean debug run on the same plan afterwards reports nothing
+    run = k(u, v, 1, steps=2, backend=backend, threads=THREADS[backend], debug=True)
+    assert run.steps == 2 and run.stopped == "steps"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_debug_reports_an_out_of_bounds_load_in_a_helper(backend, rng):
     n = SIZE[backend]
     k = lk.megakernel(W.oob_helper_step)

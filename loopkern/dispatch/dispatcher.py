@@ -31,7 +31,7 @@ from ..errors import ArgumentError, BoundsError, HangError, LaunchError
 from ..progress import check_progress
 from ..runs import (Run, RunHandle, EventWaiter, ThreadWaiter, _Stalled, note_cancelled, run_inline,
                     slow_step_message, wait_cuda)
-from ..runtime.layout import BOUNDS, CANCEL, DBG_SIZE, HOST_SIZE, REQUEST, STEPS, STOPPED, WHY
+from ..runtime.layout import CANCEL, DBG_SIZE, HOST_SIZE, REQUEST, STEPS, STOPPED, WHY
 from ..warpsplit import WARP, step_has_warp_split
 from . import checks, driver
 from .args import ArrayArg, apply_weak_floats, classify, weak_float_type
@@ -386,8 +386,8 @@ class Dispatcher:
 
     def _finish_run(self, plan, slot, steps, why, o) -> Run:
         """The Run of a finished blocking call (the slot goes back to the plan), or BoundsError."""
-        if why == BOUNDS and plan.debug:
-            message = plan.describe_bounds(plan.read_dbg(slot), steps, o.start)
+        message = plan.bounds_error(slot, steps, o.start) if plan.debug else None
+        if message is not None:
             plan.slots.give(slot)
             raise BoundsError(message)
         plan.slots.give(slot)
@@ -463,7 +463,7 @@ class Dispatcher:
         return RunHandle(name=self.spec.name, host=slot.view, waiter=waiter, backend=plan.backend, plan=plan.config,
                          deadline=deadline, on_finish=on_finish, reporter=reporter, watchdog=o.watchdog,
                          start=o.start,
-                         describe_error=(lambda steps: plan.describe_bounds(plan.read_dbg(slot), steps, o.start))
+                         describe_error=(lambda steps: plan.bounds_error(slot, steps, o.start))
                          if plan.debug else None)
 
     def _start_cuda(self, plan, values, ptrs, o, reporter) -> RunHandle:

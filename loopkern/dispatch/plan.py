@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import ArgumentError, Diagnostic, LaunchError
-from ..runtime.layout import (DBG_INDEX, DBG_NDIM, DBG_SHAPE, DBG_SITE, DBG_SIZE, DBG_STEP, DBG_THREAD, DONE,
+from ..runtime.layout import (DBG_FLAG, DBG_INDEX, DBG_NDIM, DBG_SHAPE, DBG_SITE, DBG_SIZE, DBG_STEP, DBG_THREAD, DONE,
                               REQUEST, STEPS, TIMEOUT_NS)
 from . import buffers
 from .args import ArrayArg, byte_extent, c_strides
@@ -379,6 +379,13 @@ class LaunchPlan:
     def read_dbg(self, slot):
         """The slot's debug buffer as a NumPy array (copied from the GPU on CUDA)."""
         return slot.dbg if self.backend == "cpu" else slot.dbg.copy_to_host()
+
+    def bounds_error(self, slot, steps, start) -> str | None:
+        """The BoundsError message of a finished debug run whose kernel recorded an offence,
+        else None. The record is read whatever stopped the run: an offence in its last step
+        has no later step boundary at which to stop it."""
+        dbg = self.read_dbg(slot)
+        return self.describe_bounds(dbg, steps, start) if dbg[DBG_FLAG] != 0 else None
 
     def describe_bounds(self, dbg, steps, start) -> str:
         """The BoundsError message for the offence a debug kernel recorded in ``dbg``."""
