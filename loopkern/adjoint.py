@@ -21,11 +21,12 @@ Covered for now: steps whose top level holds assignments (before the loops; one 
 on the differentiated values is walked backwards after the loops, each thread adding its
 share of the adjoint) and parallel loops (``lk.range``/``lk.grid``) whose bodies are
 straight-line assignments and stores (conditional expressions included, and ``if``
-statements that assign only locals defined before them: each becomes guarded assignments
-``x = (e if taken else x)``), where an array the loop stores into is read in that loop only at
-the index it is stored at, and not after the store. Anything else (a store inside an ``if``,
-inner loops, reductions, ``lk.sync()``, atomics, helpers, a returned condition,
-``lk.random``) raises :class:`~loopkern.errors.StepSyntaxError` at its line.
+statements whose branches assign locals defined before them and store array elements: each
+becomes guarded assignments ``x = (e if taken else x)``, and each element stored one store of
+the branch's value or, where no branch stores it, its own), where an array the loop stores
+into is read in that loop only at the index it is stored at, and not after the store.
+Anything else (inner loops, reductions, ``lk.sync()``, atomics, helpers, a returned
+condition, ``lk.random``) raises :class:`~loopkern.errors.StepSyntaxError` at its line.
 """
 
 from __future__ import annotations
@@ -87,6 +88,7 @@ class _Adjoint:
         self.bar = {}
         self.counter = 0
         self.flags = set()          # the locals holding an if branch's "taken" flag
+        self.guarded = set()        # the locals holding a store's value inside a branch (guarded)
 
     def error(self, node, what):
         return self.tg.error(node, f"reverse mode: {what}",
@@ -151,7 +153,14 @@ class _Adjoint:
     def straight(self, stmts, defined, guard=None):
         """``stmts`` as straight-line assignments: ``x op= e`` becomes ``x = x op e``, and an
         ``if`` whose branches assign only locals defined before it becomes guarded assignments
-        ``x = (e if c else x)`` (the test kept in a local of its own, evaluated once)."""
+        ``x = (e if c else x)`` (the test kept in a local of its own, evaluated once).
+
+        A store ``a[k] = e`` inside a branch becomes a guarded local ``s = (e if taken else
+        a[k])`` where it stands (``e`` evaluated only when the branch runs, with the locals it
+        sees there), and after the whole ``if`` one store ``a[k] = (s1 if taken1 else s2)``
+        per element stored, chaining the branches that store it: an element no branch taken
+        stores keeps its value, as in the step. A branch may store an element once and may not
+        read an array after storing into it (the store moves to the end of the ``if``)."""
         out = []
         for st in stmts:
             if isinstance(st, ast.AugAssign):
@@ -179,15 +188,45 @@ class _Adjoint:
                         then_part = st_branch
                     else:
                         else_part = st_branch
+                stores = {}                 # (array, index) -> [(flag, guarded local, store)], in order
+                # the stores move to the end of the if: their indices must mean the same there
+                assigned_in_if = {n.id for n in ast.walk(st)
+                                  if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
                 for part in ([then_part] if st.body else []) + ([else_part] if st.orelse else []):
                     branch, flag = part
+                    stored_here = set()
                     for b in self.straight(branch, defined, flag):
                         tgt = b.targets[0]
-                        if isinstance(tgt, ast.Name) and tgt.id in self.flags:
-                            out.append(b)               # a nested if's flag: already guarded
+                        for n in ast.walk(b.value):
+                            if isinstance(n, ast.Subscript) and isinstance(n.value, ast.Name) \
+                                    and n.value.id in stored_here:
+                                raise self.error(b, f"'{n.value.id}' is read after a store into it in the same "
+                                                    f"branch of an 'if'")
+                        if isinstance(tgt, ast.Name) and (tgt.id in self.flags or tgt.id in self.guarded):
+                            out.append(b)               # a nested if's flag or store value: already guarded
                             continue
-                        if not isinstance(tgt, ast.Name):
-                            raise self.error(b, "a store inside an 'if' has no adjoint yet")
+                        if isinstance(tgt, ast.Subscript):
+                            if not isinstance(tgt.value, ast.Name):
+                                raise self.error(b, "a store into something other than a named array")
+                            moved = sorted({n.id for n in ast.walk(tgt.slice) if isinstance(n, ast.Name)}
+                                           & assigned_in_if)
+                            if moved:
+                                raise self.error(b, f"the index of a store inside an 'if' uses '{moved[0]}', which "
+                                                    f"the 'if' assigns; compute the index before the 'if'")
+                            key = (tgt.value.id, ast.dump(tgt.slice))
+                            if key in stores and any(f == flag for f, _, _ in stores[key]):
+                                raise self.error(b, f"'{tgt.value.id}' is stored twice at one index in one branch "
+                                                    f"of an 'if'")
+                            local = self.fresh(f"{tgt.value.id}_new")
+                            old = ast.Subscript(value=ast.Name(id=tgt.value.id, ctx=ast.Load()),
+                                                slice=copy.deepcopy(tgt.slice), ctx=ast.Load())
+                            out.append(_at(ast.Assign(targets=[ast.Name(id=local, ctx=ast.Store())], value=ast.IfExp(
+                                test=ast.Name(id=flag, ctx=ast.Load()), body=b.value, orelse=old)), b))
+                            defined.add(local)
+                            self.guarded.add(local)
+                            stores.setdefault(key, []).append((flag, local, b))
+                            stored_here.add(tgt.value.id)
+                            continue
                         if tgt.id not in defined:
                             raise self.error(b, f"'{tgt.id}' is first assigned inside an 'if'; assign it before")
                         if not (isinstance(b.value, ast.IfExp) and isinstance(b.value.test, ast.Name)
@@ -195,6 +234,16 @@ class _Adjoint:
                             b.value = _at(ast.IfExp(test=ast.Name(id=flag, ctx=ast.Load()), body=b.value,
                                                     orelse=ast.Name(id=tgt.id, ctx=ast.Load())), b)
                         out.append(b)
+                for key, chain in stores.items():
+                    # the last branch's local falls back to the element itself; each earlier
+                    # one is taken where its flag holds (the branches exclude each other)
+                    _, last, first_store = chain[-1]
+                    value = ast.Name(id=last, ctx=ast.Load())
+                    for flag, local, _ in reversed(chain[:-1]):
+                        value = ast.IfExp(test=ast.Name(id=flag, ctx=ast.Load()),
+                                          body=ast.Name(id=local, ctx=ast.Load()), orelse=value)
+                    tgt = copy.deepcopy(chain[0][2].targets[0])
+                    out.append(_at(ast.Assign(targets=[tgt], value=value), chain[0][2]))
                 continue
             if not isinstance(st, ast.Assign) or len(st.targets) != 1 or \
                     not isinstance(st.targets[0], (ast.Name, ast.Subscript)):
@@ -290,6 +339,12 @@ class _Adjoint:
                     func=ast.Attribute(value=ast.Attribute(value=ast.Name(id=lk, ctx=ast.Load()), attr="atomic",
                                                            ctx=ast.Load()), attr="add", ctx=ast.Load()),
                     args=[ast.Name(id=self.bar_name(array), ctx=ast.Load()), index, amount], keywords=[]))
+                # an element read only where a conditional expression takes its branch (u[i + 1]
+                # in `u[i + 1] if i < n - 1 else 0.0`) is touched only there: its index may lie
+                # outside the array elsewhere, where its coefficient is 0
+                cond = _branch_condition(e, leaf)
+                if cond is not None:
+                    stmt = ast.If(test=cond, body=[stmt], orelse=[])
             out.append(_at(stmt, st))
         return out
 
@@ -299,6 +354,32 @@ class _Adjoint:
             if value is _lk:
                 return name
         raise self.error(self.parsed.tree, "the step's module does not import loopkern by a name")
+
+
+def _branch_condition(e, leaf):
+    """The condition under which evaluating ``e`` evaluates ``leaf`` (a node of ``e``, by
+    identity) as far as conditional expressions decide it: the tests of the ``IfExp`` nodes on
+    the way down, negated where the path takes the ``else``; None where no ``IfExp`` is on it."""
+    def path(n):
+        if n is leaf:
+            return []
+        if isinstance(n, ast.IfExp):
+            for part, taken in ((n.body, True), (n.orelse, False)):
+                p = path(part)
+                if p is not None:
+                    test = copy.deepcopy(n.test)
+                    return [test if taken else ast.UnaryOp(op=ast.Not(), operand=test)] + p
+            p = path(n.test)
+            return p
+        for c in ast.iter_child_nodes(n):
+            p = path(c)
+            if p is not None:
+                return p
+        return None
+    tests = path(e) or []
+    if not tests:
+        return None
+    return tests[0] if len(tests) == 1 else ast.BoolOp(op=ast.And(), values=tests)
 
 
 def _rename_loads(e, version):
