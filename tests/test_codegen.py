@@ -101,7 +101,7 @@ def test_disk_cache_is_reused_by_a_new_process(tmp_path, rng):
         k = lk.megakernel(W.heat_step, swap=[("u", "v")])
         u0 = np.random.default_rng({seed}).random(64); u = u0.copy(); v = u.copy()
         k(u, v, 0.25, steps=3, backend="cpu")
-        d = k.dispatcher.kernels.variants[("cpu", "grid", None, False, (), True, None, None, None)].dispatcher
+        d = k.dispatcher.kernels.variants[("cpu", "grid", None, False, (), True, None, None, None, False)].dispatcher
         print(sum(d.stats.cache_hits.values()), sum(d.stats.cache_misses.values()),
               float(np.abs(u - W.heat_ref(u0, 3, 0.25)).max()))
     """)
@@ -357,6 +357,6 @@ def test_own_element_accesses_compute_what_numpy_does(rng):
     run = k(*args, kk, steps=3, backend="cuda", scope="grid", threads=32)
     assert run.steps == 3
     # arrays of fewer than 2**31 elements: the kernel with 32-bit offsets for 1-D arrays
-    assert k.dispatcher.kernels.variants and all(key[-2] == 32 for key in k.dispatcher.kernels.variants)
+    assert k.dispatcher.kernels.variants and all(key[7] == 32 for key in k.dispatcher.kernels.variants)
     for got, want in zip(args, (u0, v, w, m0, m2)):
         np.testing.assert_allclose(got.copy_to_host(), want, rtol=1e-12)
