@@ -144,7 +144,20 @@ class _Adjoint:
         tops = [s for s in fwd if s.targets[0].id in active]
         zero = [_at(ast.Assign(targets=[ast.Name(id=self.bar_name(s.targets[0].id), ctx=ast.Store())],
                                value=ast.Constant(0.0)), s) for s in tops]
-        back = [self.loop(s, active) for s in loops]
+        # Each loop's adjoint recomputes its values from the state before the step, so no loop
+        # may read what an earlier loop of the step stored (the validator lets a loop read the
+        # elements its own thread stored in an earlier loop, without lk.sync()). The adjoints
+        # run in reverse order: a loop that stores an element an earlier loop read (or also
+        # stored) takes that element's adjoint first, as the chain rule does.
+        stored_by = {}
+        for s in loops:
+            for name, node in _array_reads(s):
+                if name in stored_by:
+                    raise self.error(node, f"this loop reads '{name}', which the loop at line {stored_by[name]} "
+                                           f"stored into earlier in the step; compute it in this loop instead")
+            for name in _array_stores(s):
+                stored_by.setdefault(name, s.lineno)
+        back = [self.loop(s, active) for s in reversed(loops)]
         for s in reversed(tops):
             g = ast.Name(id=self.bar_name(s.targets[0].id), ctx=ast.Load())
             back += self.scatter(s.value, g, active, s)
@@ -354,6 +367,25 @@ class _Adjoint:
             if value is _lk:
                 return name
         raise self.error(self.parsed.tree, "the step's module does not import loopkern by a name")
+
+
+def _array_reads(loop):
+    """(array name, the Subscript node) for each element read in ``loop`` (an element updated
+    with ``op=`` is read too)."""
+    out = []
+    for n in ast.walk(loop):
+        if isinstance(n, ast.Subscript) and isinstance(n.value, ast.Name) and isinstance(n.ctx, ast.Load):
+            out.append((n.value.id, n))
+        elif isinstance(n, ast.AugAssign) and isinstance(n.target, ast.Subscript) \
+                and isinstance(n.target.value, ast.Name):
+            out.append((n.target.value.id, n.target))
+    return out
+
+
+def _array_stores(loop):
+    """The names of the arrays ``loop`` stores elements into."""
+    return {n.value.id for n in ast.walk(loop)
+            if isinstance(n, ast.Subscript) and isinstance(n.value, ast.Name) and isinstance(n.ctx, ast.Store)}
 
 
 def _branch_condition(e, leaf):

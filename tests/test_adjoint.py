@@ -460,3 +460,50 @@ def test_recorded_state_stacks_do_not_size_the_grid():
         assert sum(1 for p in mk.spec.params if p.name.endswith("_states")) == 2
         assert _launch_work(mk, sig) == n
     assert _launch_work(k, [((n,), "float32"), ((n,), "float32"), (None, "float64")]) == n
+
+
+def reads_then_overwrites(t, x, y, c):
+    # the second loop stores into x, which the first loop read: its adjoint comes first
+    n = x.shape[0]
+    for i in lk.range(n):
+        y[i] = x[i] * x[i] + c * y[i]
+    for i in lk.range(n):
+        x[i] = 0.5 * x[i] + math.sin(x[i]) * c
+
+
+def test_loops_of_one_step_take_their_adjoints_in_reverse_order(rng):
+    k = lk.megakernel(reads_then_overwrites)
+    x0 = jnp.asarray(rng.standard_normal(24).astype(np.float32))
+    y0 = jnp.asarray(rng.standard_normal(24).astype(np.float32))
+
+    def ref(x, y, c):
+        def body(t, s):
+            x, y = s
+            return 0.5 * x + jnp.sin(x) * c, x * x + c * y
+        return jax.lax.fori_loop(0, 5, body, (x, y))
+
+    def loss(run):
+        def f(x, y, c):
+            a, b = run(x, y, c)
+            return (a ** 2).sum() + (b * jnp.arange(24.0)).sum()
+        return f
+    got = jax.grad(loss(lambda x, y, c: k.jax(x, y, c, steps=5)), argnums=(0, 1, 2))(x0, y0, np.float32(0.7))
+    want = jax.grad(loss(ref), argnums=(0, 1, 2))(x0, y0, np.float32(0.7))
+    for g, r in zip(got, want):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-4, atol=1e-4)
+
+
+def test_a_loop_reading_what_an_earlier_loop_stored_is_refused(rng):
+    # the validator allows it (each thread reads the elements it stored itself), but the
+    # adjoint's recomputation would read the state before the step: a wrong gradient
+    def two_loops(t, x, tmp):
+        n = x.shape[0]
+        for i in lk.range(n):
+            tmp[i] = x[i] * x[i]
+        for i in lk.range(n):
+            x[i] = x[i] + 0.1 * tmp[i]
+
+    k = lk.megakernel(two_loops)
+    x0 = jnp.asarray(rng.random(16).astype(np.float32))
+    with pytest.raises(StepSyntaxError, match="this loop reads 'tmp', which the loop at line"):
+        jax.grad(lambda x: (k.jax(x, jnp.zeros(16, jnp.float32), steps=3)[0] ** 2).sum())(x0)
