@@ -17,16 +17,23 @@ adjoint of each active value ``e`` reads (``lk.atomic.add`` for array elements a
 parameters, which other iterations may share; a plain ``+=`` for locals). The partial
 derivatives come from the tangent rules of ``loopkern/tangent.py``.
 
+The loops' adjoints run in reverse order, with the step's ``lk.sync()`` barriers mirrored
+between them. Each reads the primal values as its loop saw them: the state before the step,
+or, for an array an earlier loop stored into (the phase before an ``lk.sync()``, or the
+elements a thread stored itself), a version recomputed first into a scratch array (a copy of
+the version before, then the loop again with its stores redirected there); the scratch
+arrays are extra parameters of the adjoint step, one per version.
+
 Covered for now: steps whose top level holds assignments (before the loops; one that depends
 on the differentiated values is walked backwards after the loops, each thread adding its
-share of the adjoint) and parallel loops (``lk.range``/``lk.grid``) whose bodies are
+share of the adjoint), ``lk.sync()`` between loops, and parallel loops (``lk.range``/``lk.grid``) whose bodies are
 straight-line assignments and stores (conditional expressions included, and ``if``
 statements whose branches assign locals defined before them and store array elements: each
 becomes guarded assignments ``x = (e if taken else x)``, and each element stored one store of
 the branch's value or, where no branch stores it, its own), where an array the loop stores
 into is read in that loop only at the index it is stored at, and not after the store.
-Anything else (inner loops, reductions, ``lk.sync()``, atomics, helpers, a returned
-condition, ``lk.random``) raises :class:`~loopkern.errors.StepSyntaxError` at its line.
+Anything else (inner loops, reductions, atomics, helpers, a returned condition,
+``lk.random``) raises :class:`~loopkern.errors.StepSyntaxError` at its line.
 """
 
 from __future__ import annotations
@@ -89,6 +96,8 @@ class _Adjoint:
         self.counter = 0
         self.flags = set()          # the locals holding an if branch's "taken" flag
         self.guarded = set()        # the locals holding a store's value inside a branch (guarded)
+        self.scratch = []           # (scratch array parameter, the array it holds a version of)
+        self.ndims = _index_counts(parsed.tree)
 
     def error(self, node, what):
         return self.tg.error(node, f"reverse mode: {what}",
@@ -117,19 +126,29 @@ class _Adjoint:
         mod, attr = self.tg.module_of(s.iter.func)
         return mod == "lk" and attr in ("range", "grid")
 
+    def is_sync(self, s):
+        if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Call) and not s.value.args):
+            return False
+        mod, attr = self.tg.module_of(s.value.func)
+        return mod == "lk" and attr == "sync"
+
     # -- the step --------------------------------------------------------------------------
     def step(self, body):
         """The adjoint step's body: the top-level assignments recomputed (every thread computes
-        the same values), their adjoints zeroed, the parallel loops' adjoints, then the
-        active top-level assignments walked backwards (each thread adds its share)."""
-        fwd, loops, assigned = [], [], []
+        the same values), their adjoints zeroed, the values later loops read recomputed (see
+        :meth:`versions`), the parallel loops' adjoints in reverse order with the step's
+        ``lk.sync()`` barriers mirrored between them, then the active top-level assignments
+        walked backwards (each thread adds its share)."""
+        fwd, items, assigned = [], [], []
         active = set(self.active)
         for s in body:
             if self.is_parallel(s):
-                loops.append(s)
+                items.append(("loop", s))
+            elif self.is_sync(s):
+                items.append(("sync", s))
             elif isinstance(s, ast.Assign) and len(s.targets) == 1 and isinstance(s.targets[0], ast.Name):
                 name = s.targets[0].id
-                if loops:
+                if items:
                     raise self.error(s, "a top-level assignment after a parallel loop has no adjoint yet")
                 if name in assigned and (name in active or self.tg.is_active(s.value, active)):
                     raise self.error(s, f"'{name}' is assigned twice at the top level of the step")
@@ -144,24 +163,89 @@ class _Adjoint:
         tops = [s for s in fwd if s.targets[0].id in active]
         zero = [_at(ast.Assign(targets=[ast.Name(id=self.bar_name(s.targets[0].id), ctx=ast.Store())],
                                value=ast.Constant(0.0)), s) for s in tops]
-        # Each loop's adjoint recomputes its values from the state before the step, so no loop
-        # may read what an earlier loop of the step stored (the validator lets a loop read the
-        # elements its own thread stored in an earlier loop, without lk.sync()). The adjoints
-        # run in reverse order: a loop that stores an element an earlier loop read (or also
-        # stored) takes that element's adjoint first, as the chain rule does.
-        stored_by = {}
-        for s in loops:
-            for name, node in _array_reads(s):
-                if name in stored_by:
-                    raise self.error(node, f"this loop reads '{name}', which the loop at line {stored_by[name]} "
-                                           f"stored into earlier in the step; compute it in this loop instead")
-            for name in _array_stores(s):
-                stored_by.setdefault(name, s.lineno)
-        back = [self.loop(s, active) for s in reversed(loops)]
+        loops = [s for kind, s in items if kind == "loop"]
+        recompute, reads_as = self.versions(loops)
+        # The adjoints run in reverse order: a loop that stores an element an earlier loop read
+        # (or also stored) takes that element's adjoint first, as the chain rule does; each
+        # reads the primal values as they were when its loop ran (reads_as)
+        back, j = [], len(loops)
+        for kind, s in reversed(items):
+            if kind == "sync":
+                back.append(_at(self.sync_stmt(), s))
+                continue
+            j -= 1
+            back.append(_read_versions(self.loop(s, active), reads_as[j]))
         for s in reversed(tops):
             g = ast.Name(id=self.bar_name(s.targets[0].id), ctx=ast.Load())
             back += self.scatter(s.value, g, active, s)
-        return fwd + zero + back
+        return fwd + zero + recompute + back
+
+    def sync_stmt(self):
+        lk = self.lk_name()
+        return ast.Expr(value=ast.Call(func=ast.Attribute(value=ast.Name(id=lk, ctx=ast.Load()), attr="sync",
+                                                          ctx=ast.Load()), args=[], keywords=[]))
+
+    def versions(self, loops):
+        """(statements recomputing what later loops read, per loop the scratch array to read
+        for each array it reads as an earlier loop of the step left it).
+
+        Each loop's adjoint recomputes its values from the state before the step (the arguments,
+        or the recorded states). Where a loop reads an array that an earlier loop stored into
+        (the next phase after ``lk.sync()``, or an element the same thread stored), that
+        version is recomputed first into a scratch array of its own: a copy of the version
+        before (the loop may store only some elements), then the loop run again with its stores
+        into that array only (its other stores left out), each part behind ``lk.sync()``. The
+        scratch arrays are extra parameters of the adjoint step (:attr:`scratch`)."""
+        stores = [_array_stores(s) for s in loops]
+        reads = [{name for name, _ in _array_reads(s)} for s in loops]
+        needed = set()                               # (loop, array): a version a later loop reads
+        for j, rd in enumerate(reads):
+            for a in rd:
+                last = max((i for i in range(j) if a in stores[i]), default=None)
+                if last is not None:
+                    needed.add((last, a))
+        # a version holds the whole array: every earlier loop's stores into it are recomputed
+        # too (the heat step's interior and boundary loops both store v)
+        for a in {a for _, a in needed}:
+            kmax = max(k for k, b in needed if b == a)
+            needed |= {(i, a) for i in range(kmax) if a in stores[i]}
+        names, reads_as, current = {}, [], {}
+        out = []
+        for i, s in enumerate(loops):
+            reads_as.append(dict(current))
+            mine = sorted(a for (k, a) in needed if k == i)
+            if not mine:
+                for a in stores[i]:
+                    current.pop(a, None)             # not read again before another loop stores it
+                continue
+            for a in mine:
+                names[(i, a)] = self.fresh(f"{a}_after")
+                self.scratch.append((names[(i, a)], a))
+                out.append(_at(self.copy_loop(names[(i, a)], current.get(a, a), a), s))
+            out.append(_at(self.sync_stmt(), s))
+            redo = _read_versions(copy.deepcopy(s), current)
+            _keep_stores(redo, {a: names[(i, a)] for a in mine}, current)
+            out.append(redo)
+            out.append(_at(self.sync_stmt(), s))
+            for a in stores[i]:
+                if a in mine:
+                    current[a] = names[(i, a)]
+                else:
+                    current.pop(a, None)
+        return out, reads_as
+
+    def copy_loop(self, dst, src, like):
+        """``for k... in lk.grid(like.shape...): dst[k...] = src[k...]``, as many indices as the
+        step uses on ``like``."""
+        ndim = self.ndims.get(like)
+        if ndim is None:
+            raise self.error(self.parsed.tree, f"'{like}' is indexed with different numbers of indices")
+        lk = self.lk_name()
+        ks = [self.fresh("k") for _ in range(ndim)]
+        text = (f"for {', '.join(ks)} in {lk}.grid({', '.join(f'{like}.shape[{d}]' for d in range(ndim))}):\n"
+                f"    {dst}[{', '.join(ks)}] = {src}[{', '.join(ks)}]") if ndim > 1 else \
+            f"for {ks[0]} in {lk}.range({like}.shape[0]):\n    {dst}[{ks[0]}] = {src}[{ks[0]}]"
+        return ast.parse(text).body[0]
 
     def straight(self, stmts, defined, guard=None):
         """``stmts`` as straight-line assignments: ``x op= e`` becomes ``x = x op e``, and an
@@ -369,6 +453,53 @@ class _Adjoint:
         raise self.error(self.parsed.tree, "the step's module does not import loopkern by a name")
 
 
+def _index_counts(tree):
+    """Array name -> the number of indices the step uses on it (None where uses differ)."""
+    out = {}
+    for n in ast.walk(tree):
+        if isinstance(n, ast.Subscript) and isinstance(n.value, ast.Name):
+            k = len(n.slice.elts) if isinstance(n.slice, ast.Tuple) else 1
+            out[n.value.id] = k if out.get(n.value.id, k) == k else None
+    return out
+
+
+def _read_versions(node, reads_as):
+    """``node`` with each element read of an array in ``reads_as`` reading the array it names."""
+    for n in ast.walk(node):
+        if isinstance(n, ast.Subscript) and isinstance(n.value, ast.Name) and isinstance(n.ctx, ast.Load) \
+                and n.value.id in reads_as:
+            n.value = ast.copy_location(ast.Name(id=reads_as[n.value.id], ctx=ast.Load()), n.value)
+    return node
+
+
+def _keep_stores(loop, into, reads_as):
+    """Rewrite ``loop`` (a copy) to store only into the arrays in ``into``, renamed to their
+    scratch arrays; every other store becomes ``pass``. ``a[k] op= e`` becomes ``s[k] = r[k]
+    op e`` (``r``: the version ``reads_as`` names, else ``a``)."""
+    class Keep(ast.NodeTransformer):
+        def visit_Assign(self, node):
+            t = node.targets[0]
+            if isinstance(t, ast.Subscript) and isinstance(t.value, ast.Name):
+                if t.value.id not in into:
+                    return ast.copy_location(ast.Pass(), node)
+                t.value = ast.copy_location(ast.Name(id=into[t.value.id], ctx=ast.Load()), t.value)
+            return node
+
+        def visit_AugAssign(self, node):
+            t = node.target
+            if isinstance(t, ast.Subscript) and isinstance(t.value, ast.Name):
+                if t.value.id not in into:
+                    return ast.copy_location(ast.Pass(), node)
+                old = ast.Subscript(value=ast.Name(id=reads_as.get(t.value.id, t.value.id), ctx=ast.Load()),
+                                    slice=copy.deepcopy(t.slice), ctx=ast.Load())
+                t.value = ast.copy_location(ast.Name(id=into[t.value.id], ctx=ast.Load()), t.value)
+                return _at(ast.Assign(targets=[t], value=ast.BinOp(left=old, op=node.op, right=node.value)), node)
+            return node
+    Keep().visit(loop)
+    ast.fix_missing_locations(loop)
+    return loop
+
+
 def _array_reads(loop):
     """(array name, the Subscript node) for each element read in ``loop`` (an element updated
     with ``op=`` is read too)."""
@@ -429,8 +560,12 @@ def _at(new, old):
 
 
 def adjoint_function(parsed, active) -> tuple:
-    """(the adjoint step as a ParsedFunction, the adjoint parameters' names by parameter) for
-    the step ``parsed`` differentiated with respect to the parameters named in ``active``."""
+    """(the adjoint step as a ParsedFunction, the adjoint parameters' names by parameter, its
+    scratch array parameters as (name, the parameter whose shape and dtype it takes)) for the
+    step ``parsed`` differentiated with respect to the parameters named in ``active``. The
+    adjoint step's parameters are the step's, each active one followed by its adjoint, then
+    the scratch arrays (one per version of an array that a later loop reads after an earlier
+    loop stored into it; their contents on entry do not matter)."""
     tree = parsed.tree
     params = [a.arg for a in tree.args.args]
     check_active(tree, active)
@@ -442,8 +577,9 @@ def adjoint_function(parsed, active) -> tuple:
         new_args.append(copy.deepcopy(a))
         if a.arg in active:
             new_args.append(ast.arg(arg=adj.bar_name(a.arg), annotation=None))
+    new_args += [ast.arg(arg=name, annotation=None) for name, _ in adj.scratch]
     return (generated_step(parsed, f"{tree.name}_vjp", new_args, body),
-            {a: adj.bar_name(a) for a in params if a in active})
+            {a: adj.bar_name(a) for a in params if a in active}, tuple(adj.scratch))
 
 
 # -- whole segments in one kernel each: the recorder and the adjoint sweep over a segment ------

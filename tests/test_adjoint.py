@@ -129,9 +129,18 @@ def test_what_reverse_mode_does_not_cover_yet_is_a_clear_error(rng):
     jacobi = lk.megakernel(W.jacobi_step, swap=[("u", "v")])
     with pytest.raises(LoopkernError, match="returns a condition"):
         jax.grad(lambda a: jacobi.jax(a.reshape(4, 4), a.reshape(4, 4), 1e-3, max_steps=5)[0].sum())(u)
-    two = lk.megakernel(W.two_phase_step)
+    def centered(t, x):
+        # a reduction (forward mode has its rule; reverse mode not yet)
+        n = x.shape[0]
+        s = 0.0
+        for i in lk.range(n):
+            s += x[i]
+        mean = lk.sum(s) / n
+        for i in lk.range(n):
+            x[i] = x[i] - 0.5 * mean
+
     with pytest.raises(StepSyntaxError, match="reverse mode"):
-        jax.grad(lambda a: two.jax(a, a, a, steps=2)[0].sum())(u)
+        jax.grad(lambda a: lk.megakernel(centered).jax(a, steps=2)[0].sum())(u)
 
 
 def test_a_read_after_a_store_in_the_same_loop_is_refused():
@@ -451,7 +460,7 @@ def test_recorded_state_stacks_do_not_size_the_grid():
     # the recorder's and segment kernel's S_a hold one state per step: a launch covers one state
     from loopkern.interop.jax_bridge import _launch_work, _segment_kernels
     k = lk.megakernel(W.heat_step, swap=[("u", "v")])
-    rec, seg = _segment_kernels(k, ["u", "v"], ["u", "v"], {"u": 1, "v": 1})
+    rec, seg, _ = _segment_kernels(k, ["u", "v"], ["u", "v"], {"u": 1, "v": 1})
     n, steps = 5000, 71
     for mk in (rec, seg):
         sig = [((steps, n), "float32") if p.name.endswith("_states") else
@@ -493,9 +502,10 @@ def test_loops_of_one_step_take_their_adjoints_in_reverse_order(rng):
         np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-4, atol=1e-4)
 
 
-def test_a_loop_reading_what_an_earlier_loop_stored_is_refused(rng):
-    # the validator allows it (each thread reads the elements it stored itself), but the
-    # adjoint's recomputation would read the state before the step: a wrong gradient
+def test_a_loop_reading_what_an_earlier_loop_stored(rng):
+    # the validator allows it without lk.sync() (each thread reads the elements it stored
+    # itself); the adjoint recomputes tmp into a scratch array before the second loop's
+    # adjoint reads it (recomputing from the state before the step would be wrong)
     def two_loops(t, x, tmp):
         n = x.shape[0]
         for i in lk.range(n):
@@ -503,7 +513,120 @@ def test_a_loop_reading_what_an_earlier_loop_stored_is_refused(rng):
         for i in lk.range(n):
             x[i] = x[i] + 0.1 * tmp[i]
 
+    def ref(x):
+        return jax.lax.fori_loop(0, 3, lambda t, x: x + 0.1 * x * x, x)
     k = lk.megakernel(two_loops)
     x0 = jnp.asarray(rng.random(16).astype(np.float32))
-    with pytest.raises(StepSyntaxError, match="this loop reads 'tmp', which the loop at line"):
-        jax.grad(lambda x: (k.jax(x, jnp.zeros(16, jnp.float32), steps=3)[0] ** 2).sum())(x0)
+    got = jax.grad(lambda x: (k.jax(x, jnp.zeros(16, jnp.float32), steps=3)[0] ** 2).sum())(x0)
+    want = jax.grad(lambda x: (ref(x) ** 2).sum())(x0)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
+
+
+def _two_phase_jnp(x, steps):
+    def body(t, s):
+        x, _, _ = s
+        tmp = 0.5 * (x + jnp.roll(x, -1))
+        x = x + 0.1 * jnp.roll(tmp, 1)
+        return x, tmp, tmp - x
+    return jax.lax.fori_loop(0, steps, body, (x, x, x))
+
+
+@pytest.mark.parametrize("steps", [1, 7])
+def test_grad_of_a_step_in_phases(steps, rng):
+    # three phases separated by lk.sync(): each reads what the one before stored, at other
+    # threads' elements (wrapping around); the adjoint recomputes tmp and x, then runs the
+    # phases' adjoints backwards with the barriers between them
+    k = lk.megakernel(W.two_phase_step)
+    n = 24
+    x0 = jnp.asarray(rng.standard_normal(n).astype(np.float32))
+    w = jnp.asarray(rng.standard_normal(n).astype(np.float32))
+    z = jnp.zeros(n, jnp.float32)
+
+    def loss(x):
+        xo, tmp, out = k.jax(x, z, z, steps=steps)
+        return (xo * w).sum() + (out ** 2).sum() + (tmp * xo).sum()
+
+    def ref(x):
+        xo, tmp, out = _two_phase_jnp(x, steps)
+        return (xo * w).sum() + (out ** 2).sum() + (tmp * xo).sum()
+    np.testing.assert_allclose(np.asarray(jax.grad(loss)(x0)), np.asarray(jax.grad(ref)(x0)), rtol=1e-4, atol=1e-5)
+
+
+def smooth_then_flux(t, u, v, f, c):
+    # v stored by two loops (interior, ends), then read everywhere after lk.sync(); f stored
+    # except its last element; u stored in the last phase after the first phase read it
+    n = u.shape[0]
+    for i in lk.range(1, n - 1):
+        v[i] = u[i] + c * (u[i - 1] - 2.0 * u[i] + u[i + 1])
+    for i in lk.range(0, n, n - 1):
+        v[i] = u[i] * (1.0 - c)
+    lk.sync()
+    for i in lk.range(n - 1):
+        f[i] = v[i + 1] * v[i + 1] - v[i]
+    lk.sync()
+    for i in lk.range(1, n - 1):
+        u[i] = v[i] + 0.1 * c * (f[i] - f[i - 1])
+
+
+def _smooth_then_flux_jnp(u, v, f, c, steps):
+    def body(t, s):
+        u, v, f = s
+        v = v.at[1:-1].set(u[1:-1] + c * (u[:-2] - 2.0 * u[1:-1] + u[2:]))
+        v = v.at[0].set(u[0] * (1.0 - c)).at[-1].set(u[-1] * (1.0 - c))
+        f = f.at[:-1].set(v[1:] * v[1:] - v[:-1])
+        u = u.at[1:-1].set(v[1:-1] + 0.1 * c * (f[1:-1] - f[:-2]))
+        return u, v, f
+    return jax.lax.fori_loop(0, steps, body, (u, v, f))
+
+
+def test_grad_of_phases_whose_arrays_several_loops_store(rng):
+    k = lk.megakernel(smooth_then_flux)
+    n = 30
+    u0, v0, f0 = (jnp.asarray(rng.standard_normal(n).astype(np.float32)) for _ in range(3))
+    w1, w2 = (jnp.asarray(rng.standard_normal(n).astype(np.float32)) for _ in range(2))
+
+    def loss(run):
+        def f(u, v, ff, c):
+            a, b, d = run(u, v, ff, c)
+            return (a * w1).sum() + (b ** 2).sum() + (d * w2).sum()
+        return f
+    args = (u0, v0, f0, np.float32(0.2))
+    got = jax.grad(loss(lambda u, v, ff, c: k.jax(u, v, ff, c, steps=6)), argnums=(0, 1, 2, 3))(*args)
+    want = jax.grad(loss(lambda u, v, ff, c: _smooth_then_flux_jnp(u, v, ff, c, 6)), argnums=(0, 1, 2, 3))(*args)
+    for g, r in zip(got, want):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=2e-4, atol=2e-4)
+    assert float(np.abs(np.asarray(got[2])[-1] - np.asarray(w2)[-1])) < 1e-6   # f's last element: never stored
+
+
+@pytest.mark.parametrize("backend", ["cpu", pytest.param("cuda", marks=pytest.mark.sim)])
+def test_the_adjoint_step_of_a_step_in_phases_alone(backend, rng):
+    # kernel.adjoint(): one step of the reverse sweep, its scratch arrays (versions of v and f
+    # that later phases read) passed after the adjoints; against jax.vjp of one jnp step
+    adj = lk.megakernel(smooth_then_flux).adjoint("u", "v", "f", "c")
+    names = adj.spec.param_names
+    assert list(names[:8]) == ["u", "u_bar", "v", "v_bar", "f", "f_bar", "c", "c_bar"]
+    assert len(names) > 8 and all(n.startswith(("v_after", "f_after")) for n in names[8:])
+    n = 12
+    u, v, f = (rng.standard_normal(n) for _ in range(3))
+    bu, bv, bf = (rng.standard_normal(n) for _ in range(3))
+    c = 0.3
+    arrays = [u.copy(), bu.copy(), v.copy(), bv.copy(), f.copy(), bf.copy()]
+    cbar = np.zeros(1)
+    scratch = [np.full(n, np.nan) for _ in names[8:]]          # what they hold on entry must not matter
+    dev = arrays + [cbar] + scratch
+    if backend == "cuda":
+        from numba import cuda
+        dev = [cuda.to_device(a) for a in dev]
+    args = dev[:6] + [c, dev[6]] + dev[7:]
+    adj(*args, steps=1, backend=backend)
+    got = [np.asarray(a.copy_to_host() if backend == "cuda" else a) for a in dev]
+    from test_jax import _x64
+    with _x64():
+        one = lambda u, v, f, c: _smooth_then_flux_jnp(u, v, f, c, 1)   # noqa: E731
+        _, vjp = jax.vjp(one, jnp.asarray(u), jnp.asarray(v), jnp.asarray(f), jnp.float64(c))
+        ru, rv, rf, rc = vjp((jnp.asarray(bu), jnp.asarray(bv), jnp.asarray(bf)))
+    np.testing.assert_allclose(got[1], np.asarray(ru), rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(got[3], np.asarray(rv), rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(got[5], np.asarray(rf), rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(got[6][0], float(rc), rtol=1e-10)
+    np.testing.assert_array_equal(got[0], u)                     # the primal state is not touched

@@ -426,7 +426,8 @@ class _ReverseContext:
 
 
 def _segment_kernels(mk, active_names, state, ndims):
-    """(the recorder, the segment's adjoint sweep) for ``mk``: see ``loopkern/adjoint.py``.
+    """(the recorder, the segment's adjoint sweep, its scratch arrays) for ``mk``: see
+    ``loopkern/adjoint.py``.
     The adjoint step is generated first: it raises StepSyntaxError for what it cannot cover
     yet. Cached on ``mk``."""
     from ..adjoint import adjoint_function, recorder_function, segment_adjoint_function
@@ -436,7 +437,7 @@ def _segment_kernels(mk, active_names, state, ndims):
     cache = mk.__dict__.setdefault("_segment_kernels", {})
     if key not in cache:
         parsed = parse_step(mk.fn)
-        adj, bars = adjoint_function(parsed, set(active_names))
+        adj, bars, scratch = adjoint_function(parsed, set(active_names))
         pairs = [(mk.spec.param_names[a], mk.spec.param_names[b]) for a, b in mk.spec.swap]
         d = mk.dispatcher.defaults
         rec, rec_stacks, _ = recorder_function(parsed, state, ndims)
@@ -447,7 +448,7 @@ def _segment_kernels(mk, active_names, state, ndims):
         for k, stacks in zip(kernels, (rec_stacks, seg_stacks)):
             names = k.spec.param_names
             k.__dict__["_stacked_params"] = frozenset(names.index(v) for v in stacks.values())
-        cache[key] = kernels
+        cache[key] = kernels + (scratch,)
     return cache[key]
 
 
@@ -486,7 +487,11 @@ def _reverse_sweep(ctx, name, cts, n, t0, args) -> list:
     swapped = {i for pair in mk.spec.swap for i in pair}
     state = [i for i in arr_idx if mk.spec.params[i].written or i in swapped]
     ndims = {params[i]: len(ctx.sig[i][0]) for i in state}
-    rec, seg = _segment_kernels(mk, active_names, [params[i] for i in state], ndims)
+    rec, seg, scratch = _segment_kernels(mk, active_names, [params[i] for i in state], ndims)
+    # the adjoint step's scratch arrays (versions of arrays that its loops recompute): shaped
+    # as the arrays they hold versions of; what they hold on entry does not matter
+    scratch_arrays = [jnp.zeros(ctx.sig[params.index(like)][0], ctx.sig[params.index(like)][1])
+                      for _, like in scratch]
     # the cotangents of the tangent run's outputs: per array parameter its value, then (active)
     # its tangent; only the tangents' matter
     bars, k_out = {}, 0
@@ -538,7 +543,7 @@ def _reverse_sweep(ctx, name, cts, n, t0, args) -> list:
             if i in ctx.active:
                 arr_slots.append(("bar" if i in ctx.arr_set else "sbar", i))
                 argv.append(bars[i] if i in ctx.arr_set else sbars[i])
-        out = seg.jax(*argv, length - 1, base, steps=length, start=0, **opts)
+        out = seg.jax(*argv, *scratch_arrays, length - 1, base, steps=length, start=0, **opts)
         for (kind, i), o in zip(arr_slots, out):
             if kind == "bar":
                 bars[i] = o
