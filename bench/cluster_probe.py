@@ -51,28 +51,28 @@ def k_grid(iters, bar, out):
         out[cuda.blockIdx.x] = 1.0
 
 
-@cuda.jit("void(int64, uint32[:], float32[:], float32[:], int64)")
-def heat_cluster(iters, bar, u, v, n):
-    tid = cuda.grid(1)
-    nt = cuda.gridsize(1)
-    a, b = u, v
-    for _ in range(iters):
-        for i in range(tid + 1, n - 1, nt):
-            b[i] = a[i] + np.float32(0.25) * (a[i - 1] - np.float32(2.0) * a[i] + a[i + 1])
-        cluster_barrier()
-        a, b = b, a
+def _heat(barrier):
+    """A heat kernel reading and writing global memory, ``barrier(bar)`` between steps."""
+    @cuda.jit("void(int64, uint32[:], float32[:], float32[:], int64)")
+    def heat(iters, bar, u, v, n):
+        tid = cuda.grid(1)
+        nt = cuda.gridsize(1)
+        a, b = u, v
+        for _ in range(iters):
+            for i in range(tid + 1, n - 1, nt):
+                b[i] = a[i] + np.float32(0.25) * (a[i - 1] - np.float32(2.0) * a[i] + a[i + 1])
+            barrier(bar)
+            a, b = b, a
+    return heat
 
 
-@cuda.jit("void(int64, uint32[:], float32[:], float32[:], int64)")
-def heat_grid(iters, bar, u, v, n):
-    tid = cuda.grid(1)
-    nt = cuda.gridsize(1)
-    a, b = u, v
-    for _ in range(iters):
-        for i in range(tid + 1, n - 1, nt):
-            b[i] = a[i] + np.float32(0.25) * (a[i - 1] - np.float32(2.0) * a[i] + a[i + 1])
-        grid_sync(bar)
-        a, b = b, a
+@cuda.jit(device=True)
+def _cluster_barrier_of(bar):
+    cluster_barrier()
+
+
+heat_cluster = _heat(_cluster_barrier_of)
+heat_grid = _heat(grid_sync)
 
 
 @intrinsic
@@ -212,7 +212,7 @@ def main():
                                                  (heat_dsmem, 16, 1024, True), (heat_dsmem, 8, 512, True),
                                                  (heat_dsmem, 4, 512, True), (heat_dsmem, 1, 512, True),
                                                  (heat_grid, 132, 256, False)):
-            name = kernel.__name__
+            name = "heat_dsmem" if kernel is heat_dsmem else "heat_grid"
             shared = 4 * 2 * (-(-n // blocks) + 2) if kernel is heat_dsmem else 0
             if shared > 227 * 1024:
                 continue

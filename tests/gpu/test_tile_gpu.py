@@ -81,12 +81,15 @@ def test_tiles_above_48_kib_of_shared_memory(rng):
     np.testing.assert_array_equal(out["tile"][0], out["grid"][0])
 
 
-def test_a_timeout_leaves_exactly_run_steps_steps(rng):
+@pytest.mark.parametrize("mode,n", [("tile", 1 << 20), ("cluster", 65536 + 7)])
+def test_a_timeout_leaves_exactly_run_steps_steps(mode, n, rng, request):
+    if mode == "cluster":
+        request.getfixturevalue("clusters")
     cuda = _cuda()
     k = lk.megakernel(W.heat_step, swap=[("u", "v")])
-    u0 = rng.random(1 << 20).astype(np.float32)
+    u0 = rng.random(n).astype(np.float32)
     u, v = cuda.to_device(u0), cuda.to_device(u0)
-    run = k(u, v, np.float32(0.25), steps=10 ** 8, backend="cuda", scope="tile", timeout=0.3)
+    run = k(u, v, np.float32(0.25), steps=10 ** 8, backend="cuda", scope=mode, timeout=0.3)
     assert run.stopped == "timeout" and 0 < run.steps < 10 ** 8
     a, b = cuda.to_device(u0), cuda.to_device(u0)
     k(a, b, np.float32(0.25), steps=run.steps, backend="cuda", scope="grid")
@@ -94,17 +97,19 @@ def test_a_timeout_leaves_exactly_run_steps_steps(rng):
     np.testing.assert_array_equal(v.copy_to_host(), b.copy_to_host())
 
 
-@pytest.mark.parametrize("blocks", [7, None])
-def test_a_cancel_stops_every_block_at_one_step_and_the_next_run_starts_clean(blocks, rng):
+@pytest.mark.parametrize("mode,blocks", [("tile", 7), ("tile", None), ("cluster", None)])
+def test_a_cancel_stops_every_block_at_one_step_and_the_next_run_starts_clean(mode, blocks, rng, request):
     # every block must stop after the same step (one stopping at another count would leave the
     # others waiting at the barrier, or a torn state), and nothing the stop left behind may
     # stop or stall the next launch of the same plan
     import time
+    if mode == "cluster":
+        request.getfixturevalue("clusters")
     cuda = _cuda()
     k = lk.megakernel(W.heat_step, swap=[("u", "v")])
     u0 = rng.random(65536 + 7).astype(np.float32)
     u, v = cuda.to_device(u0), cuda.to_device(u0)
-    h = k.start(u, v, np.float32(0.25), steps=10 ** 9, backend="cuda", scope="tile", blocks=blocks)
+    h = k.start(u, v, np.float32(0.25), steps=10 ** 9, backend="cuda", scope=mode, blocks=blocks)
     time.sleep(0.2)
     h.cancel()
     run = h.wait(timeout=30)
@@ -114,7 +119,7 @@ def test_a_cancel_stops_every_block_at_one_step_and_the_next_run_starts_clean(bl
     np.testing.assert_array_equal(u.copy_to_host(), a.copy_to_host())
     np.testing.assert_array_equal(v.copy_to_host(), b.copy_to_host())
     # the same plan again (same buffers of the free list): runs its 1001 steps, no fewer
-    again = k(u, v, np.float32(0.25), steps=1001, backend="cuda", scope="tile", blocks=blocks)
+    again = k(u, v, np.float32(0.25), steps=1001, backend="cuda", scope=mode, blocks=blocks)
     k(a, b, np.float32(0.25), steps=1001, backend="cuda", scope="grid")
     assert again.steps == 1001 and again.stopped == "steps"
     np.testing.assert_array_equal(u.copy_to_host(), a.copy_to_host())
@@ -130,19 +135,22 @@ def heat_with_probe(t, u, v, probe, alpha):
         probe[t % probe.shape[0]] = u[i]
 
 
-def test_a_step_that_also_writes_global_memory_in_tile_mode(rng):
+@pytest.mark.parametrize("mode,blocks", [("tile", 7), ("cluster", None)])
+def test_a_step_that_also_writes_global_memory_in_tile_mode(mode, blocks, rng, request):
     # probe stays in global memory (hist[t]-style stores), written by one block's thread at
     # every step: the last write must be the last step's, as in the grid scope
+    if mode == "cluster":
+        request.getfixturevalue("clusters")
     cuda = _cuda()
     k = lk.megakernel(heat_with_probe, swap=[("u", "v")])
     u0 = rng.random(65536 + 7).astype(np.float32)
     out = {}
-    for scope in ("tile", "grid"):
+    for scope in (mode, "grid"):
         u, v, p = cuda.to_device(u0), cuda.to_device(u0), cuda.to_device(np.zeros(5, np.float32))
-        k(u, v, p, np.float32(0.25), steps=2003, backend="cuda", scope=scope, blocks=7 if scope == "tile" else None)
+        k(u, v, p, np.float32(0.25), steps=2003, backend="cuda", scope=scope, blocks=blocks if scope == mode else None)
         out[scope] = (u.copy_to_host(), p.copy_to_host())
-    np.testing.assert_array_equal(out["tile"][0], out["grid"][0])
-    np.testing.assert_array_equal(out["tile"][1], out["grid"][1])
+    np.testing.assert_array_equal(out[mode][0], out["grid"][0])
+    np.testing.assert_array_equal(out[mode][1], out["grid"][1])
 
 
 @pytest.mark.parametrize("shape,blocks", [((1024, 1024), None), ((517, 333), 7), ((1500, 700), None)])
@@ -155,7 +163,12 @@ def test_two_dimensional_heat_in_tile_mode_equals_the_grid_scope(shape, blocks, 
     np.testing.assert_array_equal(out["tile"][1], out["grid"][1])
 
 
-def test_jacobi_to_tolerance_in_tile_mode_stops_where_the_grid_scope_does(rng):
+@pytest.mark.parametrize("mode", ["tile", "cluster"])
+def test_jacobi_to_tolerance_in_tile_mode_stops_where_the_grid_scope_does(mode, rng, request):
+    # in a cluster, the lk.max reduction combines the blocks' partial results across the
+    # cluster barrier
+    if mode == "cluster":
+        request.getfixturevalue("clusters")
     cuda = _cuda()
     k = lk.megakernel(W.jacobi_step, swap=[("u", "v")])
     # 300 x 49: tiles of 3 rows at 132 blocks, and a narrow side that converges in ~6000 steps
@@ -163,15 +176,15 @@ def test_jacobi_to_tolerance_in_tile_mode_stops_where_the_grid_scope_does(rng):
     u0 = rng.random((300, 49))
     tol = 1e-3
     runs, states = {}, {}
-    for scope in ("tile", "grid"):
+    for scope in (mode, "grid"):
         u, v = cuda.to_device(u0), cuda.to_device(u0)
         runs[scope] = k(u, v, tol, max_steps=20000, backend="cuda", scope=scope)
         states[scope] = u.copy_to_host()
-    assert runs["tile"].stopped == "condition" and runs["tile"].steps == runs["grid"].steps
-    np.testing.assert_array_equal(states["tile"], states["grid"])
+    assert runs[mode].stopped == "condition" and runs[mode].steps == runs["grid"].steps
+    np.testing.assert_array_equal(states[mode], states["grid"])
     ref, ref_steps = W.jacobi_ref(u0, tol, 20000)
-    assert abs(runs["tile"].steps - ref_steps) <= 1
-    np.testing.assert_allclose(states["tile"], ref, rtol=0, atol=1e-9)
+    assert abs(runs[mode].steps - ref_steps) <= 1
+    np.testing.assert_allclose(states[mode], ref, rtol=0, atol=1e-9)
 
 
 def test_a_field_too_large_for_the_chip_is_refused_before_anything_runs(rng):
@@ -247,67 +260,6 @@ def test_two_dimensional_heat_in_a_cluster_equals_the_grid_scope(shape, blocks, 
     out = _both(k, u0, (np.float32(0.2),), 1001, blocks, mode="cluster")
     np.testing.assert_array_equal(out["cluster"][0], out["grid"][0])
     np.testing.assert_array_equal(out["cluster"][1], out["grid"][1])
-
-
-@needs_clusters
-def test_jacobi_to_tolerance_in_a_cluster_stops_where_the_grid_scope_does(rng):
-    # the lk.max reduction combines the blocks' partial results across the cluster barrier
-    cuda = _cuda()
-    k = lk.megakernel(W.jacobi_step, swap=[("u", "v")])
-    u0 = rng.random((300, 49))
-    tol = 1e-3
-    runs, states = {}, {}
-    for scope in ("cluster", "grid"):
-        u, v = cuda.to_device(u0), cuda.to_device(u0)
-        runs[scope] = k(u, v, tol, max_steps=20000, backend="cuda", scope=scope)
-        states[scope] = u.copy_to_host()
-    assert runs["cluster"].stopped == "condition" and runs["cluster"].steps == runs["grid"].steps
-    np.testing.assert_array_equal(states["cluster"], states["grid"])
-    ref, ref_steps = W.jacobi_ref(u0, tol, 20000)
-    assert abs(runs["cluster"].steps - ref_steps) <= 1
-    np.testing.assert_allclose(states["cluster"], ref, rtol=0, atol=1e-9)
-
-
-@needs_clusters
-def test_a_step_that_also_writes_global_memory_in_a_cluster(rng):
-    cuda = _cuda()
-    k = lk.megakernel(heat_with_probe, swap=[("u", "v")])
-    u0 = rng.random(65536 + 7).astype(np.float32)
-    out = {}
-    for scope in ("cluster", "grid"):
-        u, v, p = cuda.to_device(u0), cuda.to_device(u0), cuda.to_device(np.zeros(5, np.float32))
-        k(u, v, p, np.float32(0.25), steps=2003, backend="cuda", scope=scope)
-        out[scope] = (u.copy_to_host(), p.copy_to_host())
-    np.testing.assert_array_equal(out["cluster"][0], out["grid"][0])
-    np.testing.assert_array_equal(out["cluster"][1], out["grid"][1])
-
-
-@needs_clusters
-def test_a_cancel_and_a_timeout_in_a_cluster_leave_exactly_run_steps_steps(rng):
-    import time
-    cuda = _cuda()
-    k = lk.megakernel(W.heat_step, swap=[("u", "v")])
-    u0 = rng.random(65536 + 7).astype(np.float32)
-    u, v = cuda.to_device(u0), cuda.to_device(u0)
-    h = k.start(u, v, np.float32(0.25), steps=10 ** 9, backend="cuda", scope="cluster")
-    time.sleep(0.2)
-    h.cancel()
-    run = h.wait(timeout=30)
-    assert run.stopped == "cancelled" and 0 < run.steps < 10 ** 9, run
-    a, b = cuda.to_device(u0), cuda.to_device(u0)
-    k(a, b, np.float32(0.25), steps=run.steps, backend="cuda", scope="grid")
-    np.testing.assert_array_equal(u.copy_to_host(), a.copy_to_host())
-    np.testing.assert_array_equal(v.copy_to_host(), b.copy_to_host())
-    u, v = cuda.to_device(u0), cuda.to_device(u0)
-    run = k(u, v, np.float32(0.25), steps=10 ** 9, backend="cuda", scope="cluster", timeout=0.3)
-    assert run.stopped == "timeout" and 0 < run.steps < 10 ** 9
-    a, b = cuda.to_device(u0), cuda.to_device(u0)
-    k(a, b, np.float32(0.25), steps=run.steps, backend="cuda", scope="grid")
-    np.testing.assert_array_equal(u.copy_to_host(), a.copy_to_host())
-    again = k(u, v, np.float32(0.25), steps=1001, backend="cuda", scope="cluster")
-    k(a, b, np.float32(0.25), steps=1001, backend="cuda", scope="grid")
-    assert again.steps == 1001 and again.stopped == "steps"
-    np.testing.assert_array_equal(u.copy_to_host(), a.copy_to_host())
 
 
 @needs_clusters
