@@ -356,8 +356,18 @@ class _Adjoint:
         # values each statement used
         version, ssa = {}, []
         stored = {}
+        assigned = {b.targets[0].id for b in body if isinstance(b.targets[0], ast.Name)}
         for st in body:
             st = copy.deepcopy(st)
+            # a local the iteration reads before assigning it carries the value this thread's
+            # previous iteration left (s = s * 0.5 + x[i]): the recomputation, one iteration
+            # at a time, cannot see it
+            for n in ast.walk(st):
+                if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load) and n.id in assigned \
+                        and n.id not in version and n.id not in self.flags:
+                    raise self.error(st, f"'{n.id}' carries a value from one iteration of the loop to the next "
+                                         f"(this thread's previous iteration); assign it in the iteration before "
+                                         f"using it")
             value = _rename_loads(st.value, version)
             tgt = st.targets[0]
             if isinstance(tgt, ast.Name):

@@ -630,3 +630,17 @@ def test_the_adjoint_step_of_a_step_in_phases_alone(backend, rng):
     np.testing.assert_allclose(got[5], np.asarray(rf), rtol=1e-10, atol=1e-12)
     np.testing.assert_allclose(got[6][0], float(rc), rtol=1e-10)
     np.testing.assert_array_equal(got[0], u)                     # the primal state is not touched
+
+
+def test_a_local_carried_from_one_iteration_to_the_next_is_refused():
+    # s keeps what this thread's previous iteration left: the adjoint, recomputing one
+    # iteration at a time, would see the value before the loop (a wrong gradient, not an error)
+    def carried(t, x, y):
+        n = x.shape[0]
+        s = 0.0
+        for i in lk.range(n):
+            s = s * 0.5 + x[i]
+            y[i] = s * s
+
+    with pytest.raises(StepSyntaxError, match="'s' carries a value from one iteration of the loop to the next"):
+        lk.megakernel(carried).adjoint("x", "y")
