@@ -32,8 +32,9 @@ statements whose branches assign locals defined before them and store array elem
 becomes guarded assignments ``x = (e if taken else x)``, and each element stored one store of
 the branch's value or, where no branch stores it, its own), where an array the loop stores
 into is read in that loop only at the index it is stored at, and not after the store.
-Anything else (inner loops, reductions, atomics, helpers, a returned condition,
-``lk.random``) raises :class:`~loopkern.errors.StepSyntaxError` at its line.
+``lk.random`` draws have no derivative and draw what the step's draws drew. Anything else
+(inner loops, reductions, atomics, helpers, a returned condition) raises
+:class:`~loopkern.errors.StepSyntaxError` at its line.
 """
 
 from __future__ import annotations
@@ -41,7 +42,8 @@ from __future__ import annotations
 import ast
 import copy
 
-from .tangent import _mul, _Tangent, check_active, generated_step, reject_random
+from .tangent import _mul, _Tangent, check_active, generated_step
+from .validate import tag_random_sites
 
 
 class _Partial(_Tangent):
@@ -576,11 +578,13 @@ def adjoint_function(parsed, active) -> tuple:
     adjoint step's parameters are the step's, each active one followed by its adjoint, then
     the scratch arrays (one per version of an array that a later loop reads after an earlier
     loop stored into it; their contents on entry do not matter)."""
+    check_active(parsed.tree, active)
+    # the draws keep their sites in the step wherever the adjoint step copies them (they have
+    # no derivative: a draw is a fixed function of seed, step, key, subkey and site)
+    parsed = tag_random_sites(parsed)
     tree = parsed.tree
     params = [a.arg for a in tree.args.args]
-    check_active(tree, active)
     adj = _Adjoint(parsed, set(active))
-    reject_random(adj.tg, tree)
     body = adj.step(copy.deepcopy(tree.body))
     new_args = []
     for a in tree.args.args:

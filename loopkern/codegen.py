@@ -237,7 +237,12 @@ class _Lower(ast.NodeTransformer):
             if name in ("random_uniform", "random_normal"):
                 seed = ast.Name(id=f"{_P}seed", ctx=ast.Load())
                 step = ast.Name(id=self.index_name, ctx=ast.Load())
-                return _rt_call(name, [seed, step] + node.args, node)
+                args = node.args
+                if len(args) == 4:
+                    # a generated step's draw names the step index it draws for
+                    # (validate.tag_random_sites)
+                    args, step = args[:3], args[3]
+                return _rt_call(name, [seed, step] + args, node)
             if name in ("sum", "max", "min"):
                 if self.backend == "cpu":
                     return _rt_call(f"reduce_{name}", node.args, node)

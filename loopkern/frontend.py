@@ -40,6 +40,10 @@ class ParsedFunction:
     lines: tuple[str, ...] = field(repr=False)
     closure: dict = field(repr=False)
     globals: dict = field(repr=False)
+    #: a generated step (tangent, adjoint), which moves and copies the step's ``lk.random``
+    #: draws: each draw names its site in the user's step as a third argument (see
+    #: validate's ``_random_call``), so that it draws the same numbers there
+    explicit_sites: bool = field(default=False, repr=False, compare=False)
 
     def lookup(self, name: str):
         """Resolve a free name the way Python would; returns (found, value)."""

@@ -11,8 +11,10 @@ runs the primal statements and, before each, the statement that carries their de
 - arithmetic, ``**``, ``math``'s functions, ``abs``, ``min``, ``max``, ``float``, conditional
   expressions, ``lk.sum`` (the sum of the tangents) and ``lk.atomic.add`` (the tangent added
   to the tangent array) have rules; comparisons, ``int()``, shapes and indices carry none;
-- ``lk.random`` draws are refused for now (they are numbered by their place in the step,
-  which the tangent step changes).
+- ``lk.random`` draws have no tangent (a draw is a fixed function of the seed, the step
+  index, its key and subkey and its call site); the tangent step's draws name their sites in
+  the step (``validate.tag_random_sites``), so they draw the same numbers wherever they are
+  copied.
 
 The result is a :class:`~loopkern.frontend.ParsedFunction` whose nodes keep the user's line
 numbers, so the tangent step validates, compiles and reports errors like the step itself.
@@ -28,6 +30,7 @@ import copy
 import dataclasses
 
 from .errors import StepSyntaxError
+from .validate import tag_random_sites
 
 _MATH_RULES = {
     # f(x) -> derivative as a function of the argument's AST and the call's AST
@@ -355,17 +358,6 @@ class _Tangent:
         return [self._loc(new, s)]
 
 
-def reject_random(tg: _Tangent, tree):
-    """``lk.random`` draws are numbered by their place in the step, and a generated step moves
-    and copies them, so its draws would not be the primal step's: refused for now."""
-    for n in ast.walk(tree):
-        if isinstance(n, ast.Call):
-            mod, _ = tg.module_of(n.func)
-            if mod == "lk.random":
-                raise tg.error(n, "lk.random draws in a step to differentiate are not supported yet",
-                               "pass the random numbers in an array")
-
-
 def check_active(tree, active):
     """ValueError unless every name in ``active`` is a parameter of the step after ``t``."""
     unknown = set(active) - {a.arg for a in tree.args.args[1:]}
@@ -389,11 +381,13 @@ def tangent_function(parsed, active) -> tuple:
     """(the tangent step as a ParsedFunction, the names of its parameters' tangents in order)
     for the step ``parsed`` differentiated with respect to the parameters named in ``active``
     (see the module docstring)."""
+    check_active(parsed.tree, active)
+    # the draws keep their sites in the step wherever the tangent statements copy them; a
+    # draw is a fixed function of (seed, t, key, subkey, site): no tangent
+    parsed = tag_random_sites(parsed)
     tree = parsed.tree
     params = [a.arg for a in tree.args.args]
-    check_active(tree, active)
     tg = _Tangent(parsed, set(active))
-    reject_random(tg, tree)
     names = tg.active_names(tree.body)
     body = tg.body(copy.deepcopy(tree.body), names)
     new_args = []

@@ -27,6 +27,7 @@ from __future__ import annotations
 import ast
 import builtins
 import copy
+import dataclasses
 import math
 import os
 import types
@@ -194,6 +195,7 @@ class _Normalizer(ast.NodeTransformer):
         self.atomic: set[str] = set()                 # params updated with lk.atomic.*
         self.param_stores: list[ast.Name] = []        # the step's parameters assigned to
         self.rng_sites = 0
+        self.site_at: dict = {}                       # (line, col) of each lk.random draw -> its site
         self.scalar_uses: dict[str, ast.AST] = {}
         self.thread_varying = False
 
@@ -668,6 +670,17 @@ class _Normalizer(ast.NodeTransformer):
         if not self.is_step:
             return self.reject(node, f"{target.display}() can only be called in the step function itself, not in "
                                      f"a helper", "draw in the step and pass the number to the helper")
+        if self.parsed.explicit_sites:
+            # a generated step: each draw (and each copy of it) names its site in the user's
+            # step and its step index (which a generated step may compute: the reverse sweep
+            # runs the steps backwards)
+            if len(node.args) != 4 or not isinstance(node.args[2], ast.Constant):
+                return self.reject(node, "a generated step's lk.random draw must name its site and step",
+                                   "generated steps tag their draws with tag_random_sites")
+            args = [self._scalar(a) for a in node.args[:2]] + [node.args[2], self._scalar(node.args[3])]
+            node.func = _marker(target.name, node)
+            node.args = args
+            return node
         if not 1 <= len(node.args) <= 2:
             return self.reject(node, f"{target.display}() takes a key and an optional subkey, got "
                                      f"{len(node.args)} arguments", f"write {target.display}(i) or {target.display}(i, k)")
@@ -675,6 +688,7 @@ class _Normalizer(ast.NodeTransformer):
         if len(args) == 1:
             args.append(ast.copy_location(ast.Constant(0), node))
         self.rng_sites += 1    # each call site draws its own numbers
+        self.site_at[(node.lineno, node.col_offset)] = self.rng_sites
         args.append(ast.copy_location(ast.Constant(self.rng_sites), node))
         node.func = _marker(target.name, node)
         node.args = args
@@ -1305,6 +1319,26 @@ def _returns(body):
     for node in ast.walk(ast.Module(body=list(body), type_ignores=[])):
         if isinstance(node, ast.Return):
             yield node
+
+
+def tag_random_sites(parsed):
+    """``parsed`` (a user's step) with each ``lk.random`` draw given its site number and the
+    step index as third and fourth arguments (its subkey, 0 by default, as the second), for
+    generating steps from it: the generated step's draws, wherever they are moved or copied
+    (and whatever the generated step's own index means), draw what the step's draws do.
+    Returns a ParsedFunction with ``explicit_sites`` set."""
+    ctx = _Context(parsed.name)
+    norm = _Normalizer(ctx, parsed, is_step=True)
+    norm.visit_body(copy.deepcopy(parsed.tree).body)
+    tree = copy.deepcopy(parsed.tree)
+    for n in ast.walk(tree):
+        site = norm.site_at.get((getattr(n, "lineno", None), getattr(n, "col_offset", None)))
+        if site is not None and isinstance(n, ast.Call):
+            if len(n.args) == 1:
+                n.args.append(ast.copy_location(ast.Constant(0), n))
+            n.args.append(ast.copy_location(ast.Constant(site), n))
+            n.args.append(ast.copy_location(ast.Name(id=tree.args.args[0].arg, ctx=ast.Load()), n))
+    return dataclasses.replace(parsed, tree=tree, explicit_sites=True)
 
 
 def validate_step(fn, swap=()) -> StepSpec:

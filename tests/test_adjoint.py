@@ -644,3 +644,55 @@ def test_a_local_carried_from_one_iteration_to_the_next_is_refused():
 
     with pytest.raises(StepSyntaxError, match="'s' carries a value from one iteration of the loop to the next"):
         lk.megakernel(carried).adjoint("x", "y")
+
+
+def noisy_heat(t, u, v, a, s):
+    # two draws per cell (sites 1 and 2), one scaling the other's contribution
+    n = u.shape[0]
+    for i in lk.range(1, n - 1):
+        kick = s * lk.random.normal(i)
+        v[i] = u[i] + a * (u[i - 1] - 2.0 * u[i] + u[i + 1]) + kick * (1.0 + 0.5 * lk.random.uniform(i, 3))
+    for i in lk.range(0, n, n - 1):
+        v[i] = u[i]
+
+
+def _noisy_heat_jnp(u, a, s, steps, seed):
+    # the draws of the step's two call sites, from the reference interpreter's Philox
+    import interp
+    n = u.shape[0]
+    normal = np.array([[interp.ref_normal(seed, t, i, 0, 1) for i in range(n)] for t in range(steps)])
+    unif = np.array([[interp.ref_uniform(seed, t, i, 3, 2) for i in range(n)] for t in range(steps)])
+    factor = jnp.asarray((1.0 + 0.5 * unif).astype(np.float32))
+    normal = jnp.asarray(normal.astype(np.float32))
+
+    def body(t, x):
+        new = x[1:-1] + a * (x[:-2] - 2 * x[1:-1] + x[2:]) + s * normal[t, 1:-1] * factor[t, 1:-1]
+        return x.at[1:-1].set(new)
+    return jax.lax.fori_loop(0, steps, body, u)
+
+
+def test_grad_and_jvp_through_lk_random_draws(rng):
+    # a draw has no derivative; the tangent and adjoint steps copy draws around, and each copy
+    # must draw what the step's draw drew (same site), or the gradient is of another function
+    k = lk.megakernel(noisy_heat, swap=[("u", "v")])
+    u0 = jnp.asarray(rng.random(30).astype(np.float32))
+    w = jnp.asarray(rng.standard_normal(30).astype(np.float32))
+    seed = 12345
+    out = k.jax(u0, u0, np.float32(0.2), np.float32(0.05), steps=9, seed=seed)[0]
+    np.testing.assert_allclose(np.asarray(out), np.asarray(_noisy_heat_jnp(u0, 0.2, 0.05, 9, seed)),
+                               rtol=1e-5, atol=1e-6)
+
+    def loss(u, a, s):
+        return (k.jax(u, u, a, s, steps=9, seed=seed)[0] ** 2 * w).sum()
+
+    def ref(u, a, s):
+        return (_noisy_heat_jnp(u, a, s, 9, seed) ** 2 * w).sum()
+    args = (u0, np.float32(0.2), np.float32(0.05))
+    got = jax.grad(loss, argnums=(0, 1, 2))(*args)
+    want = jax.grad(ref, argnums=(0, 1, 2))(*args)
+    for g, r in zip(got, want):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-4, atol=1e-4)
+    _, tan = jax.jvp(lambda s: k.jax(u0, u0, np.float32(0.2), s, steps=9, seed=seed)[0], (np.float32(0.05),),
+                     (np.float32(1.0),))
+    _, rtan = jax.jvp(lambda s: _noisy_heat_jnp(u0, 0.2, s, 9, seed), (np.float32(0.05),), (np.float32(1.0),))
+    np.testing.assert_allclose(np.asarray(tan), np.asarray(rtan), rtol=1e-4, atol=1e-5)

@@ -286,16 +286,40 @@ def test_each_math_rule(fn, x0, deriv):
     assert yd[0] == pytest.approx(deriv(x0), rel=1e-12)
 
 
-def test_random_draws_are_refused_in_a_step_to_differentiate():
+@pytest.mark.parametrize("backend", ["cpu", pytest.param("cuda", marks=pytest.mark.sim)])
+def test_tangent_and_adjoint_steps_draw_what_the_step_draws(backend, rng):
+    # a draw is numbered by its call site in the step; the generated steps name that site and
+    # the step index explicitly, so their copies of a draw give the step's number (against the
+    # reference interpreter's Philox)
+    import interp
+
     def noisy(t, u, v):
         n = u.shape[0]
         for i in lk.range(n):
-            v[i] = u[i] * lk.random.uniform(i)
+            v[i] = u[i] * lk.random.uniform(i) + lk.random.normal(i, 2)
 
-    k = lk.megakernel(noisy, swap=[("u", "v")])
-    for make in (k.tangent, k.adjoint):
-        with pytest.raises(StepSyntaxError, match="lk.random draws in a step to differentiate"):
-            make("u", "v")
+    k = lk.megakernel(noisy)
+    n, seed, t0 = 16, 77, 5
+    r = np.array([interp.ref_uniform(seed, t0, i, 0, 1) for i in range(n)])
+    u, ud, g = rng.random(n), rng.standard_normal(n), rng.standard_normal(n)
+
+    def run(kernel, *arrays):
+        dev = [a.copy() for a in arrays]
+        if backend == "cuda":
+            from numba import cuda
+            dev = [cuda.to_device(a) for a in dev]
+        kernel(*dev, steps=1, start=t0, seed=seed, backend=backend)
+        return [d.copy_to_host() if backend == "cuda" else d for d in dev]
+
+    kt = k.tangent("u", "v")
+    assert list(kt.spec.param_names) == ["u", "u_dot", "v", "v_dot"]
+    _, _, _, vd = run(kt, u, ud, np.zeros(n), np.zeros(n))
+    np.testing.assert_allclose(vd, ud * r, rtol=1e-12)
+    ka = k.adjoint("u", "v")
+    assert list(ka.spec.param_names) == ["u", "u_bar", "v", "v_bar"]
+    _, ub, _, vb = run(ka, u, np.zeros(n), np.zeros(n), g)
+    np.testing.assert_allclose(ub, g * r, rtol=1e-12)
+    np.testing.assert_array_equal(vb, 0.0)
 
 
 def test_a_generated_kernel_keeps_its_own_step():
