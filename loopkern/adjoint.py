@@ -32,8 +32,13 @@ statements whose branches assign locals defined before them and store array elem
 becomes guarded assignments ``x = (e if taken else x)``, and each element stored one store of
 the branch's value or, where no branch stores it, its own), where an array the loop stores
 into is read in that loop only at the index it is stored at, and not after the store.
+``lk.sum`` reductions are covered in the form ``r = f(lk.sum(acc))`` after the loop that
+adds into ``acc`` (``acc += e``, also inside ``if``; ``acc`` starting at a value nothing
+differentiated reaches): the adjoint step recomputes ``r`` (the loop again, then the sum),
+and backwards sums the threads' shares of ``r``'s adjoint with ``lk.sum``, gives every
+thread's ``acc`` the total times ``df/dS``, and each addend of each iteration that adjoint.
 ``lk.random`` draws have no derivative and draw what the step's draws drew. Anything else
-(inner loops, reductions, atomics, helpers, a returned condition) raises
+(inner loops, ``lk.max``/``lk.min``, atomics, helpers, a returned condition) raises
 :class:`~loopkern.errors.StepSyntaxError` at its line.
 """
 
@@ -99,6 +104,7 @@ class _Adjoint:
         self.flags = set()          # the locals holding an if branch's "taken" flag
         self.guarded = set()        # the locals holding a store's value inside a branch (guarded)
         self.scratch = []           # (scratch array parameter, the array it holds a version of)
+        self.accumulators = set()   # locals the loops add into for an lk.sum after them
         self.ndims = _index_counts(parsed.tree)
 
     def error(self, node, what):
@@ -138,9 +144,9 @@ class _Adjoint:
     def step(self, body):
         """The adjoint step's body: the top-level assignments recomputed (every thread computes
         the same values), their adjoints zeroed, the values later loops read recomputed (see
-        :meth:`versions`), the parallel loops' adjoints in reverse order with the step's
-        ``lk.sync()`` barriers mirrored between them, then the active top-level assignments
-        walked backwards (each thread adds its share)."""
+        :meth:`versions`; ``lk.sum`` results too), the parallel loops' and reductions' adjoints
+        in reverse order with the step's ``lk.sync()`` barriers mirrored between them, then the
+        active top-level assignments walked backwards (each thread adds its share)."""
         fwd, items, assigned = [], [], []
         active = set(self.active)
         for s in body:
@@ -151,7 +157,17 @@ class _Adjoint:
             elif isinstance(s, ast.Assign) and len(s.targets) == 1 and isinstance(s.targets[0], ast.Name):
                 name = s.targets[0].id
                 if items:
-                    raise self.error(s, "a top-level assignment after a parallel loop has no adjoint yet")
+                    calls = {self.tg.module_of(n.func) for n in ast.walk(s.value) if isinstance(n, ast.Call)}
+                    in_loops = {n.id for kind, x in items if kind == "loop" for n in ast.walk(x)
+                                if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+                    later = {r["name"] for kind, r in items if kind == "reduce"} | set(active) | in_loops
+                    if not any(mod and mod.startswith("lk") for mod, _ in calls) and not _reads_any(s.value, later):
+                        # a value that nothing differentiated reaches (a later accumulator's
+                        # start, q = 0.0): recomputed where it stands, no adjoint
+                        items.append(("plain", s))
+                        continue
+                    items.append(("reduce", self.reduction(s, items, fwd)))
+                    continue
                 if name in assigned and (name in active or self.tg.is_active(s.value, active)):
                     raise self.error(s, f"'{name}' is assigned twice at the top level of the step")
                 assigned.append(name)
@@ -162,11 +178,32 @@ class _Adjoint:
                 continue                                # a docstring
             else:
                 raise self.error(s, "this statement has no adjoint yet")
-        tops = [s for s in fwd if s.targets[0].id in active]
-        zero = [_at(ast.Assign(targets=[ast.Name(id=self.bar_name(s.targets[0].id), ctx=ast.Store())],
-                               value=ast.Constant(0.0)), s) for s in tops]
         loops = [s for kind, s in items if kind == "loop"]
-        recompute, reads_as = self.versions(loops)
+        # a reduction's result is active if its accumulator (updated in a loop that reads
+        # active values) or the rest of its expression is
+        for kind, red in items:
+            if kind == "reduce":
+                # (an over-estimate: the loop reads something active)
+                if _reads_any(red["loop"], active):
+                    active.add(red["acc"])
+                    active.add(red["sum"])
+                if red["acc"] in active or self.tg.is_active(red["value"], active):
+                    active.add(red["name"])
+        tops = [s for s in fwd if s.targets[0].id in active]
+        reduced = [red for kind, red in items if kind == "reduce" and red["name"] in active]
+        zero = [_at(ast.Assign(targets=[ast.Name(id=self.bar_name(n), ctx=ast.Store())], value=ast.Constant(0.0)),
+                    at) for n, at in [(s.targets[0].id, s) for s in tops] + [(r["name"], r["node"]) for r in reduced]]
+        accumulating = {loops.index(red["loop"]) for kind, red in items if kind == "reduce"}
+        chunks, reads_as = self.versions(loops, accumulating)
+        recompute, j = [], 0
+        for kind, s in items:
+            if kind == "loop":
+                recompute += chunks[j]
+                j += 1
+            elif kind == "reduce":
+                recompute += s["recompute"]
+            elif kind == "plain":
+                recompute.append(copy.deepcopy(s))
         # The adjoints run in reverse order: a loop that stores an element an earlier loop read
         # (or also stored) takes that element's adjoint first, as the chain rule does; each
         # reads the primal values as they were when its loop ran (reads_as)
@@ -175,6 +212,12 @@ class _Adjoint:
             if kind == "sync":
                 back.append(_at(self.sync_stmt(), s))
                 continue
+            if kind == "reduce":
+                if s["name"] in active:
+                    back += self.reduction_adjoint(s, active)
+                continue
+            if kind == "plain":
+                continue
             j -= 1
             back.append(_read_versions(self.loop(s, active), reads_as[j]))
         for s in reversed(tops):
@@ -182,12 +225,65 @@ class _Adjoint:
             back += self.scatter(s.value, g, active, s)
         return fwd + zero + recompute + back
 
+    def reduction(self, s, items, fwd):
+        """A top-level assignment after the loops: ``r = f(lk.sum(acc))``, where ``acc`` starts
+        at a value that does not depend on what is differentiated and only the loop just before
+        updates it, as ``acc += e`` (an accumulator of the sum). Returns what the adjoint needs:
+        the recomputation (``S = lk.sum(acc)``; ``r = f(S)``), the loop, the names."""
+        sums = [n for n in ast.walk(s.value) if isinstance(n, ast.Call) and self.tg.module_of(n.func) == ("lk", "sum")]
+        loops = [x for kind, x in items if kind == "loop"]
+        if len(sums) != 1 or len(sums[0].args) != 1 or not isinstance(sums[0].args[0], ast.Name) or not loops:
+            raise self.error(s, "a top-level assignment after a parallel loop has an adjoint only as "
+                                "r = f(lk.sum(acc)), acc a local the loop before adds into")
+        acc = sums[0].args[0].id
+        init = [x for x in fwd if x.targets[0].id == acc] + [x for kind, x in items
+                                                             if kind == "plain" and x.targets[0].id == acc]
+        if not init or self.tg.is_active(init[-1].value, set(self.active)):
+            raise self.error(sums[0], f"'{acc}' must be set before the loops to a value that does not depend on "
+                                      f"what is differentiated (e.g. {acc} = 0.0)")
+        updating = [x for x in loops if acc in {n.id for n in ast.walk(x) if isinstance(n, ast.Name)
+                                                and isinstance(n.ctx, ast.Store)}]
+        if len(updating) != 1 or updating[0] is not loops[-1] or items[-1][0] != "loop" or \
+                any(kind == "plain" and x.targets[0].id == acc for kind, x in items[items.index(("loop", loops[-1])):]):
+            raise self.error(sums[0], f"'{acc}' must be added into by one loop, the one just before this "
+                                      f"reduction")
+        name = s.targets[0].id
+        total = self.fresh(f"{acc}_sum")
+        value = _replace_node(copy.deepcopy(s.value), sums[0], ast.Name(id=total, ctx=ast.Load()))
+        lk = self.lk_name()
+        rec = [_at(ast.Assign(targets=[ast.Name(id=total, ctx=ast.Store())], value=ast.Call(
+                   func=ast.Attribute(value=ast.Name(id=lk, ctx=ast.Load()), attr="sum", ctx=ast.Load()),
+                   args=[ast.Name(id=acc, ctx=ast.Load())], keywords=[])), s),
+               _at(ast.Assign(targets=[ast.Name(id=name, ctx=ast.Store())], value=value), s)]
+        self.accumulators.add(acc)
+        return dict(node=s, name=name, acc=acc, sum=total, value=value, loop=loops[-1], recompute=rec)
+
+    def reduction_adjoint(self, red, active):
+        """``r = f(S)``, ``S = lk.sum(acc)``, backwards: the threads' shares of r's adjoint are
+        summed (a reduction: every thread computed the same r), S's adjoint is that total times
+        df/dS, and every thread's accumulator gets it (dS/dacc = 1 for each thread's acc); the
+        rest of f's inputs get each thread's share."""
+        lk = self.lk_name()
+        node, name, acc, total, value = red["node"], red["name"], red["acc"], red["sum"], red["value"]
+        tot = self.fresh(f"{name}_bar_total")
+        out = [_at(ast.Assign(targets=[ast.Name(id=tot, ctx=ast.Store())], value=ast.Call(
+            func=ast.Attribute(value=ast.Name(id=lk, ctx=ast.Load()), attr="sum", ctx=ast.Load()),
+            args=[ast.Name(id=self.bar_name(name), ctx=ast.Load())], keywords=[])), node)]
+        out.append(_at(ast.Assign(targets=[ast.Name(id=self.bar_name(total), ctx=ast.Store())],
+                                  value=ast.Constant(0.0)), node))
+        out += self.scatter(value, ast.Name(id=tot, ctx=ast.Load()), active, node, only={total})
+        out += self.scatter(value, ast.Name(id=self.bar_name(name), ctx=ast.Load()), active, node,
+                            exclude={total})
+        out.append(_at(ast.Assign(targets=[ast.Name(id=self.bar_name(acc), ctx=ast.Store())],
+                                  value=ast.Name(id=self.bar_name(total), ctx=ast.Load())), node))
+        return out
+
     def sync_stmt(self):
         lk = self.lk_name()
         return ast.Expr(value=ast.Call(func=ast.Attribute(value=ast.Name(id=lk, ctx=ast.Load()), attr="sync",
                                                           ctx=ast.Load()), args=[], keywords=[]))
 
-    def versions(self, loops):
+    def versions(self, loops, accumulating=frozenset()):
         """(statements recomputing what later loops read, per loop the scratch array to read
         for each array it reads as an earlier loop of the step left it).
 
@@ -212,11 +308,17 @@ class _Adjoint:
             kmax = max(k for k, b in needed if b == a)
             needed |= {(i, a) for i in range(kmax) if a in stores[i]}
         names, reads_as, current = {}, [], {}
-        out = []
+        chunks = []
         for i, s in enumerate(loops):
             reads_as.append(dict(current))
             mine = sorted(a for (k, a) in needed if k == i)
+            out = []
+            chunks.append(out)
             if not mine:
+                if i in accumulating:
+                    # the loop again for its accumulators only (an lk.sum after it): no store
+                    redo = _read_versions(copy.deepcopy(s), current)
+                    out.append(_keep_stores(redo, {}, current))
                 for a in stores[i]:
                     current.pop(a, None)             # not read again before another loop stores it
                 continue
@@ -227,14 +329,14 @@ class _Adjoint:
             out.append(_at(self.sync_stmt(), s))
             redo = _read_versions(copy.deepcopy(s), current)
             _keep_stores(redo, {a: names[(i, a)] for a in mine}, current)
-            out.append(redo)
+            out.append(redo)                         # (its accumulators too)
             out.append(_at(self.sync_stmt(), s))
             for a in stores[i]:
                 if a in mine:
                     current[a] = names[(i, a)]
                 else:
                     current.pop(a, None)
-        return out, reads_as
+        return chunks, reads_as
 
     def copy_loop(self, dst, src, like):
         """``for k... in lk.grid(like.shape...): dst[k...] = src[k...]``, as many indices as the
@@ -326,7 +428,7 @@ class _Adjoint:
                             stores.setdefault(key, []).append((flag, local, b))
                             stored_here.add(tgt.value.id)
                             continue
-                        if tgt.id not in defined:
+                        if tgt.id not in defined and tgt.id not in self.accumulators:
                             raise self.error(b, f"'{tgt.id}' is first assigned inside an 'if'; assign it before")
                         if not (isinstance(b.value, ast.IfExp) and isinstance(b.value.test, ast.Name)
                                 and b.value.test.id == flag):
@@ -359,22 +461,34 @@ class _Adjoint:
         version, ssa = {}, []
         stored = {}
         assigned = {b.targets[0].id for b in body if isinstance(b.targets[0], ast.Name)}
+        accs = self.accumulators & assigned
+        acc_versions = {}                            # an accumulator's versions -> the accumulator
         for st in body:
             st = copy.deepcopy(st)
-            # a local the iteration reads before assigning it carries the value this thread's
-            # previous iteration left (s = s * 0.5 + x[i]): the recomputation, one iteration
-            # at a time, cannot see it
+            tgt = st.targets[0]
+            updates = isinstance(tgt, ast.Name) and tgt.id in accs
             for n in ast.walk(st):
-                if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load) and n.id in assigned \
-                        and n.id not in version and n.id not in self.flags:
+                if not (isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)):
+                    continue
+                if n.id in accs and not (updates and n.id == tgt.id):
+                    raise self.error(st, f"'{n.id}' adds up values for lk.sum: it may only be added into here "
+                                         f"({n.id} += ...), not read")
+                # a local the iteration reads before assigning it carries the value this
+                # thread's previous iteration left (s = s * 0.5 + x[i]): the recomputation,
+                # one iteration at a time, cannot see it
+                if n.id in assigned and n.id not in version and n.id not in self.flags and n.id not in accs:
                     raise self.error(st, f"'{n.id}' carries a value from one iteration of the loop to the next "
                                          f"(this thread's previous iteration); assign it in the iteration before "
                                          f"using it")
+            if updates and _additive_count(st.value, {tgt.id}) != 1:
+                raise self.error(st, f"'{tgt.id}' adds up values for lk.sum: update it only as "
+                                     f"{tgt.id} += e or {tgt.id} -= e")
             value = _rename_loads(st.value, version)
-            tgt = st.targets[0]
             if isinstance(tgt, ast.Name):
                 new = self.fresh(tgt.id)
                 version[tgt.id] = new
+                if updates:
+                    acc_versions[new] = tgt.id
                 ssa.append(("local", new, value, st))
             else:
                 if not isinstance(tgt.value, ast.Name):
@@ -404,14 +518,19 @@ class _Adjoint:
             if kind == "local":
                 fwd.append(_at(ast.Assign(targets=[ast.Name(id=name, ctx=ast.Store())], value=payload), st))
         for name in [n for k, n, _, _ in ssa if k == "local" and n in active]:
-            fwd.append(_at(ast.Assign(targets=[ast.Name(id=self.bar_name(name), ctx=ast.Store())],
-                                      value=ast.Constant(0.0)), s))
+            # every version of an accumulator has the adjoint of its final value (the sum's
+            # share for this thread): each addend enters the final value once
+            start = ast.Name(id=self.bar_name(acc_versions[name]), ctx=ast.Load()) if name in acc_versions \
+                else ast.Constant(0.0)
+            fwd.append(_at(ast.Assign(targets=[ast.Name(id=self.bar_name(name), ctx=ast.Store())], value=start), s))
         for kind, name, payload, st in reversed(ssa):
             if kind == "local":
                 if name not in active:
                     continue
                 g = ast.Name(id=self.bar_name(name), ctx=ast.Load())
-                back += self.scatter(payload, g, active, st)
+                back += self.scatter(payload, g, active, st,
+                                     exclude=set(acc_versions) | set(acc_versions.values()) if name in acc_versions
+                                     else frozenset())
             else:
                 if name not in active:
                     continue
@@ -428,11 +547,14 @@ class _Adjoint:
         new.body = fwd + back or [_at(ast.Pass(), s)]
         return new
 
-    def scatter(self, e, g, active, st):
+    def scatter(self, e, g, active, st, only=None, exclude=frozenset()):
         """Statements adding ``g`` times the partial derivative of ``e`` to the adjoint of each
-        active value ``e`` reads."""
+        active value ``e`` reads (those named in ``only``, if given, and not in ``exclude``)."""
         out = []
         for leaf in _leaves(self.tg, e, active):
+            lname = leaf.id if isinstance(leaf, ast.Name) else None
+            if (only is not None and lname not in only) or lname in exclude:
+                continue
             coef = _Partial(self.tg, leaf).d(e, active)
             if coef is None:
                 continue
@@ -510,6 +632,46 @@ def _keep_stores(loop, into, reads_as):
     Keep().visit(loop)
     ast.fix_missing_locations(loop)
     return loop
+
+
+def _replace_node(tree, old, new):
+    """``tree`` (a copy) with the node equal to ``old`` (by its dump and position) replaced by
+    ``new``."""
+    key = (ast.dump(old), getattr(old, "lineno", None), getattr(old, "col_offset", None))
+
+    class R(ast.NodeTransformer):
+        def generic_visit(self, node):
+            if (ast.dump(node), getattr(node, "lineno", None), getattr(node, "col_offset", None)) == key:
+                return ast.copy_location(new, node)
+            return super().generic_visit(node)
+    if (ast.dump(tree), getattr(tree, "lineno", None), getattr(tree, "col_offset", None)) == key:
+        return ast.copy_location(new, tree)
+    return R().visit(tree)
+
+
+def _additive_count(e, names):
+    """How many times ``e`` adds in a value named in ``names`` on each of its paths (the same
+    on every path), or -1: where such a name is used otherwise (multiplied, in a test, on one
+    path of a conditional expression only) or the count differs between paths."""
+    if isinstance(e, ast.Name) and e.id in names:
+        return 1
+    if isinstance(e, ast.BinOp) and isinstance(e.op, (ast.Add, ast.Sub)):
+        a = _additive_count(e.left, names)
+        b = _additive_count(e.right, names)
+        if a < 0 or b < 0 or (isinstance(e.op, ast.Sub) and b):
+            return -1
+        return a + b
+    if isinstance(e, ast.IfExp):
+        if _reads_any(e.test, names):
+            return -1
+        a, b = _additive_count(e.body, names), _additive_count(e.orelse, names)
+        return a if a == b else -1
+    return -1 if _reads_any(e, names) else 0
+
+
+def _reads_any(node, names):
+    """Whether ``node`` reads any of ``names`` (as a name or an array)."""
+    return any(isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load) and n.id in names for n in ast.walk(node))
 
 
 def _array_reads(loop):

@@ -129,18 +129,18 @@ def test_what_reverse_mode_does_not_cover_yet_is_a_clear_error(rng):
     jacobi = lk.megakernel(W.jacobi_step, swap=[("u", "v")])
     with pytest.raises(LoopkernError, match="returns a condition"):
         jax.grad(lambda a: jacobi.jax(a.reshape(4, 4), a.reshape(4, 4), 1e-3, max_steps=5)[0].sum())(u)
-    def centered(t, x):
-        # a reduction (forward mode has its rule; reverse mode not yet)
+    def scaled_by_max(t, x):
+        # lk.max (no rule in either mode yet)
         n = x.shape[0]
-        s = 0.0
+        m = 0.0
         for i in lk.range(n):
-            s += x[i]
-        mean = lk.sum(s) / n
+            m = max(m, abs(x[i]))
+        top = lk.max(m)
         for i in lk.range(n):
-            x[i] = x[i] - 0.5 * mean
+            x[i] = x[i] / (1.0 + top)
 
-    with pytest.raises(StepSyntaxError, match="reverse mode"):
-        jax.grad(lambda a: lk.megakernel(centered).jax(a, steps=2)[0].sum())(u)
+    with pytest.raises(StepSyntaxError, match=r"reverse mode: .*only as r = f\(lk.sum\(acc\)\)"):
+        lk.megakernel(scaled_by_max).adjoint("x")
 
 
 def test_a_read_after_a_store_in_the_same_loop_is_refused():
@@ -696,3 +696,137 @@ def test_grad_and_jvp_through_lk_random_draws(rng):
                      (np.float32(1.0),))
     _, rtan = jax.jvp(lambda s: _noisy_heat_jnp(u0, 0.2, s, 9, seed), (np.float32(0.05),), (np.float32(1.0),))
     np.testing.assert_allclose(np.asarray(tan), np.asarray(rtan), rtol=1e-4, atol=1e-5)
+
+
+def normalized(t, x, c):
+    # a nonlinear function of a sum, used by the next loop; c enters both
+    n = x.shape[0]
+    s = 0.0
+    for i in lk.range(n):
+        s += x[i] * x[i]
+    norm = math.sqrt(lk.sum(s) / n) + c
+    for i in lk.range(n):
+        x[i] = x[i] / norm
+
+
+def clipped_mean(t, x, y, a):
+    # a conditional accumulation, a reduction after a two-loop phase, and a second reduction
+    n = x.shape[0]
+    s = 0.0
+    for i in lk.range(n):
+        yi = a * x[i]
+        y[i] = yi
+        if x[i] > 0.0:
+            s += yi * x[i]
+        s -= 0.1 * x[i]
+    m = lk.sum(s) / n
+    q = 0.0
+    for i in lk.range(n):
+        nx = x[i] - 0.5 * m * y[i]
+        x[i] = nx
+        q += nx * nx
+    e = lk.sum(q)
+    for i in lk.range(n):
+        y[i] = y[i] + 0.01 * e
+
+
+def _clipped_mean_jnp(x, y, a, steps):
+    def body(t, st):
+        x, y = st
+        y = a * x
+        s = jnp.where(x > 0.0, y * x, 0.0).sum() - 0.1 * x.sum()
+        m = s / x.shape[0]
+        x = x - 0.5 * m * y
+        e = (x * x).sum()
+        return x, y + 0.01 * e
+    return jax.lax.fori_loop(0, steps, body, (x, y))
+
+
+def test_grad_through_lk_sum_reductions(rng):
+    k = lk.megakernel(normalized)
+    x0 = jnp.asarray(rng.standard_normal(20).astype(np.float32))
+    w = jnp.asarray(rng.standard_normal(20).astype(np.float32))
+
+    def ref(x, c):
+        return jax.lax.fori_loop(0, 3, lambda t, x: x / (jnp.sqrt(jnp.mean(x * x)) + c), x)
+    got = jax.grad(lambda x, c: (k.jax(x, c, steps=3)[0] * w).sum(), argnums=(0, 1))(x0, np.float32(0.3))
+    want = jax.grad(lambda x, c: (ref(x, c) * w).sum(), argnums=(0, 1))(x0, np.float32(0.3))
+    np.testing.assert_allclose(np.asarray(got[0]), np.asarray(want[0]), rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(float(got[1]), float(want[1]), rtol=1e-4)
+
+    k2 = lk.megakernel(clipped_mean)
+    y0 = jnp.asarray(rng.standard_normal(20).astype(np.float32))
+
+    def loss(run):
+        def f(x, y, a):
+            xo, yo = run(x, y, a)
+            return (xo * w).sum() + (yo ** 2).sum()
+        return f
+    args = (x0, y0, np.float32(0.7))
+    got = jax.grad(loss(lambda x, y, a: k2.jax(x, y, a, steps=4)), argnums=(0, 1, 2))(*args)
+    want = jax.grad(loss(lambda x, y, a: _clipped_mean_jnp(x, y, a, 4)), argnums=(0, 1, 2))(*args)
+    for g, r in zip(got, want):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=2e-4, atol=2e-4)
+
+
+def test_accumulators_reverse_mode_cannot_follow_are_refused():
+    def read_inside(t, x, y):
+        n = x.shape[0]
+        s = 0.0
+        for i in lk.range(n):
+            s += x[i]
+            y[i] = s
+        m = lk.sum(s)
+        for i in lk.range(n):
+            x[i] = x[i] - m
+
+    def product(t, x):
+        n = x.shape[0]
+        s = 1.0
+        for i in lk.range(n):
+            s = s * x[i]
+        m = lk.sum(s)
+        for i in lk.range(n):
+            x[i] = x[i] - m
+
+    def active_start(t, x, c):
+        n = x.shape[0]
+        s = c
+        for i in lk.range(n):
+            s += x[i]
+        m = lk.sum(s)
+        for i in lk.range(n):
+            x[i] = x[i] - m
+
+    with pytest.raises(StepSyntaxError, match="'s' adds up values for lk.sum: it may only be added into here"):
+        lk.megakernel(read_inside).adjoint("x", "y")
+    with pytest.raises(StepSyntaxError, match="update it only as s \\+= e or s -= e"):
+        lk.megakernel(product).adjoint("x")
+    with pytest.raises(StepSyntaxError, match="must be set before the loops to a value that does not depend"):
+        lk.megakernel(active_start).adjoint("x", "c")
+
+
+@pytest.mark.parametrize("backend", ["cpu", pytest.param("cuda", marks=pytest.mark.sim)])
+def test_the_adjoint_step_of_a_reduction_alone(backend, rng):
+    # kernel.adjoint() of clipped_mean: two lk.sum reductions, their totals formed with lk.sum
+    # in the adjoint step; against jax.vjp of one jnp step in float64
+    from test_jax import _x64
+    adj = lk.megakernel(clipped_mean).adjoint("x", "y", "a")
+    names = list(adj.spec.param_names)
+    assert names[:6] == ["x", "x_bar", "y", "y_bar", "a", "a_bar"]
+    n = 12
+    x, y, bx, by = (rng.standard_normal(n) for _ in range(4))
+    a = 0.7
+    dev = [x.copy(), bx.copy(), y.copy(), by.copy(), np.zeros(1)] + [np.full(n, np.nan) for _ in names[6:]]
+    if backend == "cuda":
+        from numba import cuda
+        dev = [cuda.to_device(d) for d in dev]
+    adj(*dev[:4], a, *dev[4:], steps=1, backend=backend, threads=32 if backend == "cuda" else None)
+    got = [d.copy_to_host() if backend == "cuda" else d for d in dev]
+    with _x64():
+        _, vjp = jax.vjp(lambda x, y, a: _clipped_mean_jnp(x, y, a, 1), jnp.asarray(x), jnp.asarray(y),
+                         jnp.float64(a))
+        rx, ry, ra = vjp((jnp.asarray(bx), jnp.asarray(by)))
+    np.testing.assert_allclose(got[1], np.asarray(rx), rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(got[3], np.asarray(ry), rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(got[4][0], float(ra), rtol=1e-10)
