@@ -38,7 +38,9 @@ differentiated reaches): the adjoint step recomputes ``r`` (the loop again, then
 and backwards sums the threads' shares of ``r``'s adjoint with ``lk.sum``, gives every
 thread's ``acc`` the total times ``df/dS``, and each addend of each iteration that adjoint.
 ``lk.random`` draws have no derivative and draw what the step's draws drew. Anything else
-(inner loops, ``lk.max``/``lk.min``, atomics, helpers, a returned condition) raises
+``lk.atomic.add(a, k, e)`` (not inside an ``if``, its old value unused) gives ``e`` the
+adjoint ``a_bar[k]``, which passes through. Anything else (inner loops, ``lk.max``/``lk.min``,
+``lk.atomic.max``/``min``, helpers, a returned condition) raises
 :class:`~loopkern.errors.StepSyntaxError` at its line.
 """
 
@@ -446,13 +448,37 @@ class _Adjoint:
                     tgt = copy.deepcopy(chain[0][2].targets[0])
                     out.append(_at(ast.Assign(targets=[tgt], value=value), chain[0][2]))
                 continue
+            atomic = self.atomic_of(st)
+            if atomic is not None:
+                if guard is not None:
+                    raise self.error(st, "an lk.atomic update inside an 'if' has no adjoint yet")
+                out.append(st)
+                continue
             if not isinstance(st, ast.Assign) or len(st.targets) != 1 or \
                     not isinstance(st.targets[0], (ast.Name, ast.Subscript)):
                 raise self.error(st, "this statement inside a parallel loop has no adjoint yet")
+            for n in ast.walk(st.value):
+                if isinstance(n, ast.Call) and self.tg.module_of(n.func)[0] == "lk.atomic":
+                    raise self.error(n, "the old value an lk.atomic update returns has no adjoint yet")
             if guard is None and isinstance(st.targets[0], ast.Name):
                 defined.add(st.targets[0].id)
             out.append(st)
         return out
+
+    def atomic_of(self, st):
+        """(array, index, value) of a statement ``lk.atomic.add(array, index, value)``; None for
+        any other statement; StepSyntaxError for ``lk.atomic.max``/``min``."""
+        if not (isinstance(st, ast.Expr) and isinstance(st.value, ast.Call)):
+            return None
+        mod, attr = self.tg.module_of(st.value.func)
+        if mod != "lk.atomic":
+            return None
+        if attr != "add":
+            raise self.error(st, f"lk.atomic.{attr} has no adjoint yet (lk.atomic.add has)")
+        arr, idx, value = st.value.args
+        if not isinstance(arr, ast.Name):
+            raise self.error(st, "an lk.atomic update of something other than a named array")
+        return arr, idx, value
 
     def loop(self, s, params):
         body = self.straight(s.body, set())
@@ -460,11 +486,20 @@ class _Adjoint:
         # values each statement used
         version, ssa = {}, []
         stored = {}
-        assigned = {b.targets[0].id for b in body if isinstance(b.targets[0], ast.Name)}
+        assigned = {b.targets[0].id for b in body
+                    if isinstance(b, ast.Assign) and isinstance(b.targets[0], ast.Name)}
         accs = self.accumulators & assigned
         acc_versions = {}                            # an accumulator's versions -> the accumulator
         for st in body:
             st = copy.deepcopy(st)
+            atomic = self.atomic_of(st)
+            if atomic is not None:
+                # a[k] += e from any iteration: e's adjoint is a_bar[k], which passes through
+                # unchanged (nothing in this loop may read a: the step would race)
+                arr, idx, value = atomic
+                stored.setdefault(arr.id, set())
+                ssa.append(("atomic", arr.id, (_rename_loads(idx, version), _rename_loads(value, version)), st))
+                continue
             tgt = st.targets[0]
             updates = isinstance(tgt, ast.Name) and tgt.id in accs
             for n in ast.walk(st):
@@ -507,7 +542,7 @@ class _Adjoint:
                         raise self.error(st, f"'{n.value.id}' is stored into in this loop and read at another index")
                     if n.value.id in stored_so_far:
                         raise self.error(st, f"'{n.value.id}' is read after this loop stored into it")
-            if kind == "store":
+            if kind in ("store", "atomic"):
                 stored_so_far.add(name)
         active = set(params)
         for kind, name, payload, st in ssa:
@@ -524,6 +559,16 @@ class _Adjoint:
                 else ast.Constant(0.0)
             fwd.append(_at(ast.Assign(targets=[ast.Name(id=self.bar_name(name), ctx=ast.Store())], value=start), s))
         for kind, name, payload, st in reversed(ssa):
+            if kind == "atomic":
+                if name not in active:
+                    continue
+                idx, value = payload
+                gname = self.fresh("g")
+                back.append(_at(ast.Assign(targets=[ast.Name(id=gname, ctx=ast.Store())], value=ast.Subscript(
+                    value=ast.Name(id=self.bar_name(name), ctx=ast.Load()), slice=copy.deepcopy(idx),
+                    ctx=ast.Load())), st))
+                back += self.scatter(value, ast.Name(id=gname, ctx=ast.Load()), active, st)
+                continue
             if kind == "local":
                 if name not in active:
                     continue
@@ -619,6 +664,15 @@ def _keep_stores(loop, into, reads_as):
                 t.value = ast.copy_location(ast.Name(id=into[t.value.id], ctx=ast.Load()), t.value)
             return node
 
+        def visit_Expr(self, node):
+            hit = _atomics(node)
+            if hit and node.value.args[0] is hit[0][0]:
+                a = node.value.args[0]
+                if a.id not in into:
+                    return ast.copy_location(ast.Pass(), node)
+                node.value.args[0] = ast.copy_location(ast.Name(id=into[a.id], ctx=ast.Load()), a)
+            return node
+
         def visit_AugAssign(self, node):
             t = node.target
             if isinstance(t, ast.Subscript) and isinstance(t.value, ast.Name):
@@ -688,9 +742,17 @@ def _array_reads(loop):
 
 
 def _array_stores(loop):
-    """The names of the arrays ``loop`` stores elements into."""
+    """The names of the arrays ``loop`` stores elements into (``lk.atomic`` updates too)."""
     return {n.value.id for n in ast.walk(loop)
-            if isinstance(n, ast.Subscript) and isinstance(n.value, ast.Name) and isinstance(n.ctx, ast.Store)}
+            if isinstance(n, ast.Subscript) and isinstance(n.value, ast.Name) and isinstance(n.ctx, ast.Store)} | \
+        {a.id for a, _, _ in _atomics(loop)}
+
+
+def _atomics(node):
+    """(array Name, index, value) of each ``<alias>.atomic.<op>(a, k, v)`` call in ``node``."""
+    return [tuple(n.args) for n in ast.walk(node)
+            if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and isinstance(n.func.value, ast.Attribute)
+            and n.func.value.attr == "atomic" and len(n.args) == 3 and isinstance(n.args[0], ast.Name)]
 
 
 def _branch_condition(e, leaf):

@@ -830,3 +830,67 @@ def test_the_adjoint_step_of_a_reduction_alone(backend, rng):
     np.testing.assert_allclose(got[1], np.asarray(rx), rtol=1e-10, atol=1e-12)
     np.testing.assert_allclose(got[3], np.asarray(ry), rtol=1e-10, atol=1e-12)
     np.testing.assert_allclose(got[4][0], float(ra), rtol=1e-10)
+
+
+def deposit(t, w, cell, grid, c):
+    # particles add into grid cells (several per cell), the grid decays, then each particle
+    # reads its cell back: a scatter with lk.atomic.add between phases
+    n = w.shape[0]
+    for i in lk.range(n):
+        lk.atomic.add(grid, cell[i], w[i] * w[i] * c)
+    lk.sync()
+    for k in lk.range(grid.shape[0]):
+        grid[k] = 0.9 * grid[k]
+    lk.sync()
+    for i in lk.range(n):
+        w[i] = w[i] + 0.01 * grid[cell[i]]
+
+
+def _deposit_jnp(w, cell, grid, c, steps):
+    def body(t, s):
+        w, grid = s
+        grid = 0.9 * grid.at[cell].add(w * w * c)
+        return w + 0.01 * grid[cell], grid
+    return jax.lax.fori_loop(0, steps, body, (w, grid))
+
+
+def test_grad_through_an_atomic_scatter(rng):
+    k = lk.megakernel(deposit)
+    n, m = 40, 7
+    w0 = jnp.asarray(rng.standard_normal(n).astype(np.float32))
+    cell = jnp.asarray(rng.integers(0, m, n).astype(np.int32))
+    g0 = jnp.asarray(rng.standard_normal(m).astype(np.float32))
+    u = jnp.asarray(rng.standard_normal(n).astype(np.float32))
+
+    def loss(run):
+        def f(w, g, c):
+            wo, go = run(w, g, c)
+            return (wo * u).sum() + (go ** 2).sum()
+        return f
+
+    def ours(w, g, c):
+        wo, _, go = k.jax(w, cell, g, c, steps=5)
+        return wo, go
+    args = (w0, g0, np.float32(0.3))
+    got = jax.grad(loss(ours), argnums=(0, 1, 2))(*args)
+    want = jax.grad(loss(lambda w, g, c: _deposit_jnp(w, cell, g, c, 5)), argnums=(0, 1, 2))(*args)
+    for g, r in zip(got, want):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-4, atol=1e-4)
+
+
+def test_atomics_reverse_mode_cannot_follow_are_refused():
+    def maxed(t, x, h):
+        n = x.shape[0]
+        for i in lk.range(n):
+            lk.atomic.max(h, 0, x[i])
+
+    def used_old(t, x, h):
+        n = x.shape[0]
+        for i in lk.range(n):
+            old = lk.atomic.add(h, 0, x[i])
+            x[i] = x[i] + 0.0 * old
+
+    with pytest.raises(StepSyntaxError, match="lk.atomic.max has no adjoint yet"):
+        lk.megakernel(maxed).adjoint("x", "h")
+    with pytest.raises(StepSyntaxError, match="the old value an lk.atomic update returns has no adjoint yet"):
+        lk.megakernel(used_old).adjoint("x", "h")
