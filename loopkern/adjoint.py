@@ -39,9 +39,11 @@ and backwards sums the threads' shares of ``r``'s adjoint with ``lk.sum``, gives
 thread's ``acc`` the total times ``df/dS``, and each addend of each iteration that adjoint.
 ``lk.random`` draws have no derivative and draw what the step's draws drew. Anything else
 ``lk.atomic.add(a, k, e)`` (not inside an ``if``, its old value unused) gives ``e`` the
-adjoint ``a_bar[k]``, which passes through. Anything else (inner loops, ``lk.max``/``lk.min``,
-``lk.atomic.max``/``min``, helpers, a returned condition) raises
-:class:`~loopkern.errors.StepSyntaxError` at its line.
+adjoint ``a_bar[k]``, which passes through. Anything else (inner loops, ``lk.max``/``lk.min`` outside a returned condition,
+``lk.atomic.max``/``min``, helpers, a ``return`` other than the last statement) raises
+:class:`~loopkern.errors.StepSyntaxError` at its line. A step that returns a condition is
+differentiated with its executed step count held: the adjoint step drops the ``return`` and
+every assignment only it used (Jacobi's error and its ``lk.max``).
 """
 
 from __future__ import annotations
@@ -703,6 +705,51 @@ def _replace_node(tree, old, new):
     return R().visit(tree)
 
 
+def _live_only(body):
+    """``body`` without the assignments to locals that nothing with an effect reads (stores,
+    ``lk.atomic`` updates and the values they use, transitively; a condition's ``if`` test
+    counts as used): what only a dropped ``return`` needed, e.g. Jacobi's error and its
+    ``lk.max``."""
+    module = ast.Module(body=body, type_ignores=[])
+    live = set()
+    while True:
+        before = len(live)
+        for n in ast.walk(module):
+            if isinstance(n, (ast.Assign, ast.AugAssign)):
+                tgts = n.targets if isinstance(n, ast.Assign) else [n.target]
+                effect = any(not isinstance(t, ast.Name) for t in tgts)
+                if effect or any(t.id in live for t in tgts if isinstance(t, ast.Name)):
+                    live |= {x.id for x in ast.walk(n) if isinstance(x, ast.Name) and isinstance(x.ctx, ast.Load)}
+                    if isinstance(n, ast.AugAssign) and isinstance(n.target, ast.Name):
+                        live.add(n.target.id)
+            elif isinstance(n, ast.Expr) or isinstance(n, (ast.If, ast.While, ast.For)):
+                part = n.value if isinstance(n, ast.Expr) else (n.test if not isinstance(n, ast.For) else n.iter)
+                live |= {x.id for x in ast.walk(part) if isinstance(x, ast.Name) and isinstance(x.ctx, ast.Load)}
+        if len(live) == before:
+            break
+
+    class Drop(ast.NodeTransformer):
+        def visit_Assign(self, node):
+            if all(isinstance(t, ast.Name) and t.id not in live for t in node.targets):
+                return None
+            return node
+
+        def visit_AugAssign(self, node):
+            if isinstance(node.target, ast.Name) and node.target.id not in live:
+                return None
+            return node
+
+        def generic_visit(self, node):
+            super().generic_visit(node)
+            for field in ("body", "orelse"):
+                stmts = getattr(node, field, None)
+                if isinstance(node, (ast.If, ast.For, ast.While)) and field == "body" and stmts == []:
+                    setattr(node, field, [ast.copy_location(ast.Pass(), node)])
+            return node
+    out = [Drop().visit(s) for s in body]
+    return [s for s in out if s is not None]
+
+
 def _additive_count(e, names):
     """How many times ``e`` adds in a value named in ``names`` on each of its paths (the same
     on every path), or -1: where such a name is used otherwise (multiplied, in a test, on one
@@ -809,7 +856,15 @@ def adjoint_function(parsed, active) -> tuple:
     tree = parsed.tree
     params = [a.arg for a in tree.args.args]
     adj = _Adjoint(parsed, set(active))
-    body = adj.step(copy.deepcopy(tree.body))
+    body = copy.deepcopy(tree.body)
+    if body and isinstance(body[-1], ast.Return):
+        # a step that returns a condition is differentiated with its step count held (the
+        # condition has no derivative): the adjoint step drops it, and what only it used
+        body = _live_only(body[:-1])
+    for n in ast.walk(ast.Module(body=body, type_ignores=[])):
+        if isinstance(n, ast.Return):
+            raise adj.error(n, "a 'return' other than the step's last statement has no adjoint yet")
+    body = adj.step(body)
     new_args = []
     for a in tree.args.args:
         new_args.append(copy.deepcopy(a))

@@ -127,8 +127,9 @@ def test_grad_of_a_nonlinear_in_place_update(rng):
 def test_what_reverse_mode_does_not_cover_yet_is_a_clear_error(rng):
     u = jnp.asarray(rng.random(16).astype(np.float32))
     jacobi = lk.megakernel(W.jacobi_step, swap=[("u", "v")])
-    with pytest.raises(LoopkernError, match="returns a condition"):
-        jax.grad(lambda a: jacobi.jax(a.reshape(4, 4), a.reshape(4, 4), 1e-3, max_steps=5)[0].sum())(u)
+    with pytest.raises(LoopkernError, match="needs max_steps known at trace time"):
+        jax.jit(jax.grad(lambda a, m: jacobi.jax(a.reshape(4, 4), a.reshape(4, 4), 1e-3, max_steps=m)[0].sum()))(
+            u, 5)
     def scaled_by_max(t, x):
         # lk.max (no rule in either mode yet)
         n = x.shape[0]
@@ -894,3 +895,34 @@ def test_atomics_reverse_mode_cannot_follow_are_refused():
         lk.megakernel(maxed).adjoint("x", "h")
     with pytest.raises(StepSyntaxError, match="the old value an lk.atomic update returns has no adjoint yet"):
         lk.megakernel(used_old).adjoint("x", "h")
+
+
+def _jacobi_jnp(u, steps):
+    def body(t, s):
+        x, y = s
+        return y.at[1:-1, 1:-1].set(0.25 * (x[:-2, 1:-1] + x[2:, 1:-1] + x[1:-1, :-2] + x[1:-1, 2:])), x
+    return jax.lax.fori_loop(0, steps, body, (u, u))[0]
+
+
+def test_grad_of_a_while_loop_holds_its_step_count(rng):
+    # Jacobi to a tolerance: the condition (an lk.max of a carried local) has no derivative and
+    # is left out of the adjoint step; the gradient is that of the steps the run executed
+    # (JAX's own while_loop cannot be differentiated in reverse mode: the reference is a
+    # fori_loop of that many steps)
+    k = lk.megakernel(W.jacobi_step, swap=[("u", "v")])
+    u0 = jnp.asarray(rng.random((8, 9)).astype(np.float32))
+    w = jnp.asarray(rng.standard_normal((8, 9)).astype(np.float32))
+    tol = np.float32(1e-3)
+    out = k.jax(u0, u0, tol, max_steps=400)
+    steps = int(out[-1])
+    assert 10 < steps < 400
+    np.testing.assert_allclose(np.asarray(out[0]), np.asarray(_jacobi_jnp(u0, steps)), rtol=1e-6, atol=1e-6)
+
+    def loss(u):
+        return (k.jax(u, u, tol, max_steps=400)[0] * w).sum()
+    want = jax.grad(lambda u: (_jacobi_jnp(u, steps) * w).sum())(u0)
+    for fn in (jax.grad(loss), jax.jit(jax.grad(loss))):
+        np.testing.assert_allclose(np.asarray(fn(u0)), np.asarray(want), rtol=1e-5, atol=1e-6)
+    # the adjoint step has no trace of the condition
+    src = k.adjoint("u", "v").source("cpu")
+    assert "reduce_max" not in src and "err" not in src

@@ -469,12 +469,10 @@ def _reverse_sweep(ctx, name, cts, n, t0, args) -> list:
     from jax.interpreters import ad
 
     mk = ctx.mk
-    if ctx.returns_condition:
-        raise LoopkernError(f"kernel.jax: reverse-mode differentiation of megakernel '{name}', whose step returns a "
-                            f"condition, is not supported yet; forward mode (jax.jvp, jax.jacfwd) is")
     nsteps = ctx.nsteps
     if nsteps is None:
-        raise LoopkernError(f"kernel.jax: reverse-mode differentiation of megakernel '{name}' needs a step count "
+        which = "max_steps" if ctx.returns_condition else "the step count"
+        raise LoopkernError(f"kernel.jax: reverse-mode differentiation of megakernel '{name}' needs {which} "
                             f"known at trace time (a Python int), not a traced value")
     params, nparams = ctx.params, len(ctx.params)
     active_names = [params[i] for i in ctx.active]
@@ -505,8 +503,17 @@ def _reverse_sweep(ctx, name, cts, n, t0, args) -> list:
     swap = [(a, b) for a, b in mk.spec.swap if a in bars and b in bars]
     opts = ctx.options
     k = max(1, _m.isqrt(max(nsteps, 1) - 1) + 1)
-    lengths = [min(k, nsteps - s) for s in range(0, nsteps, k)]
     t0 = jnp.asarray(t0).reshape(())
+    if ctx.returns_condition:
+        # differentiated with the executed step count held: one more forward run finds it (the
+        # condition stopped it), and the segments cover max_steps, those past it running no
+        # step; checkpoint memory is bounded by max_steps
+        count = mk.jax(*values, max_steps=nsteps, start=t0, **opts)[-1]
+        lengths = [jnp.clip(count - s, 0, min(k, nsteps - s)) for s in range(0, nsteps, k)]
+        rows = k
+    else:
+        lengths = [min(k, nsteps - s) for s in range(0, nsteps, k)]
+        rows = max(lengths)
 
     def exchange(bar_d):
         out = dict(bar_d)
@@ -526,7 +533,6 @@ def _reverse_sweep(ctx, name, cts, n, t0, args) -> list:
     # recorder writes into the stacks the previous segment's sweep returned (kernel.jax aliases
     # them), so XLA keeps one segment of states alive, not all of them (fresh stacks per segment
     # were all live at once in XLA's buffer assignment: about 2N states for N steps)
-    rows = max(lengths)
     stacks = [jnp.zeros((rows,) + tuple(ctx.sig[i][0]), ctx.sig[i][1]) for i in state]
     for s in reversed(range(len(lengths))):
         length, base = lengths[s], t0 + s * k
