@@ -926,3 +926,24 @@ def test_grad_of_a_while_loop_holds_its_step_count(rng):
     # the adjoint step has no trace of the condition
     src = k.adjoint("u", "v").source("cpu")
     assert "reduce_max" not in src and "err" not in src
+
+
+def test_the_gradient_of_a_chunked_run_equals_that_of_one_run(rng):
+    # the step depends on t (sin(t + y)), so each chunk must differentiate its own steps:
+    # start= reaches the reverse sweep's recorded and recomputed steps
+    k = lk.megakernel(nonlinear_inplace)
+    x0 = jnp.asarray(rng.standard_normal(30).astype(np.float32))
+
+    def one(x, kk):
+        return (k.jax(x, kk, steps=17)[0] ** 2).sum()
+
+    def chunked(x, kk):
+        y = k.jax(x, kk, steps=10)[0]
+        y = k.jax(y, kk, steps=4, start=10)[0]
+        return (k.jax(y, kk, steps=3, start=14)[0] ** 2).sum()
+    a = jax.grad(one, argnums=(0, 1))(x0, np.float32(1.3))
+    b = jax.grad(chunked, argnums=(0, 1))(x0, np.float32(1.3))
+    np.testing.assert_allclose(np.asarray(b[0]), np.asarray(a[0]), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(float(b[1]), float(a[1]), rtol=1e-5)
+    want = jax.grad(lambda x, kk: (_nonlinear_jnp(x, kk, 17) ** 2).sum(), argnums=(0, 1))(x0, np.float32(1.3))
+    np.testing.assert_allclose(np.asarray(b[0]), np.asarray(want[0]), rtol=1e-4, atol=1e-4)
