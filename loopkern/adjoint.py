@@ -39,7 +39,8 @@ and backwards sums the threads' shares of ``r``'s adjoint with ``lk.sum``, gives
 thread's ``acc`` the total times ``df/dS``, and each addend of each iteration that adjoint.
 ``lk.random`` draws have no derivative and draw what the step's draws drew. Anything else
 ``lk.atomic.add(a, k, e)`` (not inside an ``if``, its old value unused) gives ``e`` the
-adjoint ``a_bar[k]``, which passes through. Anything else (inner loops, ``lk.max``/``lk.min`` outside a returned condition,
+adjoint ``a_bar[k]``, which passes through. Anything else (inner loops other than ``range`` with constant bounds, which are unrolled,
+``lk.max``/``lk.min`` outside a returned condition,
 ``lk.atomic.max``/``min``, helpers, a ``return`` other than the last statement) raises
 :class:`~loopkern.errors.StepSyntaxError` at its line. A step that returns a condition is
 differentiated with its executed step count held: the adjoint step drops the ``return`` and
@@ -53,6 +54,11 @@ import copy
 
 from .tangent import _mul, _Tangent, check_active, generated_step
 from .validate import tag_random_sites
+
+
+#: reverse mode unrolls an inner ``range`` loop with constant bounds into at most this many
+#: statements
+UNROLL_MAX_STATEMENTS = 256
 
 
 class _Partial(_Tangent):
@@ -368,6 +374,9 @@ class _Adjoint:
         read an array after storing into it (the store moves to the end of the ``if``)."""
         out = []
         for st in stmts:
+            if isinstance(st, ast.For):
+                out += self.straight(self.unrolled(st), defined, guard)
+                continue
             if isinstance(st, ast.AugAssign):
                 load = copy.deepcopy(st.target)
                 for n in ast.walk(load):
@@ -465,6 +474,44 @@ class _Adjoint:
             if guard is None and isinstance(st.targets[0], ast.Name):
                 defined.add(st.targets[0].id)
             out.append(st)
+        return out
+
+    def unrolled(self, st):
+        """A plain ``for k in range(a[, b[, c]])`` loop with constant bounds inside a parallel
+        loop, as its body repeated with ``k`` replaced by each value (then ``k`` set to the
+        last, as Python leaves it): straight-line code for the backward walk. Other inner loops
+        are refused."""
+        it = st.iter
+        bounds = it.args if isinstance(it, ast.Call) and isinstance(it.func, ast.Name) and it.func.id == "range" \
+            else None
+        if bounds is None or st.orelse or not isinstance(st.target, ast.Name) or not bounds or \
+                not all(isinstance(b, ast.Constant) and isinstance(b.value, int) for b in bounds):
+            raise self.error(st, "an inner loop has an adjoint only as 'for k in range(...)' with constant bounds "
+                                 "(it is unrolled)")
+        values = range(*[b.value for b in bounds])
+        if len(values) * len(st.body) > UNROLL_MAX_STATEMENTS:
+            raise self.error(st, f"this inner loop would unroll into {len(values) * len(st.body)} statements "
+                                 f"(at most {UNROLL_MAX_STATEMENTS})")
+        for n in ast.walk(st):
+            if isinstance(n, (ast.Break, ast.Continue)):
+                raise self.error(n, "a 'break' or 'continue' in an inner loop has no adjoint yet")
+        k = st.target.id
+        out = []
+        for v in values:
+            for b in st.body:
+                b = copy.deepcopy(b)
+                for n in ast.walk(b):
+                    for field, child in ast.iter_fields(n):
+                        if isinstance(child, ast.Name) and child.id == k and isinstance(child.ctx, ast.Load):
+                            setattr(n, field, ast.copy_location(ast.Constant(v), child))
+                        elif isinstance(child, list):
+                            child[:] = [ast.copy_location(ast.Constant(v), c)
+                                        if isinstance(c, ast.Name) and c.id == k and isinstance(c.ctx, ast.Load)
+                                        else c for c in child]
+                out.append(b)
+        if values:
+            out.append(_at(ast.Assign(targets=[ast.Name(id=k, ctx=ast.Store())], value=ast.Constant(values[-1])),
+                           st))
         return out
 
     def atomic_of(self, st):

@@ -947,3 +947,44 @@ def test_the_gradient_of_a_chunked_run_equals_that_of_one_run(rng):
     np.testing.assert_allclose(float(b[1]), float(a[1]), rtol=1e-5)
     want = jax.grad(lambda x, kk: (_nonlinear_jnp(x, kk, 17) ** 2).sum(), argnums=(0, 1))(x0, np.float32(1.3))
     np.testing.assert_allclose(np.asarray(b[0]), np.asarray(want[0]), rtol=1e-4, atol=1e-4)
+
+
+def windowed(t, u, v, c):
+    # an inner loop of constant bounds (unrolled by reverse mode) accumulating into a local,
+    # with its index in the arithmetic
+    n = u.shape[0]
+    for i in lk.range(n):
+        acc = 0.0
+        for k in range(3):
+            acc += u[(i + k) % n] * (k + c)
+        v[i] = acc / 3.0 + math.exp(-u[i] * u[i])
+
+
+def test_grad_through_an_inner_loop_of_constant_bounds(rng):
+    k = lk.megakernel(windowed, swap=[("u", "v")])
+    u0 = jnp.asarray(rng.random(16).astype(np.float32))
+    w = jnp.asarray(rng.standard_normal(16).astype(np.float32))
+
+    def ref(u, c):
+        def body(t, s):
+            x, _ = s
+            acc = sum(jnp.roll(x, -j) * (j + c) for j in range(3))
+            return acc / 3.0 + jnp.exp(-x * x), x
+        return jax.lax.fori_loop(0, 4, body, (u, u))[0]
+    got = jax.grad(lambda u, c: (k.jax(u, u, c, steps=4)[0] * w).sum(), argnums=(0, 1))(u0, np.float32(0.5))
+    want = jax.grad(lambda u, c: (ref(u, c) * w).sum(), argnums=(0, 1))(u0, np.float32(0.5))
+    np.testing.assert_allclose(np.asarray(got[0]), np.asarray(want[0]), rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(float(got[1]), float(want[1]), rtol=1e-4)
+
+    def with_break(t, u, v):
+        n = u.shape[0]
+        for i in lk.range(n):
+            acc = 0.0
+            for j in range(3):
+                if u[(i + j) % n] > 0.5:
+                    break
+                acc += u[(i + j) % n]
+            v[i] = acc
+
+    with pytest.raises(StepSyntaxError, match="a 'break' or 'continue' in an inner loop has no adjoint yet"):
+        lk.megakernel(with_break, swap=[("u", "v")]).adjoint("u", "v")
