@@ -65,6 +65,26 @@ def scalar_type(v):
     return typeof(np.float64(v) if isinstance(v, float) else v)
 
 
+def measure(ptx) -> dict:
+    """What the tests check in a kernel's PTX."""
+    return dict(own_barrier=ptx.count("atom.add.release.gpu"), cg=ptx.count("cudaCGSynchronize"),
+                cluster_barrier=ptx.count("barrier.cluster.arrive"),
+                shuffles=ptx.count("shfl.sync"), globaltimer=ptx.count("%globaltimer"),
+                volatile_host=ptx.count("st.volatile.u64"), sys_fence=ptx.count("membar.sys"),
+                bounds_records=ptx.count("atom.global.cas") + ptx.count("atom.cas"),
+                dynamic_shared=ptx.count(".extern .shared"), extern_funcs=ptx.count(".extern .func"),
+                # lk.atomic: hardware atomics (float max/min are compare-and-swap loops)
+                atom_add=ptx.count("atom.global.add") + ptx.count("red.global.add"),
+                atom_minmax=ptx.count("atom.global.max") + ptx.count("atom.global.min"),
+                atom_cas=ptx.count("atom.global.cas"),
+                # element accesses in the global state space (runtime/arrays.py)
+                ld_global=len(re.findall(r"\bld\.global\.(?:[suf]\d+|b\d+)\b", ptx)),
+                st_global=len(re.findall(r"\bst\.global\.(?:[suf]\d+|b\d+)\b", ptx)),
+                # ... and the staged arrays' (or tiles') in the shared state space
+                ld_shared=len(re.findall(r"\bld\.shared\.(?:[suf]\d+|b\d+)\b", ptx)),
+                st_shared=len(re.findall(r"\bst\.shared\.(?:[suf]\d+|b\d+)\b", ptx)))
+
+
 for name, fn, swap, args, scopes in CASES:
     k = lk.megakernel(fn, swap=swap)
     for scope in scopes:
@@ -97,21 +117,7 @@ for name, fn, swap, args, scopes in CASES:
                 src = codegen.render_kernel(k.spec, "cuda", scope, cache=False, by_ref=refs, debug=debug,
                                             staged=staged, index_bits=bits)
                 ptx, _ = cuda.compile_ptx(compile_kernel(src).dispatcher.py_func, sig, cc=(9, 0))
-                rec.update(ok=True, own_barrier=ptx.count("atom.add.release.gpu"), cg=ptx.count("cudaCGSynchronize"),
-                           shuffles=ptx.count("shfl.sync"), globaltimer=ptx.count("%globaltimer"),
-                           volatile_host=ptx.count("st.volatile.u64"), sys_fence=ptx.count("membar.sys"),
-                           bounds_records=ptx.count("atom.global.cas") + ptx.count("atom.cas"),
-                           dynamic_shared=ptx.count(".extern .shared"), extern_funcs=ptx.count(".extern .func"),
-                           # lk.atomic: hardware atomics (float max/min are compare-and-swap loops)
-                           atom_add=ptx.count("atom.global.add") + ptx.count("red.global.add"),
-                           atom_minmax=ptx.count("atom.global.max") + ptx.count("atom.global.min"),
-                           atom_cas=ptx.count("atom.global.cas"),
-                           # element accesses in the global state space (runtime/arrays.py)
-                           ld_global=len(re.findall(r"\bld\.global\.(?:[suf]\d+|b\d+)\b", ptx)),
-                           st_global=len(re.findall(r"\bst\.global\.(?:[suf]\d+|b\d+)\b", ptx)),
-                           # ... and the staged arrays' in the shared state space
-                           ld_shared=len(re.findall(r"\bld\.shared\.(?:[suf]\d+|b\d+)\b", ptx)),
-                           st_shared=len(re.findall(r"\bst\.shared\.(?:[suf]\d+|b\d+)\b", ptx)))
+                rec.update(ok=True, **measure(ptx))
             except Exception as exc:
                 rec.update(ok=False, error=f"{type(exc).__name__}: {exc}"[:2000])
             print(json.dumps(rec), flush=True)
@@ -130,15 +136,51 @@ for name, fn, swap, args in (("heat", W.heat_step, [("u", "v")], [np.zeros(8, f3
         try:
             src = codegen.render_kernel(k.spec, "cuda", "grid", cache=False, tile=find_stencil(k.spec), cluster=cluster)
             ptx, _ = cuda.compile_ptx(compile_kernel(src).dispatcher.py_func, sig, cc=(9, 0))
-            rec.update(ok=True, own_barrier=ptx.count("atom.add.release.gpu"), cg=ptx.count("cudaCGSynchronize"),
-                       cluster_barrier=ptx.count("barrier.cluster.arrive"),
-                       shuffles=ptx.count("shfl.sync"), globaltimer=ptx.count("%globaltimer"),
-                       volatile_host=ptx.count("st.volatile.u64"), sys_fence=ptx.count("membar.sys"), bounds_records=0,
-                       dynamic_shared=ptx.count(".extern .shared"), extern_funcs=ptx.count(".extern .func"), atom_add=0,
-                       atom_minmax=0, atom_cas=0, ld_global=0, st_global=0,
-                       # the tiles' element accesses in the shared state space (runtime/arrays.py)
-                       ld_shared=len(re.findall(r"\bld\.shared\.(?:[suf]\d+|b\d+)\b", ptx)),
-                       st_shared=len(re.findall(r"\bst\.shared\.(?:[suf]\d+|b\d+)\b", ptx)))
+            # the tiles' element accesses are in the shared state space (runtime/arrays.py)
+            rec.update(ok=True, **measure(ptx))
         except Exception as exc:
             rec.update(ok=False, error=f"{type(exc).__name__}: {exc}"[:2000])
         print(json.dumps(rec), flush=True)
+
+# derived steps (loopkern/tangent.py, loopkern/adjoint.py): tangent and adjoint kernels with
+# lk.random draws named by site, lk.sum reductions and their adjoints, scratch versions of
+# arrays, lk.atomic.add scatters, unrolled inner loops, a dropped condition, a segment sweep
+import test_adjoint as T  # noqa: E402
+from loopkern.interop.jax_bridge import _segment_kernels  # noqa: E402
+
+n = 8
+v1 = np.zeros(n, f32)
+one = np.zeros(1, f32)
+DERIVED = [
+    ("normalized", lk.megakernel(T.normalized).adjoint("x", "c"), [v1, v1, f32(0.3), one]),
+    ("noisy_heat", lk.megakernel(T.noisy_heat, swap=[("u", "v")]).adjoint("u", "v", "a", "s"),
+     [v1, v1, v1, v1, f32(0.2), one, f32(0.1), one]),
+    ("noisy_heat_jvp", lk.megakernel(T.noisy_heat, swap=[("u", "v")]).tangent("u", "v", "a", "s"),
+     [v1, v1, v1, v1, f32(0.2), f32(0), f32(0.1), f32(0)]),
+    ("windowed", lk.megakernel(T.windowed, swap=[("u", "v")]).adjoint("u", "v", "c"), [v1, v1, v1, v1, f32(0.5), one]),
+    ("heat_if", lk.megakernel(T.heat_if, swap=[("u", "v")]).adjoint("u", "v", "a"), [v1, v1, v1, v1, f32(0.2), one]),
+]
+for label, fn, wrt, head in (("clipped_mean", T.clipped_mean, ("x", "y", "a"), [v1, v1, v1, v1, f32(0.7), one]),
+                             ("deposit", T.deposit, ("w", "grid", "c"),
+                              [v1, v1, np.zeros(n, np.int32), np.zeros(5, f32), np.zeros(5, f32), f32(0.3), one]),
+                             ("smooth_then_flux", T.smooth_then_flux, ("u", "v", "f", "c"),
+                              [v1] * 6 + [f32(0.2), one])):
+    k = lk.megakernel(fn).adjoint(*wrt)
+    scratch = [np.zeros_like(head[list(k.spec.param_names).index(name.rsplit("_after", 1)[0])])
+               for name in k.spec.param_names[len(head):]]
+    DERIVED.append((label, k, head + scratch))
+_, seg, _ = _segment_kernels(lk.megakernel(W.jacobi_step, swap=[("u", "v")]), ["u", "v"], ["u", "v"], {"u": 2, "v": 2})
+s3, s2 = np.zeros((3, 4, 4), f32), np.zeros((4, 4), f32)
+DERIVED.append(("jacobi_seg", seg, [s3, s2, s3, s2, f32(1e-3), np.int64(2), np.int64(0)]))
+for label, k, vals in DERIVED:
+    rec = dict(kernel=f"derived:{label}", scope="grid", by_ref=False, debug=False, staged=False, atomics=True,
+               index_bits=None)
+    sig = (types.int64, types.int64, *[typeof(v) for v in vals], *SCRATCH, types.uint64, types.int64[::1],
+           types.int64[::1])
+    try:
+        src = codegen.render_kernel(k.spec, "cuda", "grid", cache=False, float_type="float32")
+        ptx, _ = cuda.compile_ptx(compile_kernel(src).dispatcher.py_func, sig, cc=(9, 0))
+        rec.update(ok=True, **measure(ptx))
+    except Exception as exc:
+        rec.update(ok=False, error=f"{type(exc).__name__}: {exc}"[:2000])
+    print(json.dumps(rec), flush=True)

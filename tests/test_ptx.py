@@ -54,6 +54,8 @@ def test_cuda_kernels_compile_to_ptx():
     assert all(r["shuffles"] >= 5 for r in recs if r["kernel"] == "warpsplit")     # 5 xor steps per sum
     assert [r["kernel"] for r in recs if r["scope"] == "tile"] == ["heat", "jacobi"]
     assert [r["kernel"] for r in recs if r["scope"] == "cluster"] == ["heat", "jacobi"]
+    # the derived (tangent, adjoint, segment-sweep) kernels compile too
+    assert len([r for r in recs if r["kernel"].startswith("derived:")]) == 9
     # loopkern's own element accesses: the stencils' loads and stores in the global state space
     # (Numba's own lowering emits generic ld/st for them)
     own = [r for r in recs if r["index_bits"] and r["kernel"] in ("heat", "jacobi", "life")]
