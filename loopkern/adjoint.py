@@ -608,35 +608,26 @@ class _Adjoint:
                 else ast.Constant(0.0)
             fwd.append(_at(ast.Assign(targets=[ast.Name(id=self.bar_name(name), ctx=ast.Store())], value=start), s))
         for kind, name, payload, st in reversed(ssa):
-            if kind == "atomic":
-                if name not in active:
-                    continue
-                idx, value = payload
-                gname = self.fresh("g")
-                back.append(_at(ast.Assign(targets=[ast.Name(id=gname, ctx=ast.Store())], value=ast.Subscript(
-                    value=ast.Name(id=self.bar_name(name), ctx=ast.Load()), slice=copy.deepcopy(idx),
-                    ctx=ast.Load())), st))
-                back += self.scatter(value, ast.Name(id=gname, ctx=ast.Load()), active, st)
+            if name not in active:
                 continue
             if kind == "local":
-                if name not in active:
-                    continue
                 g = ast.Name(id=self.bar_name(name), ctx=ast.Load())
                 back += self.scatter(payload, g, active, st,
                                      exclude=set(acc_versions) | set(acc_versions.values()) if name in acc_versions
                                      else frozenset())
-            else:
-                if name not in active:
-                    continue
-                idx, value = payload
-                gname = self.fresh("g")
-                back.append(_at(ast.Assign(targets=[ast.Name(id=gname, ctx=ast.Store())], value=ast.Subscript(
-                    value=ast.Name(id=self.bar_name(name), ctx=ast.Load()), slice=copy.deepcopy(idx),
-                    ctx=ast.Load())), st))
+                continue
+            # a store a[k] = e takes g = a_bar[k] and zeroes it (the old a[k] is overwritten); an
+            # lk.atomic.add leaves it (the old a[k] passes through); either hands g to e
+            idx, value = payload
+            gname = self.fresh("g")
+            back.append(_at(ast.Assign(targets=[ast.Name(id=gname, ctx=ast.Store())], value=ast.Subscript(
+                value=ast.Name(id=self.bar_name(name), ctx=ast.Load()), slice=copy.deepcopy(idx),
+                ctx=ast.Load())), st))
+            if kind == "store":
                 back.append(_at(ast.Assign(targets=[ast.Subscript(
                     value=ast.Name(id=self.bar_name(name), ctx=ast.Load()), slice=copy.deepcopy(idx),
                     ctx=ast.Store())], value=ast.Constant(0.0)), st))
-                back += self.scatter(value, ast.Name(id=gname, ctx=ast.Load()), active, st)
+            back += self.scatter(value, ast.Name(id=gname, ctx=ast.Load()), active, st)
         new = copy.copy(s)
         new.body = fwd + back or [_at(ast.Pass(), s)]
         return new
@@ -788,10 +779,8 @@ def _live_only(body):
 
         def generic_visit(self, node):
             super().generic_visit(node)
-            for field in ("body", "orelse"):
-                stmts = getattr(node, field, None)
-                if isinstance(node, (ast.If, ast.For, ast.While)) and field == "body" and stmts == []:
-                    setattr(node, field, [ast.copy_location(ast.Pass(), node)])
+            if isinstance(node, (ast.If, ast.For, ast.While)) and not node.body:
+                node.body = [ast.copy_location(ast.Pass(), node)]     # everything in it was dropped
             return node
     out = [Drop().visit(s) for s in body]
     return [s for s in out if s is not None]

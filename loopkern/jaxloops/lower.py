@@ -1493,16 +1493,22 @@ def _running_loop(L, acc, x, sub, ctx, B, op, dt, headers):
     start, update = _start_and_update(op, dt)
     inner = Block(B.stage, B.indent, loop=B.loop)
     val = L.E(x, tuple(sub), None, inner)
-    lines = [f"{acc} = {start}"]
+    _guarded_loops(B, f"{acc} = {start}", ctx, headers, inner.lines + [update(acc, val)])
+    return acc
+
+
+def _guarded_loops(B, first, ctx, headers, body):
+    """Append ``first`` to ``B``, then, only where ``ctx`` holds (always if None), the nested
+    loops ``headers`` (outermost first) around the lines ``body``."""
+    lines = [first]
     pad = ""
     if ctx is not None:
         lines.append(f"if {ctx}:")
         pad = "    "
     for n, header in enumerate(headers):
         lines.append(pad + "    " * n + header)
-    lines += [pad + "    " * len(headers) + ln for ln in inner.lines + [update(acc, val)]]
+    lines += [pad + "    " * len(headers) + ln for ln in body]
     B.lines += lines
-    return acc
 
 
 def _partial_reduce(L, e, out, idx, ctx, B):
@@ -1576,13 +1582,6 @@ def _dot(L, e, out, idx, ctx, B):
     acc = L.fresh("q")
     inner = Block(B.stage, B.indent, loop=B.loop)
     val = _arith("*", L.E(x, tuple(xs), None, inner), L.E(y, tuple(ys), None, inner), dt)
-    lines = [f"{acc} = {zero(dt)}"]
-    pad = ""
-    if ctx is not None:
-        lines.append(f"if {ctx}:")
-        pad = "    "
-    for n, a in enumerate(lc):
-        lines.append(pad + "    " * n + f"for {loopvars[n]} in range({x.shape[a]}):")
-    lines += [pad + "    " * len(lc) + ln for ln in inner.lines + [f"{acc} = {_arith('+', acc, val, dt)}"]]
-    B.lines += lines
+    headers = [f"for {loopvars[n]} in range({x.shape[a]}):" for n, a in enumerate(lc)]
+    _guarded_loops(B, f"{acc} = {zero(dt)}", ctx, headers, inner.lines + [f"{acc} = {_arith('+', acc, val, dt)}"])
     return acc
