@@ -1100,10 +1100,11 @@ def _tile_lines(tile, kparams, resident, written, sync: str = "grid") -> tuple[l
     to (the rename rule of swap pairs). A 2-D tile holds whole rows, so the second dimension
     needs no exchange (and may wrap around: it is all on chip).
 
-    The barrier is ``sync``'s: the grid's, or a cluster's (a grid launched as one cluster). A barrier among neighbouring blocks only (per-block step counts
-    with release/acquire, and a stop plan reaching every block within blocks + 1 steps)
-    measured slower on the H200 (1M heat, 512 threads: 3.02 µs/step against 2.80;
-    bench-results/session7) and was taken out (commit 5595242 has it).
+    The barrier is ``sync``'s: the grid's, or a cluster's (a grid launched as one cluster). A
+    barrier among neighbouring blocks only (per-block step counts with release/acquire, and a
+    stop plan reaching every block within blocks + 1 steps) measured slower on the H200 (1M
+    heat, 512 threads: 3.02 µs/step against 2.80; bench-results/session7) and was taken out
+    (commit 5595242 has it).
     """
     (hl, hr) = tile.halo[0]
     two = tile.ndim == 2

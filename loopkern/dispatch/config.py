@@ -306,7 +306,7 @@ def tile_config(kernel, n: int, cell_bytes: int, halo: tuple, threads: int | Non
     if blocks is not None:
         candidates = [blocks]
     elif cluster:
-        candidates = [16, 8, 4, 2, 1]
+        candidates = [driver.CLUSTER_MAX, driver.CLUSTER_PORTABLE_MAX, 4, 2, 1]
     else:
         candidates = [_sm_count() * k for k in TILE_BLOCKS_PER_SM]
     why = []
