@@ -26,6 +26,21 @@ def grad_ref(w, steps, alpha):
     return ub + vb                           # u0 fed both buffers
 
 
+def alpha_grad_ref(u0, w, steps, alpha):
+    """d/dalpha of sum(w * u_N) in float64, by forward mode: the tangent of the field with
+    respect to alpha, carried along the loop."""
+    a = float(alpha)
+    u, v = np.asarray(u0, np.float64).copy(), np.asarray(u0, np.float64).copy()
+    ud, vd = np.zeros(len(u)), np.zeros(len(u))
+    for _ in range(steps):
+        lap = u[:-2] - 2 * u[1:-1] + u[2:]
+        lapd = ud[:-2] - 2 * ud[1:-1] + ud[2:]
+        v[1:-1] = u[1:-1] + a * lap
+        vd[1:-1] = ud[1:-1] + lap + a * lapd
+        u, v, ud, vd = v, u, vd, ud
+    return float(np.dot(np.asarray(w, np.float64), ud))
+
+
 def _impl(fn, args):
     import jax
     cache, box = {}, {}
@@ -76,6 +91,37 @@ def bench_grad(b: Bench):
     variants = [("loopkern jax.grad through kernel.jax", lambda c: _impl(lk_grad, [uj])),
                 ("jax.grad of lax.scan", lambda c: _impl(scan_grad, [uj]))]
     b.measure(case, variants)
+
+    # with respect to alpha too: the adjoint step then reads the field (alpha's adjoint is a
+    # sum of laplacians times adjoints), so the reverse sweep records and recomputes states;
+    # with respect to u alone the loop is linear and nothing is recorded
+    ref_a = alpha_grad_ref(u0, w, check_steps, ALPHA)
+
+    def check_a(res, done):
+        e_u, e_a = rel_err(res[:-1], ref), abs(float(res[-1]) - ref_a) / abs(ref_a)
+        return e_u < 1e-4 and e_a < 1e-3, f"rel_err={e_u:.2e} (u), {e_a:.2e} (alpha) after {check_steps} steps"
+    case_a = Case("heat_grad_u_alpha", n, steps, check_steps, check_a, dict(), bytes_per_step=0)
+
+    def both(g):
+        def f(u, a):
+            gu, ga = g(u, a)
+            return jnp.concatenate([gu, jnp.reshape(ga, (1,))])
+        return f
+
+    def lk_grad_a(steps):
+        return both(jax.grad(lambda u, a: jnp.sum(k.jax(u, u, a, steps=steps)[0] * wj), argnums=(0, 1)))
+
+    def scan_grad_a(steps):
+        def loss(u, a):
+            def body(s, _):
+                x, y = s
+                new = y.at[1:-1].set(x[1:-1] + a * (x[:-2] - 2 * x[1:-1] + x[2:]))
+                return (new, x), None
+            return jnp.sum(jax.lax.scan(body, (u, u), None, length=steps)[0][0] * wj)
+        return both(jax.grad(loss, argnums=(0, 1)))
+    aj = jnp.float32(ALPHA)
+    b.measure(case_a, [("loopkern jax.grad through kernel.jax", lambda c: _impl(lk_grad_a, [uj, aj])),
+                       ("jax.grad of lax.scan", lambda c: _impl(scan_grad_a, [uj, aj]))])
     # the forward run alone: its result is the field, checked against the heat reference
     from .heat import heat_ref
     fwd_ref = heat_ref(u0, check_steps)
@@ -83,10 +129,13 @@ def bench_grad(b: Bench):
                     lambda res, done: (rel_err(res, fwd_ref) < 1e-4, "forward field"), dict())
     b.measure(fwd_case, [("loopkern kernel.jax forward", lambda c: _impl(lk_forward, [uj]))])
     # device memory: the temporary buffers XLA assigns the compiled gradient, in field states
-    for label, make in (("loopkern jax.grad through kernel.jax", lk_grad), ("jax.grad of lax.scan", scan_grad)):
-        row = dict(workload="heat_grad_memory", n=n, steps=steps, variant=label)
+    for label, make, args, wrt in (("loopkern jax.grad through kernel.jax", lk_grad, (uj,), "u"),
+                                   ("jax.grad of lax.scan", scan_grad, (uj,), "u"),
+                                   ("loopkern jax.grad through kernel.jax", lk_grad_a, (uj, aj), "u, alpha"),
+                                   ("jax.grad of lax.scan", scan_grad_a, (uj, aj), "u, alpha")):
+        row = dict(workload="heat_grad_memory", n=n, steps=steps, variant=f"{label} (d/d {wrt})")
         try:
-            m = jax.jit(make(steps)).lower(uj).compile().memory_analysis()
+            m = jax.jit(make(steps)).lower(*args).compile().memory_analysis()
             row.update(temp_bytes=int(m.temp_size_in_bytes), states=m.temp_size_in_bytes / (4 * n),
                        check=f"{m.temp_size_in_bytes / (4 * n):.1f} field states of temporaries "
                              f"(sqrt(N) = {np.sqrt(steps):.1f})")

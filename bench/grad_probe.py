@@ -31,7 +31,7 @@ def timed(f, *a, reps=5):
 
 n, L = 65536, 100
 k = heat_kernel()
-rec, seg, _ = _segment_kernels(k, ["u", "v"], ["u", "v"], {"u": 1, "v": 1})
+rec, seg, _, _ = _segment_kernels(k, ["u", "v"], ["u", "v"], {"u": 1, "v": 1})
 u = jnp.asarray(np.random.default_rng(0).random(n).astype(np.float32))
 st = jnp.zeros((L, n), jnp.float32)
 f_rec = jax.jit(lambda u, v, a, b: rec.jax(u, v, ALPHA, a, b, 0, steps=L, start=0))

@@ -14,7 +14,7 @@ from bench.heat import ALPHA, heat_kernel  # noqa: E402
 from loopkern.interop.jax_bridge import _segment_kernels  # noqa: E402
 
 k = heat_kernel()
-rec, seg, _ = _segment_kernels(k, ["u", "v"], ["u", "v"], {"u": 1, "v": 1})
+rec, seg, _, _ = _segment_kernels(k, ["u", "v"], ["u", "v"], {"u": 1, "v": 1})
 n, L = 65536, 10
 
 

@@ -933,11 +933,27 @@ def _parse_expr(text, at):
     return _at(e, at)
 
 
+def arrays_read(parsed, names) -> list:
+    """Those of ``names`` (arrays) whose elements the step ``parsed`` reads: used other than
+    by their shape (``a.shape[d]``). The reverse sweep records only these of the state
+    arrays: the adjoint step needs no other's values."""
+    shape_uses = set()
+    for n in ast.walk(parsed.tree):
+        if isinstance(n, ast.Attribute) and n.attr == "shape" and isinstance(n.value, ast.Name):
+            shape_uses.add(id(n.value))
+    used = {n.id for n in ast.walk(parsed.tree) if isinstance(n, ast.Name) and id(n) not in shape_uses}
+    return [a for a in names if a in used]
+
+
 def recorder_function(parsed, state, ndims) -> tuple:
     """The step with a record of its state: ``step_rec(t, <params>, S_a..., base)`` first
     copies each state array ``a`` (named in ``state``, of ``ndims[a]`` dimensions) to
-    ``S_a[t - base]``, then (after ``lk.sync()``) runs the step. Returns (ParsedFunction,
-    {a: the name of S_a}, the name of base)."""
+    ``S_a[t - base]``, then runs the step. An ``lk.sync()`` separates the two only where the
+    step stores into (or updates atomically) a recorded array: otherwise the copies and the
+    step's loops touch no element in common that either writes (the step only reads what is
+    copied, and nothing reads the records), so they need no barrier between them, and the
+    barrier at the end of the step orders the copies before the next step's stores. Returns
+    (ParsedFunction, {a: the name of S_a}, the name of base)."""
     tree = parsed.tree
     used = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)} | {a.arg for a in tree.args.args}
     lk = _lk_alias(parsed)
@@ -954,7 +970,8 @@ def recorder_function(parsed, state, ndims) -> tuple:
             loop = (f"for {', '.join(idx)} in {lk}.grid({dims}):\n"
                     f"    {stacked[a]}[{t} - {base}, {', '.join(idx)}] = {a}[{', '.join(idx)}]")
         head += ast.parse(loop).body
-    head += ast.parse(f"{lk}.sync()").body
+    if set(state) & _array_stores(tree):
+        head += ast.parse(f"{lk}.sync()").body
     for s in head:
         _at(s, tree.body[0])
     args = [copy.deepcopy(a) for a in tree.args.args] + [ast.arg(arg=stacked[a], annotation=None) for a in state] + \

@@ -169,7 +169,7 @@ for label, fn, wrt, head in (("clipped_mean", T.clipped_mean, ("x", "y", "a"), [
     scratch = [np.zeros_like(head[list(k.spec.param_names).index(name.rsplit("_after", 1)[0])])
                for name in k.spec.param_names[len(head):]]
     DERIVED.append((label, k, head + scratch))
-_, seg, _ = _segment_kernels(lk.megakernel(W.jacobi_step, swap=[("u", "v")]), ["u", "v"], ["u", "v"], {"u": 2, "v": 2})
+_, seg, _, _ = _segment_kernels(lk.megakernel(W.jacobi_step, swap=[("u", "v")]), ["u", "v"], ["u", "v"], {"u": 2, "v": 2})
 s3, s2 = np.zeros((3, 4, 4), f32), np.zeros((4, 4), f32)
 DERIVED.append(("jacobi_seg", seg, [s3, s2, s3, s2, f32(1e-3), np.int64(2), np.int64(0)]))
 for label, k, vals in DERIVED:

@@ -461,13 +461,15 @@ def test_recorded_state_stacks_do_not_size_the_grid():
     # the recorder's and segment kernel's S_a hold one state per step: a launch covers one state
     from loopkern.interop.jax_bridge import _launch_work, _segment_kernels
     k = lk.megakernel(W.heat_step, swap=[("u", "v")])
-    rec, seg, _ = _segment_kernels(k, ["u", "v"], ["u", "v"], {"u": 1, "v": 1})
+    rec, seg, _, recorded = _segment_kernels(k, ["u", "v", "alpha"], ["u", "v"], {"u": 1, "v": 1})
+    assert recorded == ["u"]        # v's values are never read by the adjoint step
     n, steps = 5000, 71
     for mk in (rec, seg):
         sig = [((steps, n), "float32") if p.name.endswith("_states") else
-               ((n,), "float32") if p.name in ("u", "v", "u_bar", "v_bar") else (None, "float64")
+               ((n,), "float32") if p.name in ("u", "v", "u_bar", "v_bar") else
+               ((1,), "float32") if p.name == "alpha_bar" else (None, "float64")
                for p in mk.spec.params]
-        assert sum(1 for p in mk.spec.params if p.name.endswith("_states")) == 2
+        assert sum(1 for p in mk.spec.params if p.name.endswith("_states")) == 1
         assert _launch_work(mk, sig) == n
     assert _launch_work(k, [((n,), "float32"), ((n,), "float32"), (None, "float64")]) == n
 

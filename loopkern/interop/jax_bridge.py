@@ -127,7 +127,9 @@ def _prepare(mk, args, kwargs, steps, max_steps):
             check_atomic_dtype(p, dtype)
             arrays[i] = v
             sig.append((tuple(v.shape), dtype))
-        elif isinstance(v, np.ndarray) and v.ndim > 0 or hasattr(v, "__cuda_array_interface__"):
+        elif not _is_jax_array(v) and (isinstance(v, np.ndarray) and v.ndim > 0
+                                       or hasattr(v, "__cuda_array_interface__")):
+            # (a 0-d JAX array on a GPU has a CUDA array interface too: it is a number here)
             raise ArgumentError(f"argument '{p.name}': kernel.jax takes JAX arrays, got {type(v).__name__}; "
                                 f"convert it with jnp.asarray, or call the kernel itself to update it in place")
         else:
@@ -426,11 +428,12 @@ class _ReverseContext:
 
 
 def _segment_kernels(mk, active_names, state, ndims):
-    """(the recorder, the segment's adjoint sweep, its scratch arrays) for ``mk``: see
-    ``loopkern/adjoint.py``.
-    The adjoint step is generated first: it raises StepSyntaxError for what it cannot cover
-    yet. Cached on ``mk``."""
-    from ..adjoint import adjoint_function, recorder_function, segment_adjoint_function
+    """(the recorder, the segment's adjoint sweep, its scratch arrays, the recorded arrays)
+    for ``mk``: see ``loopkern/adjoint.py``. Of the state arrays (``state``: those whose
+    contents change from step to step) only those whose elements the adjoint step reads are
+    recorded. The adjoint step is generated first: it raises StepSyntaxError for what it
+    cannot cover yet. Cached on ``mk``."""
+    from ..adjoint import adjoint_function, arrays_read, recorder_function, segment_adjoint_function
     from ..api import MegaKernel
     from ..frontend import parse_step
     key = (tuple(active_names), tuple(state), tuple(sorted(ndims.items())))
@@ -438,17 +441,18 @@ def _segment_kernels(mk, active_names, state, ndims):
     if key not in cache:
         parsed = parse_step(mk.fn)
         adj, bars, scratch = adjoint_function(parsed, set(active_names))
+        recorded = arrays_read(adj, state)
         pairs = [(mk.spec.param_names[a], mk.spec.param_names[b]) for a, b in mk.spec.swap]
         d = mk.dispatcher.defaults
-        rec, rec_stacks, _ = recorder_function(parsed, state, ndims)
-        seg, seg_stacks, _ = segment_adjoint_function(adj, state)
+        rec, rec_stacks, _ = recorder_function(parsed, recorded, ndims)
+        seg, seg_stacks, _ = segment_adjoint_function(adj, recorded)
         opts = dict(backend=d["backend"], scope=d["scope"], threads=d["threads"], blocks=d["blocks"])
         kernels = (MegaKernel(rec, swap=pairs, **opts),
                    MegaKernel(seg, swap=[(bars[a], bars[b]) for a, b in pairs if a in bars and b in bars], **opts))
         for k, stacks in zip(kernels, (rec_stacks, seg_stacks)):
             names = k.spec.param_names
             k.__dict__["_stacked_params"] = frozenset(names.index(v) for v in stacks.values())
-        cache[key] = kernels + (scratch,)
+        cache[key] = kernels + (scratch, recorded)
     return cache[key]
 
 
@@ -460,8 +464,10 @@ def _reverse_sweep(ctx, name, cts, n, t0, args) -> list:
     the start of each; then, segment by segment from the last, one kernel (the recorder)
     recomputes the segment recording every step's state, and one kernel (the segment's
     adjoint sweep) runs the adjoint step backwards over those states, the swap pairs'
-    adjoints renamed as the forward run renamed the arrays. Extra memory: about 2 sqrt(N)
-    states; kernel calls: about 3 sqrt(N).
+    adjoints renamed as the forward run renamed the arrays. Only the state arrays whose values
+    the adjoint step reads are recorded (none for a step linear in what is differentiated: then
+    neither the forward segments nor the recorder run). Extra memory: about 2 sqrt(N) states
+    of the recorded arrays; kernel calls: about 3 sqrt(N).
     """
     import math as _m
 
@@ -485,7 +491,8 @@ def _reverse_sweep(ctx, name, cts, n, t0, args) -> list:
     swapped = {i for pair in mk.spec.swap for i in pair}
     state = [i for i in arr_idx if mk.spec.params[i].written or i in swapped]
     ndims = {params[i]: len(ctx.sig[i][0]) for i in state}
-    rec, seg, scratch = _segment_kernels(mk, active_names, [params[i] for i in state], ndims)
+    rec, seg, scratch, recorded_names = _segment_kernels(mk, active_names, [params[i] for i in state], ndims)
+    state = [i for i in state if params[i] in recorded_names]
     # the adjoint step's scratch arrays (versions of arrays that its loops recompute): shaped
     # as the arrays they hold versions of; what they hold on entry does not matter
     scratch_arrays = [jnp.zeros(ctx.sig[params.index(like)][0], ctx.sig[params.index(like)][1])
@@ -503,6 +510,8 @@ def _reverse_sweep(ctx, name, cts, n, t0, args) -> list:
     swap = [(a, b) for a, b in mk.spec.swap if a in bars and b in bars]
     opts = ctx.options
     k = max(1, _m.isqrt(max(nsteps, 1) - 1) + 1)
+    if not state:           # nothing to record: one segment, one launch of the adjoint sweep
+        k = max(1, nsteps)
     t0 = jnp.asarray(t0).reshape(())
     if ctx.returns_condition:
         # differentiated with the executed step count held: one more forward run finds it (the
@@ -521,14 +530,17 @@ def _reverse_sweep(ctx, name, cts, n, t0, args) -> list:
             out[a], out[b] = bar_d[b], bar_d[a]
         return out
 
-    # forward, keeping the state at the start of each segment
+    # forward, keeping the state at the start of each segment; not needed when the adjoint step
+    # reads no state array (a step linear in what is differentiated): the segment kernels then
+    # see the arrays only for their shapes
     cur = list(values)
     starts = []
     for s, length in enumerate(lengths):
         starts.append(list(cur))
-        out = mk.jax(*cur, steps=length, start=t0 + s * k, **opts)
-        for slot, i in enumerate(arr_idx):
-            cur[i] = out[slot]
+        if state:
+            out = mk.jax(*cur, steps=length, start=t0 + s * k, **opts)
+            for slot, i in enumerate(arr_idx):
+                cur[i] = out[slot]
     # backward, a segment at a time. One set of state stacks serves every segment: each segment's
     # recorder writes into the stacks the previous segment's sweep returned (kernel.jax aliases
     # them), so XLA keeps one segment of states alive, not all of them (fresh stacks per segment
@@ -536,8 +548,11 @@ def _reverse_sweep(ctx, name, cts, n, t0, args) -> list:
     stacks = [jnp.zeros((rows,) + tuple(ctx.sig[i][0]), ctx.sig[i][1]) for i in state]
     for s in reversed(range(len(lengths))):
         length, base = lengths[s], t0 + s * k
-        out = rec.jax(*starts[s], *stacks, base, steps=length, start=base, **opts)
-        recorded = dict(zip(state, out[len(arr_idx):len(arr_idx) + len(state)]))
+        if state:
+            out = rec.jax(*starts[s], *stacks, base, steps=length, start=base, **opts)
+            recorded = dict(zip(state, out[len(arr_idx):len(arr_idx) + len(state)]))
+        else:       # the adjoint step reads no state array: nothing to record
+            recorded = {}
         bars = exchange(bars)
         # the segment kernel's parameters: each one (its recorded states for the state arrays),
         # then its adjoint for the active ones; kernel.jax returns its arrays in that order

@@ -84,6 +84,18 @@ def test_traced_scalar_and_steps_and_while_count(rng):
     assert rel_err(u, ref) < 1e-3
 
 
+def test_concrete_zero_d_gpu_arrays_are_scalars(rng):
+    # a 0-d JAX array on the GPU has a CUDA array interface: it is still a number (eagerly, and
+    # as the reverse sweep passes scalars to its segment runs)
+    u0 = rng.random(5000).astype(np.float32)
+    alpha = jnp.float32(0.2)
+    assert hasattr(alpha, "__cuda_array_interface__")
+    u, _ = HEAT.jax(jnp.asarray(u0), jnp.asarray(u0), alpha, steps=jnp.int32(9))
+    assert rel_err(u, W.heat_ref(u0, 9, 0.2)) < 1e-5
+    with pytest.raises(lk.ArgumentError, match="argument 'alpha'"):
+        HEAT.jax(jnp.asarray(u0), jnp.asarray(u0), jnp.ones(3, jnp.float32), steps=2)
+
+
 def test_vmap_and_pipeline(rng):
     batch = rng.random((3, 3000)).astype(np.float32)
     out = jax.jit(jax.vmap(lambda a: HEAT.jax(jnp.sin(a), jnp.sin(a), np.float32(0.25), steps=5)[0] * 2))(
