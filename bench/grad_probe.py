@@ -29,36 +29,37 @@ def timed(f, *a, reps=5):
     return float(np.median(ts))
 
 
-n, L = 65536, 100
+n, L = 65536, 1000
 k = heat_kernel()
-rec, seg, _, _ = _segment_kernels(k, ["u", "v"], ["u", "v"], {"u": 1, "v": 1})
 u = jnp.asarray(np.random.default_rng(0).random(n).astype(np.float32))
-st = jnp.zeros((L, n), jnp.float32)
-f_rec = jax.jit(lambda u, v, a, b: rec.jax(u, v, ALPHA, a, b, 0, steps=L, start=0))
-print(f"recorder, {L} steps: {timed(f_rec, u, u, st, st) * 1e6 / L:.2f} us/step")
-for key, entry in call_cache(rec)._entries.items():
-    print("  recorder config", entry.config)
-f_seg = jax.jit(lambda us, ub, vs, vb: seg.jax(us, ub, vs, vb, ALPHA, L - 1, 0, steps=L, start=0))
-print(f"segment adjoint, {L} steps: {timed(f_seg, st, u, st, u) * 1e6 / L:.2f} us/step")
-for key, entry in call_cache(seg)._entries.items():
-    print("  segment config", entry.config)
-# the same two kernels at fixed block counts: does the grid's size set their cost?
-for blocks in (132, 264, 528):
-    f_rec_b = jax.jit(lambda u, v, a, b, B=blocks: rec.jax(u, v, ALPHA, a, b, 0, steps=L, start=0, blocks=B))
-    f_seg_b = jax.jit(lambda us, ub, vs, vb, B=blocks: seg.jax(us, ub, vs, vb, ALPHA, L - 1, 0, steps=L, start=0,
-                                                                blocks=B))
-    print(f"blocks={blocks}: recorder {timed(f_rec_b, u, u, st, st) * 1e6 / L:.2f} us/step, "
-          f"segment adjoint {timed(f_seg_b, st, u, st, u) * 1e6 / L:.2f} us/step")
+w = jnp.asarray(np.random.default_rng(1).standard_normal(n).astype(np.float32))
 f_fwd = jax.jit(lambda u: k.jax(u, u, ALPHA, steps=L)[0])
 print(f"forward, {L} steps: {timed(f_fwd, u) * 1e6 / L:.2f} us/step")
 for key, entry in call_cache(k)._entries.items():
     print("  forward config", entry.config)
-w = jnp.asarray(np.random.default_rng(1).standard_normal(n).astype(np.float32))
-for steps in (100, 1000, 10000):
+# the segment kernels with respect to u (nothing recorded) and to u and alpha (u recorded)
+for active in (["u", "v"], ["u", "v", "alpha"]):
+    rec, seg, _, recorded = _segment_kernels(k, active, ["u", "v"], {"u": 1, "v": 1})
+    print(f"d/d {active}: recorded {recorded}")
+    st = jnp.zeros((L, n), jnp.float32)
+    stacks = [st] * len(recorded)
+    if recorded:
+        f_rec = jax.jit(lambda u, *S: rec.jax(u, u, ALPHA, *S, 0, steps=L, start=0))
+        print(f"  recorder, {L} steps: {timed(f_rec, u, *stacks) * 1e6 / L:.2f} us/step")
+    ab = jnp.zeros((1,), jnp.float32)
+    if "alpha" in active:
+        f_seg = jax.jit(lambda us, ub, vb: seg.jax(us, ub, u, vb, ALPHA, ab, L - 1, 0, steps=L, start=0))
+    else:
+        f_seg = jax.jit(lambda us, ub, vb: seg.jax(u, ub, u, vb, ALPHA, L - 1, 0, steps=L, start=0))
+    print(f"  segment adjoint, {L} steps: {timed(f_seg, st, u, u) * 1e6 / L:.2f} us/step")
+    for key, entry in call_cache(seg)._entries.items():
+        print("  segment config", entry.config)
+for steps in (1000, 10000):
     g = jax.jit(jax.grad(lambda u: jnp.sum(k.jax(u, u, ALPHA, steps=steps)[0] * w)))
-    print(f"grad, {steps} steps: {timed(g, u, reps=3) * 1e6 / steps:.2f} us/step")
+    print(f"grad d/du, {steps} steps: {timed(g, u, reps=3) * 1e6 / steps:.2f} us/step")
+    g2 = jax.jit(jax.grad(lambda u, a: jnp.sum(k.jax(u, u, a, steps=steps)[0] * w), argnums=(0, 1)))
+    print(f"grad d/du,dalpha, {steps} steps: {timed(g2, u, jnp.float32(ALPHA), reps=3) * 1e6 / steps:.2f} us/step")
     if steps == 1000:
-        text = g.lower(u).compile().as_text()
+        text = g2.lower(u, jnp.float32(ALPHA)).compile().as_text()
         for op in ("custom-call(", "copy(", "broadcast(", "fusion(", "dynamic-update-slice", "while("):
-            print(f"  compiled program: {text.count(op)} x {op}")
-        Path("/tmp/grad1000.hlo").write_text(text)
+            print(f"  compiled program (d/du,dalpha): {text.count(op)} x {op}")

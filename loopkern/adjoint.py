@@ -115,6 +115,7 @@ class _Adjoint:
         self.guarded = set()        # the locals holding a store's value inside a branch (guarded)
         self.scratch = []           # (scratch array parameter, the array it holds a version of)
         self.accumulators = set()   # locals the loops add into for an lk.sum after them
+        self.scalar_acc = {}        # active scalar parameter -> the thread's local sum of its adjoint
         self.ndims = _index_counts(parsed.tree)
 
     def error(self, node, what):
@@ -233,6 +234,17 @@ class _Adjoint:
         for s in reversed(tops):
             g = ast.Name(id=self.bar_name(s.targets[0].id), ctx=ast.Load())
             back += self.scatter(s.value, g, active, s)
+        # each thread's share of a scalar parameter's adjoint, added once at the top level
+        # (where the CUDA backend sums a block's shares before updating: codegen.block_aggregated)
+        at = body[-1]
+        lk = self.lk_name()
+        for name, acc in self.scalar_acc.items():
+            zero.append(_at(ast.Assign(targets=[ast.Name(id=acc, ctx=ast.Store())], value=ast.Constant(0.0)), at))
+            back.append(_at(ast.Expr(value=ast.Call(
+                func=ast.Attribute(value=ast.Attribute(value=ast.Name(id=lk, ctx=ast.Load()), attr="atomic",
+                                                       ctx=ast.Load()), attr="add", ctx=ast.Load()),
+                args=[ast.Name(id=self.bar_name(name), ctx=ast.Load()), ast.Constant(0),
+                      ast.Name(id=acc, ctx=ast.Load())], keywords=[])), at))
         return fwd + zero + recompute + back
 
     def reduction(self, s, items, fwd):
@@ -644,9 +656,14 @@ class _Adjoint:
             if coef is None:
                 continue
             amount = _mul(coef, g)
-            if isinstance(leaf, ast.Name) and leaf.id not in self.active:
-                stmt = ast.AugAssign(target=ast.Name(id=self.bar_name(leaf.id), ctx=ast.Store()), op=ast.Add(),
-                                     value=amount)
+            if isinstance(leaf, ast.Name):
+                # a local's adjoint, or a scalar parameter's: that one summed by each thread
+                # first, then added to the parameter's adjoint once per thread at the end of
+                # the step (one address that every iteration would otherwise update)
+                if leaf.id in self.active and leaf.id not in self.scalar_acc:
+                    self.scalar_acc[leaf.id] = self.fresh(f"{self.bar_name(leaf.id)}_acc")
+                target = self.scalar_acc[leaf.id] if leaf.id in self.active else self.bar_name(leaf.id)
+                stmt = ast.AugAssign(target=ast.Name(id=target, ctx=ast.Store()), op=ast.Add(), value=amount)
             else:
                 array = leaf.id if isinstance(leaf, ast.Name) else leaf.value.id
                 index = ast.Constant(0) if isinstance(leaf, ast.Name) else copy.deepcopy(leaf.slice)

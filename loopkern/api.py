@@ -196,7 +196,7 @@ class MegaKernel:
                                      control=_control)
 
     def jax(self, *args, steps=None, max_steps=None, start=0, backend=None, scope=None, threads=None,
-            blocks=None, seed=0, timeout=None, **kwargs):
+            blocks=None, seed=0, timeout=None, checkpoint_every=None, **kwargs):
         """Run the loop as a functional JAX operation: JAX arrays in, new JAX arrays out.
 
         Works eagerly and inside ``jax.jit``. On a GPU it is an XLA FFI custom call on XLA's
@@ -215,6 +215,10 @@ class MegaKernel:
             seed: the seed of ``lk.random`` draws (a Python int).
             timeout: seconds (a Python number) after which the kernel stops itself at a step
                 boundary, measured by the GPU's clock from the kernel's start.
+            checkpoint_every: reverse mode only: the steps between the states the reverse
+                sweep keeps (an int >= 1); None: ceil(sqrt(steps)), which keeps about
+                2 sqrt(steps) states and recomputes each step once. Larger values keep fewer
+                checkpoints and record more states per segment.
 
         Returns:
             A tuple with one new array per array parameter, in parameter order, and, when the
@@ -224,17 +228,19 @@ class MegaKernel:
         Raises:
             ArgumentError: at trace time, for non-JAX arrays, mismatched swap pairs, arrays on
                 different platforms or a platform the backend cannot run on.
-            LoopkernError: when differentiated with ``timeout=``, or in reverse mode for a
-                step that returns a condition or with a traced step count.
+            LoopkernError: when differentiated with ``timeout=``, or in reverse mode with a
+                step count (``steps``/``max_steps``) known only at run time (traced).
             StepSyntaxError: in reverse mode, for a construct the adjoint step does not cover
                 yet (``loopkern/adjoint.py``). Forward mode (``jax.jvp``, ``jax.jacfwd``) runs
                 the tangent kernel (:meth:`tangent`) for every float parameter; reverse mode
                 (``jax.grad``, ``jax.vjp``) the adjoint step (:meth:`adjoint`) backwards over
-                the steps, with checkpoints every ceil(sqrt(steps)) steps.
+                the steps, with checkpoints every ``checkpoint_every`` steps. A step that
+                returns a condition is differentiated with the executed step count held fixed.
         """
         from .interop.jax_bridge import jax_call
         return jax_call(self, args, kwargs, steps=steps, max_steps=max_steps, start=start, backend=backend,
-                        scope=scope, threads=threads, blocks=blocks, seed=seed, timeout=timeout)
+                        scope=scope, threads=threads, blocks=blocks, seed=seed, timeout=timeout,
+                        checkpoint_every=checkpoint_every)
 
     def sharded(self, mesh, in_specs, *, exchange_every=None, radius=None):
         """This stencil step over fields split across the devices of a JAX mesh.

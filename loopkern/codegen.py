@@ -326,12 +326,34 @@ class _BodyWriter:
         elif isinstance(s, ast.Return):
             out.add(depth, self.return_text(s), s)
         elif isinstance(s, ast.Expr) and isinstance(s.value, ast.Call):
+            if depth == 1 and self.block_aggregated(s.value):
+                args = [self.lower.visit(x) for x in s.value.args]
+                extra = [f"{_P}{n}" for n in ("redf", "redi", "st", "bar", "shf", "shi")]
+                out.add(depth, f"{_P}rt.atomic_add_block({', '.join(_src(x) for x in args)}, {', '.join(extra)})", s)
+                return
             v = self.lower.visit(s.value)
             out.add(depth, "pass" if isinstance(v, ast.Constant) else _src(v), s)
         elif self.sites is not None and self.guarded_store(s, depth):
             pass
         else:
             out.add(depth, _src(self.lower.visit(s)), s)
+
+    def block_aggregated(self, call) -> bool:
+        """Whether ``call``, a statement at the top level of a CUDA step, is an
+        ``lk.atomic.add`` of a constant index (its result unused): every thread of the grid
+        runs the step's top level (a ``return`` before it stops every thread alike), so every
+        thread of a block makes the same update and the block can sum its values first and
+        update once (runtime ``atomic_add_block``), instead of each thread updating one
+        address, which the GPU serializes. Not in debug kernels (their updates are checked)."""
+        f = call.func
+        if not (self.is_step and self.backend == "cuda" and self.sites is None and isinstance(f, ast.Name)
+                and f.id == INTRINSIC_PREFIX + "atomic_add" and len(call.args) == 3):
+            return False
+        idx = call.args[1]
+        if is_nonneg_mark(idx):
+            idx = idx.args[0]
+        elts = idx.elts if isinstance(idx, ast.Tuple) else [idx]
+        return all(isinstance(e, ast.Constant) and type(e.value) is int for e in elts)
 
     def guarded_store(self, s, depth) -> bool:
         """Debug kernels: a store to ``a[index]`` runs only if the index is inside ``a``."""

@@ -990,3 +990,42 @@ def test_grad_through_an_inner_loop_of_constant_bounds(rng):
 
     with pytest.raises(StepSyntaxError, match="a 'break' or 'continue' in an inner loop has no adjoint yet"):
         lk.megakernel(with_break, swap=[("u", "v")]).adjoint("u", "v")
+
+
+def test_the_reverse_sweep_starts_from_the_primal_runs_checkpoints(rng, monkeypatch):
+    # the primal run is made in the sweep's segments and keeps their starts: the transpose runs
+    # no forward pass of its own (no kernel.jax call of the step itself), and the gradient is
+    # jax.grad's of the jnp loop. A step whose adjoint reads no state keeps none
+    k = lk.megakernel(nonlinear_inplace)
+    x0 = jnp.asarray(rng.standard_normal(30).astype(np.float32))
+    calls = []
+    original = lk.MegaKernel.jax
+
+    def counting(self, *a, **kw):
+        calls.append(self.spec.name)
+        return original(self, *a, **kw)
+    monkeypatch.setattr(lk.MegaKernel, "jax", counting)
+    for steps in (17, 4, 1):
+        calls.clear()
+        got = jax.grad(lambda x, kk: (k.jax(x, kk, steps=steps)[0] ** 2).sum(), argnums=(0, 1))(x0, np.float32(1.3))
+        assert calls.count("nonlinear_inplace") == 1          # the user's call alone
+        want = jax.grad(lambda x, kk: (_nonlinear_jnp(x, kk, steps) ** 2).sum(), argnums=(0, 1))(x0, np.float32(1.3))
+        np.testing.assert_allclose(np.asarray(got[0]), np.asarray(want[0]), rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(float(got[1]), float(want[1]), rtol=1e-4)
+    from loopkern.interop.jax_bridge import _segment_kernels
+    h = lk.megakernel(W.heat_step, swap=[("u", "v")])
+    assert _segment_kernels(h, ["u", "v"], ["u", "v"], {"u": 1, "v": 1})[3] == []
+
+
+def test_checkpoint_every_sets_the_segments(rng):
+    k = lk.megakernel(nonlinear_inplace)
+    x0 = jnp.asarray(rng.standard_normal(30).astype(np.float32))
+    want = jax.grad(lambda x, kk: (_nonlinear_jnp(x, kk, 17) ** 2).sum(), argnums=(0, 1))(x0, np.float32(1.3))
+    for every in (1, 3, 16, 17, 500):
+        got = jax.grad(lambda x, kk: (k.jax(x, kk, steps=17, checkpoint_every=every)[0] ** 2).sum(),
+                       argnums=(0, 1))(x0, np.float32(1.3))
+        np.testing.assert_allclose(np.asarray(got[0]), np.asarray(want[0]), rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(float(got[1]), float(want[1]), rtol=1e-4)
+    for bad in (0, -2, 2.5, True, "4"):
+        with pytest.raises(lk.ArgumentError, match="checkpoint_every="):
+            k.jax(x0, np.float32(1.3), steps=3, checkpoint_every=bad)

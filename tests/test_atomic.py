@@ -177,3 +177,47 @@ def test_debug_skips_an_out_of_bounds_atomic(rng, backend):
 def test_generated_source_calls_the_runtime(backend):
     src = lk.megakernel(W.histogram_step).source(backend)
     assert "_lk_rt.atomic_add(hist, " in src
+
+
+def top_level_counts(t, x, total, count, slots):
+    # every thread runs the top level: each adds once per step (constant indices: the CUDA
+    # backend sums a block's values first), then once at an index that depends on t
+    for i in lk.range(x.shape[0]):
+        x[i] = x[i] + 1.0
+    lk.atomic.add(total, 0, 0.5 * t + 0.25)
+    lk.atomic.add(count, (1, 0), 1)
+    lk.atomic.add(slots, t % 3, 1)
+
+
+def _top_level_expected(steps, threads):
+    total = threads * sum(0.5 * t + 0.25 for t in range(steps))
+    slots = np.bincount(np.arange(steps) % 3, minlength=3) * threads
+    return total, steps * threads, slots
+
+
+def test_top_level_atomics_of_a_constant_index_are_summed_per_block_first():
+    src = lk.megakernel(top_level_counts).source("cuda")
+    assert "_lk_rt.atomic_add_block(total, 0, " in src
+    assert "_lk_rt.atomic_add_block(count, (1, 0), " in src
+    assert "_lk_rt.atomic_add(slots, " in src          # an index that is not a constant: per thread
+    assert "atomic_add_block" not in lk.megakernel(W.histogram_step).source("cuda")
+    assert "atomic_add_block" not in lk.megakernel(top_level_counts).source("cpu")
+    from loopkern import codegen
+    debug = codegen.render_kernel(lk.megakernel(top_level_counts).spec, "cuda", "grid", fingerprint="", debug=True)
+    assert "atomic_add_block" not in debug.text and "_lk_rt.atomic_add_checked(total, " in debug.text
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_top_level_atomics_add_once_per_thread(backend):
+    # the CPU backend runs the step on one thread; CUDA on every thread of the grid
+    k = lk.megakernel(top_level_counts)
+    x, total, count, slots = np.zeros(100), np.zeros(1), np.zeros((2, 2), np.int32), np.zeros(3, np.int64)
+    steps = 7
+    kw = dict(scope="grid", blocks=1, threads=64) if backend == "cuda" else {}
+    run = k(x, total, count, slots, steps=steps, backend=backend, **kw)
+    threads = 1 if backend == "cpu" else run.blocks * run.threads
+    want_total, want_count, want_slots = _top_level_expected(steps, threads)
+    assert total[0] == pytest.approx(want_total, rel=1e-12)
+    assert count[1, 0] == want_count and count.sum() == want_count
+    np.testing.assert_array_equal(slots, want_slots)
+    np.testing.assert_array_equal(x, np.full(100, float(steps)))

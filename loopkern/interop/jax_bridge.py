@@ -261,11 +261,16 @@ def call_cache(mk) -> CallCache:
 
 
 def jax_call(mk, args, kwargs, *, steps=None, max_steps=None, start=0, backend=None, scope=None, threads=None,
-             blocks=None, seed=0, timeout=None):
+             blocks=None, seed=0, timeout=None, checkpoint_every=None):
     """Implementation of :meth:`loopkern.MegaKernel.jax` (see there)."""
     import jax
 
     seed = checks.check_seed(seed)
+    if checkpoint_every is not None and (isinstance(checkpoint_every, bool)
+                                         or not isinstance(checkpoint_every, numbers.Integral)
+                                         or checkpoint_every < 1):
+        raise ArgumentError(f"checkpoint_every={checkpoint_every!r}: expected an int >= 1 (steps between the "
+                            f"reverse sweep's checkpoints) or None (about sqrt of the step count)")
     timeout = checks.check_seconds("timeout", timeout)
     arrays, values, sig, (nsteps, n_dtype) = _prepare(mk, args, kwargs, steps, max_steps)
     t0, t0_dtype = _step_count("start", start)
@@ -277,7 +282,7 @@ def jax_call(mk, args, kwargs, *, steps=None, max_steps=None, start=0, backend=N
     count = steps if steps is not None else max_steps
     stage = scope != "block" or not (isinstance(count, numbers.Integral) and count < STAGE_MIN_STEPS)
     key = (platform, kind, sig, n_dtype, t0_dtype, scope, threads, blocks, seed, timeout,
-           bool(mk.spec.returns_condition), stage)
+           bool(mk.spec.returns_condition), stage, None if checkpoint_every is None else int(checkpoint_every))
     cache = call_cache(mk)
     try:
         entry = cache.get(key)
@@ -299,7 +304,7 @@ def _build(mk, key) -> JaxCall:
     import jax
     import jax.numpy as jnp
 
-    platform, kind, sig, n_dtype, t0_dtype, scope, threads, blocks, seed, timeout, returns_condition, stage = key
+    platform, kind, sig, n_dtype, t0_dtype, scope, threads, blocks, seed, timeout, returns_condition, stage, every = key
     arr_set = frozenset(i for i, (shape, _) in enumerate(sig) if shape is not None)
     na = len(arr_set)
     with_count = returns_condition or timeout is not None
@@ -350,7 +355,7 @@ def _jvp(mk, key, primals, tangents, arr_set, with_count, call):
     import jax
     import jax.numpy as jnp
 
-    platform, kind, sig, n_dtype, t0_dtype, scope, threads, blocks, seed, timeout, returns_condition, stage = key
+    platform, kind, sig, n_dtype, t0_dtype, scope, threads, blocks, seed, timeout, returns_condition, stage, every = key
     name = mk.spec.name
     if timeout is not None:
         raise LoopkernError(f"kernel.jax: differentiating megakernel '{name}' with timeout= is not supported "
@@ -394,13 +399,19 @@ def _jvp(mk, key, primals, tangents, arr_set, with_count, call):
     count_kw = "max_steps" if returns_condition else "steps"
     options = dict(backend=platform, scope=scope, threads=threads, blocks=blocks, seed=seed)
 
+    nsteps = None if isinstance(n_buf, jax.core.Tracer) else int(np.asarray(n_buf).reshape(())[()])
+    primal_out, checkpoints = _checkpointed_primal(mk, params, active, arr_set, sig, returns_condition, nsteps,
+                                                   every, call, primals)
+    n_args = len(args)
+
     def run(n, t0, *a):
-        return tk.jax(*a, start=t0, **options, **{count_kw: n})
+        # (the checkpoints after the tangent run's own operands are for the reverse sweep)
+        return tk.jax(*a[:n_args], start=t0, **options, **{count_kw: n})
     # the step count and start are operands: the primitive's function closes over no traced value
-    ctx = _ReverseContext(mk, params, active, arr_set, sig, options, returns_condition,
-                          None if isinstance(n_buf, jax.core.Tracer) else int(np.asarray(n_buf).reshape(())[()]))
+    ctx = _ReverseContext(mk, params, active, arr_set, sig, options, returns_condition, nsteps,
+                          len(checkpoints), every)
     res = _tangent_primitive().bind(jnp.asarray(n_buf).reshape(()), jnp.asarray(t0_buf).reshape(()), *args,
-                                    fn=run, name=name, reverse=ctx)
+                                    *checkpoints, fn=run, name=name, reverse=ctx)
     res = list(res) if isinstance(res, (tuple, list)) else [res]
     tangent_out, k = [], 0
     for i in sorted(arr_set):
@@ -415,16 +426,73 @@ def _jvp(mk, key, primals, tangents, arr_set, with_count, call):
     # the primal outputs from the primal kernel, not from the tangent run: under jacfwd the
     # tangents are batched (vmap) and the tangent run with them, while the primal outputs must
     # not be (one extra primal run per call)
-    return call(*primals), tuple(tangent_out)
+    return primal_out, tuple(tangent_out)
+
+
+def _segments(nsteps: int, every: int | None = None) -> tuple:
+    """(k, the lengths of the reverse sweep's segments) for a run of ``nsteps`` steps:
+    k = ``every`` (kernel.jax's checkpoint_every) or ceil(sqrt(nsteps)) steps each, the last
+    one shorter."""
+    k = every if every is not None else max(1, math.isqrt(max(nsteps, 1) - 1) + 1)
+    return k, [min(k, nsteps - s) for s in range(0, nsteps, k)]
+
+
+def _state_arrays(mk, arr_set) -> list:
+    """The array parameters whose contents change from step to step: written ones and swap
+    pairs' (what a checkpoint of the run holds)."""
+    swapped = {i for pair in mk.spec.swap for i in pair}
+    return [i for i in sorted(arr_set) if mk.spec.params[i].written or i in swapped]
+
+
+def _checkpointed_primal(mk, params, active, arr_set, sig, returns_condition, nsteps, every, call, primals):
+    """(the primal outputs, the checkpoints of the reverse sweep) for the forward-mode rule.
+
+    When reverse mode may follow and its sweep will recompute states (the adjoint step reads
+    the values of a state array), the primal run is made in the sweep's segments, and the
+    state at the start of each segment but the first is kept: passed on as operands of the
+    tangent primitive, the transpose finds them there instead of running the forward pass a
+    second time (its checkpoints become residuals of the linearization). Otherwise (a step
+    count or start known only at run time, a step that returns a condition, a step the
+    adjoint does not cover or that needs no recomputation, a single segment) one run, no
+    checkpoints."""
+    import jax
+    import jax.numpy as jnp
+    if nsteps is None or returns_condition or not active:
+        return call(*primals), []
+    state = _state_arrays(mk, arr_set)
+    try:
+        recorded = _segment_kernels(mk, [params[i] for i in active], [params[i] for i in state],
+                                    {params[i]: len(sig[i][0]) for i in state})[3]
+    except LoopkernError:
+        recorded = []       # reverse mode will raise its error if it is asked for
+    k, lengths = _segments(nsteps, every)
+    if not recorded or len(lengths) < 2:
+        return call(*primals), []
+    n_buf, t0_buf, *bufs = primals
+    n_dtype = np.asarray(n_buf).dtype if not isinstance(n_buf, jax.core.Tracer) else n_buf.dtype
+    t0 = jnp.asarray(t0_buf)
+    arrays = sorted(arr_set)
+    cur, checkpoints = list(bufs), []
+    for s, length in enumerate(lengths):
+        if s:
+            checkpoints += [cur[i] for i in state]
+        out = call(np.array([length], n_dtype), t0 + s * k, *cur)
+        for slot, i in enumerate(arrays):
+            cur[i] = out[slot]
+    return out, checkpoints
 
 
 class _ReverseContext:
     """What the transpose of a tangent run needs to run the reverse sweep (compared by identity)."""
 
-    def __init__(self, mk, params, active, arr_set, sig, options, returns_condition, nsteps):
+    def __init__(self, mk, params, active, arr_set, sig, options, returns_condition, nsteps, n_checkpoints=0,
+                 checkpoint_every=None):
         self.mk, self.params, self.active, self.arr_set = mk, params, active, arr_set
         self.sig, self.options, self.returns_condition = sig, options, returns_condition
         self.nsteps = nsteps            # the step count when known at trace time, else None
+        # the primal run's checkpoints (_checkpointed_primal), the primitive's last operands
+        self.n_checkpoints = n_checkpoints
+        self.checkpoint_every = checkpoint_every
 
 
 def _segment_kernels(mk, active_names, state, ndims):
@@ -469,7 +537,6 @@ def _reverse_sweep(ctx, name, cts, n, t0, args) -> list:
     neither the forward segments nor the recorder run). Extra memory: about 2 sqrt(N) states
     of the recorded arrays; kernel calls: about 3 sqrt(N).
     """
-    import math as _m
 
     import jax.numpy as jnp
     from jax.interpreters import ad
@@ -487,9 +554,11 @@ def _reverse_sweep(ctx, name, cts, n, t0, args) -> list:
         values.append(args[pos])
         pos += 1 + (i in ctx.active)
     arr_idx = sorted(ctx.arr_set)
-    # the arrays whose contents change from step to step: written ones and swap pairs'
-    swapped = {i for pair in mk.spec.swap for i in pair}
-    state = [i for i in arr_idx if mk.spec.params[i].written or i in swapped]
+    state = _state_arrays(mk, ctx.arr_set)
+    checkpoints = list(args[len(args) - ctx.n_checkpoints:]) if ctx.n_checkpoints else []
+    checkpoint_of = {}          # segment -> {state array: its value at the segment's start}
+    for j, v in enumerate(checkpoints):
+        checkpoint_of.setdefault(1 + j // len(state), {})[state[j % len(state)]] = v
     ndims = {params[i]: len(ctx.sig[i][0]) for i in state}
     rec, seg, scratch, recorded_names = _segment_kernels(mk, active_names, [params[i] for i in state], ndims)
     state = [i for i in state if params[i] in recorded_names]
@@ -509,7 +578,7 @@ def _reverse_sweep(ctx, name, cts, n, t0, args) -> list:
     sbars = {i: jnp.zeros((1,), ctx.sig[i][1]) for i in ctx.active if i not in ctx.arr_set}
     swap = [(a, b) for a, b in mk.spec.swap if a in bars and b in bars]
     opts = ctx.options
-    k = max(1, _m.isqrt(max(nsteps, 1) - 1) + 1)
+    k = _segments(nsteps, ctx.checkpoint_every)[0]
     if not state:           # nothing to record: one segment, one launch of the adjoint sweep
         k = max(1, nsteps)
     t0 = jnp.asarray(t0).reshape(())
@@ -536,8 +605,11 @@ def _reverse_sweep(ctx, name, cts, n, t0, args) -> list:
     cur = list(values)
     starts = []
     for s, length in enumerate(lengths):
+        if s in checkpoint_of:          # kept by the primal run
+            for i, v in checkpoint_of[s].items():
+                cur[i] = v
         starts.append(list(cur))
-        if state:
+        if state and s + 1 < len(lengths) and s + 1 not in checkpoint_of:
             out = mk.jax(*cur, steps=length, start=t0 + s * k, **opts)
             for slot, i in enumerate(arr_idx):
                 cur[i] = out[slot]
@@ -610,7 +682,8 @@ def _tangent_primitive():
     batching.primitive_batchers[p] = batch
 
     def transpose(cts, n, t0, *args, fn, name, reverse):
-        return [None, None] + _reverse_sweep(reverse, name, cts, n, t0, args)
+        # no cotangent for the primal run's checkpoints (the last operands)
+        return [None, None] + _reverse_sweep(reverse, name, cts, n, t0, args) + [None] * reverse.n_checkpoints
     ad.primitive_transposes[p] = transpose
     _TANGENT_P.append(p)
     return p

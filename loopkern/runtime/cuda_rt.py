@@ -412,6 +412,17 @@ _, random_uniform, random_normal = build(cuda.jit(device=True))
 block_sum, block_max, block_min = (_make(op, None) for op in _OPS)
 
 
+@cuda.jit(device=True)
+def atomic_add_block(a, idx, v, redf, redi, st, bar, shf, shi):
+    """``lk.atomic.add(a, idx, v)`` made by every thread of the block with one ``idx`` and
+    its result unused (a top-level statement of a step, ``idx`` a constant: codegen emits it
+    only there): the block's values summed first (a block reduction, in float64 or int64),
+    then one atomic update per block. Every thread of the block must call it."""
+    total = block_sum(v, redf, redi, st, bar, shf, shi)
+    if cuda.threadIdx.x == 0:
+        atomic_add(a, idx, total)
+
+
 # -- run control: progress, cancellation, timeouts, debug stops ------------------------------
 #
 # ``host`` (int64[HOST_SIZE]) is the run's control block, in mapped pinned host memory for

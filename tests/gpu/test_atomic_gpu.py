@@ -63,3 +63,20 @@ def test_debug_atomic_out_of_bounds_on_gpu(rng):
     with pytest.raises(lk.BoundsError, match="out-of-bounds store to 'hist'"):
         lk.megakernel(spill)(data, hist, 1, steps=3, backend="cuda", debug=True)
     assert not memory.copy_to_host()[8:].any()                            # nothing written past the end
+
+
+@pytest.mark.parametrize("scope,blocks,threads", [("grid", 1, 32), ("grid", 7, 96), ("grid", None, None),
+                                                  ("block", None, 1024)])
+def test_top_level_atomics_summed_per_block_on_the_gpu(scope, blocks, threads):
+    # every thread of the grid adds at the top level; those of a constant index are summed per
+    # block first (runtime atomic_add_block): the totals must still count every thread
+    import test_atomic as TA
+    k = lk.megakernel(TA.top_level_counts)
+    x, total, count, slots = np.zeros(10_000), np.zeros(1), np.zeros((2, 2), np.int32), np.zeros(3, np.int64)
+    steps = 11
+    run = k(x, total, count, slots, steps=steps, backend="cuda", scope=scope, blocks=blocks, threads=threads)
+    want_total, want_count, want_slots = TA._top_level_expected(steps, run.blocks * run.threads)
+    assert total[0] == pytest.approx(want_total, rel=1e-12)
+    assert count[1, 0] == want_count and count.sum() == want_count
+    np.testing.assert_array_equal(slots, want_slots)
+    np.testing.assert_array_equal(x, np.full(10_000, float(steps)))
