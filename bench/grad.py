@@ -1,14 +1,15 @@
 """Reverse mode: the gradient of a loss after N heat steps with respect to the initial field
-(1-D, float32), through kernel.jax under jax.grad, against jax.grad of the same loop written
-with lax.scan, and the forward run alone (for the ratio). Checked against a hand-written
-float64 NumPy adjoint of the loop."""
+(1-D, float32), and to the field and alpha, through kernel.jax under jax.grad, against
+jax.grad of the same loop written with lax.scan, and the forward run alone (for the ratio).
+The loss, 0.5 * sum((u_N - target)**2), needs the final field (a loss linear in it would let
+XLA drop the forward run). Checked against a hand-written float64 NumPy adjoint of the loop."""
 
 from __future__ import annotations
 
 import numpy as np
 
 from .harness import Bench, Case, Impl, have, rel_err
-from .heat import ALPHA, heat_kernel
+from .heat import ALPHA, heat_kernel, heat_ref
 
 
 def grad_ref(w, steps, alpha):
@@ -63,8 +64,9 @@ def bench_grad(b: Bench):
     check_steps = 50 if b.args.quick else 200
     rng = np.random.default_rng(5)
     u0 = rng.random(n).astype(np.float32)
-    w = rng.standard_normal(n).astype(np.float32)
-    ref = grad_ref(w, check_steps, ALPHA)
+    w = rng.standard_normal(n).astype(np.float32)       # the target field
+    seed = heat_ref(u0, check_steps) - w.astype(np.float64)     # d loss / d u_N
+    ref = grad_ref(seed, check_steps, ALPHA)
 
     def check(res, done, ref=ref):
         e = rel_err(res, ref)
@@ -73,8 +75,11 @@ def bench_grad(b: Bench):
     k = heat_kernel()
     uj, wj = jnp.asarray(u0), jnp.asarray(w)
 
+    def loss_of(field):
+        return 0.5 * jnp.sum((field - wj) ** 2)
+
     def lk_grad(steps):
-        return jax.grad(lambda u: jnp.sum(k.jax(u, u, ALPHA, steps=steps)[0] * wj))
+        return jax.grad(lambda u: loss_of(k.jax(u, u, ALPHA, steps=steps)[0]))
 
     def scan_grad(steps):
         def loss(u):
@@ -82,7 +87,7 @@ def bench_grad(b: Bench):
                 x, y = s
                 new = y.at[1:-1].set(x[1:-1] + ALPHA * (x[:-2] - 2 * x[1:-1] + x[2:]))
                 return (new, x), None
-            return jnp.sum(jax.lax.scan(body, (u, u), None, length=steps)[0][0] * wj)
+            return loss_of(jax.lax.scan(body, (u, u), None, length=steps)[0][0])
         return jax.grad(loss)
 
     def lk_forward(steps):
@@ -95,7 +100,7 @@ def bench_grad(b: Bench):
     # with respect to alpha too: the adjoint step then reads the field (alpha's adjoint is a
     # sum of laplacians times adjoints), so the reverse sweep records and recomputes states;
     # with respect to u alone the loop is linear and nothing is recorded
-    ref_a = alpha_grad_ref(u0, w, check_steps, ALPHA)
+    ref_a = alpha_grad_ref(u0, seed, check_steps, ALPHA)
 
     def check_a(res, done):
         e_u, e_a = rel_err(res[:-1], ref), abs(float(res[-1]) - ref_a) / abs(ref_a)
@@ -109,7 +114,7 @@ def bench_grad(b: Bench):
         return f
 
     def lk_grad_a(steps):
-        return both(jax.grad(lambda u, a: jnp.sum(k.jax(u, u, a, steps=steps)[0] * wj), argnums=(0, 1)))
+        return both(jax.grad(lambda u, a: loss_of(k.jax(u, u, a, steps=steps)[0]), argnums=(0, 1)))
 
     def scan_grad_a(steps):
         def loss(u, a):
@@ -117,13 +122,12 @@ def bench_grad(b: Bench):
                 x, y = s
                 new = y.at[1:-1].set(x[1:-1] + a * (x[:-2] - 2 * x[1:-1] + x[2:]))
                 return (new, x), None
-            return jnp.sum(jax.lax.scan(body, (u, u), None, length=steps)[0][0] * wj)
+            return loss_of(jax.lax.scan(body, (u, u), None, length=steps)[0][0])
         return both(jax.grad(loss, argnums=(0, 1)))
     aj = jnp.float32(ALPHA)
     b.measure(case_a, [("loopkern jax.grad through kernel.jax", lambda c: _impl(lk_grad_a, [uj, aj])),
                        ("jax.grad of lax.scan", lambda c: _impl(scan_grad_a, [uj, aj]))])
     # the forward run alone: its result is the field, checked against the heat reference
-    from .heat import heat_ref
     fwd_ref = heat_ref(u0, check_steps)
     fwd_case = Case("heat_grad_forward", n, steps, check_steps,
                     lambda res, done: (rel_err(res, fwd_ref) < 1e-4, "forward field"), dict())
