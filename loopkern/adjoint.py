@@ -52,7 +52,7 @@ from __future__ import annotations
 import ast
 import copy
 
-from .tangent import _mul, _Tangent, check_active, generated_step
+from .tangent import _mul, _Tangent, check_active, generated_step, running_extrema, running_update
 from .validate import tag_random_sites
 
 
@@ -116,6 +116,8 @@ class _Adjoint:
         self.scratch = []           # (scratch array parameter, the array it holds a version of)
         self.accumulators = set()   # locals the loops add into for an lk.sum after them
         self.scalar_acc = {}        # active scalar parameter -> the thread's local sum of its adjoint
+        self.extrema = {}           # running extrema of the step (tangent.running_extrema)
+        self.extremum_red = {}      # a running extremum an lk.max/min reduces -> that reduction
         self.ndims = _index_counts(parsed.tree)
 
     def error(self, node, what):
@@ -160,6 +162,7 @@ class _Adjoint:
         active top-level assignments walked backwards (each thread adds its share)."""
         fwd, items, assigned = [], [], []
         active = set(self.active)
+        self.extrema = running_extrema(self.tg, body)
         for s in body:
             if self.is_parallel(s):
                 items.append(("loop", s))
@@ -206,6 +209,14 @@ class _Adjoint:
                     at) for n, at in [(s.targets[0].id, s) for s in tops] + [(r["name"], r["node"]) for r in reduced]]
         accumulating = {loops.index(red["loop"]) for kind, red in items if kind == "reduce"}
         chunks, reads_as = self.versions(loops, accumulating)
+        for kind, red in items:
+            if kind == "reduce" and red["op"] != "sum":
+                # the recomputation counts each thread's values equal to its running max/min
+                j = loops.index(red["loop"])
+                for st in chunks[j]:
+                    _count_ties(st, red["acc"], red["op"], red["ties"])
+                zero.append(_at(ast.Assign(targets=[ast.Name(id=red["ties"], ctx=ast.Store())],
+                                           value=ast.Constant(0.0)), red["node"]))
         recompute, j = [], 0
         for kind, s in items:
             if kind == "loop":
@@ -252,12 +263,19 @@ class _Adjoint:
         at a value that does not depend on what is differentiated and only the loop just before
         updates it, as ``acc += e`` (an accumulator of the sum). Returns what the adjoint needs:
         the recomputation (``S = lk.sum(acc)``; ``r = f(S)``), the loop, the names."""
-        sums = [n for n in ast.walk(s.value) if isinstance(n, ast.Call) and self.tg.module_of(n.func) == ("lk", "sum")]
+        sums = [n for n in ast.walk(s.value) if isinstance(n, ast.Call)
+                and self.tg.module_of(n.func) in (("lk", "sum"), ("lk", "max"), ("lk", "min"))]
         loops = [x for kind, x in items if kind == "loop"]
         if len(sums) != 1 or len(sums[0].args) != 1 or not isinstance(sums[0].args[0], ast.Name) or not loops:
             raise self.error(s, "a top-level assignment after a parallel loop has an adjoint only as "
-                                "r = f(lk.sum(acc)), acc a local the loop before adds into")
+                                "r = f(lk.sum(acc)) (or lk.max/lk.min), acc a local the loop before updates")
         acc = sums[0].args[0].id
+        op = self.tg.module_of(sums[0].func)[1]
+        if op != "sum":
+            kind, bad = self.extrema.get(acc, (op, sums[0]))
+            if bad is not None:
+                raise self.error(bad, f"lk.{op} has an adjoint only of a running {op}: a local set before the "
+                                      f"loops and updated in them only as {acc} = {op}({acc}, e)")
         init = [x for x in fwd if x.targets[0].id == acc] + [x for kind, x in items
                                                              if kind == "plain" and x.targets[0].id == acc]
         if not init or self.tg.is_active(init[-1].value, set(self.active)):
@@ -278,7 +296,20 @@ class _Adjoint:
                    args=[ast.Name(id=acc, ctx=ast.Load())], keywords=[])), s),
                _at(ast.Assign(targets=[ast.Name(id=name, ctx=ast.Store())], value=value), s)]
         self.accumulators.add(acc)
-        return dict(node=s, name=name, acc=acc, sum=total, value=value, loop=loops[-1], recompute=rec)
+        red = dict(node=s, name=name, acc=acc, sum=total, value=value, loop=loops[-1], recompute=rec, op=op)
+        if op != "sum":
+            # the values equal to the result share its adjoint evenly (JAX's rule for its max
+            # and min reductions): their count, from each thread's count of its ties
+            red["ties"], red["count"] = self.fresh(f"{acc}_ties"), self.fresh(f"{acc}_count")
+            rec[0].value.func.attr = op
+            hit = ast.Compare(left=ast.Name(id=acc, ctx=ast.Load()), ops=[ast.Eq()],
+                              comparators=[ast.Name(id=total, ctx=ast.Load())])
+            rec.insert(1, _at(ast.Assign(targets=[ast.Name(id=red["count"], ctx=ast.Store())], value=ast.Call(
+                func=ast.Attribute(value=ast.Name(id=lk, ctx=ast.Load()), attr="sum", ctx=ast.Load()),
+                args=[ast.IfExp(test=hit, body=ast.Name(id=red["ties"], ctx=ast.Load()), orelse=ast.Constant(0.0))],
+                keywords=[])), s))
+            self.extremum_red[acc] = red
+        return red
 
     def reduction_adjoint(self, red, active):
         """``r = f(S)``, ``S = lk.sum(acc)``, backwards: the threads' shares of r's adjoint are
@@ -296,8 +327,16 @@ class _Adjoint:
         out += self.scatter(value, ast.Name(id=tot, ctx=ast.Load()), active, node, only={total})
         out += self.scatter(value, ast.Name(id=self.bar_name(name), ctx=ast.Load()), active, node,
                             exclude={total})
-        out.append(_at(ast.Assign(targets=[ast.Name(id=self.bar_name(acc), ctx=ast.Store())],
-                                  value=ast.Name(id=self.bar_name(total), ctx=ast.Load())), node))
+        share = ast.Name(id=self.bar_name(total), ctx=ast.Load())
+        if red["op"] != "sum":
+            # each value equal to the max/min takes S's adjoint over their count
+            red["share"] = self.fresh(f"{acc}_share")
+            share = ast.BinOp(left=share, op=ast.Div(), right=ast.Call(
+                func=ast.Name(id="max", ctx=ast.Load()), args=[ast.Name(id=red["count"], ctx=ast.Load()),
+                                                             ast.Constant(1.0)], keywords=[]))
+            out.append(_at(ast.Assign(targets=[ast.Name(id=red["share"], ctx=ast.Store())], value=share), node))
+            return out
+        out.append(_at(ast.Assign(targets=[ast.Name(id=self.bar_name(acc), ctx=ast.Store())], value=share), node))
         return out
 
     def sync_stmt(self):
@@ -551,6 +590,7 @@ class _Adjoint:
                     if isinstance(b, ast.Assign) and isinstance(b.targets[0], ast.Name)}
         accs = self.accumulators & assigned
         acc_versions = {}                            # an accumulator's versions -> the accumulator
+        ext_versions = {}                            # a running max/min's versions -> (its reduction, e, flag)
         for st in body:
             st = copy.deepcopy(st)
             atomic = self.atomic_of(st)
@@ -576,7 +616,13 @@ class _Adjoint:
                     raise self.error(st, f"'{n.id}' carries a value from one iteration of the loop to the next "
                                          f"(this thread's previous iteration); assign it in the iteration before "
                                          f"using it")
-            if updates and _additive_count(st.value, {tgt.id}) != 1:
+            extremum = self.extremum_red.get(tgt.id) if updates else None
+            if extremum is not None:
+                e, flag = _running_value(st, tgt.id, extremum["op"])
+                if e is None:
+                    raise self.error(st, f"'{tgt.id}' is reduced by lk.{extremum['op']}: update it only as "
+                                         f"{tgt.id} = {extremum['op']}({tgt.id}, e)")
+            elif updates and _additive_count(st.value, {tgt.id}) != 1:
                 raise self.error(st, f"'{tgt.id}' adds up values for lk.sum: update it only as "
                                      f"{tgt.id} += e or {tgt.id} -= e")
             value = _rename_loads(st.value, version)
@@ -585,6 +631,9 @@ class _Adjoint:
                 version[tgt.id] = new
                 if updates:
                     acc_versions[new] = tgt.id
+                    if extremum is not None:
+                        ext_versions[new] = (extremum, _rename_loads(e, version),
+                                             None if flag is None else _rename_loads(flag, version))
                 ssa.append(("local", new, value, st))
             else:
                 if not isinstance(tgt.value, ast.Name):
@@ -613,7 +662,7 @@ class _Adjoint:
         for kind, name, payload, st in ssa:
             if kind == "local":
                 fwd.append(_at(ast.Assign(targets=[ast.Name(id=name, ctx=ast.Store())], value=payload), st))
-        for name in [n for k, n, _, _ in ssa if k == "local" and n in active]:
+        for name in [n for k, n, _, _ in ssa if k == "local" and n in active and n not in ext_versions]:
             # every version of an accumulator has the adjoint of its final value (the sum's
             # share for this thread): each addend enters the final value once
             start = ast.Name(id=self.bar_name(acc_versions[name]), ctx=ast.Load()) if name in acc_versions \
@@ -621,6 +670,17 @@ class _Adjoint:
             fwd.append(_at(ast.Assign(targets=[ast.Name(id=self.bar_name(name), ctx=ast.Store())], value=start), s))
         for kind, name, payload, st in reversed(ssa):
             if name not in active:
+                continue
+            if name in ext_versions:
+                # m = max(m, e): e takes the share of the result's adjoint if it equals the
+                # result (and, inside an if, its branch ran); nothing passes to the m before
+                red, e, flag = ext_versions[name]
+                hit = ast.Compare(left=copy.deepcopy(e), ops=[ast.Eq()],
+                                  comparators=[ast.Name(id=red["sum"], ctx=ast.Load())])
+                if flag is not None:
+                    hit = ast.BoolOp(op=ast.And(), values=[copy.deepcopy(flag), hit])
+                g = ast.IfExp(test=hit, body=ast.Name(id=red["share"], ctx=ast.Load()), orelse=ast.Constant(0.0))
+                back += self.scatter(e, g, active, st)
                 continue
             if kind == "local":
                 g = ast.Name(id=self.bar_name(name), ctx=ast.Load())
@@ -821,6 +881,44 @@ def _additive_count(e, names):
         a, b = _additive_count(e.body, names), _additive_count(e.orelse, names)
         return a if a == b else -1
     return -1 if _reads_any(e, names) else 0
+
+
+def _running_value(st, name, op):
+    """(e, the branch flag or None) of ``name = op(name, e)``, or of its guarded form
+    ``name = (op(name, e) if flag else name)`` that :meth:`_Adjoint.straight` makes inside an
+    ``if``; (None, None) for any other statement."""
+    v = st.value
+    flag = None
+    if isinstance(v, ast.IfExp) and isinstance(v.orelse, ast.Name) and v.orelse.id == name:
+        flag, v = v.test, v.body
+    e = running_update(ast.Assign(targets=[ast.Name(id=name, ctx=ast.Store())], value=v), name, op)
+    return (e, flag) if e is not None else (None, None)
+
+
+def _count_ties(tree, name, op, ties):
+    """Before each ``name = op(name, e)`` in ``tree`` (statement lists at any depth), the
+    count of the thread's values equal to its running max/min: 1 where e beats it, one more
+    where e ties it."""
+    for node in ast.walk(tree):
+        for field in ("body", "orelse"):
+            stmts = getattr(node, field, None)
+            if not isinstance(stmts, list):
+                continue
+            out = []
+            for st in stmts:
+                e = running_update(st, name, op) if isinstance(st, ast.Assign) else None
+                if e is not None:
+                    m = ast.Name(id=name, ctx=ast.Load())
+                    count = ast.Name(id=ties, ctx=ast.Load())
+                    out.append(_at(ast.Assign(targets=[ast.Name(id=ties, ctx=ast.Store())], value=ast.IfExp(
+                        test=ast.Compare(left=copy.deepcopy(e), ops=[ast.Gt() if op == "max" else ast.Lt()],
+                                         comparators=[m]),
+                        body=ast.Constant(1.0), orelse=ast.IfExp(
+                            test=ast.Compare(left=copy.deepcopy(e), ops=[ast.Eq()], comparators=[copy.deepcopy(m)]),
+                            body=ast.BinOp(left=count, op=ast.Add(), right=ast.Constant(1.0)),
+                            orelse=copy.deepcopy(count)))), st))
+                out.append(st)
+            setattr(node, field, out)
 
 
 def _reads_any(node, names):

@@ -18,8 +18,11 @@ runs the primal statements and, before each, the statement that carries their de
 
 The result is a :class:`~loopkern.frontend.ParsedFunction` whose nodes keep the user's line
 numbers, so the tangent step validates, compiles and reports errors like the step itself.
-What has no rule here (``lk.max``/``lk.min``, helper functions, ``lk.atomic.max``/``min``, a
-tuple assignment of an active value) raises :class:`~loopkern.errors.StepSyntaxError` at the
+``lk.max(m)``/``lk.min(m)`` of a running extremum (``m`` set before the loops, updated in them
+only as ``m = max(m, e)``) has the tangent JAX gives its max/min reductions: the mean of the
+tangents of the values equal to the result (each thread counts its ties; the start value is
+not one). What has no rule here (``lk.max``/``lk.min`` of anything else, helper functions,
+``lk.atomic.max``/``min``, a tuple assignment of an active value) raises :class:`~loopkern.errors.StepSyntaxError` at the
 line.
 """
 
@@ -98,6 +101,8 @@ class _Tangent:
         used = {n.id for n in ast.walk(parsed.tree) if isinstance(n, ast.Name)} | \
             {a.arg for a in parsed.tree.args.args}
         self.used = used
+        self.extrema = {}                     # running extrema reduced by lk.max/min (running_extrema)
+        self.ties = {}                        # running extremum -> its local count of tied values
 
     # -- names -----------------------------------------------------------------------------
     def dot_name(self, name):
@@ -108,6 +113,15 @@ class _Tangent:
             self.used.add(d)
             self.dot[name] = d
         return self.dot[name]
+
+    def ties_name(self, name):
+        if name not in self.ties:
+            d = f"{name}_ties"
+            while d in self.used:
+                d += "_"
+            self.used.add(d)
+            self.ties[name] = d
+        return self.ties[name]
 
     def module_of(self, node):
         """'math', 'lk', 'lk.random', 'lk.atomic', 'np' for attribute bases, else None."""
@@ -251,8 +265,26 @@ class _Tangent:
         if mod == "lk" and name == "sum" and len(args) == 1:
             dx = self.d(args[0], names)
             return ast.Call(func=copy.deepcopy(e.func), args=[dx], keywords=[])
+        if mod == "lk" and name in ("max", "min") and len(args) == 1:
+            m = args[0].id if isinstance(args[0], ast.Name) else None
+            op, bad = self.extrema.get(m, (None, e))
+            if bad is not None:
+                raise self.error(bad, f"lk.{name} has a derivative only of a running {name}: a local set before "
+                                      f"the loops and updated in them only as m = {name}(m, e)")
+            # the mean of the tangents of the values equal to the result: each thread's sum of
+            # its ties' tangents and their count, where its running value is the result
+            hit = ast.Compare(left=copy.deepcopy(args[0]), ops=[ast.Eq()], comparators=[copy.deepcopy(e)])
+            lk_sum = ast.Attribute(value=copy.deepcopy(e.func.value), attr="sum", ctx=ast.Load())
+            dots = ast.Call(func=copy.deepcopy(lk_sum), args=[ast.IfExp(
+                test=copy.deepcopy(hit), body=ast.Name(id=self.dot_name(m), ctx=ast.Load()), orelse=_num(0.0))],
+                keywords=[])
+            count = ast.Call(func=copy.deepcopy(lk_sum), args=[ast.IfExp(
+                test=hit, body=ast.Name(id=self.ties_name(m), ctx=ast.Load()), orelse=_num(0.0))], keywords=[])
+            return _div(dots, ast.Call(func=ast.Name(id="max", ctx=ast.Load()), args=[count, _num(1.0)],
+                                       keywords=[]))
         raise self.error(e, f"no derivative rule for '{ast.unparse(e.func)}' yet",
-                         "the tangent step covers arithmetic, math's functions, abs, min, max, float and lk.sum")
+                         "the tangent step covers arithmetic, math's functions, abs, min, max, float, lk.sum, "
+                         "and lk.max/lk.min of a running max/min")
 
     # -- statements ------------------------------------------------------------------------
     def body(self, stmts, names):
@@ -267,6 +299,8 @@ class _Tangent:
             if len(s.targets) != 1:
                 raise self.error(s, "a chained assignment in a step to differentiate", "write one assignment per line")
             tgt = s.targets[0]
+            if isinstance(tgt, ast.Name) and tgt.id in self.extrema and self.extrema[tgt.id][1] is None:
+                return self.running(tgt.id, s, names) + [s]
             return self.assign(tgt, s.value, s, names) + [s]
         if isinstance(s, ast.AnnAssign) and s.value is not None:
             return self.assign(s.target, s.value, s, names) + [s]
@@ -290,6 +324,30 @@ class _Tangent:
             return [s]
         del loc
         return [s]
+
+    def running(self, m, s, names):
+        """A running extremum's statement: at the top level its start (no tied value yet);
+        in a loop, m = max(m, e), with the count of the thread's values equal to m and the
+        sum of their tangents updated from the value before (a larger e starts them over)."""
+        op = self.extrema[m][0]
+        e = running_update(s, m, op)
+        ties = ast.Name(id=self.ties_name(m), ctx=ast.Store())
+        if e is None:           # the start
+            return self.assign(s.targets[0], s.value, s, names) + [self._loc(ast.Assign(
+                targets=[ties], value=_num(0.0)), s)]
+        beats = ast.Compare(left=copy.deepcopy(e), ops=[ast.Gt() if op == "max" else ast.Lt()],
+                            comparators=[ast.Name(id=m, ctx=ast.Load())])
+        ties_e = ast.Compare(left=copy.deepcopy(e), ops=[ast.Eq()], comparators=[ast.Name(id=m, ctx=ast.Load())])
+        load = ast.Name(id=self.ties_name(m), ctx=ast.Load())
+        out = [ast.Assign(targets=[ties], value=ast.IfExp(test=copy.deepcopy(beats), body=_num(1.0), orelse=ast.IfExp(
+            test=copy.deepcopy(ties_e), body=_add(load, _num(1.0)), orelse=copy.deepcopy(load))))]
+        if m in names:
+            de = self.d(e, names) or _num(0.0)
+            mdot = ast.Name(id=self.dot_name(m), ctx=ast.Load())
+            out.insert(0, ast.Assign(targets=[ast.Name(id=self.dot_name(m), ctx=ast.Store())], value=ast.IfExp(
+                test=beats, body=copy.deepcopy(de), orelse=ast.IfExp(test=ties_e, body=_add(mdot, de),
+                                                                     orelse=copy.deepcopy(mdot)))))
+        return [self._loc(x, s) for x in out]
 
     def _loc(self, new, s):
         for n in ast.walk(new):
@@ -358,6 +416,57 @@ class _Tangent:
         return [self._loc(new, s)]
 
 
+def running_extrema(tg, body) -> dict:
+    """The locals the step reduces with ``lk.max``/``lk.min`` in a top-level statement,
+    mapped to ("max"|"min", None if each is a running extremum, else the node that makes it
+    not one). A running extremum is set at the top level and updated inside loops only as
+    ``m = max(m, e)`` (or ``max(e, m)``; ``min`` for ``lk.min``): its derivative is the mean
+    of the tangents of the values equal to the result (each thread counts its ties), as
+    JAX's ``max``/``min`` reductions define it; the starting value is not one of them."""
+    found = {}
+    for s in body:
+        # (a returned condition's reductions have no derivative: not looked at)
+        if isinstance(s, (ast.For, ast.While, ast.Return)):
+            continue
+        for n in ast.walk(s):
+            if isinstance(n, ast.Call) and len(n.args) == 1 and isinstance(n.args[0], ast.Name):
+                mod, attr = tg.module_of(n.func)
+                if mod == "lk" and attr in ("max", "min"):
+                    found.setdefault(n.args[0].id, (attr, None))
+    for s in body:
+        inner = isinstance(s, (ast.For, ast.While, ast.If))
+        for n in ast.walk(s) if inner else []:
+            if isinstance(n, (ast.Assign, ast.AugAssign, ast.AnnAssign)):
+                tgts = n.targets if isinstance(n, ast.Assign) else [n.target]
+                for t in tgts:
+                    for x in ast.walk(t):
+                        if isinstance(x, ast.Name) and x.id in found and found[x.id][1] is None:
+                            op = found[x.id][0]
+                            if not (isinstance(n, ast.Assign) and running_update(n, x.id, op) is not None):
+                                found[x.id] = (op, n)
+    return found
+
+
+def running_update(s, name, op):
+    """``e`` of a statement ``name = op(name, e)`` or ``name = op(e, name)`` (builtin max or
+    min), else None."""
+    v = s.value if isinstance(s, ast.Assign) and len(s.targets) == 1 and isinstance(s.targets[0], ast.Name) \
+        and s.targets[0].id == name else None
+    if not (isinstance(v, ast.Call) and isinstance(v.func, ast.Name) and v.func.id == op and len(v.args) == 2
+            and not v.keywords):
+        return None
+    a, b = v.args
+    if isinstance(a, ast.Name) and a.id == name and not _reads(b, name):
+        return b
+    if isinstance(b, ast.Name) and b.id == name and not _reads(a, name):
+        return a
+    return None
+
+
+def _reads(e, name) -> bool:
+    return any(isinstance(n, ast.Name) and n.id == name for n in ast.walk(e))
+
+
 def check_active(tree, active):
     """ValueError unless every name in ``active`` is a parameter of the step after ``t``."""
     unknown = set(active) - {a.arg for a in tree.args.args[1:]}
@@ -388,6 +497,7 @@ def tangent_function(parsed, active) -> tuple:
     tree = parsed.tree
     params = [a.arg for a in tree.args.args]
     tg = _Tangent(parsed, set(active))
+    tg.extrema = running_extrema(tg, tree.body)
     names = tg.active_names(tree.body)
     body = tg.body(copy.deepcopy(tree.body), names)
     new_args = []

@@ -131,17 +131,28 @@ def test_what_reverse_mode_does_not_cover_yet_is_a_clear_error(rng):
         jax.jit(jax.grad(lambda a, m: jacobi.jax(a.reshape(4, 4), a.reshape(4, 4), 1e-3, max_steps=m)[0].sum()))(
             u, 5)
     def scaled_by_max(t, x):
-        # lk.max (no rule in either mode yet)
+        # lk.max of a value that is not a running max (m = max(m, e) only)
         n = x.shape[0]
         m = 0.0
         for i in lk.range(n):
-            m = max(m, abs(x[i]))
+            m = max(m, abs(x[i])) * 0.5
         top = lk.max(m)
         for i in lk.range(n):
             x[i] = x[i] / (1.0 + top)
 
-    with pytest.raises(StepSyntaxError, match=r"reverse mode: .*only as r = f\(lk.sum\(acc\)\)"):
+    def two_reductions(t, x):
+        n = x.shape[0]
+        s = 0.0
+        for i in lk.range(n):
+            s += x[i]
+        top = lk.max(s) + lk.sum(s)
+        for i in lk.range(n):
+            x[i] = x[i] / (1.0 + top)
+
+    with pytest.raises(StepSyntaxError, match=r"reverse mode: lk.max has an adjoint only of a running max"):
         lk.megakernel(scaled_by_max).adjoint("x")
+    with pytest.raises(StepSyntaxError, match=r"reverse mode: .*only as r = f\(lk.sum\(acc\)\)"):
+        lk.megakernel(two_reductions).adjoint("x")
 
 
 def test_a_read_after_a_store_in_the_same_loop_is_refused():
@@ -1029,3 +1040,79 @@ def test_checkpoint_every_sets_the_segments(rng):
     for bad in (0, -2, 2.5, True, "4"):
         with pytest.raises(lk.ArgumentError, match="checkpoint_every="):
             k.jax(x0, np.float32(1.3), steps=3, checkpoint_every=bad)
+
+
+def peak_scaled(t, x, c):
+    # lk.max of a running max (one update inside an if), lk.min of a running min
+    n = x.shape[0]
+    m = -1.0e30
+    for i in lk.range(n):
+        y = x[i] * x[i] + c
+        if x[i] > -10.0:
+            m = max(m, y)
+    top = lk.max(m)
+    lo = 1.0e30
+    for i in lk.range(n):
+        lo = min(x[i], lo)
+    bot = lk.min(lo)
+    for i in lk.range(n):
+        x[i] = x[i] / math.sqrt(top) + 0.1 * bot
+
+
+def _peak_scaled_jnp(x, c, steps):
+    def body(t, x):
+        top = jnp.max(jnp.where(x > -10.0, x * x + c, -1.0e30))
+        return x / jnp.sqrt(top) + 0.1 * jnp.min(x)
+    return jax.lax.fori_loop(0, steps, body, x)
+
+
+@pytest.mark.parametrize("ties", [False, True])
+def test_grad_and_jvp_through_lk_max_and_min(ties, rng):
+    # the derivative of a max/min is the mean of the tangents of the values equal to it, as
+    # JAX defines it for jnp.max/jnp.min: with ties (x*x equal at +-2, the min at -2 twice)
+    # loopkern's split must be JAX's, whichever threads hold the tied values
+    k = lk.megakernel(peak_scaled)
+    x0 = np.tile(np.array([1.0, -2.0, 2.0, 0.5, -2.0, 2.0], np.float32), 7) if ties else \
+        rng.standard_normal(42).astype(np.float32)
+    x0, w = jnp.asarray(x0), jnp.asarray(rng.standard_normal(42).astype(np.float32))
+    c = np.float32(0.3)
+    got = jax.grad(lambda x, c: (k.jax(x, c, steps=3)[0] * w).sum(), argnums=(0, 1))(x0, c)
+    want = jax.grad(lambda x, c: (_peak_scaled_jnp(x, c, 3) * w).sum(), argnums=(0, 1))(x0, c)
+    np.testing.assert_allclose(np.asarray(got[0]), np.asarray(want[0]), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(float(got[1]), float(want[1]), rtol=1e-5)
+    dx = jnp.asarray(rng.standard_normal(42).astype(np.float32))
+    _, tan = jax.jvp(lambda x, c: k.jax(x, c, steps=3)[0], (x0, c), (dx, np.float32(0.7)))
+    _, rtan = jax.jvp(lambda x, c: _peak_scaled_jnp(x, c, 3), (x0, c), (dx, np.float32(0.7)))
+    np.testing.assert_allclose(np.asarray(tan), np.asarray(rtan), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("backend", ["cpu", pytest.param("cuda", marks=pytest.mark.sim)])
+def test_the_adjoint_and_tangent_steps_of_a_max_alone(backend, rng):
+    # one step of kernel.adjoint() and kernel.tangent() of peak_scaled (two threads' worth of
+    # ties on the simulator's grid) against jax.vjp / jax.jvp of one jnp step in float64
+    from test_jax import _x64
+    n = 24
+    x = np.tile(np.array([1.0, -2.0, 2.0, 0.5]), n // 4)
+    bx, dx = rng.standard_normal(n), rng.standard_normal(n)
+    c = 0.3
+    adj = lk.megakernel(peak_scaled).adjoint("x", "c")
+    tan = lk.megakernel(peak_scaled).tangent("x", "c")
+    dev = [x.copy(), bx.copy(), np.zeros(1)]
+    tdev = [x.copy(), dx.copy()]
+    if backend == "cuda":
+        from numba import cuda
+        dev = [cuda.to_device(d) for d in dev]
+        tdev = [cuda.to_device(d) for d in tdev]
+    kw = dict(threads=32) if backend == "cuda" else {}
+    adj(dev[0], dev[1], c, dev[2], steps=1, backend=backend, **kw)
+    tan(tdev[0], tdev[1], c, 0.5, steps=1, backend=backend, **kw)
+    got = [d.copy_to_host() if backend == "cuda" else d for d in dev]
+    tgot = [d.copy_to_host() if backend == "cuda" else d for d in tdev]
+    with _x64():
+        _, vjp = jax.vjp(lambda x, c: _peak_scaled_jnp(x, c, 1), jnp.asarray(x), jnp.float64(c))
+        rx, rc = vjp(jnp.asarray(bx))
+        _, rt = jax.jvp(lambda x, c: _peak_scaled_jnp(x, c, 1), (jnp.asarray(x), jnp.float64(c)),
+                        (jnp.asarray(dx), jnp.float64(0.5)))
+    np.testing.assert_allclose(got[1], np.asarray(rx), rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(got[2][0], float(rc), rtol=1e-10)
+    np.testing.assert_allclose(tgot[1], np.asarray(rt), rtol=1e-10, atol=1e-12)

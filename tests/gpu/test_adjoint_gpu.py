@@ -222,3 +222,18 @@ def test_the_gradient_of_a_chunked_run_on_the_gpu(rng):
     got = jax.grad(chunked, argnums=(0, 1))(_f32(x0), np.float32(1.3))
     want = _reference(lambda x, kk: (TA._nonlinear_jnp(x, kk, 17) ** 2).sum(), x0, 1.3, argnums=(0, 1))
     _close(got, want)
+
+
+@pytest.mark.parametrize("blocks", [None, 5])
+@pytest.mark.parametrize("ties", [False, True])
+def test_grad_through_lk_max_and_min_on_the_gpu(blocks, ties, rng):
+    # with ties spread over many threads and blocks, the split must be JAX's (the mean of the
+    # tied values' tangents), whichever threads hold them
+    k = lk.megakernel(TA.peak_scaled)
+    n = 6 * 10_923
+    x0 = np.tile(np.array([1.0, -2.0, 2.0, 0.5, -2.0, 2.0], np.float32), n // 6) if ties else _draw(rng, n)
+    w = _draw(rng, n)
+    got = jax.grad(lambda x, c: (k.jax(x, c, steps=3, blocks=blocks)[0] * w).sum(), argnums=(0, 1))(
+        _f32(x0), np.float32(0.3))
+    want = _reference(lambda x, c: (TA._peak_scaled_jnp(x, c, 3) * w).sum(), x0, 0.3, argnums=(0, 1))
+    _close(got, want)
