@@ -37,10 +37,15 @@ adds into ``acc`` (``acc += e``, also inside ``if``; ``acc`` starting at a value
 differentiated reaches): the adjoint step recomputes ``r`` (the loop again, then the sum),
 and backwards sums the threads' shares of ``r``'s adjoint with ``lk.sum``, gives every
 thread's ``acc`` the total times ``df/dS``, and each addend of each iteration that adjoint.
-``lk.random`` draws have no derivative and draw what the step's draws drew. Anything else
+``r = f(lk.max(m))`` (``lk.min``) of a running max (``m = max(m, e)``, the only update of
+``m`` in the loop before): the recomputation also counts each thread's values equal to its
+``m``, and backwards every ``e`` equal to the result takes ``df/dS`` times the total over
+their count (JAX's rule for its max reductions; the tangent step's, ``tangent.py``).
+``lk.random`` draws have no derivative and draw what the step's draws drew.
 ``lk.atomic.add(a, k, e)`` (not inside an ``if``, its old value unused) gives ``e`` the
-adjoint ``a_bar[k]``, which passes through. Anything else (inner loops other than ``range`` with constant bounds, which are unrolled,
-``lk.max``/``lk.min`` outside a returned condition,
+adjoint ``a_bar[k]``, which passes through. A scalar parameter's adjoint is summed in each
+thread and added once at the end of the adjoint step. Anything else (inner loops other than
+``range`` with constant bounds, which are unrolled, other uses of ``lk.max``/``lk.min``,
 ``lk.atomic.max``/``min``, helpers, a ``return`` other than the last statement) raises
 :class:`~loopkern.errors.StepSyntaxError` at its line. A step that returns a condition is
 differentiated with its executed step count held: the adjoint step drops the ``return`` and

@@ -123,3 +123,35 @@ def test_reductions_of_several_value_types_in_one_step(backend, scope, rng):
     want_x, want_out = W.mixed_reductions_ref(x0, steps)
     np.testing.assert_array_equal(x, want_x)
     np.testing.assert_allclose(out, want_out, rtol=1e-6)
+
+
+@pytest.mark.sim
+def test_simulator_shared_arrays_are_one_per_block_when_first_allocated_at_once(monkeypatch):
+    # Numba's simulator creates a block's shared array on the first call from its line; without
+    # a lock, threads arriving together could each create one (np.empty: garbage in a
+    # reduction, seen in CI). np.empty made slow here widens that window to certainty.
+    import threading
+    import time
+
+    from numba.cuda.simulator import kernelapi
+
+    from loopkern.runtime import cuda_rt
+    assert cuda_rt.SIMULATOR and getattr(kernelapi.FakeCUDAShared.array, "_lk_atomic", False)
+    real_empty = np.empty
+
+    def slow_empty(*a, **kw):
+        time.sleep(0.02)
+        return real_empty(*a, **kw)
+    monkeypatch.setattr(kernelapi.np, "empty", slow_empty)
+    shared = kernelapi.FakeCUDAShared(0)
+    got, gate = [], threading.Barrier(8)
+
+    def thread():
+        gate.wait()
+        got.append(shared.array(16, np.float64))
+    threads = [threading.Thread(target=thread) for _ in range(8)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert len(got) == 8 and all(a is got[0] for a in got)

@@ -30,7 +30,44 @@ _OPS = ("sum", "max", "min")
 _MAX_WARPS = 32
 
 
+def _make_sim_shared_arrays_atomic():
+    """Numba's simulator finds a block's shared array by the line that allocates it, creating
+    it on the first call without a lock: threads of a block making that first call at once
+    could each get an array of their own (uninitialized: np.empty), and a reduction then
+    read garbage (seen once in CI, on two cores). This replaces the lookup with the same one
+    under a lock. Dynamic shared memory (shape 0) has no lookup and is left to the original."""
+    import sys
+    import threading
+    import traceback
+
+    from numba.cuda.simulator import kernelapi
+    from numba.np import numpy_support
+    from numba import types
+
+    cls = kernelapi.FakeCUDAShared
+    original = cls.array
+    if getattr(original, "_lk_atomic", False):
+        return
+    lock = threading.Lock()
+
+    def array(self, shape, dtype, alignment=None):
+        if alignment is not None or shape == 0:
+            return original(self, shape, dtype, alignment)
+        if isinstance(dtype, types.Type):
+            dtype = numpy_support.as_dtype(dtype)
+        caller = tuple(traceback.extract_stack(sys._getframe(1), limit=1)[-1])[0:2]
+        with lock:
+            res = self._allocations.get(caller)
+            if res is None:
+                res = np.empty(shape, dtype)
+                self._allocations[caller] = res
+        return res
+    array._lk_atomic = True
+    cls.array = array
+
+
 if SIMULATOR:
+    _make_sim_shared_arrays_atomic()
     @cuda.jit(device=True)
     def grid_sync(bar):
         """Barrier across every thread of the grid (the simulator runs one block)."""
