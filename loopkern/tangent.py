@@ -105,23 +105,22 @@ class _Tangent:
         self.ties = {}                        # running extremum -> its local count of tied values
 
     # -- names -----------------------------------------------------------------------------
-    def dot_name(self, name):
-        if name not in self.dot:
-            d = f"{name}_dot"
+    def _companion(self, table, name, suffix):
+        """The name of ``name``'s companion local (its tangent, its count of ties), fresh
+        the first time, kept in ``table``."""
+        if name not in table:
+            d = f"{name}_{suffix}"
             while d in self.used:
                 d += "_"
             self.used.add(d)
-            self.dot[name] = d
-        return self.dot[name]
+            table[name] = d
+        return table[name]
+
+    def dot_name(self, name):
+        return self._companion(self.dot, name, "dot")
 
     def ties_name(self, name):
-        if name not in self.ties:
-            d = f"{name}_ties"
-            while d in self.used:
-                d += "_"
-            self.used.add(d)
-            self.ties[name] = d
-        return self.ties[name]
+        return self._companion(self.ties, name, "ties")
 
     def module_of(self, node):
         """'math', 'lk', 'lk.random', 'lk.atomic', 'np' for attribute bases, else None."""
