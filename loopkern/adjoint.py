@@ -888,6 +888,30 @@ def _additive_count(e, names):
     return -1 if _reads_any(e, names) else 0
 
 
+def _drop_dead_locals(body):
+    """``body`` without the assignments to locals inside its loops that nothing reads (the
+    primal values a loop's adjoint recomputes but a linear step's adjoint never uses, such as
+    Jacobi's ``new``): they would make the reverse sweep record states it does not need.
+    Expressions have no side effects here (an lk.atomic update's value is refused, a draw is
+    a fixed function of its site), so dropping one changes nothing else."""
+    tree = ast.Module(body=body, type_ignores=[])
+    while True:
+        loaded = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
+        dropped = False
+        for loop in [n for n in ast.walk(tree) if isinstance(n, ast.For)]:
+            for node in [loop] + [n for n in ast.walk(loop) if isinstance(n, ast.If)]:
+                for field in ("body", "orelse"):
+                    stmts = getattr(node, field)
+                    keep = [st for st in stmts if not (
+                        isinstance(st, ast.Assign) and len(st.targets) == 1 and isinstance(st.targets[0], ast.Name)
+                        and st.targets[0].id not in loaded)]
+                    if len(keep) != len(stmts):
+                        dropped = True
+                        setattr(node, field, keep or [_at(ast.Pass(), stmts[0])])
+        if not dropped:
+            return tree.body
+
+
 def _running_value(st, name, op):
     """(e, the branch flag or None) of ``name = op(name, e)``, or of its guarded form
     ``name = (op(name, e) if flag else name)`` that :meth:`_Adjoint.straight` makes inside an
@@ -1020,7 +1044,7 @@ def adjoint_function(parsed, active) -> tuple:
     for n in ast.walk(ast.Module(body=body, type_ignores=[])):
         if isinstance(n, ast.Return):
             raise adj.error(n, "a 'return' other than the step's last statement has no adjoint yet")
-    body = adj.step(body)
+    body = _drop_dead_locals(adj.step(body))
     new_args = []
     for a in tree.args.args:
         new_args.append(copy.deepcopy(a))

@@ -169,9 +169,23 @@ for label, fn, wrt, head in (("clipped_mean", T.clipped_mean, ("x", "y", "a"), [
     scratch = [np.zeros_like(head[list(k.spec.param_names).index(name.rsplit("_after", 1)[0])])
                for name in k.spec.param_names[len(head):]]
     DERIVED.append((label, k, head + scratch))
-_, seg, _, _ = _segment_kernels(lk.megakernel(W.jacobi_step, swap=[("u", "v")]), ["u", "v"], ["u", "v"], {"u": 2, "v": 2})
+# Jacobi is linear in u: its sweep records nothing and reads u only for its shape
+_, seg, _, recorded = _segment_kernels(lk.megakernel(W.jacobi_step, swap=[("u", "v")]), ["u", "v"], ["u", "v"],
+                                       {"u": 2, "v": 2})
+assert recorded == []
 s3, s2 = np.zeros((3, 4, 4), f32), np.zeros((4, 4), f32)
-DERIVED.append(("jacobi_seg", seg, [s3, s2, s3, s2, f32(1e-3), np.int64(2), np.int64(0)]))
+DERIVED.append(("jacobi_seg", seg, [s2, s2, s2, s2, f32(1e-3), np.int64(2), np.int64(0)]))
+# heat with respect to alpha too: u recorded (the recorder without lk.sync), the sweep reads
+# its stack, alpha's adjoint summed per block (runtime atomic_add_block)
+rec, seg, _, recorded = _segment_kernels(lk.megakernel(W.heat_step, swap=[("u", "v")]), ["u", "v", "alpha"],
+                                         ["u", "v"], {"u": 1, "v": 1})
+assert recorded == ["u"]
+m1 = np.zeros((3, n), f32)
+DERIVED += [("heat_alpha_rec", rec, [v1, v1, f32(0.2), m1, np.int64(0)]),
+            ("heat_alpha_seg", seg, [m1, v1, v1, v1, f32(0.2), one, np.int64(2), np.int64(0)]),
+            # lk.max/lk.min of running extrema: the ties counted, in both modes
+            ("peak_scaled", lk.megakernel(T.peak_scaled).adjoint("x", "c"), [v1, v1, f32(0.3), one]),
+            ("peak_scaled_jvp", lk.megakernel(T.peak_scaled).tangent("x", "c"), [v1, v1, f32(0.3), f32(0)])]
 for label, k, vals in DERIVED:
     rec = dict(kernel=f"derived:{label}", scope="grid", by_ref=False, debug=False, staged=False, atomics=True,
                index_bits=None)
