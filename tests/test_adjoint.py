@@ -1116,3 +1116,23 @@ def test_the_adjoint_and_tangent_steps_of_a_max_alone(backend, rng):
     np.testing.assert_allclose(got[1], np.asarray(rx), rtol=1e-10, atol=1e-12)
     np.testing.assert_allclose(got[2][0], float(rc), rtol=1e-10)
     np.testing.assert_allclose(tgot[1], np.asarray(rt), rtol=1e-10, atol=1e-12)
+
+
+def test_transformations_compose_with_the_primal_runs_checkpoints(rng):
+    # 17 steps: five segments, the primal's checkpoints operands of the tangent run; jacfwd
+    # (the tangent run batched), jacrev and a jitted vmap of grad against the jnp loop's
+    k = lk.megakernel(nonlinear_inplace)
+    x0 = jnp.asarray(rng.standard_normal(6).astype(np.float32))
+
+    def ours(x):
+        return k.jax(x, np.float32(1.3), steps=17)[0]
+
+    def ref(x):
+        return _nonlinear_jnp(x, np.float32(1.3), 17)
+    want = np.asarray(jax.jacfwd(ref)(x0))
+    np.testing.assert_allclose(np.asarray(jax.jacfwd(ours)(x0)), want, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(jax.jacrev(ours)(x0)), want, rtol=1e-4, atol=1e-5)
+    xs = jnp.stack([x0, 2 * x0])
+    got = jax.jit(jax.vmap(jax.grad(lambda x: (ours(x) ** 2).sum())))(xs)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(jax.vmap(jax.grad(lambda x: (ref(x) ** 2).sum()))(xs)),
+                               rtol=1e-4, atol=1e-5)

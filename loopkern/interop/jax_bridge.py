@@ -463,7 +463,7 @@ def _checkpointed_primal(mk, params, active, arr_set, sig, returns_condition, ns
     try:
         recorded = _segment_kernels(mk, [params[i] for i in active], [params[i] for i in state],
                                     {params[i]: len(sig[i][0]) for i in state})[3]
-    except LoopkernError:
+    except (LoopkernError, ValueError):
         recorded = []       # reverse mode will raise its error if it is asked for
     k, lengths = _segments(nsteps, every)
     if not recorded or len(lengths) < 2:
