@@ -1136,3 +1136,27 @@ def test_transformations_compose_with_the_primal_runs_checkpoints(rng):
     got = jax.jit(jax.vmap(jax.grad(lambda x: (ours(x) ** 2).sum())))(xs)
     np.testing.assert_allclose(np.asarray(got), np.asarray(jax.vmap(jax.grad(lambda x: (ref(x) ** 2).sum()))(xs)),
                                rtol=1e-4, atol=1e-5)
+
+
+def damped(t, x, y, tol):
+    # nonlinear, to a tolerance: the reverse sweep records states over traced segment lengths
+    n = x.shape[0]
+    err = 0.0
+    for i in lk.range(n):
+        new = x[i] - 0.1 * x[i] * x[i] * x[i]
+        y[i] = new
+        err = max(err, abs(new - x[i]))
+    return lk.max(err) > tol
+
+
+def test_grad_of_a_nonlinear_while_loop_at_several_checkpoint_spacings(rng):
+    k = lk.megakernel(damped, swap=[("x", "y")])
+    x0 = jnp.asarray(rng.random(20).astype(np.float32))
+    w = jnp.asarray(rng.standard_normal(20).astype(np.float32))
+    tol = np.float32(1e-3)
+    steps = int(k.jax(x0, x0, tol, max_steps=500)[-1])
+    assert 10 < steps < 500
+    want = jax.grad(lambda x: (jax.lax.fori_loop(0, steps, lambda t, x: x - 0.1 * x ** 3, x) * w).sum())(x0)
+    for every in (None, 3, 50, 1000):
+        got = jax.grad(lambda x: (k.jax(x, x, tol, max_steps=500, checkpoint_every=every)[0] * w).sum())(x0)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-5)
