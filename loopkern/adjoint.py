@@ -44,7 +44,9 @@ their count (JAX's rule for its max reductions; the tangent step's, ``tangent.py
 ``lk.random`` draws have no derivative and draw what the step's draws drew.
 ``lk.atomic.add(a, k, e)`` (not inside an ``if``, its old value unused) gives ``e`` the
 adjoint ``a_bar[k]``, which passes through. A scalar parameter's adjoint is summed in each
-thread and added once at the end of the adjoint step. Anything else (inner loops other than
+thread and added once at the end of the adjoint step. Where, within a phase of the adjoint
+step, a single loop touches an adjoint array and only at its own index (a pointwise update),
+its additions are plain ``+=`` instead of atomics (:func:`_own_element_updates`). Anything else (inner loops other than
 ``range`` with constant bounds, which are unrolled, other uses of ``lk.max``/``lk.min``,
 ``lk.atomic.max``/``min``, helpers, a ``return`` other than the last statement) raises
 :class:`~loopkern.errors.StepSyntaxError` at its line. A step that returns a condition is
@@ -888,6 +890,85 @@ def _additive_count(e, names):
     return -1 if _reads_any(e, names) else 0
 
 
+def _own_element_updates(body, bars, tg):
+    """``body`` with the ``lk.atomic.add(b, k, e)`` updates of an adjoint array ``b`` made
+    plain (``b[k] += e``) where no two threads can touch one element of ``b`` at once: within
+    the adjoint step's phase (statements between ``lk.sync()`` barriers, the step's end being
+    one too) a single parallel loop touches ``b`` (reads, stores, updates), and at the loop's
+    own index only (``b[i]`` in ``for i in lk.range(...)``, ``b[i, j]`` in ``lk.grid``'s
+    order), so each element belongs to the one thread that runs its iteration. A pointwise
+    step's adjoints then need no atomics, and their sums have one order."""
+    def is_loop(s):
+        return isinstance(s, ast.For) and isinstance(s.iter, ast.Call) and \
+            tg.module_of(s.iter.func) in (("lk", "range"), ("lk", "grid"))
+
+    def is_sync(s):
+        return isinstance(s, ast.Expr) and isinstance(s.value, ast.Call) and \
+            tg.module_of(s.value.func) == ("lk", "sync")
+
+    def touches(node):
+        """bar -> the dumps of the indices it is used at in ``node`` (None: other than indexed)."""
+        out = {}
+        for n in ast.walk(node):
+            if isinstance(n, ast.Call) and tg.module_of(n.func) == ("lk.atomic", "add") and len(n.args) == 3 \
+                    and isinstance(n.args[0], ast.Name) and n.args[0].id in bars:
+                out.setdefault(n.args[0].id, set()).add(ast.dump(n.args[1]))
+            elif isinstance(n, ast.Subscript) and isinstance(n.value, ast.Name) and n.value.id in bars:
+                out.setdefault(n.value.id, set()).add(ast.dump(n.slice))
+        used_bare = {n.id for n in ast.walk(node) if isinstance(n, ast.Name) and n.id in bars}
+        indexed = {n.value.id for n in ast.walk(node) if isinstance(n, ast.Subscript) and isinstance(n.value, ast.Name)}
+        atomic = {n.args[0].id for n in ast.walk(node) if isinstance(n, ast.Call) and len(n.args) == 3
+                  and tg.module_of(n.func)[0] == "lk.atomic" and isinstance(n.args[0], ast.Name)}
+        for b in used_bare - indexed - atomic:
+            out[b] = None
+        return out
+
+    phases, cur = [], []
+    for s in body:
+        if is_sync(s):
+            phases.append(cur)
+            cur = []
+        else:
+            cur.append(s)
+    phases.append(cur)
+    for phase in phases:
+        users = {}
+        for s in phase:
+            for b, idx in touches(s).items():
+                users.setdefault(b, []).append((s, idx))
+        for b, uses in users.items():
+            if len(uses) != 1 or not is_loop(uses[0][0]) or uses[0][1] is None:
+                continue
+            loop, indices = uses[0]
+            t = loop.target
+            own = ast.dump(ast.Name(id=t.id, ctx=ast.Load())) if isinstance(t, ast.Name) else ast.dump(
+                ast.Tuple(elts=[ast.Name(id=e.id, ctx=ast.Load()) for e in t.elts], ctx=ast.Load())) \
+                if isinstance(t, ast.Tuple) and all(isinstance(e, ast.Name) for e in t.elts) else None
+            targets = {n.id for n in ast.walk(t) if isinstance(n, ast.Name)}
+            reassigned = any(isinstance(n, ast.Name) and n.id in targets and isinstance(n.ctx, ast.Store)
+                             for st in loop.body for n in ast.walk(st))
+            if own is None or indices != {own} or reassigned:
+                continue
+            _plain_updates(loop, b, tg)
+    return body
+
+
+def _plain_updates(loop, bar, tg):
+    """``lk.atomic.add(bar, k, e)`` statements in ``loop`` become ``bar[k] += e``."""
+    for node in ast.walk(loop):
+        for field in ("body", "orelse"):
+            stmts = getattr(node, field, None)
+            if not isinstance(stmts, list):
+                continue
+            for j, st in enumerate(stmts):
+                call = st.value if isinstance(st, ast.Expr) else None
+                if isinstance(call, ast.Call) and tg.module_of(call.func) == ("lk.atomic", "add") and \
+                        isinstance(call.args[0], ast.Name) and call.args[0].id == bar:
+                    stmts[j] = _at(ast.AugAssign(target=ast.Subscript(
+                        value=ast.Name(id=bar, ctx=ast.Load()), slice=copy.deepcopy(call.args[1]), ctx=ast.Store()),
+                        op=ast.Add(), value=call.args[2]), st)
+
+
 def _drop_dead_locals(body):
     """``body`` without the assignments to locals inside its loops that nothing reads (the
     primal values a loop's adjoint recomputes but a linear step's adjoint never uses, such as
@@ -1045,6 +1126,7 @@ def adjoint_function(parsed, active) -> tuple:
         if isinstance(n, ast.Return):
             raise adj.error(n, "a 'return' other than the step's last statement has no adjoint yet")
     body = _drop_dead_locals(adj.step(body))
+    body = _own_element_updates(body, set(adj.bar.values()), adj.tg)
     new_args = []
     for a in tree.args.args:
         new_args.append(copy.deepcopy(a))

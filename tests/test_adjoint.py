@@ -1160,3 +1160,51 @@ def test_grad_of_a_nonlinear_while_loop_at_several_checkpoint_spacings(rng):
     for every in (None, 3, 50, 1000):
         got = jax.grad(lambda x: (k.jax(x, x, tol, max_steps=500, checkpoint_every=every)[0] * w).sum())(x0)
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-5)
+
+
+def test_adjoints_of_elements_a_thread_owns_are_plain_updates():
+    # within a phase of the adjoint step, an adjoint array that one loop touches, only at its
+    # own index, is updated without atomics; any other use keeps them
+    src = adjoint_text(nonlinear_inplace, "x", "k")
+    assert "x_bar[i] += " in src and "lk.atomic.add(x_bar" not in src
+    assert "lk.atomic.add(k_bar, 0, " in src                     # a scalar's, at the top level
+    heat = adjoint_text(W.heat_step, "u", "v")
+    assert "lk.atomic.add(u_bar, i - 1, " in heat and "lk.atomic.add(u_bar, i, " in heat   # two loops, offsets
+    phases = adjoint_text(W.two_phase_step, "x", "tmp", "out")
+    assert "tmp_bar[i] += 1.0 * g" in phases and "x_bar[i] += -1.0 * g" in phases
+    assert "lk.atomic.add(tmp_bar, (i + n - 1) % n, " in phases and "lk.atomic.add(x_bar, (i + 1) % n, " in phases
+
+
+def adjoint_text(step, *wrt):
+    """The adjoint step of ``step`` with respect to ``wrt``, as Python source."""
+    import ast as _ast
+
+    from loopkern.adjoint import adjoint_function
+    from loopkern.frontend import parse_step
+    return _ast.unparse(adjoint_function(parse_step(step), set(wrt))[0].tree)
+
+
+@pytest.mark.parametrize("backend", ["cpu", pytest.param("cuda", marks=pytest.mark.sim)])
+def test_the_adjoint_step_of_a_pointwise_update_alone(backend, rng):
+    # kernel.adjoint() of nonlinear_inplace (plain updates of x_bar) on several threads
+    # against jax.vjp of one jnp step in float64
+    from test_jax import _x64
+    n = 40
+    x, bx = rng.standard_normal(n), rng.standard_normal(n)
+    adj = lk.megakernel(nonlinear_inplace).adjoint("x", "k")
+    dev = [x.copy(), bx.copy(), np.zeros(1)]
+    if backend == "cuda":
+        from numba import cuda
+        dev = [cuda.to_device(d) for d in dev]
+    adj(dev[0], dev[1], 1.3, dev[2], steps=1, start=4, backend=backend, **(dict(threads=32) if backend == "cuda"
+                                                                             else {}))
+    got = [d.copy_to_host() if backend == "cuda" else d for d in dev]
+    with _x64():
+        def one(x, kk):
+            y = x * kk
+            z = jnp.where(y > 0.0, jnp.tanh(y), 0.5 * y)
+            return x + 0.1 * z * z + 0.05 * jnp.sin(4 + y)
+        _, vjp = jax.vjp(one, jnp.asarray(x), jnp.float64(1.3))
+        rx, rk = vjp(jnp.asarray(bx))
+    np.testing.assert_allclose(got[1], np.asarray(rx), rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(got[2][0], float(rk), rtol=1e-10)
