@@ -81,14 +81,16 @@ def bench_grad(b: Bench):
     def lk_grad(steps):
         return jax.grad(lambda u: loss_of(k.jax(u, u, ALPHA, steps=steps)[0]))
 
+    def scan_field(u, a, steps):
+        """The field after ``steps`` heat steps written with lax.scan (u and v both start as u)."""
+        def body(s, _):
+            x, y = s
+            new = y.at[1:-1].set(x[1:-1] + a * (x[:-2] - 2 * x[1:-1] + x[2:]))
+            return (new, x), None
+        return jax.lax.scan(body, (u, u), None, length=steps)[0][0]
+
     def scan_grad(steps):
-        def loss(u):
-            def body(s, _):
-                x, y = s
-                new = y.at[1:-1].set(x[1:-1] + ALPHA * (x[:-2] - 2 * x[1:-1] + x[2:]))
-                return (new, x), None
-            return loss_of(jax.lax.scan(body, (u, u), None, length=steps)[0][0])
-        return jax.grad(loss)
+        return jax.grad(lambda u: loss_of(scan_field(u, ALPHA, steps)))
 
     def lk_forward(steps):
         return lambda u: k.jax(u, u, ALPHA, steps=steps)[0]
@@ -117,13 +119,7 @@ def bench_grad(b: Bench):
         return both(jax.grad(lambda u, a: loss_of(k.jax(u, u, a, steps=steps)[0]), argnums=(0, 1)))
 
     def scan_grad_a(steps):
-        def loss(u, a):
-            def body(s, _):
-                x, y = s
-                new = y.at[1:-1].set(x[1:-1] + a * (x[:-2] - 2 * x[1:-1] + x[2:]))
-                return (new, x), None
-            return loss_of(jax.lax.scan(body, (u, u), None, length=steps)[0][0])
-        return both(jax.grad(loss, argnums=(0, 1)))
+        return both(jax.grad(lambda u, a: loss_of(scan_field(u, a, steps)), argnums=(0, 1)))
     aj = jnp.float32(ALPHA)
     b.measure(case_a, [("loopkern jax.grad through kernel.jax", lambda c: _impl(lk_grad_a, [uj, aj])),
                        ("jax.grad of lax.scan", lambda c: _impl(scan_grad_a, [uj, aj]))])

@@ -59,7 +59,7 @@ from __future__ import annotations
 import ast
 import copy
 
-from .tangent import _mul, _Tangent, check_active, generated_step, running_extrema, running_update
+from .tangent import _mul, _Tangent, check_active, generated_step, running_extrema, running_update, tie_update
 from .validate import tag_random_sites
 
 
@@ -255,14 +255,10 @@ class _Adjoint:
         # each thread's share of a scalar parameter's adjoint, added once at the top level
         # (where the CUDA backend sums a block's shares before updating: codegen.block_aggregated)
         at = body[-1]
-        lk = self.lk_name()
         for name, acc in self.scalar_acc.items():
             zero.append(_at(ast.Assign(targets=[ast.Name(id=acc, ctx=ast.Store())], value=ast.Constant(0.0)), at))
-            back.append(_at(ast.Expr(value=ast.Call(
-                func=ast.Attribute(value=ast.Attribute(value=ast.Name(id=lk, ctx=ast.Load()), attr="atomic",
-                                                       ctx=ast.Load()), attr="add", ctx=ast.Load()),
-                args=[ast.Name(id=self.bar_name(name), ctx=ast.Load()), ast.Constant(0),
-                      ast.Name(id=acc, ctx=ast.Load())], keywords=[])), at))
+            back.append(_at(self.atomic_add_stmt(self.bar_name(name), ast.Constant(0),
+                                                 ast.Name(id=acc, ctx=ast.Load())), at))
         return fwd + zero + recompute + back
 
     def reduction(self, s, items, fwd):
@@ -731,14 +727,8 @@ class _Adjoint:
                     self.scalar_acc[leaf.id] = self.fresh(f"{self.bar_name(leaf.id)}_acc")
                 target = self.scalar_acc[leaf.id] if leaf.id in self.active else self.bar_name(leaf.id)
                 stmt = ast.AugAssign(target=ast.Name(id=target, ctx=ast.Store()), op=ast.Add(), value=amount)
-            else:
-                array = leaf.id if isinstance(leaf, ast.Name) else leaf.value.id
-                index = ast.Constant(0) if isinstance(leaf, ast.Name) else copy.deepcopy(leaf.slice)
-                lk = self.lk_name()
-                stmt = ast.Expr(value=ast.Call(
-                    func=ast.Attribute(value=ast.Attribute(value=ast.Name(id=lk, ctx=ast.Load()), attr="atomic",
-                                                           ctx=ast.Load()), attr="add", ctx=ast.Load()),
-                    args=[ast.Name(id=self.bar_name(array), ctx=ast.Load()), index, amount], keywords=[]))
+            else:           # an array element
+                stmt = self.atomic_add_stmt(self.bar_name(leaf.value.id), copy.deepcopy(leaf.slice), amount)
                 # an element read only where a conditional expression takes its branch (u[i + 1]
                 # in `u[i + 1] if i < n - 1 else 0.0`) is touched only there: its index may lie
                 # outside the array elsewhere, where its coefficient is 0
@@ -747,6 +737,14 @@ class _Adjoint:
                     stmt = ast.If(test=cond, body=[stmt], orelse=[])
             out.append(_at(stmt, st))
         return out
+
+    def atomic_add_stmt(self, array, index, value):
+        """The statement ``lk.atomic.add(array, index, value)``."""
+        lk = self.lk_name()
+        return ast.Expr(value=ast.Call(
+            func=ast.Attribute(value=ast.Attribute(value=ast.Name(id=lk, ctx=ast.Load()), attr="atomic",
+                                                   ctx=ast.Load()), attr="add", ctx=ast.Load()),
+            args=[ast.Name(id=array, ctx=ast.Load()), index, value], keywords=[]))
 
     def lk_name(self):
         import loopkern as _lk
@@ -890,7 +888,7 @@ def _additive_count(e, names):
     return -1 if _reads_any(e, names) else 0
 
 
-def _own_element_updates(body, bars, tg):
+def _own_element_updates(body, bars, adj):
     """``body`` with the ``lk.atomic.add(b, k, e)`` updates of an adjoint array ``b`` made
     plain (``b[k] += e``) where no two threads can touch one element of ``b`` at once: within
     the adjoint step's phase (statements between ``lk.sync()`` barriers, the step's end being
@@ -898,13 +896,7 @@ def _own_element_updates(body, bars, tg):
     own index only (``b[i]`` in ``for i in lk.range(...)``, ``b[i, j]`` in ``lk.grid``'s
     order), so each element belongs to the one thread that runs its iteration. A pointwise
     step's adjoints then need no atomics, and their sums have one order."""
-    def is_loop(s):
-        return isinstance(s, ast.For) and isinstance(s.iter, ast.Call) and \
-            tg.module_of(s.iter.func) in (("lk", "range"), ("lk", "grid"))
-
-    def is_sync(s):
-        return isinstance(s, ast.Expr) and isinstance(s.value, ast.Call) and \
-            tg.module_of(s.value.func) == ("lk", "sync")
+    tg = adj.tg
 
     def touches(node):
         """bar -> the dumps of the indices it is used at in ``node`` (None: other than indexed)."""
@@ -925,7 +917,7 @@ def _own_element_updates(body, bars, tg):
 
     phases, cur = [], []
     for s in body:
-        if is_sync(s):
+        if adj.is_sync(s):
             phases.append(cur)
             cur = []
         else:
@@ -937,7 +929,7 @@ def _own_element_updates(body, bars, tg):
             for b, idx in touches(s).items():
                 users.setdefault(b, []).append((s, idx))
         for b, uses in users.items():
-            if len(uses) != 1 or not is_loop(uses[0][0]) or uses[0][1] is None:
+            if len(uses) != 1 or not adj.is_parallel(uses[0][0]) or uses[0][1] is None:
                 continue
             loop, indices = uses[0]
             t = loop.target
@@ -953,20 +945,25 @@ def _own_element_updates(body, bars, tg):
     return body
 
 
+def _statement_lists(tree):
+    """(node, field) of every statement list under ``tree``: bodies and else branches."""
+    for node in ast.walk(tree):
+        for field in ("body", "orelse"):
+            if isinstance(getattr(node, field, None), list):
+                yield node, field
+
+
 def _plain_updates(loop, bar, tg):
     """``lk.atomic.add(bar, k, e)`` statements in ``loop`` become ``bar[k] += e``."""
-    for node in ast.walk(loop):
-        for field in ("body", "orelse"):
-            stmts = getattr(node, field, None)
-            if not isinstance(stmts, list):
-                continue
-            for j, st in enumerate(stmts):
-                call = st.value if isinstance(st, ast.Expr) else None
-                if isinstance(call, ast.Call) and tg.module_of(call.func) == ("lk.atomic", "add") and \
-                        isinstance(call.args[0], ast.Name) and call.args[0].id == bar:
-                    stmts[j] = _at(ast.AugAssign(target=ast.Subscript(
-                        value=ast.Name(id=bar, ctx=ast.Load()), slice=copy.deepcopy(call.args[1]), ctx=ast.Store()),
-                        op=ast.Add(), value=call.args[2]), st)
+    for node, field in _statement_lists(loop):
+        stmts = getattr(node, field)
+        for j, st in enumerate(stmts):
+            call = st.value if isinstance(st, ast.Expr) else None
+            if isinstance(call, ast.Call) and tg.module_of(call.func) == ("lk.atomic", "add") and \
+                    isinstance(call.args[0], ast.Name) and call.args[0].id == bar:
+                stmts[j] = _at(ast.AugAssign(target=ast.Subscript(
+                    value=ast.Name(id=bar, ctx=ast.Load()), slice=copy.deepcopy(call.args[1]), ctx=ast.Store()),
+                    op=ast.Add(), value=call.args[2]), st)
 
 
 def _drop_dead_locals(body):
@@ -980,15 +977,14 @@ def _drop_dead_locals(body):
         loaded = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
         dropped = False
         for loop in [n for n in ast.walk(tree) if isinstance(n, ast.For)]:
-            for node in [loop] + [n for n in ast.walk(loop) if isinstance(n, ast.If)]:
-                for field in ("body", "orelse"):
-                    stmts = getattr(node, field)
-                    keep = [st for st in stmts if not (
-                        isinstance(st, ast.Assign) and len(st.targets) == 1 and isinstance(st.targets[0], ast.Name)
-                        and st.targets[0].id not in loaded)]
-                    if len(keep) != len(stmts):
-                        dropped = True
-                        setattr(node, field, keep or [_at(ast.Pass(), stmts[0])])
+            for node, field in _statement_lists(loop):
+                stmts = getattr(node, field)
+                keep = [st for st in stmts if not (
+                    isinstance(st, ast.Assign) and len(st.targets) == 1 and isinstance(st.targets[0], ast.Name)
+                    and st.targets[0].id not in loaded)]
+                if len(keep) != len(stmts):
+                    dropped = True
+                    setattr(node, field, keep or [_at(ast.Pass(), stmts[0])])
         if not dropped:
             return tree.body
 
@@ -1009,26 +1005,14 @@ def _count_ties(tree, name, op, ties):
     """Before each ``name = op(name, e)`` in ``tree`` (statement lists at any depth), the
     count of the thread's values equal to its running max/min: 1 where e beats it, one more
     where e ties it."""
-    for node in ast.walk(tree):
-        for field in ("body", "orelse"):
-            stmts = getattr(node, field, None)
-            if not isinstance(stmts, list):
-                continue
-            out = []
-            for st in stmts:
-                e = running_update(st, name, op) if isinstance(st, ast.Assign) else None
-                if e is not None:
-                    m = ast.Name(id=name, ctx=ast.Load())
-                    count = ast.Name(id=ties, ctx=ast.Load())
-                    out.append(_at(ast.Assign(targets=[ast.Name(id=ties, ctx=ast.Store())], value=ast.IfExp(
-                        test=ast.Compare(left=copy.deepcopy(e), ops=[ast.Gt() if op == "max" else ast.Lt()],
-                                         comparators=[m]),
-                        body=ast.Constant(1.0), orelse=ast.IfExp(
-                            test=ast.Compare(left=copy.deepcopy(e), ops=[ast.Eq()], comparators=[copy.deepcopy(m)]),
-                            body=ast.BinOp(left=count, op=ast.Add(), right=ast.Constant(1.0)),
-                            orelse=copy.deepcopy(count)))), st))
-                out.append(st)
-            setattr(node, field, out)
+    for node, field in _statement_lists(tree):
+        out = []
+        for st in getattr(node, field):
+            e = running_update(st, name, op) if isinstance(st, ast.Assign) else None
+            if e is not None:
+                out.append(_at(tie_update(ties, name, e, op, ast.Constant(1.0), ast.Constant(1.0)), st))
+            out.append(st)
+        setattr(node, field, out)
 
 
 def _reads_any(node, names):
@@ -1126,7 +1110,7 @@ def adjoint_function(parsed, active) -> tuple:
         if isinstance(n, ast.Return):
             raise adj.error(n, "a 'return' other than the step's last statement has no adjoint yet")
     body = _drop_dead_locals(adj.step(body))
-    body = _own_element_updates(body, set(adj.bar.values()), adj.tg)
+    body = _own_element_updates(body, set(adj.bar.values()), adj)
     new_args = []
     for a in tree.args.args:
         new_args.append(copy.deepcopy(a))

@@ -330,22 +330,13 @@ class _Tangent:
         sum of their tangents updated from the value before (a larger e starts them over)."""
         op = self.extrema[m][0]
         e = running_update(s, m, op)
-        ties = ast.Name(id=self.ties_name(m), ctx=ast.Store())
         if e is None:           # the start
             return self.assign(s.targets[0], s.value, s, names) + [self._loc(ast.Assign(
-                targets=[ties], value=_num(0.0)), s)]
-        beats = ast.Compare(left=copy.deepcopy(e), ops=[ast.Gt() if op == "max" else ast.Lt()],
-                            comparators=[ast.Name(id=m, ctx=ast.Load())])
-        ties_e = ast.Compare(left=copy.deepcopy(e), ops=[ast.Eq()], comparators=[ast.Name(id=m, ctx=ast.Load())])
-        load = ast.Name(id=self.ties_name(m), ctx=ast.Load())
-        out = [ast.Assign(targets=[ties], value=ast.IfExp(test=copy.deepcopy(beats), body=_num(1.0), orelse=ast.IfExp(
-            test=copy.deepcopy(ties_e), body=_add(load, _num(1.0)), orelse=copy.deepcopy(load))))]
+                targets=[ast.Name(id=self.ties_name(m), ctx=ast.Store())], value=_num(0.0)), s)]
+        out = [tie_update(self.ties_name(m), m, e, op, _num(1.0), _num(1.0))]
         if m in names:
             de = self.d(e, names) or _num(0.0)
-            mdot = ast.Name(id=self.dot_name(m), ctx=ast.Load())
-            out.insert(0, ast.Assign(targets=[ast.Name(id=self.dot_name(m), ctx=ast.Store())], value=ast.IfExp(
-                test=beats, body=copy.deepcopy(de), orelse=ast.IfExp(test=ties_e, body=_add(mdot, de),
-                                                                     orelse=copy.deepcopy(mdot)))))
+            out.insert(0, tie_update(self.dot_name(m), m, e, op, de, de))
         return [self._loc(x, s) for x in out]
 
     def _loc(self, new, s):
@@ -460,6 +451,19 @@ def running_update(s, name, op):
     if isinstance(b, ast.Name) and b.id == name and not _reads(a, name):
         return a
     return None
+
+
+def tie_update(target, m, e, op, start, add):
+    """``target = start if e beats m else (target + add if e == m else target)``, where ``e``
+    beats ``m`` when larger (op "max") or smaller ("min"): a thread's bookkeeping of its
+    values equal to a running max/min (their count, the sum of their tangents), placed before
+    ``m = op(m, e)``."""
+    cur = ast.Name(id=target, ctx=ast.Load())
+    beats = ast.Compare(left=copy.deepcopy(e), ops=[ast.Gt() if op == "max" else ast.Lt()],
+                        comparators=[ast.Name(id=m, ctx=ast.Load())])
+    tie = ast.Compare(left=copy.deepcopy(e), ops=[ast.Eq()], comparators=[ast.Name(id=m, ctx=ast.Load())])
+    return ast.Assign(targets=[ast.Name(id=target, ctx=ast.Store())], value=ast.IfExp(
+        test=beats, body=copy.deepcopy(start), orelse=ast.IfExp(test=tie, body=_add(cur, add), orelse=copy.deepcopy(cur))))
 
 
 def _reads(e, name) -> bool:

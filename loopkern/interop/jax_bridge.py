@@ -266,11 +266,7 @@ def jax_call(mk, args, kwargs, *, steps=None, max_steps=None, start=0, backend=N
     import jax
 
     seed = checks.check_seed(seed)
-    if checkpoint_every is not None and (isinstance(checkpoint_every, bool)
-                                         or not isinstance(checkpoint_every, numbers.Integral)
-                                         or checkpoint_every < 1):
-        raise ArgumentError(f"checkpoint_every={checkpoint_every!r}: expected an int >= 1 (steps between the "
-                            f"reverse sweep's checkpoints) or None (about sqrt of the step count)")
+    checkpoint_every = checks.check_count("checkpoint_every", checkpoint_every, minimum=1)
     timeout = checks.check_seconds("timeout", timeout)
     arrays, values, sig, (nsteps, n_dtype) = _prepare(mk, args, kwargs, steps, max_steps)
     t0, t0_dtype = _step_count("start", start)
@@ -282,7 +278,7 @@ def jax_call(mk, args, kwargs, *, steps=None, max_steps=None, start=0, backend=N
     count = steps if steps is not None else max_steps
     stage = scope != "block" or not (isinstance(count, numbers.Integral) and count < STAGE_MIN_STEPS)
     key = (platform, kind, sig, n_dtype, t0_dtype, scope, threads, blocks, seed, timeout,
-           bool(mk.spec.returns_condition), stage, None if checkpoint_every is None else int(checkpoint_every))
+           bool(mk.spec.returns_condition), stage, checkpoint_every)
     cache = call_cache(mk)
     try:
         entry = cache.get(key)
@@ -452,10 +448,9 @@ def _checkpointed_primal(mk, params, active, arr_set, sig, returns_condition, ns
     state at the start of each segment but the first is kept: passed on as operands of the
     tangent primitive, the transpose finds them there instead of running the forward pass a
     second time (its checkpoints become residuals of the linearization). Otherwise (a step
-    count or start known only at run time, a step that returns a condition, a step the
+    count known only at run time, a step that returns a condition, a step the
     adjoint does not cover or that needs no recomputation, a single segment) one run, no
     checkpoints."""
-    import jax
     import jax.numpy as jnp
     if nsteps is None or returns_condition or not active:
         return call(*primals), []
@@ -469,7 +464,7 @@ def _checkpointed_primal(mk, params, active, arr_set, sig, returns_condition, ns
     if not recorded or len(lengths) < 2:
         return call(*primals), []
     n_buf, t0_buf, *bufs = primals
-    n_dtype = np.asarray(n_buf).dtype if not isinstance(n_buf, jax.core.Tracer) else n_buf.dtype
+    n_dtype = np.asarray(n_buf).dtype           # (known: nsteps is)
     t0 = jnp.asarray(t0_buf)
     arrays = sorted(arr_set)
     cur, checkpoints = list(bufs), []
