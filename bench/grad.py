@@ -1,6 +1,7 @@
 """Reverse mode: the gradient of a loss after N heat steps with respect to the initial field
 (1-D, float32), and to the field and alpha, through kernel.jax under jax.grad, against
-jax.grad of the same loop written with lax.scan, and the forward run alone (for the ratio).
+jax.grad of the same loop written with lax.scan, and the forward run alone (for the ratio);
+loopkern's default adjoint form (gather) and the scatter form (atomics) side by side.
 The loss, 0.5 * sum((u_N - target)**2), needs the final field (a loss linear in it would let
 XLA drop the forward run). Checked against a hand-written float64 NumPy adjoint of the loop."""
 
@@ -78,8 +79,8 @@ def bench_grad(b: Bench):
     def loss_of(field):
         return 0.5 * jnp.sum((field - wj) ** 2)
 
-    def lk_grad(steps):
-        return jax.grad(lambda u: loss_of(k.jax(u, u, ALPHA, steps=steps)[0]))
+    def lk_grad(steps, form="gather"):
+        return jax.grad(lambda u: loss_of(k.jax(u, u, ALPHA, steps=steps, adjoint_form=form)[0]))
 
     def scan_field(u, a, steps):
         """The field after ``steps`` heat steps written with lax.scan (u and v both start as u)."""
@@ -96,6 +97,8 @@ def bench_grad(b: Bench):
         return lambda u: k.jax(u, u, ALPHA, steps=steps)[0]
 
     variants = [("loopkern jax.grad through kernel.jax", lambda c: _impl(lk_grad, [uj])),
+                ("loopkern jax.grad through kernel.jax, adjoint_form='scatter'",
+                 lambda c: _impl(lambda steps: lk_grad(steps, "scatter"), [uj])),
                 ("jax.grad of lax.scan", lambda c: _impl(scan_grad, [uj]))]
     b.measure(case, variants)
 
@@ -115,13 +118,16 @@ def bench_grad(b: Bench):
             return jnp.concatenate([gu, jnp.reshape(ga, (1,))])
         return f
 
-    def lk_grad_a(steps):
-        return both(jax.grad(lambda u, a: loss_of(k.jax(u, u, a, steps=steps)[0]), argnums=(0, 1)))
+    def lk_grad_a(steps, form="gather"):
+        return both(jax.grad(lambda u, a: loss_of(k.jax(u, u, a, steps=steps, adjoint_form=form)[0]),
+                             argnums=(0, 1)))
 
     def scan_grad_a(steps):
         return both(jax.grad(lambda u, a: loss_of(scan_field(u, a, steps)), argnums=(0, 1)))
     aj = jnp.float32(ALPHA)
     b.measure(case_a, [("loopkern jax.grad through kernel.jax", lambda c: _impl(lk_grad_a, [uj, aj])),
+                       ("loopkern jax.grad through kernel.jax, adjoint_form='scatter'",
+                        lambda c: _impl(lambda steps: lk_grad_a(steps, "scatter"), [uj, aj])),
                        ("jax.grad of lax.scan", lambda c: _impl(scan_grad_a, [uj, aj]))])
     # the forward run alone: its result is the field, checked against the heat reference
     fwd_ref = heat_ref(u0, check_steps)

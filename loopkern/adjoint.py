@@ -60,8 +60,14 @@ import ast
 import copy
 
 from .tangent import _mul, _Tangent, check_active, generated_step, running_extrema, running_update, tie_update
+from .spec import int_constant
 from .validate import tag_random_sites
 
+
+#: the forms of an adjoint step (:func:`adjoint_function`): "gather" gives each element of a
+#: stencil's adjoint the sum of its terms in one thread (:func:`_gather_updates`), the same
+#: order in every run; "scatter" adds each term into the element it belongs to with atomics
+ADJOINT_FORMS = ("gather", "scatter")
 
 #: reverse mode unrolls an inner ``range`` loop with constant bounds into at most this many
 #: statements
@@ -945,6 +951,230 @@ def _own_element_updates(body, bars, adj):
     return body
 
 
+# -- gather form: the neighbour terms of a stencil's adjoint without atomics -------------------
+def _offsets(index, names):
+    """The constant offset of each dimension of ``index`` from the loop variables ``names``
+    (``i``, ``i + 1``, ``i - 2``, ``1 + i``), in order, or None."""
+    elts = index.elts if isinstance(index, ast.Tuple) else [index]
+    if len(elts) != len(names):
+        return None
+    out = []
+    for e, v in zip(elts, names):
+        if isinstance(e, ast.Name) and e.id == v:
+            out.append(0)
+            continue
+        if not isinstance(e, ast.BinOp) or not isinstance(e.op, (ast.Add, ast.Sub)):
+            return None
+        left, right = e.left, e.right
+        if isinstance(e.op, ast.Add) and isinstance(left, ast.Constant):
+            left, right = right, left
+        c = int_constant(right)
+        if not (isinstance(left, ast.Name) and left.id == v) or c is None:
+            return None
+        out.append(c if isinstance(e.op, ast.Add) else -c)
+    return tuple(out)
+
+
+def _membership(kind, args, names):
+    """Source of the test that the values of ``names`` are an iteration of ``lk.range(*args)``
+    (``kind`` "range") or ``lk.grid(*args)``."""
+    u = ast.unparse
+    if kind == "range":
+        x = names[0]
+        if len(args) == 1:
+            return f"(0 <= {x} and {x} < ({u(args[0])}))"
+        lo, hi = f"({u(args[0])})", f"({u(args[1])})"
+        if len(args) == 2 or int_constant(args[2]) == 1:
+            return f"({lo} <= {x} and {x} < {hi})"
+        s = f"({u(args[2])})"
+        up = f"({lo} <= {x} and {x} < {hi} and ({x} - {lo}) % {s} == 0)"
+        if (int_constant(args[2]) or 0) > 0:
+            return up
+        down = f"({hi} < {x} and {x} <= {lo} and ({lo} - {x}) % (0 - {s}) == 0)"
+        return f"(({s} > 0 and {up}) or ({s} < 0 and {down}))"
+    tests = []
+    for a, x in zip(args, names):
+        if isinstance(a, ast.Tuple):
+            tests.append(f"({u(a.elts[0])}) <= {x} and {x} < ({u(a.elts[1])})")
+        else:
+            tests.append(f"0 <= {x} and {x} < ({u(a)})")
+    return "(" + " and ".join(tests) + ")"
+
+
+def _slice_before(stmts, pos, value):
+    """The statements of ``stmts[:pos]`` (a loop body) that ``value`` depends on, in order, or
+    None where one it needs is other than ``name = e`` or ``name op= e``, where it needs a
+    local that the body assigns but not before (carried from the thread's earlier
+    iterations), or where one reads an array element that an earlier statement of the body
+    stores (the gather form reads each array as it stood when the phase began)."""
+    needed = {n.id for n in ast.walk(value) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
+    kept = []
+    for st in reversed(stmts[:pos]):
+        stored = {n.id for n in ast.walk(st) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+        if not stored & needed:
+            continue
+        if isinstance(st, ast.Assign) and len(st.targets) == 1 and isinstance(st.targets[0], ast.Name):
+            needed.discard(st.targets[0].id)
+        elif not (isinstance(st, ast.AugAssign) and isinstance(st.target, ast.Name)):
+            return None
+        needed |= {n.id for n in ast.walk(st.value) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
+        kept.insert(0, st)
+    body_locals = {n.id for st in stmts for n in ast.walk(st) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+    if needed & body_locals:
+        return None         # a value carried from the thread's earlier iterations (an accumulator)
+    for st in kept + [ast.Expr(value=value)]:
+        at = stmts.index(st) if st in stmts else pos
+        earlier = set()
+        for prev in stmts[:at]:
+            earlier |= _array_stores(prev)
+        if any(a in earlier for a, _ in _array_reads(st)):
+            return None
+    return kept
+
+
+def _rename_names(node, renamed):
+    """A copy of ``node`` with the names in ``renamed`` (loaded or stored) renamed."""
+    node = copy.deepcopy(node)
+    for n in ast.walk(node):
+        if isinstance(n, ast.Name) and n.id in renamed:
+            n.id = renamed[n.id]
+    return node
+
+
+def _gather_updates(body, bars, adj, params, index_name):
+    """``body`` (the adjoint step) with the neighbour terms of stencil adjoints in gather form:
+    where, within a phase, every update of an adjoint array ``b`` is an unconditional
+    ``lk.atomic.add(b, (i + c1, j + c2, ...), e)`` in a parallel loop over ``i, j, ...``
+    (constant offsets ``c``, never below 0 so that no index wraps around), one loop over
+    ``b``'s elements placed first in the phase gives each element the sum of its terms,
+    recomputing each ``e`` at the iteration ``(i, j) = element - c`` when that is one of its
+    loop's iterations; an ``lk.sync()`` follows (the loops after it zero the adjoints that
+    those terms read) and the atomics go. Each element then has one writer and one order of
+    additions: the result does not change from run to run. Anything else keeps its atomics."""
+    from .index_bounds import _Bounds
+    tg = adj.tg
+    bounds = _Bounds(body, params, index_name)
+    lk = adj.lk_name()
+    out, phase = [], []
+
+    def flush(phase):
+        loops = [s for s in phase if adj.is_parallel(s)]
+        # every use of each adjoint array in the phase: (loop, position in its body, offsets, value)
+        uses, refused = {}, set()
+        for s in phase:
+            touched = {n.id for n in ast.walk(s) if isinstance(n, ast.Name) and n.id in bars}
+            if not touched:
+                continue
+            if s not in loops:
+                refused |= touched
+                continue
+            tgt = s.target
+            names = [tgt.id] if isinstance(tgt, ast.Name) else [e.id for e in tgt.elts] \
+                if isinstance(tgt, ast.Tuple) and all(isinstance(e, ast.Name) for e in tgt.elts) else None
+            kind = tg.module_of(s.iter.func)[1]
+            rebound = names is None or any(isinstance(n, ast.Name) and n.id in names and isinstance(n.ctx, ast.Store)
+                                           for st in s.body for n in ast.walk(st))
+            low = {}
+            if not rebound and kind == "range":
+                low = {names[0]: bounds._range_low(s.iter.args)}
+            elif not rebound and kind == "grid" and len(s.iter.args) == len(names):
+                low = {v: bounds.lower(a.elts[0]) if isinstance(a, ast.Tuple) else 0
+                       for v, a in zip(names, s.iter.args)}
+            direct = {}
+            for pos, st in enumerate(s.body):
+                call = st.value if isinstance(st, ast.Expr) else None
+                if isinstance(call, ast.Call) and tg.module_of(call.func) == ("lk.atomic", "add") \
+                        and len(call.args) == 3 and isinstance(call.args[0], ast.Name) and call.args[0].id in bars:
+                    direct[id(call.args[0])] = (pos, call)
+            for n in ast.walk(s):
+                if not (isinstance(n, ast.Name) and n.id in bars):
+                    continue
+                b = n.id
+                if id(n) not in direct or rebound or kind not in ("range", "grid"):
+                    refused.add(b)
+                    continue
+                pos, call = direct[id(n)]
+                off = _offsets(call.args[1], names)
+                if off is None or any(low.get(v) is None or low[v] + c < 0 for v, c in zip(names, off)):
+                    refused.add(b)
+                    continue
+                kept = _slice_before(s.body, pos, call.args[2])
+                if kept is None or any(tg.module_of(c.func)[0] not in (None, "math")
+                                       for st in kept + [call] for c in ast.walk(st) if isinstance(c, ast.Call)
+                                       and c is not call):
+                    refused.add(b)
+                    continue
+                uses.setdefault(b, []).append((s, names, kind, off, kept, call))
+        # what the gather loops read must stand still while they run: not an adjoint array that
+        # one of them writes, an array that a statement of the phase before them stores, or a
+        # top-level local that the phase assigns after them
+        convert = {b: u for b, u in uses.items() if b not in refused}
+        first = min((phase.index(s) for u in convert.values() for s, *_ in u), default=0)
+        early = set()
+        for s in phase[:first]:
+            early |= _array_stores(s)
+        late = {n.id for s in phase[first:] if not isinstance(s, ast.For)
+                for n in ast.walk(s) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+
+        def reads(u):
+            return {n.id for s, names, kind, off, kept, call in u for st in kept + [call.args[2]]
+                    for n in ast.walk(st) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
+        while True:
+            drop = {b for b, u in convert.items() if reads(u) & (set(convert) | early | late)}
+            if not drop:
+                break
+            for b in drop:
+                del convert[b]
+        if not convert:
+            return phase
+        head = []
+        for b, u in convert.items():
+            el = [adj.fresh("e") for _ in u[0][1]]
+            acc = adj.fresh(f"{b}_sum")
+            dims = ", ".join(f"{b}.shape[{d}]" for d in range(len(el)))
+            it = f"{lk}.range({b}.shape[0])" if len(el) == 1 else f"{lk}.grid({dims})"
+            lines = [f"for {', '.join(el)} in {it}:", f"    {acc} = 0.0"]
+            groups = {}
+            for s, names, kind, off, kept, call in u:
+                groups.setdefault((id(s), off), []).append((s, names, kind, off, kept, call))
+            for group in groups.values():
+                s, names, kind, off = group[0][:4]
+                sts = []
+                for *_, kept, call in group:
+                    sts += [k for k in kept if k not in sts]
+                sts.sort(key=s.body.index)
+                # the recomputed locals get names of their own, so that the loop's copies of
+                # them that only its removed updates read can go
+                renamed = {}
+                for k in sts:
+                    name = k.targets[0].id if isinstance(k, ast.Assign) else k.target.id
+                    renamed[name] = renamed.get(name) or adj.fresh(name)
+                lines += [f"    {v} = {e} - ({c})" for v, e, c in zip(names, el, off)]
+                lines.append(f"    if {_membership(kind, s.iter.args, names)}:")
+                lines += [f"        {ast.unparse(_rename_names(k, renamed))}" for k in sts]
+                lines += [f"        {acc} += {ast.unparse(_rename_names(call.args[2], renamed))}" for *_, call in group]
+            lines.append(f"    {b}[{', '.join(el)}] += {acc}")
+            loop = ast.parse("\n".join(lines)).body[0]
+            head.append(_at(loop, u[0][0]))
+        head.append(_at(ast.parse(f"{lk}.sync()").body[0], head[0]))
+        gone = {id(call) for u in convert.values() for *_, call in u}
+        for s in phase:
+            if isinstance(s, ast.For):
+                for node, field in _statement_lists(s):
+                    before = getattr(node, field)
+                    stmts = [st for st in before if not (isinstance(st, ast.Expr) and id(st.value) in gone)]
+                    setattr(node, field, stmts or ([_at(ast.Pass(), s)] if before else []))
+        return phase[:first] + head + phase[first:]
+
+    for s in body:
+        if adj.is_sync(s):
+            out += flush(phase) + [s]
+            phase = []
+        else:
+            phase.append(s)
+    return out + flush(phase)
+
+
 def _statement_lists(tree):
     """(node, field) of every statement list under ``tree``: bodies and else branches."""
     for node in ast.walk(tree):
@@ -981,7 +1211,9 @@ def _drop_dead_locals(body):
                 stmts = getattr(node, field)
                 keep = [st for st in stmts if not (
                     isinstance(st, ast.Assign) and len(st.targets) == 1 and isinstance(st.targets[0], ast.Name)
-                    and st.targets[0].id not in loaded)]
+                    and st.targets[0].id not in loaded
+                    or isinstance(st, ast.AugAssign) and isinstance(st.target, ast.Name)
+                    and st.target.id not in loaded)]
                 if len(keep) != len(stmts):
                     dropped = True
                     setattr(node, field, keep or [_at(ast.Pass(), stmts[0])])
@@ -1087,13 +1319,15 @@ def _at(new, old):
     return new
 
 
-def adjoint_function(parsed, active) -> tuple:
+def adjoint_function(parsed, active, form: str = "gather") -> tuple:
     """(the adjoint step as a ParsedFunction, the adjoint parameters' names by parameter, its
     scratch array parameters as (name, the parameter whose shape and dtype it takes)) for the
     step ``parsed`` differentiated with respect to the parameters named in ``active``. The
     adjoint step's parameters are the step's, each active one followed by its adjoint, then
     the scratch arrays (one per version of an array that a later loop reads after an earlier
     loop stored into it; their contents on entry do not matter)."""
+    if form not in ADJOINT_FORMS:
+        raise ValueError(f"form={form!r}: expected one of {ADJOINT_FORMS}")
     check_active(parsed.tree, active)
     # the draws keep their sites in the step wherever the adjoint step copies them (they have
     # no derivative: a draw is a fixed function of seed, step, key, subkey and site)
@@ -1110,6 +1344,8 @@ def adjoint_function(parsed, active) -> tuple:
         if isinstance(n, ast.Return):
             raise adj.error(n, "a 'return' other than the step's last statement has no adjoint yet")
     body = _drop_dead_locals(adj.step(body))
+    if form == "gather":
+        body = _drop_dead_locals(_gather_updates(body, set(adj.bar.values()), adj, params, params[0]))
     body = _own_element_updates(body, set(adj.bar.values()), adj)
     new_args = []
     for a in tree.args.args:

@@ -1164,7 +1164,8 @@ def test_grad_of_a_nonlinear_while_loop_at_several_checkpoint_spacings(rng):
 
 def test_adjoints_of_elements_a_thread_owns_are_plain_updates():
     # within a phase of the adjoint step, an adjoint array that one loop touches, only at its
-    # own index, is updated without atomics; any other use keeps them
+    # own index, is updated without atomics; any other use keeps them (in the scatter form: the
+    # gather form replaces the neighbour terms too, test_gather_adjoint.py)
     src = adjoint_text(nonlinear_inplace, "x", "k")
     assert "x_bar[i] += " in src and "lk.atomic.add(x_bar" not in src
     assert "lk.atomic.add(k_bar, 0, " in src                     # a scalar's, at the top level
@@ -1175,13 +1176,13 @@ def test_adjoints_of_elements_a_thread_owns_are_plain_updates():
     assert "lk.atomic.add(tmp_bar, (i + n - 1) % n, " in phases and "lk.atomic.add(x_bar, (i + 1) % n, " in phases
 
 
-def adjoint_text(step, *wrt):
-    """The adjoint step of ``step`` with respect to ``wrt``, as Python source."""
+def adjoint_text(step, *wrt, form="scatter"):
+    """The adjoint step of ``step`` with respect to ``wrt`` in ``form``, as Python source."""
     import ast as _ast
 
     from loopkern.adjoint import adjoint_function
     from loopkern.frontend import parse_step
-    return _ast.unparse(adjoint_function(parse_step(step), set(wrt))[0].tree)
+    return _ast.unparse(adjoint_function(parse_step(step), set(wrt), form)[0].tree)
 
 
 @pytest.mark.parametrize("backend", ["cpu", pytest.param("cuda", marks=pytest.mark.sim)])

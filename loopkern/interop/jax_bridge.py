@@ -39,6 +39,7 @@ import threading
 
 import numpy as np
 
+from ..adjoint import ADJOINT_FORMS
 from ..dispatch import checks
 from ..dispatch.args import ArrayArg, check_dtype, weak_float_type
 from ..dispatch.plan import LRUCache
@@ -261,12 +262,13 @@ def call_cache(mk) -> CallCache:
 
 
 def jax_call(mk, args, kwargs, *, steps=None, max_steps=None, start=0, backend=None, scope=None, threads=None,
-             blocks=None, seed=0, timeout=None, checkpoint_every=None):
+             blocks=None, seed=0, timeout=None, checkpoint_every=None, adjoint_form="gather"):
     """Implementation of :meth:`loopkern.MegaKernel.jax` (see there)."""
     import jax
 
     seed = checks.check_seed(seed)
     checkpoint_every = checks.check_count("checkpoint_every", checkpoint_every, minimum=1)
+    adjoint_form = checks.check_choice("adjoint_form", adjoint_form, ADJOINT_FORMS)
     timeout = checks.check_seconds("timeout", timeout)
     arrays, values, sig, (nsteps, n_dtype) = _prepare(mk, args, kwargs, steps, max_steps)
     t0, t0_dtype = _step_count("start", start)
@@ -278,7 +280,7 @@ def jax_call(mk, args, kwargs, *, steps=None, max_steps=None, start=0, backend=N
     count = steps if steps is not None else max_steps
     stage = scope != "block" or not (isinstance(count, numbers.Integral) and count < STAGE_MIN_STEPS)
     key = (platform, kind, sig, n_dtype, t0_dtype, scope, threads, blocks, seed, timeout,
-           bool(mk.spec.returns_condition), stage, checkpoint_every)
+           bool(mk.spec.returns_condition), stage, checkpoint_every, adjoint_form)
     cache = call_cache(mk)
     try:
         entry = cache.get(key)
@@ -300,7 +302,7 @@ def _build(mk, key) -> JaxCall:
     import jax
     import jax.numpy as jnp
 
-    platform, kind, sig, n_dtype, t0_dtype, scope, threads, blocks, seed, timeout, returns_condition, stage, every = key
+    platform, kind, sig, n_dtype, t0_dtype, scope, threads, blocks, seed, timeout, returns_condition, stage, every, form = key
     arr_set = frozenset(i for i, (shape, _) in enumerate(sig) if shape is not None)
     na = len(arr_set)
     with_count = returns_condition or timeout is not None
@@ -351,7 +353,7 @@ def _jvp(mk, key, primals, tangents, arr_set, with_count, call):
     import jax
     import jax.numpy as jnp
 
-    platform, kind, sig, n_dtype, t0_dtype, scope, threads, blocks, seed, timeout, returns_condition, stage, every = key
+    platform, kind, sig, n_dtype, t0_dtype, scope, threads, blocks, seed, timeout, returns_condition, stage, every, form = key
     name = mk.spec.name
     if timeout is not None:
         raise LoopkernError(f"kernel.jax: differentiating megakernel '{name}' with timeout= is not supported "
@@ -397,7 +399,7 @@ def _jvp(mk, key, primals, tangents, arr_set, with_count, call):
 
     nsteps = None if isinstance(n_buf, jax.core.Tracer) else int(np.asarray(n_buf).reshape(())[()])
     primal_out, checkpoints = _checkpointed_primal(mk, params, active, arr_set, sig, returns_condition, nsteps,
-                                                   every, call, primals)
+                                                   every, form, call, primals)
     n_args = len(args)
 
     def run(n, t0, *a):
@@ -405,7 +407,7 @@ def _jvp(mk, key, primals, tangents, arr_set, with_count, call):
         return tk.jax(*a[:n_args], start=t0, **options, **{count_kw: n})
     # the step count and start are operands: the primitive's function closes over no traced value
     ctx = _ReverseContext(mk, params, active, arr_set, sig, options, returns_condition, nsteps,
-                          len(checkpoints), every)
+                          len(checkpoints), every, form)
     res = _tangent_primitive().bind(jnp.asarray(n_buf).reshape(()), jnp.asarray(t0_buf).reshape(()), *args,
                                     *checkpoints, fn=run, name=name, reverse=ctx)
     res = list(res) if isinstance(res, (tuple, list)) else [res]
@@ -440,7 +442,7 @@ def _state_arrays(mk, arr_set) -> list:
     return [i for i in sorted(arr_set) if mk.spec.params[i].written or i in swapped]
 
 
-def _checkpointed_primal(mk, params, active, arr_set, sig, returns_condition, nsteps, every, call, primals):
+def _checkpointed_primal(mk, params, active, arr_set, sig, returns_condition, nsteps, every, form, call, primals):
     """(the primal outputs, the checkpoints of the reverse sweep) for the forward-mode rule.
 
     When reverse mode may follow and its sweep will recompute states (the adjoint step reads
@@ -457,7 +459,7 @@ def _checkpointed_primal(mk, params, active, arr_set, sig, returns_condition, ns
     state = _state_arrays(mk, arr_set)
     try:
         recorded = _segment_kernels(mk, [params[i] for i in active], [params[i] for i in state],
-                                    {params[i]: len(sig[i][0]) for i in state})[3]
+                                    {params[i]: len(sig[i][0]) for i in state}, form)[3]
     except (LoopkernError, ValueError):
         recorded = []       # reverse mode will raise its error if it is asked for
     k, lengths = _segments(nsteps, every)
@@ -481,16 +483,17 @@ class _ReverseContext:
     """What the transpose of a tangent run needs to run the reverse sweep (compared by identity)."""
 
     def __init__(self, mk, params, active, arr_set, sig, options, returns_condition, nsteps, n_checkpoints=0,
-                 checkpoint_every=None):
+                 checkpoint_every=None, form="gather"):
         self.mk, self.params, self.active, self.arr_set = mk, params, active, arr_set
         self.sig, self.options, self.returns_condition = sig, options, returns_condition
         self.nsteps = nsteps            # the step count when known at trace time, else None
         # the primal run's checkpoints (_checkpointed_primal), the primitive's last operands
         self.n_checkpoints = n_checkpoints
         self.checkpoint_every = checkpoint_every
+        self.form = form                # the adjoint step's form: "gather" or "scatter"
 
 
-def _segment_kernels(mk, active_names, state, ndims):
+def _segment_kernels(mk, active_names, state, ndims, form="gather"):
     """(the recorder, the segment's adjoint sweep, its scratch arrays, the recorded arrays)
     for ``mk``: see ``loopkern/adjoint.py``. Of the state arrays (``state``: those whose
     contents change from step to step) only those whose elements the adjoint step reads are
@@ -499,11 +502,11 @@ def _segment_kernels(mk, active_names, state, ndims):
     from ..adjoint import adjoint_function, arrays_read, recorder_function, segment_adjoint_function
     from ..api import MegaKernel
     from ..frontend import parse_step
-    key = (tuple(active_names), tuple(state), tuple(sorted(ndims.items())))
+    key = (tuple(active_names), tuple(state), tuple(sorted(ndims.items())), form)
     cache = mk.__dict__.setdefault("_segment_kernels", {})
     if key not in cache:
         parsed = parse_step(mk.fn)
-        adj, bars, scratch = adjoint_function(parsed, set(active_names))
+        adj, bars, scratch = adjoint_function(parsed, set(active_names), form)
         recorded = arrays_read(adj, state)
         pairs = [(mk.spec.param_names[a], mk.spec.param_names[b]) for a, b in mk.spec.swap]
         d = mk.dispatcher.defaults
@@ -555,7 +558,8 @@ def _reverse_sweep(ctx, name, cts, n, t0, args) -> list:
     for j, v in enumerate(checkpoints):
         checkpoint_of.setdefault(1 + j // len(state), {})[state[j % len(state)]] = v
     ndims = {params[i]: len(ctx.sig[i][0]) for i in state}
-    rec, seg, scratch, recorded_names = _segment_kernels(mk, active_names, [params[i] for i in state], ndims)
+    rec, seg, scratch, recorded_names = _segment_kernels(mk, active_names, [params[i] for i in state], ndims,
+                                                         ctx.form)
     state = [i for i in state if params[i] in recorded_names]
     # the adjoint step's scratch arrays (versions of arrays that its loops recompute): shaped
     # as the arrays they hold versions of; what they hold on entry does not matter
