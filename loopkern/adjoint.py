@@ -15,7 +15,10 @@ its own name), then walks its statements backwards: a store ``a[i] = e`` takes `
 a_bar[i]``, sets ``a_bar[i] = 0`` and adds ``g`` times the partial derivative of ``e`` to the
 adjoint of each active value ``e`` reads (``lk.atomic.add`` for array elements and scalar
 parameters, which other iterations may share; a plain ``+=`` for locals). The partial
-derivatives come from the tangent rules of ``loopkern/tangent.py``.
+derivatives come from the tangent rules of ``loopkern/tangent.py``. In the gather form (the
+default, :func:`_gather_updates`) the additions into an array's adjoint at the loop's index
+plus constant offsets become one loop over that adjoint's elements, first in its phase, that
+sums each element's terms in one thread, followed by a barrier.
 
 The loops' adjoints run in reverse order, with the step's ``lk.sync()`` barriers mirrored
 between them. Each reads the primal values as its loop saw them: the state before the step,
