@@ -49,8 +49,13 @@ their count (JAX's rule for its max reductions; the tangent step's, ``tangent.py
 adjoint ``a_bar[k]``, which passes through. A scalar parameter's adjoint is summed in each
 thread and added once at the end of the adjoint step. Where, within a phase of the adjoint
 step, a single loop touches an adjoint array and only at its own index (a pointwise update),
-its additions are plain ``+=`` instead of atomics (:func:`_own_element_updates`). Anything else (inner loops other than
-``range`` with constant bounds, which are unrolled, other uses of ``lk.max``/``lk.min``,
+its additions are plain ``+=`` instead of atomics (:func:`_own_element_updates`). An inner
+``for k in range(...)`` loop with constant bounds is unrolled (up to
+``UNROLL_MAX_STATEMENTS``); one with computed bounds is kept as a loop when its body assigns
+locals of its own and adds into locals assigned before it (``s += e``: sums over neighbours,
+bodies, a radius given as an argument), and the adjoint loop recomputes each iteration and
+hands each addend its sum's adjoint (:meth:`_Adjoint.accumulating_loop`). Anything else (other
+inner loops, other uses of ``lk.max``/``lk.min``,
 ``lk.atomic.max``/``min``, helpers, a ``return`` other than the last statement) raises
 :class:`~loopkern.errors.StepSyntaxError` at its line. A step that returns a condition is
 differentiated with its executed step count held: the adjoint step drops the ``return`` and
@@ -438,7 +443,10 @@ class _Adjoint:
         out = []
         for st in stmts:
             if isinstance(st, ast.For):
-                out += self.straight(self.unrolled(st), defined, guard)
+                if self.unrollable(st):
+                    out += self.straight(self.unrolled(st), defined, guard)
+                else:
+                    out.append(self.accumulating_loop(st, defined, guard))
                 continue
             if isinstance(st, ast.AugAssign):
                 load = copy.deepcopy(st.target)
@@ -539,6 +547,79 @@ class _Adjoint:
             out.append(st)
         return out
 
+    def unrollable(self, st):
+        """Whether ``st`` is ``for k in range(...)`` with constant bounds, small enough to unroll."""
+        it = st.iter
+        bounds = it.args if isinstance(it, ast.Call) and isinstance(it.func, ast.Name) and it.func.id == "range" \
+            else None
+        return bool(bounds) and isinstance(st.target, ast.Name) and not st.orelse and \
+            all(isinstance(b, ast.Constant) and isinstance(b.value, int) for b in bounds) and \
+            len(range(*[b.value for b in bounds])) * len(st.body) <= UNROLL_MAX_STATEMENTS
+
+    def accumulating_loop(self, st, defined, guard):
+        """``st``, an inner ``for k in range(...)`` loop that is not unrolled (computed bounds, or
+        too many iterations), checked to be in the form whose adjoint needs no record of its
+        iterations: its body assigns locals of its own (read only after they are assigned, in
+        the same iteration, and nowhere after the loop) and adds into locals assigned before
+        it (``s += e``, ``s -= e``; ``s`` not read in the loop otherwise), and stores nothing.
+        Then each iteration's terms enter the final sums once, whatever the other iterations
+        did, and the adjoint loop (:meth:`loop`) recomputes each iteration's locals and hands
+        each term the adjoint of its sum."""
+        it = st.iter
+        if not (isinstance(it, ast.Call) and isinstance(it.func, ast.Name) and it.func.id == "range" and it.args
+                and not it.keywords and isinstance(st.target, ast.Name) and not st.orelse):
+            raise self.error(st, "an inner loop has an adjoint only as 'for k in range(...)'")
+        if guard is not None:
+            raise self.error(st, "an inner loop inside an 'if' has an adjoint only with constant bounds "
+                                 f"(unrolled, at most {UNROLL_MAX_STATEMENTS} statements)")
+        k = st.target.id
+        own, sums = set(), set()
+        for b in st.body:
+            for n in ast.walk(b):
+                if isinstance(n, (ast.Break, ast.Continue)):
+                    raise self.error(n, "a 'break' or 'continue' in an inner loop has no adjoint yet")
+            if isinstance(b, ast.Assign) and len(b.targets) == 1 and isinstance(b.targets[0], ast.Name):
+                name = b.targets[0].id
+                if name in defined or name in sums or name == k:
+                    raise self.error(b, f"'{name}' is assigned in an inner loop whose bounds are not constant "
+                                        f"and before it, or is its counter: its adjoint would need each "
+                                        f"iteration's value (use a new name inside the loop)")
+                reads = {n.id for n in ast.walk(b.value) if isinstance(n, ast.Name)}
+                if name in reads and name not in own:
+                    raise self.error(b, f"'{name}' carries a value from one iteration of the inner loop to the "
+                                        f"next; only additions (s += e) into a local assigned before the loop "
+                                        f"can")
+                own.add(name)
+            elif isinstance(b, ast.AugAssign) and isinstance(b.target, ast.Name) and \
+                    isinstance(b.op, (ast.Add, ast.Sub)):
+                name = b.target.id
+                if name not in defined or name in own:
+                    raise self.error(b, f"'{name}' is added into in an inner loop: assign it before the loop")
+                if name in self.accumulators:
+                    raise self.error(b, f"'{name}' adds up values for lk.sum: add into it outside inner loops "
+                                        f"whose bounds are not constant")
+                sums.add(name)
+            else:
+                raise self.error(b, "an inner loop whose bounds are not constant has an adjoint when its body "
+                                    "assigns locals of its own and adds into locals assigned before it "
+                                    "(s += e); this statement is neither")
+        for b in st.body:
+            value = b.value
+            bad = sums & {n.id for n in ast.walk(value) if isinstance(n, ast.Name)}
+            if bad:
+                raise self.error(b, f"'{sorted(bad)[0]}' is read inside the inner loop that adds into it: its "
+                                    f"value there depends on the iteration")
+            for n in ast.walk(value):
+                if isinstance(n, ast.Call) and self.tg.module_of(n.func)[0] == "lk.atomic":
+                    raise self.error(n, "an lk.atomic update inside an inner loop has no adjoint yet")
+        for a in it.args:
+            bad = (own | sums | {k}) & {n.id for n in ast.walk(a) if isinstance(n, ast.Name)}
+            if bad:
+                raise self.error(st, f"the bounds of an inner loop read '{sorted(bad)[0]}', which it assigns")
+        st = copy.deepcopy(st)
+        st._lk_inner = (k, own, sums)
+        return st
+
     def unrolled(self, st):
         """A plain ``for k in range(a[, b[, c]])`` loop with constant bounds inside a parallel
         loop, as its body repeated with ``k`` replaced by each value (then ``k`` set to the
@@ -602,9 +683,20 @@ class _Adjoint:
                     if isinstance(b, ast.Assign) and isinstance(b.targets[0], ast.Name)}
         accs = self.accumulators & assigned
         acc_versions = {}                            # an accumulator's versions -> the accumulator
+        inner_locals = set()                         # the counters and locals of kept inner loops
         ext_versions = {}                            # a running max/min's versions -> (its reduction, e, flag)
         for st in body:
             st = copy.deepcopy(st)
+            if isinstance(st, ast.For):
+                ssa.append(("inner", None, self.inner_ssa(st, version, assigned), st))
+                inner_locals |= st._lk_inner[1] | {st._lk_inner[0]}
+                continue
+            after = {n.id for n in ast.walk(st) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)} \
+                & inner_locals
+            if after - set(version):
+                raise self.error(st, f"'{sorted(after)[0]}' is assigned in an inner loop whose bounds are not "
+                                     f"constant and read after it: its value there has no adjoint yet (add what "
+                                     f"you need into a local assigned before the loop)")
             atomic = self.atomic_of(st)
             if atomic is not None:
                 # a[k] += e from any iteration: e's adjoint is a_bar[k], which passes through
@@ -657,7 +749,7 @@ class _Adjoint:
         # after the store (the recomputation reads the state before the step)
         stored_so_far = set()
         for kind, name, payload, st in ssa:
-            value = payload if kind == "local" else payload[1]
+            value = payload if kind == "local" else payload["node"] if kind == "inner" else payload[1]
             for n in ast.walk(value):
                 if isinstance(n, ast.Subscript) and isinstance(n.value, ast.Name) and n.value.id in stored:
                     if ast.dump(n.slice) not in stored[n.value.id]:
@@ -670,10 +762,27 @@ class _Adjoint:
         for kind, name, payload, st in ssa:
             if kind == "local" and self.tg.is_active(payload, active):
                 active.add(name)
+            elif kind == "inner":
+                inner = set(active)
+                for b in payload["node"].body:
+                    name = b.target.id if isinstance(b, ast.AugAssign) else b.targets[0].id
+                    if self.tg.is_active(b.value, inner) or \
+                            isinstance(b, ast.AugAssign) and payload["old"][name] in active:
+                        inner.add(name)
+                payload["active"] = inner
+                active |= inner & set(payload["old"])
         fwd, back = [], []
         for kind, name, payload, st in ssa:
             if kind == "local":
                 fwd.append(_at(ast.Assign(targets=[ast.Name(id=name, ctx=ast.Store())], value=payload), st))
+            elif kind == "inner":
+                for new_v, old_v in payload["old"].items():
+                    fwd.append(_at(ast.Assign(targets=[ast.Name(id=new_v, ctx=ast.Store())],
+                                              value=ast.Name(id=old_v, ctx=ast.Load())), st))
+                fwd.append(copy.deepcopy(payload["node"]))
+                # the sums' adjoints start at 0 like the locals' (the statements after the loop add in)
+                fwd += [_at(ast.Assign(targets=[ast.Name(id=self.bar_name(v), ctx=ast.Store())],
+                                       value=ast.Constant(0.0)), st) for v in payload["old"] if v in active]
         for name in [n for k, n, _, _ in ssa if k == "local" and n in active and n not in ext_versions]:
             # every version of an accumulator has the adjoint of its final value (the sum's
             # share for this thread): each addend enters the final value once
@@ -681,6 +790,9 @@ class _Adjoint:
                 else ast.Constant(0.0)
             fwd.append(_at(ast.Assign(targets=[ast.Name(id=self.bar_name(name), ctx=ast.Store())], value=start), s))
         for kind, name, payload, st in reversed(ssa):
+            if kind == "inner":
+                back += self.inner_adjoint(payload, active, st)
+                continue
             if name not in active:
                 continue
             if name in ext_versions:
@@ -715,6 +827,77 @@ class _Adjoint:
         new = copy.copy(s)
         new.body = fwd + back or [_at(ast.Pass(), s)]
         return new
+
+    def inner_ssa(self, st, version, assigned):
+        """The SSA form of an inner loop that :meth:`accumulating_loop` accepted: its counter and
+        locals get fresh names, the locals of the iteration it reads their current versions,
+        and each sum it adds into a new version that starts as the one before the loop.
+        Returns {"node": the renamed loop, "old": {new version: the version before}}."""
+        k, own, sums = st._lk_inner
+        fresh = {k: self.fresh(k)}
+        for n in ast.walk(st):
+            if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load) and n.id in assigned \
+                    and n.id not in version and n.id not in own | {k}:
+                raise self.error(st, f"'{n.id}' carries a value from one iteration of the loop to the next "
+                                     f"(this thread's previous iteration); assign it in the iteration before "
+                                     f"using it")
+        old, new = {}, {}
+        for a in sorted(sums):
+            if a not in version:
+                raise self.error(st, f"'{a}' is added into in an inner loop: assign it in the iteration "
+                                     f"before the loop")
+            new[a] = self.fresh(a)
+            old[new[a]] = version[a]
+        node = copy.deepcopy(st)
+        node.target.id = fresh[k]
+        for a in node.iter.args:
+            for n in ast.walk(a):
+                if isinstance(n, ast.Name) and n.id in version:
+                    n.id = version[n.id]
+        current = {k: fresh[k]}                 # each assignment of the iteration's own locals:
+        for b in node.body:                     # a name of its own (q = q * 0.5 reads the q before)
+            for n in ast.walk(b.value):
+                if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load):
+                    n.id = current.get(n.id) or version.get(n.id, n.id)
+            tgt = b.target if isinstance(b, ast.AugAssign) else b.targets[0]
+            if tgt.id in new:
+                tgt.id = new[tgt.id]
+            else:
+                current[tgt.id] = tgt.id = self.fresh(tgt.id)
+        for a in sums:
+            version[a] = new[a]
+        return {"node": node, "old": old}
+
+    def inner_adjoint(self, payload, active, st):
+        """The backward form of an inner loop (:meth:`inner_ssa`): each sum's version before the
+        loop takes the adjoint of the one after (each addend enters the sum once), then a loop
+        over the same iterations recomputes each one's locals and walks its statements
+        backwards, each addend taking its sum's adjoint (negated for ``-=``), each local its
+        own adjoint (zeroed at the start of the iteration)."""
+        node, inner = payload["node"], payload["active"]
+        out = []
+        for new_v, old_v in payload["old"].items():
+            if new_v in active and old_v in active:
+                out.append(_at(ast.AugAssign(target=ast.Name(id=self.bar_name(old_v), ctx=ast.Store()),
+                                             op=ast.Add(), value=ast.Name(id=self.bar_name(new_v), ctx=ast.Load())),
+                               st))
+        recompute = [copy.deepcopy(b) for b in node.body if isinstance(b, ast.Assign)]
+        zero = [_at(ast.Assign(targets=[ast.Name(id=self.bar_name(b.targets[0].id), ctx=ast.Store())],
+                               value=ast.Constant(0.0)), b) for b in recompute if b.targets[0].id in inner]
+        walk = []
+        for b in reversed(node.body):
+            name = b.target.id if isinstance(b, ast.AugAssign) else b.targets[0].id
+            if name not in inner:
+                continue
+            g = ast.Name(id=self.bar_name(name), ctx=ast.Load())
+            if isinstance(b, ast.AugAssign) and isinstance(b.op, ast.Sub):
+                g = ast.UnaryOp(op=ast.USub(), operand=g)
+            walk += self.scatter(b.value, g, inner, b)
+        if walk:
+            loop = copy.copy(node)
+            loop.body = recompute + zero + walk
+            out.append(loop)
+        return out
 
     def scatter(self, e, g, active, st, only=None, exclude=frozenset()):
         """Statements adding ``g`` times the partial derivative of ``e`` to the adjoint of each

@@ -264,3 +264,24 @@ def test_gather_form_gradients_are_the_same_in_every_run_and_launch_shape(rng):
     s = jax.jit(jax.grad(loss(lambda u, a: k.jax(u, u, a, steps=steps, adjoint_form="scatter")[0]),
                          argnums=(0, 1)))(_f32(u0), a)
     _close(s, want)
+
+
+@pytest.mark.parametrize("blocks", [None, 5])
+def test_grad_through_an_inner_loop_of_computed_bounds_on_the_gpu(blocks, rng):
+    # all pairs between 20,000 bodies and 300 sources, the inner loop over the sources (bounds
+    # from a shape, not unrolled): every thread adds into the sources' adjoint with atomics
+    import test_inner_loop_adjoint as TI
+    k = lk.megakernel(TI.attract, swap=[("x", "y")])
+    x0, w, wt = _draw(rng, 20_000, 300, 20_000)
+    c, steps = np.float32(0.7), 4
+
+    def loss(run):
+        def f(x, ww, cc):
+            a, b = run(x, ww, cc)
+            return (a * wt).sum() + (b ** 2).sum()
+        return f
+    got = jax.jit(jax.grad(loss(lambda x, ww, cc: k.jax(x, x, ww, cc, steps=steps, blocks=blocks)[:2]),
+                           argnums=(0, 1, 2)))(_f32(x0), _f32(w), c)
+    _on_gpu(got[0])
+    want = _reference(loss(lambda x, ww, cc: TI._attract_jnp(x, x, ww, cc, steps)), x0, w, c, argnums=(0, 1, 2))
+    _close(got, want)

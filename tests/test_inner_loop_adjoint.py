@@ -1,0 +1,180 @@
+"""Reverse mode through inner ``range`` loops whose bounds are not constants (sums over
+neighbours, bodies, a radius given as an argument): ``jax.grad`` through ``kernel.jax`` in
+float64 against ``jax.grad`` of the same loop written in jnp, and the forms that still raise a
+clear error at their line."""
+
+import math
+
+import numpy as np
+import pytest
+
+import loopkern as lk
+from loopkern.errors import StepSyntaxError
+
+jax = pytest.importorskip("jax")
+jnp = pytest.importorskip("jax.numpy")
+
+from test_jax import _x64  # noqa: E402
+
+
+def attract(t, x, y, w, c):
+    # all pairs, the natural way: one parallel iteration per body, a plain range loop over the
+    # others adding into two sums (one with -=), locals of the inner iteration, a math call
+    n = x.shape[0]
+    m = w.shape[0]
+    for i in lk.range(n):
+        xi = x[i]
+        f = 0.0
+        g = 1.0
+        for j in range(m):
+            d = xi - w[j]
+            e = d * math.exp(-d * d)
+            e = e * (1.0 + 0.1 * d)         # reassigned within the iteration
+            f += c * e
+            g -= 0.01 * e * e
+        y[i] = xi + 0.1 * f * g
+
+
+def _attract_jnp(x, y, w, c, steps):
+    def body(t, s):
+        x, y = s
+        d = x[:, None] - w[None, :]
+        e = d * jnp.exp(-d * d)
+        e = e * (1.0 + 0.1 * d)
+        f = (c * e).sum(axis=1)
+        g = 1.0 - (0.01 * e * e).sum(axis=1)
+        return x + 0.1 * f * g, x           # swapped: the newest state first
+    return jax.lax.fori_loop(0, steps, body, (x, y))
+
+
+def box_blur(t, u, v, r, a):
+    # a stencil whose radius is an argument: the inner loop's bounds are computed
+    n = u.shape[0]
+    for i in lk.range(r, n - r):
+        s = 0.0
+        for k in range(-r, r + 1):
+            s += u[i + k]
+        v[i] = u[i] + a * (s / (2 * r + 1) - u[i])
+    for i in lk.range(0, r):
+        v[i] = u[i]
+    for i in lk.range(n - r, n):
+        v[i] = u[i]
+
+
+def _box_blur_jnp(u, r, a, steps):
+    n = u.shape[0]
+
+    def body(t, x):
+        s = sum(x[r + k:n - r + k] for k in range(-r, r + 1))
+        return x.at[r:n - r].set(x[r:n - r] + a * (s / (2 * r + 1) - x[r:n - r]))
+    return jax.lax.fori_loop(0, steps, body, u)
+
+
+def test_grad_through_an_all_pairs_inner_loop(rng):
+    k = lk.megakernel(attract, swap=[("x", "y")])
+    with _x64():
+        x0, w, wt = (jnp.asarray(rng.standard_normal(s)) for s in (33, 17, 33))
+
+        def ours(x, ww, c):
+            a, b, _ = k.jax(x, x, ww, c, steps=5)
+            return (a * wt).sum() + (b ** 2).sum()
+
+        def ref(x, ww, c):
+            a, b = _attract_jnp(x, x, ww, c, 5)
+            return (a * wt).sum() + (b ** 2).sum()
+        args = (x0, w, 0.7)
+        want = jax.grad(ref, argnums=(0, 1, 2))(*args)
+        for fn in (jax.grad(ours, argnums=(0, 1, 2)), jax.jit(jax.grad(ours, argnums=(0, 1, 2)))):
+            for g, r in zip(fn(*args), want):
+                np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("r", [1, 3])
+def test_grad_through_an_inner_loop_of_a_radius_given_as_an_argument(r, rng):
+    k = lk.megakernel(box_blur, swap=[("u", "v")])
+    with _x64():
+        u0, w = (jnp.asarray(rng.random(40)) for _ in range(2))
+
+        def ours(u, a):
+            return ((k.jax(u, u, r, a, steps=21)[0] - w) ** 2).sum()
+
+        def ref(u, a):
+            return ((_box_blur_jnp(u, r, a, 21) - w) ** 2).sum()
+        got = jax.grad(ours, argnums=(0, 1))(u0, 0.4)
+        want = jax.grad(ref, argnums=(0, 1))(u0, 0.4)
+        for g, rr in zip(got, want):
+            np.testing.assert_allclose(np.asarray(g), np.asarray(rr), rtol=1e-10, atol=1e-12)
+        # the adjoint of the loop's additions lands on the neighbours with atomics (no gather:
+        # the offsets come from the inner loop, not constants)
+        src = k.adjoint("u", "v", "a").source("cpu")
+        assert "atomic_add" in src
+
+
+def carried(t, x, y, m):
+    n = x.shape[0]
+    for i in lk.range(n):
+        p = 1.0
+        s = 0.0
+        for j in range(m):
+            p = p * 0.5 + x[i]
+            s += p
+        y[i] = s
+
+
+def reads_sum(t, x, y, m):
+    n = x.shape[0]
+    for i in lk.range(n):
+        s = 0.0
+        for j in range(m):
+            s += x[i] * s
+        y[i] = s
+
+
+def stores_inside(t, x, y, m):
+    n = x.shape[0]
+    for i in lk.range(n):
+        for j in range(m):
+            y[i] = x[i] * j
+
+
+def local_after(t, x, y, m):
+    n = x.shape[0]
+    for i in lk.range(n):
+        s = 0.0
+        for j in range(m):
+            d = x[i] * j
+            s += d
+        y[i] = s + d
+
+
+def under_if(t, x, y, m):
+    n = x.shape[0]
+    for i in lk.range(n):
+        s = 0.0
+        if x[i] > 0.0:
+            for j in range(m):
+                s += x[i]
+        y[i] = s
+
+
+def product(t, x, y, m):
+    n = x.shape[0]
+    for i in lk.range(n):
+        s = 1.0
+        for j in range(m):
+            s *= x[i]
+        y[i] = s
+
+
+@pytest.mark.parametrize("step, line, what", [
+    (carried, "p = p * 0.5 + x[i]", "'p' is assigned in an inner loop whose bounds are not constant and before"),
+    (reads_sum, "s += x[i] * s", "'s' is read inside the inner loop that adds into it"),
+    (stores_inside, "y[i] = x[i] * j", "assigns locals of its own and adds into locals"),
+    (local_after, "y[i] = s + d", "'d' is assigned in an inner loop whose bounds are not constant and read after"),
+    (under_if, "for j in range(m):", "an inner loop inside an 'if'"),
+    (product, "s *= x[i]", "assigns locals of its own and adds into locals"),
+])
+def test_inner_loops_reverse_mode_cannot_follow_are_refused_at_their_line(step, line, what):
+    with pytest.raises(StepSyntaxError, match=what) as err:
+        lk.megakernel(step).adjoint("x", "y")
+    assert line in str(err.value)
