@@ -5,13 +5,17 @@ array instead, with each element's share kept per element, and without alpha.
 
     python bench/alpha_probe.py
 """
-import time
+import sys
+from pathlib import Path
 
 import numpy as np
 
-import loopkern as lk
-import jax
-import jax.numpy as jnp
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+import loopkern as lk  # noqa: E402
+from bench.jax_timing import timed  # noqa: E402
 
 ALPHA = np.float32(0.25)
 
@@ -69,16 +73,6 @@ def no_alpha(t, S, u_bar, v_bar, alpha, alpha_bar, top):
         lk.atomic.add(u_bar, i - 1, alpha * g)
         lk.atomic.add(u_bar, i, -2.0 * alpha * g)
         lk.atomic.add(u_bar, i + 1, alpha * g)
-
-
-def timed(f, *a, reps=5):
-    jax.block_until_ready(f(*a))
-    ts = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        jax.block_until_ready(f(*a))
-        ts.append(time.perf_counter() - t)
-    return float(np.median(ts))
 
 
 n, L = 65536, 1000

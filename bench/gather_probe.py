@@ -4,13 +4,17 @@ against the float64 transpose of the step on the host. Sizes the gather-form adj
 
     python bench/gather_probe.py
 """
-import time
+import sys
+from pathlib import Path
 
 import numpy as np
 
-import loopkern as lk
-import jax
-import jax.numpy as jnp
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+import loopkern as lk  # noqa: E402
+from bench.jax_timing import timed  # noqa: E402
 
 ALPHA = np.float32(0.25)
 
@@ -69,16 +73,6 @@ def reference(ub, vb, steps):
         ub[2:] += ALPHA * g
         ub, vb = vb, ub
     return ub, vb
-
-
-def timed(f, *a, reps=5):
-    jax.block_until_ready(f(*a))
-    ts = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        jax.block_until_ready(f(*a))
-        ts.append(time.perf_counter() - t)
-    return float(np.median(ts))
 
 
 n, L = 65536, 1000

@@ -6,7 +6,6 @@ contains (custom calls, copies, memsets).
     python bench/grad_probe.py
 """
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -16,17 +15,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from bench.heat import ALPHA, heat_kernel  # noqa: E402
+from bench.jax_timing import timed  # noqa: E402
 from loopkern.interop.jax_bridge import _segment_kernels, call_cache  # noqa: E402
-
-
-def timed(f, *a, reps=5):
-    jax.block_until_ready(f(*a))
-    ts = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        jax.block_until_ready(f(*a))
-        ts.append(time.perf_counter() - t)
-    return float(np.median(ts))
 
 
 n, L = 65536, 1000
