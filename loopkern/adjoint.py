@@ -56,7 +56,8 @@ locals of its own and adds into locals assigned before it (``s += e``: sums over
 bodies, a radius given as an argument), and the adjoint loop recomputes each iteration and
 hands each addend its sum's adjoint (:meth:`_Adjoint.accumulating_loop`). Anything else (other
 inner loops, other uses of ``lk.max``/``lk.min``,
-``lk.atomic.max``/``min``, helpers, a ``return`` other than the last statement) raises
+``lk.atomic.max``/``min``, helpers other than in expression form (those are inlined first,
+``loopkern/inline.py``), a ``return`` other than the last statement) raises
 :class:`~loopkern.errors.StepSyntaxError` at its line. A step that returns a condition is
 differentiated with its executed step count held: the adjoint step drops the ``return`` and
 every assignment only it used (Jacobi's error and its ``lk.max``).
@@ -68,6 +69,7 @@ import ast
 import copy
 
 from .tangent import _mul, _Tangent, check_active, generated_step, running_extrema, running_update, tie_update
+from .inline import inline_helpers
 from .spec import int_constant
 from .validate import tag_random_sites
 
@@ -1517,7 +1519,7 @@ def adjoint_function(parsed, active, form: str = "gather") -> tuple:
     check_active(parsed.tree, active)
     # the draws keep their sites in the step wherever the adjoint step copies them (they have
     # no derivative: a draw is a fixed function of seed, step, key, subkey and site)
-    parsed = tag_random_sites(parsed)
+    parsed = inline_helpers(tag_random_sites(parsed))
     tree = parsed.tree
     params = [a.arg for a in tree.args.args]
     adj = _Adjoint(parsed, set(active))

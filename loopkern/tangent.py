@@ -21,7 +21,9 @@ numbers, so the tangent step validates, compiles and reports errors like the ste
 ``lk.max(m)``/``lk.min(m)`` of a running extremum (``m`` set before the loops, updated in them
 only as ``m = max(m, e)``) has the tangent JAX gives its max/min reductions: the mean of the
 tangents of the values equal to the result (each thread counts its ties; the start value is
-not one). What has no rule here (``lk.max``/``lk.min`` of anything else, helper functions,
+not one). A helper in expression form (assignments to locals, then one ``return``) is
+inlined first (``loopkern/inline.py``). What has no rule here (``lk.max``/``lk.min`` of
+anything else, other helpers,
 ``lk.atomic.max``/``min``, a tuple assignment of an active value) raises :class:`~loopkern.errors.StepSyntaxError` at the
 line.
 """
@@ -31,8 +33,10 @@ from __future__ import annotations
 import ast
 import copy
 import dataclasses
+import types
 
 from .errors import StepSyntaxError
+from .inline import inline_helpers
 from .validate import tag_random_sites
 
 _MATH_RULES = {
@@ -281,9 +285,15 @@ class _Tangent:
                 test=hit, body=ast.Name(id=self.ties_name(m), ctx=ast.Load()), orelse=_num(0.0))], keywords=[])
             return _div(dots, ast.Call(func=ast.Name(id="max", ctx=ast.Load()), args=[count, _num(1.0)],
                                        keywords=[]))
+        if isinstance(e.func, ast.Name) and isinstance(self.parsed.lookup(e.func.id)[1], types.FunctionType):
+            raise self.error(e, f"no derivative rule for the helper '{e.func.id}': only helpers in expression "
+                                f"form are differentiated (inlined)",
+                             "write it as assignments to locals and one return, reading only its parameters, "
+                             "its locals and names that mean the same in the step's module, and calling only "
+                             "math, numpy and builtin functions (loopkern/inline.py)")
         raise self.error(e, f"no derivative rule for '{ast.unparse(e.func)}' yet",
                          "the tangent step covers arithmetic, math's functions, abs, min, max, float, lk.sum, "
-                         "and lk.max/lk.min of a running max/min")
+                         "lk.max/lk.min of a running max/min, and helpers in expression form")
 
     # -- statements ------------------------------------------------------------------------
     def body(self, stmts, names):
@@ -496,7 +506,7 @@ def tangent_function(parsed, active) -> tuple:
     check_active(parsed.tree, active)
     # the draws keep their sites in the step wherever the tangent statements copy them; a
     # draw is a fixed function of (seed, t, key, subkey, site): no tangent
-    parsed = tag_random_sites(parsed)
+    parsed = inline_helpers(tag_random_sites(parsed))
     tree = parsed.tree
     params = [a.arg for a in tree.args.args]
     tg = _Tangent(parsed, set(active))

@@ -285,3 +285,29 @@ def test_grad_through_an_inner_loop_of_computed_bounds_on_the_gpu(blocks, rng):
     _on_gpu(got[0])
     want = _reference(loss(lambda x, ww, cc: TI._attract_jnp(x, x, ww, cc, steps)), x0, w, c, argnums=(0, 1, 2))
     _close(got, want)
+
+
+@pytest.mark.parametrize("blocks", [None, 5])
+def test_grad_and_jvp_through_helpers_on_the_gpu(blocks, rng):
+    # helpers in expression form (a local, a module constant, a helper calling helpers) inlined
+    # into the tangent and adjoint steps
+    import test_inline as TN
+    k = lk.megakernel(TN.burgers, swap=[("u", "v")])
+    u0, w = _draw(rng, 50_001, 50_001)
+    a, steps = np.float32(0.2), 30
+
+    def loss(run):
+        return lambda u, a: ((run(u, a) - w) ** 2).sum()
+    got = jax.jit(jax.grad(loss(lambda u, a: k.jax(u, u, a, steps=steps, blocks=blocks)[0]), argnums=(0, 1)))(
+        _f32(u0), a)
+    _on_gpu(got[0])
+    want = _reference(loss(lambda u, a: TN._burgers_jnp(u, a, steps)), u0, a, argnums=(0, 1))
+    _close(got, want)
+    du = _draw(rng, 50_001)
+    _, t = jax.jvp(loss(lambda u, a: k.jax(u, u, a, steps=steps, blocks=blocks)[0]), (_f32(u0), a),
+                   (_f32(du), np.float32(0.5)))
+    cpu = jax.devices("cpu")[0]
+    with _x64(), jax.default_device(cpu):
+        _, t_ref = jax.jvp(loss(lambda u, a: TN._burgers_jnp(u, a, steps)),
+                           (jnp.asarray(u0, jnp.float64), 0.2), (jnp.asarray(du, jnp.float64), 0.5))
+    assert abs(float(t) - float(t_ref)) <= 2e-3 * abs(float(t_ref))
