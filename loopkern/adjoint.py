@@ -1244,6 +1244,7 @@ def _gather_updates(body, bars, adj, params, index_name):
     bounds = _Bounds(body, params, index_name)
     lk = adj.lk_name()
     out, phase = [], []
+    value_of = {}           # id of an update's call -> its term (under the update's if, if any)
 
     def flush(phase):
         loops = [s for s in phase if adj.is_parallel(s)]
@@ -1270,10 +1271,18 @@ def _gather_updates(body, bars, adj, params, index_name):
                        for v, a in zip(names, s.iter.args)}
             direct = {}
             for pos, st in enumerate(s.body):
+                # an update, or one under an if (a leaf read only where a conditional expression
+                # takes its branch): its term is (e if test else 0), the test taken at the
+                # iteration the term belongs to
+                test = None
+                if isinstance(st, ast.If) and not st.orelse and len(st.body) == 1:
+                    test, st = st.test, st.body[0]
                 call = st.value if isinstance(st, ast.Expr) else None
                 if isinstance(call, ast.Call) and tg.module_of(call.func) == ("lk.atomic", "add") \
                         and len(call.args) == 3 and isinstance(call.args[0], ast.Name) and call.args[0].id in bars:
                     direct[id(call.args[0])] = (pos, call)
+                    value_of[id(call)] = call.args[2] if test is None else \
+                        _at(ast.IfExp(test=copy.deepcopy(test), body=call.args[2], orelse=ast.Constant(0.0)), call)
             for n in ast.walk(s):
                 if not (isinstance(n, ast.Name) and n.id in bars):
                     continue
@@ -1286,10 +1295,10 @@ def _gather_updates(body, bars, adj, params, index_name):
                 if off is None or any(low.get(v) is None or low[v] + c < 0 for v, c in zip(names, off)):
                     refused.add(b)
                     continue
-                kept = _slice_before(s.body, pos, call.args[2])
+                kept = _slice_before(s.body, pos, value_of[id(call)])
                 if kept is None or any(tg.module_of(c.func)[0] not in (None, "math")
-                                       for st in kept + [call] for c in ast.walk(st) if isinstance(c, ast.Call)
-                                       and c is not call):
+                                       for st in kept + [value_of[id(call)], call.args[1]] for c in ast.walk(st)
+                                       if isinstance(c, ast.Call)):
                     refused.add(b)
                     continue
                 uses.setdefault(b, []).append((s, names, kind, off, kept, call))
@@ -1305,7 +1314,7 @@ def _gather_updates(body, bars, adj, params, index_name):
                 for n in ast.walk(s) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
 
         def reads(u):
-            return {n.id for s, names, kind, off, kept, call in u for st in kept + [call.args[2]]
+            return {n.id for s, names, kind, off, kept, call in u for st in kept + [value_of[id(call)]]
                     for n in ast.walk(st) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
         while True:
             drop = {b for b, u in convert.items() if reads(u) & (set(convert) | early | late)}
@@ -1340,7 +1349,8 @@ def _gather_updates(body, bars, adj, params, index_name):
                 lines += [f"    {v} = {e} - ({c})" for v, e, c in zip(names, el, off)]
                 lines.append(f"    if {_membership(kind, s.iter.args, names)}:")
                 lines += [f"        {ast.unparse(_rename_names(k, renamed))}" for k in sts]
-                lines += [f"        {acc} += {ast.unparse(_rename_names(call.args[2], renamed))}" for *_, call in group]
+                lines += [f"        {acc} += {ast.unparse(_rename_names(value_of[id(call)], renamed))}"
+                          for *_, call in group]
             lines.append(f"    {b}[{', '.join(el)}] += {acc}")
             loop = ast.parse("\n".join(lines)).body[0]
             head.append(_at(loop, u[0][0]))
@@ -1350,7 +1360,9 @@ def _gather_updates(body, bars, adj, params, index_name):
             if isinstance(s, ast.For):
                 for node, field in _statement_lists(s):
                     before = getattr(node, field)
-                    stmts = [st for st in before if not (isinstance(st, ast.Expr) and id(st.value) in gone)]
+                    stmts = [st for st in before if not (
+                        isinstance(st, ast.Expr) and id(st.value) in gone or isinstance(st, ast.If) and not st.orelse
+                        and len(st.body) == 1 and isinstance(st.body[0], ast.Expr) and id(st.body[0].value) in gone)]
                     setattr(node, field, stmts or ([_at(ast.Pass(), s)] if before else []))
         return phase[:first] + head + phase[first:]
 

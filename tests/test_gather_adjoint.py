@@ -46,6 +46,13 @@ def _box5_jnp(u, a, steps):
     return jax.lax.fori_loop(0, steps, body, (u, u))[0]
 
 
+def branchy(t, u, v, a):
+    # which neighbour is read depends on the value at the cell
+    n = u.shape[0]
+    for i in lk.range(1, n - 1):
+        v[i] = u[i] + a * (u[i + 1] if u[i] > 0.0 else 0.5 * u[i - 1] * u[i - 1])
+
+
 def strided(t, u, v, a):
     # every other element, from a start that a step's argument decides: the gather must count
     # only the iterations the loop runs
@@ -198,6 +205,11 @@ def _atomic_targets(kernel):
     (W.heat_step, [("u", "v")], ("u", "v", "alpha"), {"u_bar", "alpha_bar"}, {"alpha_bar"}),
     (heat2d, [("u", "v")], ("u", "v", "a"), {"u_bar", "a_bar"}, {"a_bar"}),
     (box5, [("u", "v")], ("u", "v"), {"u_bar"}, set()),
+    # neighbours read under a branch: each term gathered under the branch's test
+    (branchy, [("u", "v")], ("u", "v", "a"), {"u_bar", "a_bar"}, {"a_bar"}),
+    # the boundary by an if over lk.range(n): u[i - 1] is read only where i > 0, but nothing
+    # proves that the index never wraps around, so its terms keep their atomics
+    (heat_if, [("u", "v")], ("u", "v", "a"), {"u_bar", "a_bar"}, {"u_bar", "a_bar"}),
     (W.jacobi_step, [("u", "v")], ("u", "v"), {"u_bar"}, set()),
     (strided, [("u", "v")], ("u", "v"), {"u_bar"}, set()),
     # u[i - 1] at i = 0 is u[n - 1] and (i + 1) % n is no constant offset: both stay atomic
@@ -220,14 +232,28 @@ def test_an_unknown_adjoint_form_is_an_argument_error(rng):
         k.adjoint("u", "v", form="fast")
 
 
+def _one_box5(u, v, a):
+    c = u[2:-2, 1:-1]
+    s = u[:-4, 1:-1] + u[4:, 1:-1] + u[2:-2, :-2] + u[2:-2, 2:]
+    return v.at[2:-2, 1:-1].set(c + a * (s - 4.0 * c) + 0.1 * u[1:-3, 1:-1] * u[3:-1, 1:-1])
+
+
+def _one_branchy(u, v, a):
+    c = u[1:-1]
+    return v.at[1:-1].set(c + a * jnp.where(c > 0.0, u[2:], 0.5 * u[:-2] * u[:-2]))
+
+
 @pytest.mark.parametrize("backend", ["cpu", pytest.param("cuda", marks=pytest.mark.sim)])
-def test_the_gather_form_adjoint_step_alone(backend, rng):
-    # one reverse step of the radius-2 2-D stencil in gather form, run on the simulator by 64
-    # threads for 130 elements: each element's sum in one thread, the adjoint of v zeroed after
-    # the barrier that follows the gathers; against jax.vjp of one jnp step in float64
-    adj = lk.megakernel(box5, swap=[("u", "v")]).adjoint("u", "v", "a", form="gather")
+@pytest.mark.parametrize("step, shape, one", [(box5, (13, 10), _one_box5), (branchy, (130,), _one_branchy)],
+                         ids=["box5", "branchy"])
+def test_the_gather_form_adjoint_step_alone(backend, step, shape, one, rng):
+    # one reverse step in gather form, run on the simulator by 64 threads for 130 elements:
+    # each element's sum in one thread, the adjoint of v zeroed after the barrier that follows
+    # the gathers; against jax.vjp of one jnp step in float64. box5: a radius-2 2-D stencil;
+    # branchy: neighbours read under a conditional expression, so each neighbour's term is
+    # gathered under the test taken at the iteration it belongs to
+    adj = lk.megakernel(step, swap=[("u", "v")]).adjoint("u", "v", "a", form="gather")
     assert list(adj.spec.param_names) == ["u", "u_bar", "v", "v_bar", "a", "a_bar"]
-    shape = (13, 10)
     u, v, bu, bv = (rng.standard_normal(shape) for _ in range(4))
     a = 0.07
     dev = [u.copy(), bu.copy(), v.copy(), bv.copy(), np.zeros(1)]
@@ -237,11 +263,6 @@ def test_the_gather_form_adjoint_step_alone(backend, rng):
     adj(dev[0], dev[1], dev[2], dev[3], a, dev[4], steps=1, backend=backend,
         **({"scope": "grid", "blocks": 1, "threads": 64} if backend == "cuda" else {}))
     got = [np.asarray(x.copy_to_host() if backend == "cuda" else x) for x in dev]
-
-    def one(u, v, a):
-        c = u[2:-2, 1:-1]
-        s = u[:-4, 1:-1] + u[4:, 1:-1] + u[2:-2, :-2] + u[2:-2, 2:]
-        return v.at[2:-2, 1:-1].set(c + a * (s - 4.0 * c) + 0.1 * u[1:-3, 1:-1] * u[3:-1, 1:-1])
     with _x64():
         _, vjp = jax.vjp(one, jnp.asarray(u), jnp.asarray(v), jnp.float64(a))
         # the step's output v is a new state whose adjoint is bv; u passes through as itself
