@@ -1314,7 +1314,8 @@ def _gather_updates(body, bars, adj, params, index_name):
                 for n in ast.walk(s) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
 
         def reads(u):
-            return {n.id for s, names, kind, off, kept, call in u for st in kept + [value_of[id(call)]]
+            # the recomputed locals, the terms and the loops' bounds (the membership tests)
+            return {n.id for s, names, kind, off, kept, call in u for st in kept + [value_of[id(call)], s.iter]
                     for n in ast.walk(st) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
         while True:
             drop = {b for b, u in convert.items() if reads(u) & (set(convert) | early | late)}

@@ -36,6 +36,10 @@ class _Inliner(ast.NodeTransformer):
     def __init__(self, parsed, depth):
         self.parsed = parsed
         self.depth = depth
+        # the caller's own names: a helper's global that one of them shadows would mean
+        # something else once inlined
+        self.caller_locals = {a.arg for a in parsed.tree.args.args} | {
+            n.id for n in ast.walk(parsed.tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
 
     def visit_Call(self, node):
         self.generic_visit(node)            # the arguments' own helper calls first
@@ -45,7 +49,7 @@ class _Inliner(ast.NodeTransformer):
         found, fn = self.parsed.lookup(node.func.id)
         if not found or not isinstance(fn, types.FunctionType) or (fn.__module__ or "").startswith("loopkern"):
             return node
-        form = _expression_form(fn, self.parsed, self.depth)
+        form = _expression_form(fn, self.parsed, self.depth, self.caller_locals)
         if form is None or len(form[0]) != len(node.args):
             return node
         params, expr = form
@@ -57,10 +61,11 @@ class _Inliner(ast.NodeTransformer):
         return out
 
 
-def _expression_form(fn, parsed, depth):
+def _expression_form(fn, parsed, depth, caller_locals):
     """(parameter names, the returned expression in terms of them) of helper ``fn``, or None
-    when it is not in expression form, reads a name that means something else in the step's
-    module, or calls anything but pure functions."""
+    when it is not in expression form, reads a global that means something else where it is
+    called (another object in the caller's module, or a local of the caller), or calls
+    anything but pure functions."""
     from .frontend import parse_step
     try:
         helper = parse_step(fn)
@@ -81,23 +86,26 @@ def _expression_form(fn, parsed, depth):
     for st in inlined[:-1]:
         if not (isinstance(st, ast.Assign) and len(st.targets) == 1 and isinstance(st.targets[0], ast.Name)):
             return None
-        if not _pure(helper, st.value, local_names, parsed):
+        if not _pure(helper, st.value, local_names, parsed, caller_locals):
             return None
         env[st.targets[0].id] = _substitute(st.value, env)
         local_names.add(st.targets[0].id)
     ret = inlined[-1].value
-    if not _pure(helper, ret, local_names, parsed):
+    if not _pure(helper, ret, local_names, parsed, caller_locals):
         return None
     return params, _substitute(ret, env)
 
 
-def _pure(helper, e, local_names, parsed) -> bool:
-    """Whether ``e`` (in ``helper``) reads only its locals and names that mean the same object
-    in the step's module, and calls only functions of ``math``, ``numpy`` or builtins."""
+def _pure(helper, e, local_names, parsed, caller_locals) -> bool:
+    """Whether ``e`` (in ``helper``) reads only its locals and globals that mean the same
+    object where it is called (``parsed``'s module, not shadowed by ``caller_locals``), and
+    calls only functions of ``math``, ``numpy`` or builtins."""
     for n in ast.walk(e):
         if isinstance(n, (ast.NamedExpr, ast.Lambda, ast.Await, ast.Yield, ast.YieldFrom)):
             return False
         if isinstance(n, ast.Name) and n.id not in local_names:
+            if n.id in caller_locals:
+                return False
             found, value = helper.lookup(n.id)
             found_here, value_here = parsed.lookup(n.id)
             if not found or not found_here or value is not value_here:

@@ -98,10 +98,19 @@ def from_elsewhere(t, x, y):
         y[i] = scaled(x[i])
 
 
-@pytest.mark.parametrize("step, call", [(with_loop, "looped(x[i])"), (from_elsewhere, "scaled(x[i])")])
+def shadowing(t, x, y):
+    # the step's own C is not the module's C that flux reads
+    n = x.shape[0]
+    C = 2.0
+    for i in lk.range(1, n):
+        y[i] = flux(x[i - 1], x[i]) * C
+
+
+@pytest.mark.parametrize("step, call", [(with_loop, "looped(x[i])"), (from_elsewhere, "scaled(x[i])"),
+                                        (shadowing, "flux(x[i - 1], x[i])")])
 def test_helpers_not_in_expression_form_are_refused_at_their_line(step, call):
-    # a helper with a loop, and one whose module's K is not the K of the step's module (its
-    # inlined form would read the wrong K)
+    # a helper with a loop, one whose module's K is not the K of the step's module, and one
+    # whose global C the step shadows with a local (inlined, they would read the wrong K, C)
     k = lk.megakernel(step)
     for derive in (k.adjoint, k.tangent):
         with pytest.raises(StepSyntaxError, match="only helpers in expression form are differentiated") as err:
