@@ -52,10 +52,12 @@ step, a single loop touches an adjoint array and only at its own index (a pointw
 its additions are plain ``+=`` instead of atomics (:func:`_own_element_updates`). An inner
 ``for k in range(...)`` loop with constant bounds is unrolled (up to
 ``UNROLL_MAX_STATEMENTS``); one with computed bounds is kept as a loop when its body assigns
-locals of its own and adds into locals assigned before it (``s += e``: sums over neighbours,
-bodies, a radius given as an argument), and the adjoint loop recomputes each iteration and
-hands each addend its sum's adjoint (:meth:`_Adjoint.accumulating_loop`). Anything else (other
-inner loops, other uses of ``lk.max``/``lk.min``,
+locals (:meth:`_Adjoint.accumulating_loop`): where it only adds into locals assigned before it
+(``s += e``: sums over neighbours, bodies, a radius given as an argument), the adjoint loop
+recomputes each iteration and hands each addend its sum's adjoint; where it carries another
+value (a recurrence, ``z = z + h * f(z)``), the adjoint walks the iterations backwards,
+recomputing the carried values at the start of each from the loop's start (time quadratic in
+the count, no memory). Anything else (other inner loops, other uses of ``lk.max``/``lk.min``,
 ``lk.atomic.max``/``min``, helpers other than in expression form (those are inlined first,
 ``loopkern/inline.py``), a ``return`` other than the last statement) raises
 :class:`~loopkern.errors.StepSyntaxError` at its line. A step that returns a condition is
@@ -560,13 +562,18 @@ class _Adjoint:
 
     def accumulating_loop(self, st, defined, guard):
         """``st``, an inner ``for k in range(...)`` loop that is not unrolled (computed bounds, or
-        too many iterations), checked to be in the form whose adjoint needs no record of its
-        iterations: its body assigns locals of its own (read only after they are assigned, in
-        the same iteration, and nowhere after the loop) and adds into locals assigned before
-        it (``s += e``, ``s -= e``; ``s`` not read in the loop otherwise), and stores nothing.
-        Then each iteration's terms enter the final sums once, whatever the other iterations
-        did, and the adjoint loop (:meth:`loop`) recomputes each iteration's locals and hands
-        each term the adjoint of its sum."""
+        too many iterations), checked and marked for :meth:`inner_ssa`. Its body assigns locals
+        (``x = e``, ``x op= e``) and stores nothing. A local assigned before the loop and again
+        in it is carried from one iteration to the next; the others are the iteration's own
+        (assigned before they are read, in the same iteration, and read nowhere after the loop).
+
+        When every carried local is a sum (``s += e``, ``s -= e``, not read in the loop
+        otherwise), each iteration's terms enter the final sums once, whatever the other
+        iterations did: the adjoint loop reruns the iterations and hands each term its sum's
+        adjoint, with no record of them. Any other carried value (a recurrence, ``x = x + h *
+        f(x)``) makes the adjoint walk the iterations backwards, recomputing the carried values
+        at the start of each from the loop's start (k(k+1)/2 iterations for k: no memory, time
+        quadratic in the iteration count); then the step must be 1, or a positive constant."""
         it = st.iter
         if not (isinstance(it, ast.Call) and isinstance(it.func, ast.Name) and it.func.id == "range" and it.args
                 and not it.keywords and isinstance(st.target, ast.Name) and not st.orelse):
@@ -575,51 +582,51 @@ class _Adjoint:
             raise self.error(st, "an inner loop inside an 'if' has an adjoint only with constant bounds "
                                  f"(unrolled, at most {UNROLL_MAX_STATEMENTS} statements)")
         k = st.target.id
-        own, sums = set(), set()
+        own, carried, added = set(), set(), set()
         for b in st.body:
             for n in ast.walk(b):
                 if isinstance(n, (ast.Break, ast.Continue)):
                     raise self.error(n, "a 'break' or 'continue' in an inner loop has no adjoint yet")
-            if isinstance(b, ast.Assign) and len(b.targets) == 1 and isinstance(b.targets[0], ast.Name):
-                name = b.targets[0].id
-                if name in defined or name in sums or name == k:
-                    raise self.error(b, f"'{name}' is assigned in an inner loop whose bounds are not constant "
-                                        f"and before it, or is its counter: its adjoint would need each "
-                                        f"iteration's value (use a new name inside the loop)")
-                reads = {n.id for n in ast.walk(b.value) if isinstance(n, ast.Name)}
-                if name in reads and name not in own:
-                    raise self.error(b, f"'{name}' carries a value from one iteration of the inner loop to the "
-                                        f"next; only additions (s += e) into a local assigned before the loop "
-                                        f"can")
-                own.add(name)
-            elif isinstance(b, ast.AugAssign) and isinstance(b.target, ast.Name) and \
-                    isinstance(b.op, (ast.Add, ast.Sub)):
-                name = b.target.id
-                if name not in defined or name in own:
-                    raise self.error(b, f"'{name}' is added into in an inner loop: assign it before the loop")
-                if name in self.accumulators:
-                    raise self.error(b, f"'{name}' adds up values for lk.sum: add into it outside inner loops "
-                                        f"whose bounds are not constant")
-                sums.add(name)
-            else:
-                raise self.error(b, "an inner loop whose bounds are not constant has an adjoint when its body "
-                                    "assigns locals of its own and adds into locals assigned before it "
-                                    "(s += e); this statement is neither")
-        for b in st.body:
-            value = b.value
-            bad = sums & {n.id for n in ast.walk(value) if isinstance(n, ast.Name)}
-            if bad:
-                raise self.error(b, f"'{sorted(bad)[0]}' is read inside the inner loop that adds into it: its "
-                                    f"value there depends on the iteration")
-            for n in ast.walk(value):
                 if isinstance(n, ast.Call) and self.tg.module_of(n.func)[0] == "lk.atomic":
                     raise self.error(n, "an lk.atomic update inside an inner loop has no adjoint yet")
+            if isinstance(b, ast.Assign) and len(b.targets) == 1 and isinstance(b.targets[0], ast.Name):
+                name = b.targets[0].id
+            elif isinstance(b, ast.AugAssign) and isinstance(b.target, ast.Name) and \
+                    isinstance(b.op, (ast.Add, ast.Sub, ast.Mult, ast.Div)):
+                name = b.target.id
+                if isinstance(b.op, (ast.Add, ast.Sub)):
+                    added.add(name)
+            else:
+                raise self.error(b, "an inner loop whose bounds are not constant has an adjoint when its body "
+                                    "assigns locals (x = e, x += e); this statement is neither")
+            if name == k:
+                raise self.error(b, f"'{k}', the inner loop's counter, is assigned in it")
+            if name in self.accumulators:
+                raise self.error(b, f"'{name}' adds up values for lk.sum: add into it outside inner loops "
+                                    f"whose bounds are not constant")
+            if name in defined:
+                carried.add(name)
+            else:
+                reads = {n.id for n in ast.walk(b)
+                         if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
+                if isinstance(b, ast.AugAssign):
+                    reads.add(name)
+                if name in reads and name not in own:
+                    raise self.error(b, f"'{name}' carries a value from one iteration of the inner loop to the "
+                                        f"next: assign it before the loop")
+                own.add(name)
+        loads = {n.id for b in st.body for n in ast.walk(b.value) if isinstance(n, ast.Name)}
+        sums_only = all(isinstance(b, ast.AugAssign) for b in st.body if _target(b) in carried) and \
+            carried <= added and not (carried & loads)
         for a in it.args:
-            bad = (own | sums | {k}) & {n.id for n in ast.walk(a) if isinstance(n, ast.Name)}
+            bad = (own | carried | {k}) & {n.id for n in ast.walk(a) if isinstance(n, ast.Name)}
             if bad:
                 raise self.error(st, f"the bounds of an inner loop read '{sorted(bad)[0]}', which it assigns")
+        if not sums_only and not (len(it.args) <= 2 or (int_constant(it.args[2]) or 0) > 0):
+            raise self.error(st, "an inner loop that carries a value other than a sum (s += e) has an adjoint "
+                                 "when its step is 1 or a positive constant")
         st = copy.deepcopy(st)
-        st._lk_inner = (k, own, sums)
+        st._lk_inner = (k, own, carried, not sums_only)
         return st
 
     def unrolled(self, st):
@@ -764,6 +771,9 @@ class _Adjoint:
         for kind, name, payload, st in ssa:
             if kind == "local" and self.tg.is_active(payload, active):
                 active.add(name)
+            elif kind == "inner" and "general" in payload:
+                payload["live"] = self.carried_activity(payload["general"], active)
+                active |= {payload["general"]["carried"][c][1] for c in payload["live"]}
             elif kind == "inner":
                 inner = set(active)
                 for b in payload["node"].body:
@@ -835,7 +845,7 @@ class _Adjoint:
         locals get fresh names, the locals of the iteration it reads their current versions,
         and each sum it adds into a new version that starts as the one before the loop.
         Returns {"node": the renamed loop, "old": {new version: the version before}}."""
-        k, own, sums = st._lk_inner
+        k, own, sums, general = st._lk_inner
         fresh = {k: self.fresh(k)}
         for n in ast.walk(st):
             if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load) and n.id in assigned \
@@ -856,6 +866,16 @@ class _Adjoint:
             for n in ast.walk(a):
                 if isinstance(n, ast.Name) and n.id in version:
                     n.id = version[n.id]
+        if general:
+            # the forward loop as written, the carried locals renamed to their versions after
+            # the loop (starting as the versions before), the iteration's own to names of its own
+            info = {"body": copy.deepcopy(st.body), "k": k, "own": own, "args": node.iter.args,
+                    "carried": {c: (version[c], new[c]) for c in sums}, "version": dict(version)}
+            names = {**{c: new[c] for c in sums}, **{o: self.fresh(o) for o in sorted(own)}, k: fresh[k]}
+            node.body = [self.renamed_body(b, names, version) for b in node.body]
+            for c in sums:
+                version[c] = new[c]
+            return {"node": node, "old": old, "general": info}
         current = {k: fresh[k]}                 # each assignment of the iteration's own locals:
         for b in node.body:                     # a name of its own (q = q * 0.5 reads the q before)
             for n in ast.walk(b.value):
@@ -870,12 +890,103 @@ class _Adjoint:
             version[a] = new[a]
         return {"node": node, "old": old}
 
+    def renamed_body(self, b, names, version):
+        """A copy of statement ``b`` of an inner loop, its names renamed by ``names`` (loads and
+        stores), then the loop's outer locals to their ``version``."""
+        b = copy.deepcopy(b)
+        for n in ast.walk(b):
+            if isinstance(n, ast.Name):
+                n.id = names.get(n.id) or (version.get(n.id, n.id) if isinstance(n.ctx, ast.Load) else n.id)
+        return b
+
+    def carried_activity(self, info, active):
+        """The carried locals of a recurrence loop (:meth:`inner_ssa`) that depend on active
+        values at the end of an iteration: those active before the loop, and, to a fixed point,
+        those an iteration makes active."""
+        body, own, carried = info["body"], info["own"], info["carried"]
+        outer = {n.id for b in body for n in ast.walk(b) if isinstance(n, ast.Name)} - own - set(carried)
+        outside = {n for n in outer if info["version"].get(n, n) in active}
+        live = {c for c, (old, _) in carried.items() if old in active}
+        while True:
+            cur = set(live)
+            for b in body:
+                t = _target(b)
+                if self.tg.is_active(b.value, cur | outside) or isinstance(b, ast.AugAssign) and t in cur:
+                    cur.add(t)
+                else:
+                    cur.discard(t)
+            grown = live | (cur & set(carried))
+            if grown == live:
+                return live
+            live = grown
+
+    def recurrence_adjoint(self, payload, active, st):
+        """The backward form of an inner loop that carries a recurrence (:meth:`inner_ssa`):
+        the carried locals' adjoints start as those of their versions after the loop; the
+        iterations are walked from the last, each recomputing the carried values at its start
+        from the loop's start, then itself in SSA form, then backwards, leaving the adjoints of
+        the values it started from; after the first, those pass to the versions before."""
+        info = payload["general"]
+        live = payload["live"]
+        if not live:
+            return []
+        carried, version, k = info["carried"], info["version"], info["k"]
+        args = [ast.unparse(a) for a in info["args"]]
+        lo, hi = ("0", args[0]) if len(args) == 1 else (args[0], args[1])
+        step = args[2] if len(args) == 3 else "1"
+        n_iter, kk, kv, k2 = self.fresh("n_iter"), self.fresh("kk"), self.fresh(k), self.fresh(k)
+        carry = {c: self.fresh(f"{c}_carry_bar") for c in sorted(live)}
+        start = {c: self.fresh(f"{c}_start") for c in sorted(carried)}
+        out = [_parse_stmt(f"{carry[c]} = {self.bar_name(carried[c][1])}", st) for c in sorted(live)]
+        out.append(_parse_stmt(f"{n_iter} = max(0, (({hi}) - ({lo}) + ({step}) - 1) // ({step}))", st))
+        body = [_parse_stmt(f"{kv} = ({lo}) + {kk} * ({step})", st)]
+        body += [_parse_stmt(f"{start[c]} = {carried[c][0]}", st) for c in sorted(carried)]
+        names = {**start, **{o: self.fresh(o) for o in sorted(info["own"])}, k: k2}
+        redo = _parse_stmt(f"for {k2} in range({lo}, {kv}, {step}):\n    pass", st)
+        redo.body = [self.renamed_body(b, names, version) for b in info["body"]]
+        body.append(redo)
+        # the iteration at kv, each assignment with a name of its own
+        cur = {**start, k: kv}
+        ssa = []
+        for b in info["body"]:
+            value = copy.deepcopy(b.value)
+            for n in ast.walk(value):
+                if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load):
+                    n.id = cur.get(n.id) or version.get(n.id, n.id)
+            t = _target(b)
+            if isinstance(b, ast.AugAssign):
+                value = ast.BinOp(left=ast.Name(id=cur[t], ctx=ast.Load()), op=b.op, right=value)
+            cur[t] = self.fresh(t)
+            ssa.append((cur[t], _at(value, b), b))
+        names_active = set(active) | {start[c] for c in live}
+        for name, value, b in ssa:
+            if self.tg.is_active(value, names_active):
+                names_active.add(name)
+        body += [_at(ast.Assign(targets=[ast.Name(id=name, ctx=ast.Store())], value=value), b)
+                 for name, value, b in ssa]
+        body += [_parse_stmt(f"{self.bar_name(start[c])} = 0.0", st) for c in sorted(live)]
+        body += [_parse_stmt(f"{self.bar_name(name)} = 0.0", b) for name, _, b in ssa if name in names_active]
+        body += [_parse_stmt(f"{self.bar_name(cur[c])} = {carry[c]}", st) for c in sorted(live)
+                 if cur[c] in names_active]
+        for name, value, b in reversed(ssa):
+            if name in names_active:
+                body += self.scatter(value, ast.Name(id=self.bar_name(name), ctx=ast.Load()), names_active, b)
+        body += [_parse_stmt(f"{carry[c]} = {self.bar_name(start[c])}", st) for c in sorted(live)]
+        loop = _parse_stmt(f"for {kk} in range({n_iter} - 1, -1, -1):\n    pass", st)
+        loop.body = body
+        out.append(loop)
+        out += [_parse_stmt(f"{self.bar_name(carried[c][0])} += {carry[c]}", st) for c in sorted(live)
+                if carried[c][0] in active]
+        return out
+
     def inner_adjoint(self, payload, active, st):
         """The backward form of an inner loop (:meth:`inner_ssa`): each sum's version before the
         loop takes the adjoint of the one after (each addend enters the sum once), then a loop
         over the same iterations recomputes each one's locals and walks its statements
         backwards, each addend taking its sum's adjoint (negated for ``-=``), each local its
         own adjoint (zeroed at the start of the iteration)."""
+        if "general" in payload:
+            return self.recurrence_adjoint(payload, active, st)
         node, inner = payload["node"], payload["active"]
         out = []
         for new_v, old_v in payload["old"].items():
@@ -1218,6 +1329,16 @@ def _slice_before(stmts, pos, value):
         if any(a in earlier for a, _ in _array_reads(st)):
             return None
     return kept
+
+
+def _target(st):
+    """The name an ``x = e`` or ``x op= e`` statement assigns."""
+    return st.target.id if isinstance(st, ast.AugAssign) else st.targets[0].id
+
+
+def _parse_stmt(text, at):
+    """The statement ``text``, placed at ``at``'s line."""
+    return _at(ast.parse(text).body[0], at)
 
 
 def _rename_names(node, renamed):

@@ -6,9 +6,9 @@ The steps are drawn from a small grammar of what reverse mode covers (``loopkern
 1-D and 2-D stencils whose reads sit at constant offsets of radius up to 2 (some wrapping
 around the start, ``u[i - 2]`` at ``i = 1``, which keeps atomics; the others are gathered),
 smooth ``math`` functions, locals, conditional expressions on loaded values, boundary loops,
-helpers in expression form, inner ``range`` loops of a radius given as an argument (computed
-bounds) or of constant bounds (unrolled), a second phase after ``lk.sync()``, and a float
-parameter. Each program is written to a file (loopkern reads a step's source) and checked in
+helpers in expression form, inner ``range`` loops of a count given as an argument (computed
+bounds: sums, and a recurrence) or of constant bounds (unrolled), a second phase after
+``lk.sync()``, and a float parameter. Each program is written to a file (loopkern reads a step's source) and checked in
 both adjoint forms."""
 
 import importlib.util
@@ -89,7 +89,11 @@ def _program(seed):
     if inner < 0.35 and ndim == 1:
         body += ["acc = 0.0", "for k in range(-q, q + 1):", "    w = u[i + k]", "    acc += w * math.cos(w)"]
         extra += " + 0.05 * acc"
-    elif inner < 0.55:
+    elif inner < 0.5:
+        # a recurrence over an inner loop of computed bounds (walked backwards by the adjoint)
+        body += [f"z = {gen.read('u', radius, idx)}", "for k in range(q + 1):", "    z = z + 0.1 * math.sin(z)"]
+        extra += " + 0.2 * z"
+    elif inner < 0.65:
         body += ["acc = 0.0", "for k in range(3):", f"    acc += {gen.term('u', radius, idx)} * (k + 1)"]
         extra += " + 0.05 * acc"
     terms = " + ".join(gen.term("u", radius, idx) for _ in range(int(rng.integers(1, 4))))
