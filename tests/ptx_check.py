@@ -146,6 +146,9 @@ for name, fn, swap, args in (("heat", W.heat_step, [("u", "v")], [np.zeros(8, f3
 # lk.random draws named by site, lk.sum reductions and their adjoints, scratch versions of
 # arrays, lk.atomic.add scatters, unrolled inner loops, a dropped condition, a segment sweep
 import test_adjoint as T  # noqa: E402
+import test_gather_adjoint as TG  # noqa: E402
+import test_inline as TN  # noqa: E402
+import test_inner_loop_adjoint as TI  # noqa: E402
 from loopkern.interop.jax_bridge import _segment_kernels  # noqa: E402
 
 n = 8
@@ -185,7 +188,19 @@ DERIVED += [("heat_alpha_rec", rec, [v1, v1, f32(0.2), m1, np.int64(0)]),
             ("heat_alpha_seg", seg, [m1, v1, v1, v1, f32(0.2), one, np.int64(2), np.int64(0)]),
             # lk.max/lk.min of running extrema: the ties counted, in both modes
             ("peak_scaled", lk.megakernel(T.peak_scaled).adjoint("x", "c"), [v1, v1, f32(0.3), one]),
-            ("peak_scaled_jvp", lk.megakernel(T.peak_scaled).tangent("x", "c"), [v1, v1, f32(0.3), f32(0)])]
+            ("peak_scaled_jvp", lk.megakernel(T.peak_scaled).tangent("x", "c"), [v1, v1, f32(0.3), f32(0)]),
+            # an inner loop's sums (one pass) and a recurrence (walked backwards) of computed bounds
+            ("attract", lk.megakernel(TI.attract, swap=[("x", "y")]).adjoint("x", "y", "w", "c"),
+             [v1, v1, v1, v1, v1, v1, f32(0.7), one]),
+            ("substeps", lk.megakernel(TI.substeps, swap=[("x", "y")]).adjoint("x", "y", "h"),
+             [v1, v1, v1, v1, f32(0.2), one, np.int64(3), f32(0.7)]),
+            # helpers inlined, in both modes; terms under a branch gathered
+            ("burgers", lk.megakernel(TN.burgers, swap=[("u", "v")]).adjoint("u", "v", "a"),
+             [v1, v1, v1, v1, f32(0.2), one]),
+            ("burgers_jvp", lk.megakernel(TN.burgers, swap=[("u", "v")]).tangent("u", "v", "a"),
+             [v1, v1, v1, v1, f32(0.2), f32(0)]),
+            ("branchy", lk.megakernel(TG.branchy, swap=[("u", "v")]).adjoint("u", "v", "a"),
+             [v1, v1, v1, v1, f32(0.2), one])]
 for label, k, vals in DERIVED:
     rec = dict(kernel=f"derived:{label}", scope="grid", by_ref=False, debug=False, staged=False, atomics=True,
                index_bits=None)
