@@ -45,7 +45,7 @@ thread's ``acc`` the total times ``df/dS``, and each addend of each iteration th
 ``m``, and backwards every ``e`` equal to the result takes ``df/dS`` times the total over
 their count (JAX's rule for its max reductions; the tangent step's, ``tangent.py``).
 ``lk.random`` draws have no derivative and draw what the step's draws drew.
-``lk.atomic.add(a, k, e)`` (not inside an ``if``, its old value unused) gives ``e`` the
+``lk.atomic.add(a, k, e)`` (its old value unused; inside an ``if``, where the branch runs) gives ``e`` the
 adjoint ``a_bar[k]``, which passes through. A scalar parameter's adjoint is summed in each
 thread and added once at the end of the adjoint step. Where, within a phase of the adjoint
 step, a single loop touches an adjoint array and only at its own index (a pointwise update),
@@ -485,6 +485,9 @@ class _Adjoint:
                     branch, flag = part
                     stored_here = set()
                     for b in self.straight(branch, defined, flag):
+                        if getattr(b, "_lk_guard", None) is not None:
+                            out.append(b)               # an lk.atomic update, guarded by its flag
+                            continue
                         tgt = b.targets[0]
                         for n in ast.walk(b.value):
                             if isinstance(n, ast.Subscript) and isinstance(n.value, ast.Name) \
@@ -537,7 +540,10 @@ class _Adjoint:
             atomic = self.atomic_of(st)
             if atomic is not None:
                 if guard is not None:
-                    raise self.error(st, "an lk.atomic update inside an 'if' has no adjoint yet")
+                    # the update happens where the branch runs: its adjoint is taken there only
+                    # (its index may lie outside the array elsewhere)
+                    st = copy.deepcopy(st)
+                    st._lk_guard = guard
                 out.append(st)
                 continue
             if not isinstance(st, ast.Assign) or len(st.targets) != 1 or \
@@ -712,7 +718,10 @@ class _Adjoint:
                 # unchanged (nothing in this loop may read a: the step would race)
                 arr, idx, value = atomic
                 stored.setdefault(arr.id, set())
-                ssa.append(("atomic", arr.id, (_rename_loads(idx, version), _rename_loads(value, version)), st))
+                guard = getattr(st, "_lk_guard", None)
+                guard = None if guard is None else _rename_loads(ast.Name(id=guard, ctx=ast.Load()), version)
+                ssa.append(("atomic", arr.id, (_rename_loads(idx, version), _rename_loads(value, version), guard),
+                            st))
                 continue
             tgt = st.targets[0]
             updates = isinstance(tgt, ast.Name) and tgt.id in accs
@@ -826,16 +835,18 @@ class _Adjoint:
                 continue
             # a store a[k] = e takes g = a_bar[k] and zeroes it (the old a[k] is overwritten); an
             # lk.atomic.add leaves it (the old a[k] passes through); either hands g to e
-            idx, value = payload
+            idx, value = payload[0], payload[1]
+            guard = payload[2] if kind == "atomic" else None
             gname = self.fresh("g")
-            back.append(_at(ast.Assign(targets=[ast.Name(id=gname, ctx=ast.Store())], value=ast.Subscript(
+            part = [_at(ast.Assign(targets=[ast.Name(id=gname, ctx=ast.Store())], value=ast.Subscript(
                 value=ast.Name(id=self.bar_name(name), ctx=ast.Load()), slice=copy.deepcopy(idx),
-                ctx=ast.Load())), st))
+                ctx=ast.Load())), st)]
             if kind == "store":
-                back.append(_at(ast.Assign(targets=[ast.Subscript(
+                part.append(_at(ast.Assign(targets=[ast.Subscript(
                     value=ast.Name(id=self.bar_name(name), ctx=ast.Load()), slice=copy.deepcopy(idx),
                     ctx=ast.Store())], value=ast.Constant(0.0)), st))
-            back += self.scatter(value, ast.Name(id=gname, ctx=ast.Load()), active, st)
+            part += self.scatter(value, ast.Name(id=gname, ctx=ast.Load()), active, st)
+            back += part if guard is None else [_at(ast.If(test=guard, body=part, orelse=[]), st)]
         new = copy.copy(s)
         new.body = fwd + back or [_at(ast.Pass(), s)]
         return new

@@ -166,6 +166,8 @@ DERIVED = [
 for label, fn, wrt, head in (("clipped_mean", T.clipped_mean, ("x", "y", "a"), [v1, v1, v1, v1, f32(0.7), one]),
                              ("deposit", T.deposit, ("w", "grid", "c"),
                               [v1, v1, np.zeros(n, np.int32), np.zeros(5, f32), np.zeros(5, f32), f32(0.3), one]),
+                             ("deposit_if", T.deposit_if, ("w", "grid", "c"),
+                              [v1, v1, np.zeros(n, np.int32), np.zeros(5, f32), np.zeros(5, f32), f32(0.3), one]),
                              ("smooth_then_flux", T.smooth_then_flux, ("u", "v", "f", "c"),
                               [v1] * 6 + [f32(0.2), one])):
     k = lk.megakernel(fn).adjoint(*wrt)

@@ -892,6 +892,64 @@ def test_grad_through_an_atomic_scatter(rng):
         np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-4, atol=1e-4)
 
 
+def deposit_if(t, w, cell, grid, c):
+    # particles inside the grid add into their cell, those outside (a cell < 0 or >= m) do
+    # not: the scatter under an if, its index out of range where the branch is not taken
+    n = w.shape[0]
+    m = grid.shape[0]
+    for i in lk.range(n):
+        k = cell[i]
+        if k >= 0 and k < m:
+            lk.atomic.add(grid, k, w[i] * w[i] * c)
+    lk.sync()
+    for k in lk.range(m):
+        grid[k] = 0.9 * grid[k]
+    lk.sync()
+    for i in lk.range(n):
+        k = cell[i]
+        w[i] = w[i] + (0.01 * grid[k] if k >= 0 and k < m else 0.0)
+
+
+def _deposit_if_jnp(w, cell, grid, c, steps):
+    m = grid.shape[0]
+    inside = (cell >= 0) & (cell < m)
+    safe = jnp.where(inside, cell, 0)
+
+    def body(t, s):
+        w, grid = s
+        grid = 0.9 * grid.at[safe].add(jnp.where(inside, w * w * c, 0.0))
+        return w + jnp.where(inside, 0.01 * grid[safe], 0.0), grid
+    return jax.lax.fori_loop(0, steps, body, (w, grid))
+
+
+def test_grad_through_an_atomic_scatter_under_an_if(rng):
+    from test_jax import _x64
+    k = lk.megakernel(deposit_if)
+    with _x64():
+        n, m = 40, 7
+        w0, g0, u = (jnp.asarray(rng.standard_normal(s)) for s in (n, m, n))
+        cell = jnp.asarray(rng.integers(-3, m + 3, n).astype(np.int32))      # some outside the grid
+
+        def loss(run):
+            def f(w, g, c):
+                wo, go = run(w, g, c)
+                return (wo * u).sum() + (go ** 2).sum()
+            return f
+
+        def ours(w, g, c):
+            wo, _, go = k.jax(w, cell, g, c, steps=5)
+            return wo, go
+        args = (w0, g0, 0.3)
+        got = jax.grad(loss(ours), argnums=(0, 1, 2))(*args)
+        want = jax.grad(loss(lambda w, g, c: _deposit_if_jnp(w, cell, g, c, 5)), argnums=(0, 1, 2))(*args)
+        for g, r in zip(got, want):
+            np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-10, atol=1e-12)
+        tangents = (jnp.asarray(rng.standard_normal(n)), jnp.asarray(rng.standard_normal(m)), 0.5)
+        _, t = jax.jvp(loss(ours), args, tangents)
+        _, t_ref = jax.jvp(loss(lambda w, g, c: _deposit_if_jnp(w, cell, g, c, 5)), args, tangents)
+        assert float(t) == pytest.approx(float(t_ref), rel=1e-10)
+
+
 def test_atomics_reverse_mode_cannot_follow_are_refused():
     def maxed(t, x, h):
         n = x.shape[0]
