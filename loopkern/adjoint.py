@@ -1363,9 +1363,10 @@ def _rename_names(node, renamed):
 
 def _gather_updates(body, bars, adj, params, index_name):
     """``body`` (the adjoint step) with the neighbour terms of stencil adjoints in gather form:
-    where, within a phase, every update of an adjoint array ``b`` is an unconditional
-    ``lk.atomic.add(b, (i + c1, j + c2, ...), e)`` in a parallel loop over ``i, j, ...``
-    (constant offsets ``c``, never below 0 so that no index wraps around), one loop over
+    where, within a phase, every update of an adjoint array ``b`` is an
+    ``lk.atomic.add(b, (i + c1, j + c2, ...), e)`` at the top of the body of a parallel loop
+    over ``i, j, ...``, or alone under an ``if test:`` there (its term is then ``e if test
+    else 0``), with constant offsets ``c`` never below 0 (no index wraps around), one loop over
     ``b``'s elements placed first in the phase gives each element the sum of its terms,
     recomputing each ``e`` at the iteration ``(i, j) = element - c`` when that is one of its
     loop's iterations; an ``lk.sync()`` follows (the loops after it zero the adjoints that
