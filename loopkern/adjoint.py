@@ -559,11 +559,8 @@ class _Adjoint:
 
     def unrollable(self, st):
         """Whether ``st`` is ``for k in range(...)`` with constant bounds, small enough to unroll."""
-        it = st.iter
-        bounds = it.args if isinstance(it, ast.Call) and isinstance(it.func, ast.Name) and it.func.id == "range" \
-            else None
-        return bool(bounds) and isinstance(st.target, ast.Name) and not st.orelse and \
-            all(isinstance(b, ast.Constant) and isinstance(b.value, int) for b in bounds) and \
+        bounds = _range_args(st)
+        return bool(bounds) and all(isinstance(b, ast.Constant) and isinstance(b.value, int) for b in bounds) and \
             len(range(*[b.value for b in bounds])) * len(st.body) <= UNROLL_MAX_STATEMENTS
 
     def accumulating_loop(self, st, defined, guard):
@@ -581,8 +578,7 @@ class _Adjoint:
         at the start of each from the loop's start (k(k+1)/2 iterations for k: no memory, time
         quadratic in the iteration count); then the step must be 1, or a positive constant."""
         it = st.iter
-        if not (isinstance(it, ast.Call) and isinstance(it.func, ast.Name) and it.func.id == "range" and it.args
-                and not it.keywords and isinstance(st.target, ast.Name) and not st.orelse):
+        if not _range_args(st):
             raise self.error(st, "an inner loop has an adjoint only as 'for k in range(...)'")
         if guard is not None:
             raise self.error(st, "an inner loop inside an 'if' has an adjoint only with constant bounds "
@@ -637,20 +633,9 @@ class _Adjoint:
 
     def unrolled(self, st):
         """A plain ``for k in range(a[, b[, c]])`` loop with constant bounds inside a parallel
-        loop, as its body repeated with ``k`` replaced by each value (then ``k`` set to the
-        last, as Python leaves it): straight-line code for the backward walk. Other inner loops
-        are refused."""
-        it = st.iter
-        bounds = it.args if isinstance(it, ast.Call) and isinstance(it.func, ast.Name) and it.func.id == "range" \
-            else None
-        if bounds is None or st.orelse or not isinstance(st.target, ast.Name) or not bounds or \
-                not all(isinstance(b, ast.Constant) and isinstance(b.value, int) for b in bounds):
-            raise self.error(st, "an inner loop has an adjoint only as 'for k in range(...)' with constant bounds "
-                                 "(it is unrolled)")
-        values = range(*[b.value for b in bounds])
-        if len(values) * len(st.body) > UNROLL_MAX_STATEMENTS:
-            raise self.error(st, f"this inner loop would unroll into {len(values) * len(st.body)} statements "
-                                 f"(at most {UNROLL_MAX_STATEMENTS})")
+        loop (:meth:`unrollable`), as its body repeated with ``k`` replaced by each value (then
+        ``k`` set to the last, as Python leaves it): straight-line code for the backward walk."""
+        values = range(*[b.value for b in _range_args(st)])
         for n in ast.walk(st):
             if isinstance(n, (ast.Break, ast.Continue)):
                 raise self.error(n, "a 'break' or 'continue' in an inner loop has no adjoint yet")
@@ -786,7 +771,7 @@ class _Adjoint:
             elif kind == "inner":
                 inner = set(active)
                 for b in payload["node"].body:
-                    name = b.target.id if isinstance(b, ast.AugAssign) else b.targets[0].id
+                    name = _target(b)
                     if self.tg.is_active(b.value, inner) or \
                             isinstance(b, ast.AugAssign) and payload["old"][name] in active:
                         inner.add(name)
@@ -889,9 +874,7 @@ class _Adjoint:
             return {"node": node, "old": old, "general": info}
         current = {k: fresh[k]}                 # each assignment of the iteration's own locals:
         for b in node.body:                     # a name of its own (q = q * 0.5 reads the q before)
-            for n in ast.walk(b.value):
-                if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load):
-                    n.id = current.get(n.id) or version.get(n.id, n.id)
+            _read_as(b.value, current, version)
             tgt = b.target if isinstance(b, ast.AugAssign) else b.targets[0]
             if tgt.id in new:
                 tgt.id = new[tgt.id]
@@ -960,10 +943,7 @@ class _Adjoint:
         cur = {**start, k: kv}
         ssa = []
         for b in info["body"]:
-            value = copy.deepcopy(b.value)
-            for n in ast.walk(value):
-                if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load):
-                    n.id = cur.get(n.id) or version.get(n.id, n.id)
+            value = _read_as(copy.deepcopy(b.value), cur, version)
             t = _target(b)
             if isinstance(b, ast.AugAssign):
                 value = ast.BinOp(left=ast.Name(id=cur[t], ctx=ast.Load()), op=b.op, right=value)
@@ -1010,7 +990,7 @@ class _Adjoint:
                                value=ast.Constant(0.0)), b) for b in recompute if b.targets[0].id in inner]
         walk = []
         for b in reversed(node.body):
-            name = b.target.id if isinstance(b, ast.AugAssign) else b.targets[0].id
+            name = _target(b)
             if name not in inner:
                 continue
             g = ast.Name(id=self.bar_name(name), ctx=ast.Load())
@@ -1231,15 +1211,7 @@ def _own_element_updates(body, bars, adj):
             out[b] = None
         return out
 
-    phases, cur = [], []
-    for s in body:
-        if adj.is_sync(s):
-            phases.append(cur)
-            cur = []
-        else:
-            cur.append(s)
-    phases.append(cur)
-    for phase in phases:
+    for phase, _ in _phases(body, adj):
         users = {}
         for s in phase:
             for b, idx in touches(s).items():
@@ -1342,6 +1314,38 @@ def _slice_before(stmts, pos, value):
     return kept
 
 
+def _range_args(st):
+    """The arguments of ``for k in range(...)`` (a plain ``range`` call, a name as the target,
+    no ``else``), or None for any other ``for`` statement."""
+    it = st.iter
+    if isinstance(it, ast.Call) and isinstance(it.func, ast.Name) and it.func.id == "range" and it.args and \
+            not it.keywords and isinstance(st.target, ast.Name) and not st.orelse:
+        return it.args
+    return None
+
+
+def _read_as(node, current, version):
+    """``node`` with each loaded name read as its entry in ``current`` (an inner loop's own
+    names), else in ``version`` (the enclosing iteration's versions), else as itself."""
+    for n in ast.walk(node):
+        if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load):
+            n.id = current.get(n.id) or version.get(n.id, n.id)
+    return node
+
+
+def _phases(body, adj):
+    """(the statements of each phase of ``body``, the ``lk.sync()`` that ends it or None for the
+    last): the phases the step's top-level barriers separate."""
+    phase = []
+    for s in body:
+        if adj.is_sync(s):
+            yield phase, s
+            phase = []
+        else:
+            phase.append(s)
+    yield phase, None
+
+
 def _target(st):
     """The name an ``x = e`` or ``x op= e`` statement assigns."""
     return st.target.id if isinstance(st, ast.AugAssign) else st.targets[0].id
@@ -1376,7 +1380,7 @@ def _gather_updates(body, bars, adj, params, index_name):
     tg = adj.tg
     bounds = _Bounds(body, params, index_name)
     lk = adj.lk_name()
-    out, phase = [], []
+    out = []
     value_of = {}           # id of an update's call -> its term (under the update's if, if any)
 
     def flush(phase):
@@ -1478,8 +1482,7 @@ def _gather_updates(body, bars, adj, params, index_name):
                 # them that only its removed updates read can go
                 renamed = {}
                 for k in sts:
-                    name = k.targets[0].id if isinstance(k, ast.Assign) else k.target.id
-                    renamed[name] = renamed.get(name) or adj.fresh(name)
+                    renamed[_target(k)] = renamed.get(_target(k)) or adj.fresh(_target(k))
                 lines += [f"    {v} = {e} - ({c})" for v, e, c in zip(names, el, off)]
                 lines.append(f"    if {_membership(kind, s.iter.args, names)}:")
                 lines += [f"        {ast.unparse(_rename_names(k, renamed))}" for k in sts]
@@ -1500,13 +1503,9 @@ def _gather_updates(body, bars, adj, params, index_name):
                     setattr(node, field, stmts or ([_at(ast.Pass(), s)] if before else []))
         return phase[:first] + head + phase[first:]
 
-    for s in body:
-        if adj.is_sync(s):
-            out += flush(phase) + [s]
-            phase = []
-        else:
-            phase.append(s)
-    return out + flush(phase)
+    for phase, sync in _phases(body, adj):
+        out += flush(phase) + ([sync] if sync is not None else [])
+    return out
 
 
 def _statement_lists(tree):
