@@ -868,14 +868,10 @@ def _deposit_jnp(w, cell, grid, c, steps):
     return jax.lax.fori_loop(0, steps, body, (w, grid))
 
 
-def test_grad_through_an_atomic_scatter(rng):
-    k = lk.megakernel(deposit)
-    n, m = 40, 7
-    w0 = jnp.asarray(rng.standard_normal(n).astype(np.float32))
-    cell = jnp.asarray(rng.integers(0, m, n).astype(np.int32))
-    g0 = jnp.asarray(rng.standard_normal(m).astype(np.float32))
-    u = jnp.asarray(rng.standard_normal(n).astype(np.float32))
-
+def deposit_losses(k, ref, cell, u, steps=5, **options):
+    """(loss of the megakernel ``k`` of a deposit step, loss of its jnp loop ``ref``), each a
+    function of (w, grid, c): the particles' final weights against ``u`` plus the final grid's
+    squared norm. ``options`` go to ``k.jax``."""
     def loss(run):
         def f(w, g, c):
             wo, go = run(w, g, c)
@@ -883,11 +879,22 @@ def test_grad_through_an_atomic_scatter(rng):
         return f
 
     def ours(w, g, c):
-        wo, _, go = k.jax(w, cell, g, c, steps=5)
+        wo, _, go = k.jax(w, cell, g, c, steps=steps, **options)
         return wo, go
+    return loss(ours), loss(lambda w, g, c: ref(w, cell, g, c, steps))
+
+
+def test_grad_through_an_atomic_scatter(rng):
+    k = lk.megakernel(deposit)
+    n, m = 40, 7
+    w0 = jnp.asarray(rng.standard_normal(n).astype(np.float32))
+    cell = jnp.asarray(rng.integers(0, m, n).astype(np.int32))
+    g0 = jnp.asarray(rng.standard_normal(m).astype(np.float32))
+    u = jnp.asarray(rng.standard_normal(n).astype(np.float32))
+    ours, ref = deposit_losses(k, _deposit_jnp, cell, u)
     args = (w0, g0, np.float32(0.3))
-    got = jax.grad(loss(ours), argnums=(0, 1, 2))(*args)
-    want = jax.grad(loss(lambda w, g, c: _deposit_jnp(w, cell, g, c, 5)), argnums=(0, 1, 2))(*args)
+    got = jax.grad(ours, argnums=(0, 1, 2))(*args)
+    want = jax.grad(ref, argnums=(0, 1, 2))(*args)
     for g, r in zip(got, want):
         np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-4, atol=1e-4)
 
@@ -929,24 +936,15 @@ def test_grad_through_an_atomic_scatter_under_an_if(rng):
         n, m = 40, 7
         w0, g0, u = (jnp.asarray(rng.standard_normal(s)) for s in (n, m, n))
         cell = jnp.asarray(rng.integers(-3, m + 3, n).astype(np.int32))      # some outside the grid
-
-        def loss(run):
-            def f(w, g, c):
-                wo, go = run(w, g, c)
-                return (wo * u).sum() + (go ** 2).sum()
-            return f
-
-        def ours(w, g, c):
-            wo, _, go = k.jax(w, cell, g, c, steps=5)
-            return wo, go
+        ours, ref = deposit_losses(k, _deposit_if_jnp, cell, u)
         args = (w0, g0, 0.3)
-        got = jax.grad(loss(ours), argnums=(0, 1, 2))(*args)
-        want = jax.grad(loss(lambda w, g, c: _deposit_if_jnp(w, cell, g, c, 5)), argnums=(0, 1, 2))(*args)
+        got = jax.grad(ours, argnums=(0, 1, 2))(*args)
+        want = jax.grad(ref, argnums=(0, 1, 2))(*args)
         for g, r in zip(got, want):
             np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-10, atol=1e-12)
         tangents = (jnp.asarray(rng.standard_normal(n)), jnp.asarray(rng.standard_normal(m)), 0.5)
-        _, t = jax.jvp(loss(ours), args, tangents)
-        _, t_ref = jax.jvp(loss(lambda w, g, c: _deposit_if_jnp(w, cell, g, c, 5)), args, tangents)
+        _, t = jax.jvp(ours, args, tangents)
+        _, t_ref = jax.jvp(ref, args, tangents)
         assert float(t) == pytest.approx(float(t_ref), rel=1e-10)
 
 

@@ -16,7 +16,8 @@ jax = pytest.importorskip("jax")
 jnp = pytest.importorskip("jax.numpy")
 
 from test_adjoint import (_deposit_jnp, _heat2d_jnp, _heat_jnp, _jacobi_jnp, _leapfrog_jnp,  # noqa: E402
-                          _smooth_then_flux_jnp, deposit, heat2d, heat_if, leapfrog, smooth_then_flux, upwind)
+                          _smooth_then_flux_jnp, deposit, deposit_losses, heat2d, heat_if, leapfrog,
+                          smooth_then_flux, upwind)
 from test_jax import _x64  # noqa: E402
 
 
@@ -152,19 +153,8 @@ def _case_deposit(rng):
     k = lk.megakernel(deposit)
     cell = jnp.asarray(rng.integers(0, 7, 40).astype(np.int32))
     u = _field(rng, 40)
-
-    def loss(run):
-        def f(w, g, c):
-            wo, go = run(w, g, c)
-            return (wo * u).sum() + (go ** 2).sum()
-        return f
-
-    def ours(form):
-        def run(w, g, c):
-            wo, _, go = k.jax(w, cell, g, c, steps=5, adjoint_form=form)
-            return wo, go
-        return loss(run)
-    return ours, loss(lambda w, g, c: _deposit_jnp(w, cell, g, c, 5)), (_field(rng, 40), _field(rng, 7), 0.3)
+    return (lambda form: deposit_losses(k, _deposit_jnp, cell, u, adjoint_form=form)[0],
+            deposit_losses(k, _deposit_jnp, cell, u)[1], (_field(rng, 40), _field(rng, 7), 0.3))
 
 
 def _case_jacobi(rng):
