@@ -53,7 +53,7 @@ class _Inliner(ast.NodeTransformer):
         if form is None or len(form[0]) != len(node.args):
             return node
         params, expr = form
-        if any(_calls_lk_atomic(self.parsed, a) for a in node.args):
+        if any(_calls_lk_atomic(a) for a in node.args):
             return node
         out = _substitute(expr, dict(zip(params, node.args)))
         for n in ast.walk(out):             # errors in what was inlined point at the call
@@ -124,7 +124,8 @@ def _pure(helper, e, local_names, parsed, caller_locals) -> bool:
     return True
 
 
-def _calls_lk_atomic(parsed, e) -> bool:
+def _calls_lk_atomic(e) -> bool:
+    """Whether ``e`` calls an ``lk.atomic`` update (an argument put in twice would update twice)."""
     for n in ast.walk(e):
         if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr in ("add", "max", "min") \
                 and isinstance(n.func.value, ast.Attribute) and n.func.value.attr == "atomic":
