@@ -1,6 +1,10 @@
 """Time the bench's heat kernels over scopes, block and thread counts (tuning scope="tile" and
 scope="cluster"): ``python bench/tile_probe.py [heat:N[,N...]] [heat2d:SIDE[,SIDE...]]
-[threads=T,T] [blocks=B,B] [scope=tile,cluster]``.
+[threads=T,T] [blocks=B,B] [scope=tile,cluster] [depth=D,D] [span=S]``.
+
+``depth`` caps the steps tile mode runs per halo exchange (``config.TILE_DEPTH_MAX``; 1: one
+step per exchange), ``span`` sets ``config.TILE_DEPTH_SPAN`` (how many widened halos a tile
+must be long).
 
 Each configuration runs once to compile, then five times; prints the median µs per step and
 whether the field equals the grid scope's bit for bit after the same steps.
@@ -17,10 +21,15 @@ from bench.heat import ALPHA, heat_kernel  # noqa: E402
 from bench.heat2d import ALPHA2, heat2d_kernel  # noqa: E402
 from numba import cuda  # noqa: E402
 
+from loopkern.dispatch import config  # noqa: E402
+
 opts = dict(a.split(":", 1) if ":" in a else a.split("=", 1) for a in sys.argv[1:])
-threads_list = [int(x) for x in opts.get("threads", "256,512,1024").split(",")]
+threads_list = [None if x == "auto" else int(x) for x in opts.get("threads", "256,512,1024").split(",")]
 blocks_list = [None if x == "auto" else int(x) for x in opts.get("blocks", "auto,132,264").split(",")]
 scopes = opts.get("scope", "tile").split(",")
+depths = [int(x) for x in opts.get("depth", str(config.TILE_DEPTH_MAX)).split(",")]
+if "span" in opts:
+    config.TILE_DEPTH_SPAN = int(opts["span"])
 
 
 def timed(k, u0, alpha, steps, scope, blocks, threads):
@@ -35,25 +44,29 @@ def timed(k, u0, alpha, steps, scope, blocks, threads):
     return statistics.median(times), out, r
 
 
-def probe(name, k, u0, alpha, steps):
-    base, ref, r = timed(k, u0, alpha, steps, "grid", None, None)
+def probe(name, make, u0, alpha, steps):
+    base, ref, r = timed(make(), u0, alpha, steps, "grid", None, None)
     print(f"{name} grid auto: {base:.3f} us/step (blocks={r.blocks} threads={r.threads})", flush=True)
-    for scope in scopes:
-        for threads in threads_list:
-            for blocks in blocks_list:
-                try:
-                    us, out, r = timed(k, u0, alpha, steps, scope, blocks, threads)
-                except Exception as exc:                      # a configuration that does not fit
-                    print(f"{name} {scope} blocks={blocks} threads={threads}: {type(exc).__name__}: "
-                          f"{str(exc)[:150]}")
-                    continue
-                same = "bitwise equal" if np.array_equal(out, ref) else "DIFFERS from grid"
-                print(f"{name} {scope} blocks={r.blocks} threads={threads}: {us:.3f} us/step "
-                      f"({us / base:.2f}x grid), {same}", flush=True)
+    for depth in depths:
+        config.TILE_DEPTH_MAX = depth
+        k = make()                  # a new kernel: plans are kept per kernel, and depend on the cap
+        for scope in scopes:
+            for threads in threads_list:
+                for blocks in blocks_list:
+                    try:
+                        us, out, r = timed(k, u0, alpha, steps, scope, blocks, threads)
+                    except Exception as exc:                      # a configuration that does not fit
+                        print(f"{name} {scope} blocks={blocks} threads={threads}: {type(exc).__name__}: "
+                              f"{str(exc)[:150]}")
+                        continue
+                    same = "bitwise equal" if np.array_equal(out, ref) else "DIFFERS from grid"
+                    print(f"{name} {scope} ({r.scope}) blocks={r.blocks} threads={r.threads} "
+                          f"depth={r.steps_per_exchange}: "
+                          f"{us:.3f} us/step ({us / base:.2f}x grid), {same}", flush=True)
 
 
 rng = np.random.default_rng(0)
 for n in [int(x) for x in opts.get("heat", "").split(",") if x]:
-    probe(f"heat n={n}", heat_kernel(), rng.random(n).astype(np.float32), ALPHA, 20000 if n <= 65536 else 4000)
+    probe(f"heat n={n}", heat_kernel, rng.random(n).astype(np.float32), ALPHA, 20000 if n <= 65536 else 4000)
 for side in [int(x) for x in opts.get("heat2d", "").split(",") if x]:
-    probe(f"heat2d {side}^2", heat2d_kernel(), rng.random((side, side)).astype(np.float32), ALPHA2, 2000)
+    probe(f"heat2d {side}^2", heat2d_kernel, rng.random((side, side)).astype(np.float32), ALPHA2, 2000)

@@ -743,7 +743,8 @@ def _jit_options(backend: str, cache: bool) -> tuple[str, str]:
 def render_kernel(spec: StepSpec, backend: str, scope: str = "grid", *, cache: bool = True,
                   fingerprint: str = "", by_ref: frozenset | None = None, debug: bool = False,
                   staged: tuple = (), control: bool = True, float_type: str | None = None,
-                  index_bits: int | None = None, tile=None, cluster: bool = False) -> KernelSource:
+                  index_bits: int | None = None, tile=None, cluster: bool = False,
+                  depth: int = 1) -> KernelSource:
     """Render the kernel module for ``spec``.
 
     Args:
@@ -783,6 +784,13 @@ def render_kernel(spec: StepSpec, backend: str, scope: str = "grid", *, cache: b
             (cells in 1-D) of ``row`` elements and ``halo`` both sides' widths along the first
             dimension, which the launch must provide; only edge rows go through global memory
             (see ``_tile_lines``). ``T`` must be at least the halo on either side.
+        depth: (tile mode, not a cluster) steps run on chip between halo exchanges: above 1,
+            the step must pass :func:`~loopkern.stencil.fused_steps_refusal`, each tile's halo
+            is ``depth`` times the stencil's (the launch provides that much more shared memory
+            and ``T`` must be at least ``depth`` halos), the edge cells go through a scratch
+            array the kernel takes last (``_lk_halo``: ``2 * blocks * arrays * depth * (halo
+            below + above) * row`` elements of the tiles' dtype), and one grid barrier ends
+            each round of ``depth`` steps (see ``_tile_round_lines``).
         cluster: (tile mode only) the grid is launched as one thread-block cluster (compute
             capability 9.0+, ``scope="cluster"``): every barrier, the ones inside grid
             reductions and ``lk.sync()`` included, is the cluster's hardware barrier
@@ -831,6 +839,14 @@ def render_kernel(spec: StepSpec, backend: str, scope: str = "grid", *, cache: b
         ctx_params = ctx_params + [f"{_P}{n}" for n in _TILE_CTX]
     if cluster and tile is None:
         raise ValueError("cluster launches exist for tile mode only")
+    if not isinstance(depth, int) or depth < 1 or (depth > 1 and (tile is None or cluster)):
+        raise ValueError(f"depth must be 1, or more in tile mode without a cluster; got {depth!r}")
+    if depth > 1:
+        from .stencil import fused_steps_refusal
+        refusal = fused_steps_refusal(spec, tile)
+        if refusal is not None:
+            raise ValueError(f"step '{spec.name}' cannot run {depth} steps per halo exchange: {refusal.reason} "
+                             f"(line {refusal.line})")
     # the runtime's barrier and reductions: a cluster's own, else the scope's
     sync = "cluster" if cluster else scope
     tile_names = frozenset(spec.params[i].name for i in resident) if tile is not None else None
@@ -866,7 +882,14 @@ def render_kernel(spec: StepSpec, backend: str, scope: str = "grid", *, cache: b
         prologue += _staging_lines(staged, kparams)
     swap_lines = [f"{_INDENT * 2}{work[a]}, {work[b]} = {work[b]}, {work[a]}" for a, b in spec.swap]
     tile_barrier = ""
-    if tile is not None:
+    rounds = None
+    if depth > 1:
+        prologue_r, publish, gather, copy_r = _tile_round_lines(tile, kparams, resident, depth)
+        prologue += prologue_r
+        rounds = dict(publish="\n".join(publish) or f"{_INDENT * 2}pass",
+                      gather="\n".join(gather) or f"{_INDENT * 2}pass", depth=str(depth),
+                      halo_lo=str(tile.halo[0][0]), halo_hi=str(tile.halo[0][1]))
+    elif tile is not None:
         written = [i for i in resident if spec.params[i].written]
         tile_pro, tile_barrier, tile_copy = _tile_lines(tile, kparams, resident, written, sync)
         prologue += tile_pro
@@ -888,7 +911,9 @@ def render_kernel(spec: StepSpec, backend: str, scope: str = "grid", *, cache: b
         for i in staged:
             if spec.params[i].written or i in swapped:
                 copy_lines += _flat_copy(kparams[i], work[i], 1, count_of=kparams[i])
-    if tile is not None:
+    if rounds is not None:
+        copy_lines += copy_r
+    elif tile is not None:
         # the tiles are written back by the rename rule: no exchange
         copy_lines += tile_copy
     pairs = [(a, b) for a, b in spec.swap if a not in staged and a not in resident]
@@ -923,10 +948,12 @@ def render_kernel(spec: StepSpec, backend: str, scope: str = "grid", *, cache: b
         slots = f"{_P}info" if scope == "grid" else f"{_P}sd"
         if scope == "block":
             prologue.append(f"{_INDENT}{_P}sd = cuda.shared.array(2, _lk_np.int64)")
-        control_lines = [f"{_INDENT * 2}{_P}seen = {slots}[({_P}t + 1) & 1] if {_P}t > 0 else 0",
+        # (a kernel of rounds of steps takes the decision per round: one grid barrier each)
+        at_ = f"{_P}round" if rounds is not None else f"{_P}t"
+        control_lines = [f"{_INDENT * 2}{_P}seen = {slots}[({at_} + 1) & 1] if {at_} > 0 else 0",
                          f"{_INDENT * 2}if {_P}lead:",
                          f"{_INDENT * 3}{poll}",
-                         f"{_INDENT * 3}{slots}[{_P}t & 1] = {_P}code"]
+                         f"{_INDENT * 3}{slots}[{at_} & 1] = {_P}code"]
     if backend == "cuda" and scope == "thread":
         # a sequential step: one thread, no barrier between steps
         thread_index, thread_count, barrier = "0", "1", ""
@@ -963,7 +990,11 @@ def render_kernel(spec: StepSpec, backend: str, scope: str = "grid", *, cache: b
         debug_param=f", {_P}dbg" if debug else "", extra_args=(f", {_P}dbg, {_P}t0 + {_P}t" if debug else
                     "".join(f", {_P}{n}" for n in _TILE_CTX) if tile is not None else ""),
     )
-    if backend == "cuda" and scope == "thread":
+    if rounds is not None:
+        # the stop decision's slots go by round: one grid barrier per round
+        mapping.update(rounds, swap="\n".join(_INDENT + line for line in swap_lines))
+        template = load_template("cuda_tile_rounds_kernel.py.tmpl")
+    elif backend == "cuda" and scope == "thread":
         mapping["poll"] = thread_poll
         mapping["swap"] = "\n".join(_INDENT + line for line in swap_lines)
         template = load_template("cuda_thread_kernel.py.tmpl")
@@ -1185,6 +1216,93 @@ def _tile_lines(tile, kparams, resident, written, sync: str = "grid") -> tuple[l
     copy_back += cells(1, f"range({_P}thi - {_P}tlo)", (f"{_P}tlo + {_P}r", "True"),
                        [f"{at(kparams[i], f'{_P}c')} = {at(f'{_P}w{i}', f'{_P}c - {_P}tb')}" for i in resident])
     return pro, barrier, copy_back
+
+
+def _tile_round_lines(tile, kparams, resident, depth: int) -> tuple[list, list, list, list]:
+    """(prologue, publish, gather, copy-back lines) of a tile-mode kernel that runs ``depth``
+    steps per halo exchange (``fused_steps_refusal`` allows it).
+
+    Each block keeps its tile of every resident array in shared memory with a halo ``depth``
+    times the stencil's on either side. After a round of steps, the tile's first
+    ``depth * halo_hi`` and last ``depth * halo_lo`` cells (rows) of every resident array, both
+    buffers of each pair, go to the block's slots in ``_lk_halo`` (the round's parity picks one
+    of two sets, so a block that runs ahead never overwrites what a neighbour is still
+    reading); after the grid barrier the block reads its neighbours' slots into its halo. The
+    user's arrays are read once, into the tiles, and written once, from them (the rename rule
+    of swap pairs); nothing else touches them, so no barrier is needed around either. A block's
+    halo comes from its two neighbours only, so a tile must be at least ``depth`` stencil
+    widths long (``config.tile_config`` checks it).
+    """
+    (hl, hr) = tile.halo[0]
+    el, er = depth * hl, depth * hr          # the widened halo, below and above the tile
+    two = tile.ndim == 2
+    k0 = kparams[resident[0]]
+    i1 = _INDENT
+    nres = len(resident)
+    pro = [f"{i1}{_P}n = {k0}.shape[0]",
+           f"{i1}{_P}T = ({_P}n + cuda.gridDim.x - 1) // cuda.gridDim.x",
+           f"{i1}{_P}tlo = min(cuda.blockIdx.x * {_P}T, {_P}n)",
+           f"{i1}{_P}thi = min({_P}tlo + {_P}T, {_P}n)",
+           f"{i1}{_P}tb = {_P}tlo - {el}",
+           f"{i1}{_P}W = {_P}T + {el + er}",
+           f"{i1}{_P}btid = cuda.threadIdx.x",
+           f"{i1}{_P}bnt = cuda.blockDim.x",
+           f"{i1}{_P}m = {k0}.shape[1]" if two else f"{i1}{_P}m = 1",
+           f"{i1}{_P}sh = cuda.shared.array(0, {k0}.dtype)",
+           # a block's slots: per parity, block and resident array, the tile's first er and
+           # last el rows, one after the other
+           f"{i1}{_P}hs = {el + er} * {_P}m",
+           f"{i1}{_P}hown = cuda.blockIdx.x * {nres} * {_P}hs",
+           f"{i1}{_P}hpar = cuda.gridDim.x * {nres} * {_P}hs"]
+
+    def cells(depth_, count, first, guard, body):
+        """Lines running ``body`` for the rows ``_lk_c = first`` (``_lk_r`` in range(count))
+        that pass ``guard``: in 1-D the block's threads take the cells, in 2-D each row's
+        columns (``_lk_j``)."""
+        ind = _INDENT * depth_
+        if two:
+            return [f"{ind}for {_P}r in range({count}):", f"{ind}{_INDENT}{_P}c = {first}",
+                    f"{ind}{_INDENT}if {guard}:",
+                    f"{ind}{_INDENT * 2}for {_P}j in range({_P}btid, {_P}m, {_P}bnt):"] + \
+                [f"{ind}{_INDENT * 3}{b}" for b in body]
+        return [f"{ind}for {_P}r in range({_P}btid, {count}, {_P}bnt):", f"{ind}{_INDENT}{_P}c = {first}",
+                f"{ind}{_INDENT}if {guard}:"] + [f"{ind}{_INDENT * 2}{b}" for b in body]
+
+    def at(name, row):
+        return f"{name}[{row}, {_P}j]" if two else f"{name}[{row}]"
+
+    def slot(base, j, row):
+        return f"{_P}halo[{base} + {j} * {_P}hs + ({row}) * {_P}m" + (f" + {_P}j]" if two else "]")
+    for j, i in enumerate(resident):
+        pro.append(f"{i1}{_P}w{i} = {_P}rt.tile_like({_P}sh, {j} * {_P}W * {_P}m, {_P}W * {_P}m, {kparams[i]})")
+        pro += cells(1, f"{_P}W", f"{_P}tb + {_P}r", f"0 <= {_P}c < {_P}n",
+                     [f"{at(f'{_P}w{i}', f'{_P}r')} = {at(kparams[i], f'{_P}c')}"])
+    pro.append(f"{i1}cuda.syncthreads()")
+    publish, gather = [], []
+    if el + er:
+        i2 = _INDENT * 2
+        # slot row r < er: tile row tlo + r (what the block below reads); else tile row
+        # thi - el + (r - er) (what the block above reads)
+        publish = [f"{i2}{_P}hb = ({_P}round & 1) * {_P}hpar + {_P}hown"]
+        publish += cells(2, el + er, f"{_P}tlo + {_P}r if {_P}r < {er} else {_P}thi - {el} + ({_P}r - {er})",
+                         f"{_P}tlo <= {_P}c < {_P}thi",
+                         [f"{slot(f'{_P}hb', j, f'{_P}r')} = {at(f'{_P}w{i}', f'{_P}c - {_P}tb')}"
+                          for j, i in enumerate(resident)])
+        # halo row r < el: row tb + r, the block below's slot row er + r; else row
+        # thi + (r - el), the block above's slot row r - el
+        gather = [f"{i2}{_P}hb = ({_P}round & 1) * {_P}hpar",
+                  f"{i2}{_P}hlo = {_P}hb + {_P}hown - {nres} * {_P}hs",
+                  f"{i2}{_P}hhi = {_P}hb + {_P}hown + {nres} * {_P}hs"]
+        gather += cells(2, el + er, f"{_P}tb + {_P}r if {_P}r < {el} else {_P}thi + ({_P}r - {el})",
+                        f"0 <= {_P}c < {_P}n and not ({_P}tlo <= {_P}c < {_P}thi)",
+                        [f"{_P}hsrc = {_P}hlo if {_P}r < {el} else {_P}hhi",
+                         f"{_P}hrow = {er} + {_P}r if {_P}r < {el} else {_P}r - {el}"]
+                        + [f"{at(f'{_P}w{i}', f'{_P}c - {_P}tb')} = {slot(f'{_P}hsrc', j, f'{_P}hrow')}"
+                           for j, i in enumerate(resident)])
+        gather.append(f"{i2}cuda.syncthreads()")
+    copy_back = cells(1, f"{_P}thi - {_P}tlo", f"{_P}tlo + {_P}r", "True",
+                      [f"{at(kparams[i], f'{_P}c')} = {at(f'{_P}w{i}', f'{_P}c - {_P}tb')}" for i in resident])
+    return pro, publish, gather, copy_back
 
 
 def _staging_lines(staged, kparams) -> list[str]:

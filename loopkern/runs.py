@@ -45,6 +45,8 @@ class Run:
         blocks: blocks launched (1 on the CPU).
         threads: threads per block (1 on the CPU).
         start: the step index ``t`` of the run's first step (the call's ``start=``).
+        steps_per_exchange: (tile scope) steps each block ran on chip between two exchanges of
+            its tile's edge cells (and grid barriers); 1 elsewhere.
     """
 
     steps: int
@@ -54,13 +56,14 @@ class Run:
     blocks: int
     threads: int
     start: int = 0
+    steps_per_exchange: int = 1
 
     @classmethod
-    def _make(cls, steps, stopped, backend, scope, blocks, threads, start):
+    def _make(cls, steps, stopped, backend, scope, blocks, threads, start, steps_per_exchange=1):
         """A Run without the frozen dataclass's per-field checks (the call path makes many)."""
         run = object.__new__(cls)
         run.__dict__.update(steps=steps, stopped=stopped, backend=backend, scope=scope, blocks=blocks,
-                            threads=threads, start=start)
+                            threads=threads, start=start, steps_per_exchange=steps_per_exchange)
         return run
 
     @property
@@ -284,7 +287,8 @@ class RunHandle:
             self._error = BoundsError(message)
             raise self._error
         plan = self._plan
-        self._result = Run(steps, STOPPED[why], self._backend, plan.scope, plan.blocks, plan.threads, self._start)
+        self._result = Run(steps, STOPPED[why], self._backend, plan.scope, plan.blocks, plan.threads, self._start,
+                           plan.depth)
         return self._result
 
     def _close(self, steps=None):

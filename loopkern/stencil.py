@@ -443,3 +443,37 @@ def _product(off):
     for vals in off:
         out = [p + (v,) for p in out for v in sorted(vals)]
     return out
+
+
+def fused_steps_refusal(spec, stencil: Stencil) -> NotStencil | None:
+    """Why tile mode cannot run several of ``spec``'s steps per halo exchange, or None if it can.
+
+    Running ``K`` steps between exchanges (temporal blocking) widens each block's halo to ``K``
+    times the stencil's and recomputes the cells of that halo redundantly, each step on a
+    range one stencil width narrower, so the block's own cells end the ``K`` steps exactly as
+    the grid scope leaves them. That is only sound when a step's effect on memory is a function
+    of the cells it reads and nothing else:
+
+    - no ``return`` of a condition (a stop decision is per step, and every thread must see it);
+    - no ``lk.sync()``, reduction, ``lk.atomic``, ``lk.thread_id`` or ``lk.num_threads`` (in
+      the step or its helpers): they depend on which thread runs an iteration, or need every
+      block at once (``lk.random`` draws may stay: each is a function of the seed, the step
+      index, its key and its call site, so a recomputed cell draws the same numbers);
+    - the only arrays the step writes are the swap pairs' (``hist[t] = x`` would be written
+      twice by blocks that recompute a cell, and may be read by none);
+    - ``stencil`` already holds (every read of a swap pair's array is its loop index plus a
+      constant; a written array is accessed only at its own cell).
+    """
+    if spec.returns_condition:
+        return NotStencil("the step returns a condition (a stop decision every step)", spec.lineno)
+    swapped = {i for pair in spec.swap for i in pair}
+    for i, p in enumerate(spec.params):
+        if p.written and i not in swapped:
+            return NotStencil(f"the step writes '{p.name}', which is not in a swap pair", spec.lineno)
+    for fn in (spec.step,) + tuple(spec.helpers):
+        for node in (n for st in fn.body for n in ast.walk(st)):
+            m = marker_of(node)
+            if m is not None and m not in ("range", "grid", "random_uniform", "random_normal"):
+                name = m.replace("_", ".", 1) if m.startswith("atomic_") else m
+                return NotStencil(f"the step calls lk.{name}", getattr(node, "lineno", spec.lineno))
+    return None

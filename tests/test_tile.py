@@ -208,7 +208,7 @@ def test_jacobi_to_tolerance_in_tile_mode(scope, rng):
     np.testing.assert_allclose(u.copy_to_host(), ref, rtol=1e-12)
 
 
-def test_scope_auto_tries_tile_mode_only_for_large_one_dimensional_stencils_on_a_gpu():
+def test_scope_auto_tries_tile_mode_for_one_dimensional_stencils_on_a_gpu():
     from types import SimpleNamespace
 
     from loopkern.dispatch.config import AUTO_TILE_MIN_ELEMENTS
@@ -219,10 +219,23 @@ def test_scope_auto_tries_tile_mode_only_for_large_one_dimensional_stencils_on_a
         for i, j in lk.grid((1, n - 1), (1, m - 1)):
             v[i, j] = u[i, j] + a * (u[i - 1, j] + u[i + 1, j] + u[i, j - 1] + u[i, j + 1] - 4.0 * u[i, j])
 
+    def probed(t, u, v, probe):
+        n = u.shape[0]
+        for i in lk.range(1, n - 1):
+            v[i] = 0.5 * (u[i - 1] + u[i + 1])
+        for i in lk.range(1, 2):
+            probe[t % 4] = u[i]
+
     heat = lk.megakernel(W.heat_step, swap=[("u", "v")]).dispatcher
     big, plain = AUTO_TILE_MIN_ELEMENTS, SimpleNamespace(debug=False)
     assert heat._auto_tile(big, plain, sim=False)
-    assert not heat._auto_tile(big - 1, plain, sim=False)                  # small: the grid scope is faster
+    # several steps per exchange: tiles win at every size (rounds of steps, one barrier each)
+    assert heat.fused_steps and heat._auto_tile(100, plain, sim=False)
+    # one step per exchange: only large fields; below, the grid scope's barrier is cheaper
+    one = lk.megakernel(probed, swap=[("u", "v")]).dispatcher
+    assert not one.fused_steps
+    assert one._auto_tile(big, plain, sim=False)
+    assert not one._auto_tile(big - 1, plain, sim=False)
     assert not heat._auto_tile(big, SimpleNamespace(debug=True), sim=False)  # no bounds-checked tile kernel
     assert not heat._auto_tile(big, plain, sim=True)                       # the simulator runs one block
     assert not lk.megakernel(heat2d, swap=[("u", "v")]).dispatcher._auto_tile(big, plain, sim=False)

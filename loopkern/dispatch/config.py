@@ -93,12 +93,18 @@ class LaunchConfig:
             (tiles on chip in one thread-block cluster) or ``"cpu"``.
         blocks: blocks in the grid (1 for block scope).
         threads: threads per block.
+        shared: bytes of dynamic shared memory per block.
+        depth: (tile mode) steps run on chip between halo exchanges.
+        halo: (tile mode, ``depth`` above 1) elements of the halo scratch array the kernel
+            takes last, of the tiles' dtype.
     """
 
     scope: str
     blocks: int
     threads: int
     shared: int = 0
+    depth: int = 1
+    halo: int = 0
 
 
 #: bytes of dynamic shared memory block scope may use for the arrays: the 48 KiB every kernel
@@ -255,8 +261,81 @@ TILE_THREADS = 512
 TILE_BLOCKS_PER_SM = (1, 2, 4, 8)
 
 
+#: tile mode: most steps run on chip between two halo exchanges when the step allows it
+#: (``stencil.fused_steps_refusal``); each round of steps ends with one grid barrier. H200
+#: heat f32, µs/step with 16 / 32 / 64: 4K 0.26 / 0.24 / 0.24, 64K 0.32 / 0.26 / 0.23, 1M
+#: 0.97 / 0.91 / 0.89 (bench-results/session16/tile-depth-probe2-1442.log); a stop request is
+#: seen once per round, so longer rounds gain little and answer later
+TILE_DEPTH_MAX = 32
+#: tile mode with several steps per exchange: threads per block by tile length (cells or
+#: rows): up to the first bound 256, up to the second 512, else 1024 (H200 heat f32, 32 steps
+#: per exchange: 64K, 497-cell tiles, 0.26 µs/step at 256 threads, 0.29 at 512; 256K, 1986
+#: cells, 0.43 and 0.39; 1M, 7944 cells, 1.34 / 0.91 / 0.94 at 256 / 512 / 1024; 2M, 15888
+#: cells, 1.58 at 512, 1.47 at 1024)
+TILE_FUSED_THREADS = ((1024, 256), (12288, 512))
+#: tile mode: a tile is at least this many times its widened halo (both sides) long, so the
+#: cells recomputed in the halo stay a small part of a step's work
+TILE_DEPTH_SPAN = 4
+
+
+def tile_depth(n: int, halo: tuple, blocks: int) -> int:
+    """Steps per halo exchange for ``n`` cells (rows) over ``blocks`` tiles and a stencil of
+    ``halo`` = (cells below, above): as many as keep each tile ``TILE_DEPTH_SPAN`` times its
+    widened halo long, from 1 to ``TILE_DEPTH_MAX`` (the most, for a stencil without a halo)."""
+    width = sum(halo)
+    if width == 0:
+        return TILE_DEPTH_MAX
+    tile = -(-n // max(blocks, 1))
+    return max(1, min(TILE_DEPTH_MAX, tile // (TILE_DEPTH_SPAN * width)))
+
+
+def first_tile_blocks(n: int, halo: tuple, blocks: int | None, simulator: bool, fused: bool) -> int:
+    """The block count tile mode tries first for ``n`` cells (rows): the one asked for; else
+    one block per SM, or, when several steps may run per halo exchange (``fused``), fewer
+    for a small field, each tile long enough for ``TILE_DEPTH_MAX`` steps per exchange (H200
+    heat 4K, 16 steps per exchange: 33 blocks 0.26 µs/step, 132 blocks 0.26; 64K: 132 blocks
+    0.32, 33 blocks 0.49; bench-results/session16). The simulator runs one."""
+    if blocks is not None:
+        return blocks
+    if simulator:
+        return 1
+    most = _sm_count() * TILE_BLOCKS_PER_SM[0]
+    if not fused:
+        return most
+    return max(1, min(most, n // (TILE_DEPTH_MAX * TILE_DEPTH_SPAN * max(sum(halo), 1))))
+
+
+#: bytes of a block's shared memory kept for what a tile-mode kernel declares itself (the
+#: reductions' slots) when choosing its steps per exchange before it is compiled
+TILE_STATIC_SHARED = 2048
+
+
+def tile_depth_for(n: int, halo: tuple, cell_bytes: int, blocks: int | None, simulator: bool, fused: bool) -> int:
+    """Steps per halo exchange for a tile-mode launch, chosen before its kernel is compiled
+    (the kernel is specialised to it): :func:`tile_depth` at the first block count that
+    :func:`tile_config` will try (``first_tile_blocks``, then one, two, four and eight blocks per
+    SM; or ``blocks``) whose tiles, widened for that many steps, fit in a block's shared
+    memory; 1 when the step does not allow more (``fused`` false) or nothing fits
+    (``tile_config`` then says why)."""
+    if not fused:
+        return 1
+    first = first_tile_blocks(n, halo, blocks, simulator, fused)
+    if simulator:
+        return tile_depth(n, halo, first)
+    from numba import cuda
+    dev = cuda.get_current_device()
+    room = int(getattr(dev, "MAX_SHARED_MEMORY_PER_BLOCK_OPTIN", 48 * 1024)) - TILE_STATIC_SHARED
+    candidates = [blocks] if blocks is not None else sorted({first} | {_sm_count() * k for k in TILE_BLOCKS_PER_SM})
+    for b in candidates:
+        depth = tile_depth(n, halo, b)
+        if cell_bytes * (-(-n // b) + depth * sum(halo)) <= room:
+            return depth
+    return 1
+
+
 def tile_config(kernel, n: int, cell_bytes: int, halo: tuple, threads: int | None, blocks: int | None,
-                simulator: bool, cluster: bool = False) -> LaunchConfig:
+                simulator: bool, cluster: bool = False, depth: int = 1, halo_cell: int = 0,
+                first: int | None = None) -> LaunchConfig:
     """Blocks, threads and dynamic shared memory of a tile-mode launch (``scope="tile"``, or
     ``scope="cluster"`` with ``cluster``: the grid is one thread-block cluster).
 
@@ -267,15 +346,33 @@ def tile_config(kernel, n: int, cell_bytes: int, halo: tuple, threads: int | Non
     blocks per SM that fit; a cluster the most blocks (up to 16) that the device schedules
     together, since more blocks share the work and its barrier costs about the same.
 
+    With ``depth`` steps per halo exchange the halo is ``depth`` times wider, a tile must be
+    that much longer, and the launch carries a halo scratch array of ``2 * blocks *
+    depth * (below + above) * halo_cell`` elements (``halo_cell``: elements of one cell of
+    every resident array together). ``first``: a block count below one per SM to try first
+    (``first_tile_blocks``).
+
     Raises:
         LaunchError: no block count fits (or the one asked for does not).
     """
     name = "cluster" if cluster else "tile"
-    lo, hi = halo
+    lo, hi = depth * halo[0], depth * halo[1]
     wide = max(lo, hi, 1)
-    if threads is None:
-        threads = 64 if simulator else max(32, min(TILE_THREADS, int(kernel.max_threads_per_block)) // 32 * 32)
-    if threads % 32 or not 32 <= threads <= 1024:
+
+    def threads_for(b):
+        if threads is not None:
+            return threads
+        if simulator:
+            return 64
+        want = TILE_THREADS
+        if depth > 1:
+            want = next((k for bound, k in TILE_FUSED_THREADS if -(-n // b) <= bound), 1024)
+        return max(32, min(want, int(kernel.max_threads_per_block)) // 32 * 32)
+
+    def made(b, shared):
+        return LaunchConfig(name, b, threads_for(b), shared, depth,
+                            2 * b * (lo + hi) * halo_cell if depth > 1 else 0)
+    if threads is not None and (threads % 32 or not 32 <= threads <= 1024):
         raise LaunchError(f"threads={threads}: threads per block must be a multiple of 32 between 32 and 1024")
 
     def shared_for(b):
@@ -284,7 +381,7 @@ def tile_config(kernel, n: int, cell_bytes: int, halo: tuple, threads: int | Non
         if blocks not in (None, 1):
             raise LaunchError(f"blocks={blocks}: Numba's CUDA simulator can run only one cooperative block; "
                               f"pass blocks=1 (or leave it out)")
-        return LaunchConfig(name, 1, threads, shared_for(1))
+        return made(1, shared_for(1))
     from numba import cuda
 
     from . import driver
@@ -309,27 +406,31 @@ def tile_config(kernel, n: int, cell_bytes: int, halo: tuple, threads: int | Non
         candidates = [driver.CLUSTER_MAX, driver.CLUSTER_PORTABLE_MAX, 4, 2, 1]
     else:
         candidates = [_sm_count() * k for k in TILE_BLOCKS_PER_SM]
+        if first is not None and first < candidates[0]:
+            candidates.insert(0, first)
     why = []
     for b in candidates:
         if b < 1:
             raise LaunchError(f"blocks={b}: must be at least 1")
         if -(-n // b) < wide and b > 1:
-            why.append(f"{b} blocks make tiles of {-(-n // b)} cells, shorter than the halo ({wide})")
+            why.append(f"{b} blocks make tiles of {-(-n // b)} cells, shorter than the halo ({wide}"
+                       + (f": {depth} steps per exchange" if depth > 1 else "") + ")")
             continue
         shared = shared_for(b)
         if shared > max_shared:
             why.append(f"{b} blocks need {shared} bytes of shared memory per block (at most {max_shared})")
             continue
         if cluster:
-            if driver.max_active_clusters(func, b, threads, shared) < 1:
-                why.append(f"a cluster of {b} blocks of {threads} threads with {shared} bytes each cannot be "
+            if driver.max_active_clusters(func, b, threads_for(b), shared) < 1:
+                why.append(f"a cluster of {b} blocks of {threads_for(b)} threads with {shared} bytes each cannot be "
                            f"scheduled on this device")
                 continue
         else:
-            limit = int(kernel.max_cooperative_grid_blocks(threads, shared))
+            limit = int(kernel.max_cooperative_grid_blocks(threads_for(b), shared))
             if b > limit:
-                why.append(f"{b} blocks of {threads} threads with {shared} bytes each: at most {limit} fit at once")
+                why.append(f"{b} blocks of {threads_for(b)} threads with {shared} bytes each: at most {limit} fit "
+                           f"at once")
                 continue
-        return LaunchConfig(name, b, threads, shared)
+        return made(b, shared)
     raise LaunchError(f"scope='{name}' cannot keep this field on chip: " + "; ".join(why)
                       + ("; use scope='tile' or 'grid'" if cluster else "; use scope='grid'"))

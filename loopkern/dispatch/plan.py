@@ -128,6 +128,7 @@ class Slot:
         self.dbg = None
         self.dev = {}                   # param index -> device buffer of a NumPy argument
         self.scratch = ()
+        self.halo = None
         self.params = None
         self.event = None
         self.cpu_args = None
@@ -137,6 +138,9 @@ class Slot:
             return
         from numba import cuda
         self.scratch = buffers.cuda_scratch(plan.config.blocks)
+        # a tile-mode kernel of rounds of steps exchanges its edge cells through this
+        self.halo = cuda.device_array(plan.config.halo, plan.params[plan.spec.swap[0][0]].dtype) \
+            if plan.config.halo else None
         if plan.debug:
             self.dbg = cuda.to_device(np.zeros(DBG_SIZE, np.int64))
         for i, p in enumerate(plan.params):
@@ -174,7 +178,8 @@ class Slot:
     def tail_arrays(self) -> list:
         """The array parameters after the user's, in kernel order, except the seed (a number)."""
         redf, redi, bar, info = self.scratch
-        return [redf, redi, bar, info, self.block] + ([self.dbg] if self.dbg is not None else [])
+        return [redf, redi, bar, info, self.block] + ([self.dbg] if self.dbg is not None else []) + \
+            ([self.halo] if self.halo is not None else [])
 
 
 class CallWords:
@@ -273,7 +278,8 @@ class LaunchPlan:
             w += 5 + 2 * ndim
         self.seed_word = w                          # the seed, a number, comes between bar and info
         w += 1
-        for _ in range(3 if self.debug else 2):     # info, host (the control block), dbg
+        # info, host (the control block), then dbg or a tile-mode kernel's halo scratch
+        for _ in range(3 if self.debug or self.config.halo else 2):
             tail.append(w)
             w += 7
         self.tail_words = tuple(tail)
@@ -341,6 +347,8 @@ class LaunchPlan:
         args += [redf, redi, bar, np.uint64(seed), info, slot.block]
         if self.debug:
             args.append(slot.dbg)
+        if slot.halo is not None:
+            args.append(slot.halo)
         return tuple(args)
 
     def cpu_args(self, values, slot, seed) -> list:

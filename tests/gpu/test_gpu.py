@@ -60,10 +60,24 @@ def test_heat_multiblock(n, steps, scope, blocks, rng):
 
 
 def test_heat_auto_scope(rng):
+    # heat is a stencil whose steps may run several per halo exchange: tile mode at any size
+    # (tests/gpu/test_tile_gpu.py); the same stencil written with a global accumulator is not
+    def heat_counted(t, u, v, alpha, count):
+        n = u.shape[0]
+        for i in lk.range(1, n - 1):
+            v[i] = u[i] + alpha * (u[i - 1] - 2.0 * u[i] + u[i + 1])
+        lk.atomic.add(count, 0, 1)
+
     for n, steps, scope in ((4096, 333, "block"), (65536, 101, "grid")):
         u0 = rng.random(n).astype(np.float32)
         u, v = u0.copy(), u0.copy()
         run = lk.megakernel(W.heat_step, swap=[("u", "v")])(u, v, np.float32(0.25), steps=steps, backend="cuda")
+        assert (run.steps, run.scope) == (steps, "tile") and run.steps_per_exchange > 1
+        assert rel_err(u, W.heat_ref(u0, steps, 0.25)) < 1e-5
+        u, v = u0.copy(), u0.copy()
+        count = np.zeros(1, np.int64)
+        run = lk.megakernel(heat_counted, swap=[("u", "v")])(u, v, np.float32(0.25), count, steps=steps,
+                                                             backend="cuda")
         assert (run.steps, run.scope) == (steps, scope)
         assert rel_err(u, W.heat_ref(u0, steps, 0.25)) < 1e-5
 

@@ -208,8 +208,133 @@ def test_scope_auto_keeps_a_large_one_dimensional_stencil_on_chip(rng):
     run = k(u, v, 0.25, steps=501, backend="cuda")
     assert run.scope == "tile", run
     np.testing.assert_allclose(u.copy_to_host(), W.heat_ref(u0, 501, 0.25), rtol=0, atol=1e-12)
-    small = cuda.to_device(u0[:65536]), cuda.to_device(u0[:65536])
-    assert k(*small, 0.25, steps=3, backend="cuda").scope == "grid"
+    # a step that also writes another array runs one step per exchange: tiles only pay off
+    # for large fields, the grid scope runs smaller ones
+    p = lk.megakernel(heat_with_probe, swap=[("u", "v")])
+    small = cuda.to_device(u0[:65536]), cuda.to_device(u0[:65536]), cuda.to_device(np.zeros(5))
+    assert p(*small, 0.25, steps=3, backend="cuda").scope == "grid"
+
+
+# -- several steps per halo exchange (temporal blocking) -------------------------------------
+
+@pytest.fixture
+def depth_cap(monkeypatch):
+    """Sets the most steps per exchange (and 1 for how many widened halos a tile must be long),
+    so that small fields and few blocks still run several steps per exchange. Kernels made
+    after the call see it."""
+    from loopkern.dispatch import config
+
+    def cap(steps):
+        monkeypatch.setattr(config, "TILE_DEPTH_MAX", steps)
+        monkeypatch.setattr(config, "TILE_DEPTH_SPAN", 1)
+    return cap
+
+
+# (cap, blocks, n): uneven tiles, rounds cut short by an odd step count, a halo as deep as the
+# tile is long (4099 on 64 blocks: 65-cell tiles, 32 steps per exchange), the last block's
+# tile shorter than the others'
+@pytest.mark.parametrize("cap,blocks,n", [(2, 7, 65536 + 7), (5, 33, 65536 + 7), (32, None, 65536 + 7),
+                                          (32, None, 4099), (3, 132, 10007), (32, None, (1 << 20) + 3),
+                                          (32, 64, 64 * 32 + 1)])
+def test_rounds_of_steps_in_tile_mode_equal_the_grid_scope_bit_for_bit(cap, blocks, n, rng, depth_cap):
+    depth_cap(cap)
+    k = lk.megakernel(W.heat_step, swap=[("u", "v")])
+    u0 = rng.random(n)
+    out = _both(k, u0, (np.float32(0.25),), 2003, blocks)
+    run = out["tile"][2]
+    assert 1 < run.steps_per_exchange <= cap, run
+    np.testing.assert_array_equal(out["tile"][0], out["grid"][0])
+    np.testing.assert_array_equal(out["tile"][1], out["grid"][1])
+    exact = refs.heat_exact(u0.astype(np.float32), 2003, 0.25)
+    assert np.abs(out["tile"][0] - exact).max() < 1e-4
+
+
+@pytest.mark.parametrize("cap,blocks", [(4, 7), (32, None), (3, 97)])
+def test_unwritten_cells_and_different_buffers_in_rounds(cap, blocks, rng, depth_cap):
+    # cells a step skips keep the other buffer's value, and the two buffers start different:
+    # the halo must carry both buffers of the pair
+    from test_tile_rounds import uneven_ref, uneven_step
+    depth_cap(cap)
+    cuda = _cuda()
+    k = lk.megakernel(uneven_step, swap=[("u", "v")])
+    n, steps = 30011, 1001
+    u0, v0, w = rng.random(n), rng.random(n), rng.random(n)
+    out = {}
+    for scope in ("tile", "grid"):
+        u, v = cuda.to_device(u0), cuda.to_device(v0)
+        run = k(u, v, cuda.to_device(w), 0.2, steps=steps, backend="cuda", scope=scope,
+                blocks=blocks if scope == "tile" else None)
+        out[scope] = (u.copy_to_host(), v.copy_to_host(), run)
+    assert out["tile"][2].steps_per_exchange > 1
+    np.testing.assert_array_equal(out["tile"][0], out["grid"][0])
+    np.testing.assert_array_equal(out["tile"][1], out["grid"][1])
+    ru, rv = uneven_ref(u0, v0, w, 0.2, steps)
+    np.testing.assert_allclose(out["tile"][0], ru, rtol=1e-9, atol=1e-12)
+    np.testing.assert_allclose(out["tile"][1], rv, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("blocks", [17, None])
+def test_two_swap_pairs_and_random_draws_in_rounds(blocks, rng, depth_cap):
+    from test_tile_rounds import noisy_step, two_pairs_ref, two_pairs_step
+    depth_cap(8)
+    cuda = _cuda()
+    k = lk.megakernel(two_pairs_step, swap=[("a", "a2"), ("b", "b2")])
+    n, steps = 50001, 777
+    a0, b0 = rng.random(n), rng.random(n)
+    out = {}
+    for scope in ("tile", "grid"):
+        arrs = [cuda.to_device(x) for x in (a0, a0, b0, b0)]
+        run = k(*arrs, 0.1, steps=steps, backend="cuda", scope=scope, blocks=blocks if scope == "tile" else None)
+        out[scope] = ([x.copy_to_host() for x in arrs], run)
+    assert out["tile"][1].steps_per_exchange > 1
+    for got, grid, ref in zip(out["tile"][0], out["grid"][0], two_pairs_ref(a0, b0, 0.1, steps)):
+        np.testing.assert_array_equal(got, grid)
+        np.testing.assert_allclose(got, ref, rtol=1e-9, atol=1e-12)
+    # lk.random: each draw a function of seed, t, key and call site, so recomputed halo cells
+    # draw the same numbers as the block that owns them
+    noisy = lk.megakernel(noisy_step, swap=[("u", "v")])
+    res = {}
+    for scope in ("tile", "grid"):
+        u, v = cuda.to_device(a0), cuda.to_device(a0)
+        run = noisy(u, v, steps=501, seed=11, backend="cuda", scope=scope, blocks=blocks if scope == "tile" else None)
+        res[scope] = (u.copy_to_host(), run)
+    assert res["tile"][1].steps_per_exchange > 1
+    np.testing.assert_array_equal(res["tile"][0], res["grid"][0])
+
+
+def test_scope_auto_runs_small_and_mid_one_dimensional_stencils_in_rounds(rng):
+    cuda = _cuda()
+    for n in (4096, 65536 + 3):
+        k = lk.megakernel(W.heat_step, swap=[("u", "v")])
+        u0 = rng.random(n).astype(np.float32)
+        u, v = cuda.to_device(u0), cuda.to_device(u0)
+        run = k(u, v, np.float32(0.25), steps=3001, backend="cuda")
+        assert run.scope == "tile" and run.steps_per_exchange > 1, run
+        a, b = cuda.to_device(u0), cuda.to_device(u0)
+        k(a, b, np.float32(0.25), steps=3001, backend="cuda", scope="grid")
+        np.testing.assert_array_equal(u.copy_to_host(), a.copy_to_host())
+        np.testing.assert_array_equal(v.copy_to_host(), b.copy_to_host())
+
+
+@pytest.mark.parametrize("blocks", [13, None])
+def test_a_cancel_in_rounds_leaves_exactly_run_steps_steps(blocks, rng, depth_cap):
+    # a stop is decided once per round: every block stops after the same round, and the state
+    # is exactly run.steps steps
+    import time
+    depth_cap(7)
+    cuda = _cuda()
+    k = lk.megakernel(W.heat_step, swap=[("u", "v")])
+    u0 = rng.random(200003).astype(np.float32)
+    u, v = cuda.to_device(u0), cuda.to_device(u0)
+    h = k.start(u, v, np.float32(0.25), steps=10 ** 9 + 3, backend="cuda", scope="tile", blocks=blocks)
+    time.sleep(0.2)
+    h.cancel()
+    run = h.wait(timeout=30)
+    assert run.stopped == "cancelled" and 0 < run.steps < 10 ** 9 and run.steps_per_exchange == 7, run
+    a, b = cuda.to_device(u0), cuda.to_device(u0)
+    k(a, b, np.float32(0.25), steps=run.steps, backend="cuda", scope="grid")
+    np.testing.assert_array_equal(u.copy_to_host(), a.copy_to_host())
+    np.testing.assert_array_equal(v.copy_to_host(), b.copy_to_host())
 
 
 # -- scope="cluster": the same tiles in one thread-block cluster (H100/H200: up to 16 blocks) ----
