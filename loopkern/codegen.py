@@ -422,6 +422,14 @@ class _BodyWriter:
             st_t = self._bind(depth, f"{_P}r{k}_st", st, s)
             first, stop = f"{_P}r{k}_first", f"{_P}r{k}_stop"
             self.out.add(depth, f"{first}, {stop} = {_P}rt.tile_range({lo_t}, {hi_t}, {st_t}, {_P}tlo, {_P}thi)", s)
+            if _is_one(st):
+                def take_tile(c, rn):
+                    return [f"{rn(target)} = {cur}" + (f" + {c} * {_P}bnt" if c else "")]
+                if not self.unrolled(s, [target], depth, k, cur, f"{first} + {_P}btid", stop, take_tile,
+                                     stride=f"{_P}bnt"):
+                    self.out.add(depth, f"{cur} = {first} + {_P}btid", s)
+                self.strided_loop(s, depth, f"{cur} < {stop}", [f"{target} = {cur}", f"{cur} += {_P}bnt"])
+                return
             self.out.add(depth, f"{cur} = {first} + {_P}btid * {st_t}", s)
             test = f"({cur} < {stop}) if {st_t} > 0 else ({cur} > {stop} if {st_t} < 0 else False)"
             self.strided_loop(s, depth, test, [f"{target} = {cur}", f"{cur} += {_P}bnt * {st_t}"])
@@ -573,11 +581,11 @@ class _BodyWriter:
         cur = f"{_P}g{k}"
         index_names = names + ([_src(s.target)] if single else [])
         start = tid
-        if self.tile or not self.unrolled(s, index_names, depth, k, cur, start, total, take):
+        if not self.unrolled(s, index_names, depth, k, cur, start, total, take, stride=nt):
             self.out.add(depth, f"{cur} = {start}", s)
         self.strided_loop(s, depth, f"{cur} < {total}", take(0, lambda n: n) + [f"{cur} += {nt}"])
 
-    def unrolled(self, s, index_names, depth, k, cur, start, stop, take):
+    def unrolled(self, s, index_names, depth, k, cur, start, stop, take, stride: str = f"{_P}nt"):
         """Emit an unrolled loop over this thread's indices when that cannot change the result.
 
         Iterations of a parallel loop must be independent (threads run them concurrently), so
@@ -585,7 +593,9 @@ class _BodyWriter:
         prove that itself (arrays may alias), so for straight-line bodies the loop is unrolled
         here with each statement interleaved across the copies and stores split from the
         values they store: several loads in flight per thread instead of one. Returns whether
-        it emitted the loop (``cur`` then holds where the remainder loop starts).
+        it emitted the loop (``cur`` then holds where the remainder loop starts). ``stride``:
+        the distance between a thread's indices (the grid's threads, or in tile mode the
+        block's).
         """
         if self.sites is not None:   # debug: keep each access where the user wrote it
             return False
@@ -594,14 +604,14 @@ class _BodyWriter:
             return False
         temps, split = plan
         self.out.add(depth, f"{cur} = {start}", s)
-        self.out.add(depth, f"while {cur} + {UNROLL - 1} * {_P}nt < {stop}:", s)
+        self.out.add(depth, f"while {cur} + {UNROLL - 1} * {stride} < {stop}:", s)
         for c in range(UNROLL):
             for line in take(c, lambda n, c=c: _rename(n, c, k)):
                 self.out.add(depth + 1, line, s)
         for stmt in split:
             for c in range(UNROLL):
                 self.stmt(_Renamer({n: _rename(n, c, k) for n in temps}).visit(copy.deepcopy(stmt)), depth + 1)
-        self.out.add(depth + 1, f"{cur} += {UNROLL} * {_P}nt", s)
+        self.out.add(depth + 1, f"{cur} += {UNROLL} * {stride}", s)
         return True
 
     def outside_names(self, loop):
