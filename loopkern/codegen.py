@@ -754,7 +754,7 @@ def render_kernel(spec: StepSpec, backend: str, scope: str = "grid", *, cache: b
                   fingerprint: str = "", by_ref: frozenset | None = None, debug: bool = False,
                   staged: tuple = (), control: bool = True, float_type: str | None = None,
                   index_bits: int | None = None, tile=None, cluster: bool = False,
-                  depth: int = 1) -> KernelSource:
+                  depth: int = 1, tiles: int = 0) -> KernelSource:
     """Render the kernel module for ``spec``.
 
     Args:
@@ -801,6 +801,12 @@ def render_kernel(spec: StepSpec, backend: str, scope: str = "grid", *, cache: b
             array the kernel takes last (``_lk_halo``: ``2 * blocks * arrays * depth * (halo
             below + above) * row`` elements of the tiles' dtype), and one grid barrier ends
             each round of ``depth`` steps (see ``_tile_round_lines``).
+        tiles: (tile mode, not a cluster) 0 keeps one tile per block on chip for the whole
+            run; above 0, a field too large for that: each block owns ``tiles`` tiles of
+            ``ceil(n / (blocks * tiles))`` rows and brings each on chip once per round of
+            ``depth`` steps (see ``_tile_stream_lines``); the launch provides shared memory for
+            one tile and a halo scratch of ``2 * blocks * tiles * arrays * depth * (halo below
+            + above) * row`` elements. The step must pass ``fused_steps_refusal``.
         cluster: (tile mode only) the grid is launched as one thread-block cluster (compute
             capability 9.0+, ``scope="cluster"``): every barrier, the ones inside grid
             reductions and ``lk.sync()`` included, is the cluster's hardware barrier
@@ -851,12 +857,14 @@ def render_kernel(spec: StepSpec, backend: str, scope: str = "grid", *, cache: b
         raise ValueError("cluster launches exist for tile mode only")
     if not isinstance(depth, int) or depth < 1 or (depth > 1 and (tile is None or cluster)):
         raise ValueError(f"depth must be 1, or more in tile mode without a cluster; got {depth!r}")
-    if depth > 1:
+    if not isinstance(tiles, int) or tiles < 0 or (tiles and (tile is None or cluster)):
+        raise ValueError(f"tiles must be 0, or more in tile mode without a cluster; got {tiles!r}")
+    if depth > 1 or tiles:
         from .stencil import fused_steps_refusal
         refusal = fused_steps_refusal(spec, tile)
         if refusal is not None:
-            raise ValueError(f"step '{spec.name}' cannot run {depth} steps per halo exchange: {refusal.reason} "
-                             f"(line {refusal.line})")
+            what = f"run {depth} steps per halo exchange" if depth > 1 else "stream its tiles"
+            raise ValueError(f"step '{spec.name}' cannot {what}: {refusal.reason} (line {refusal.line})")
     # the runtime's barrier and reductions: a cluster's own, else the scope's
     sync = "cluster" if cluster else scope
     tile_names = frozenset(spec.params[i].name for i in resident) if tile is not None else None
@@ -893,7 +901,13 @@ def render_kernel(spec: StepSpec, backend: str, scope: str = "grid", *, cache: b
     swap_lines = [f"{_INDENT * 2}{work[a]}, {work[b]} = {work[b]}, {work[a]}" for a, b in spec.swap]
     tile_barrier = ""
     rounds = None
-    if depth > 1:
+    copy_r = []
+    if tiles:
+        rounds = _tile_stream_lines(tile, kparams, resident, depth, tiles)
+        rounds["prologue"] = "\n".join(prologue + [rounds["prologue"]])
+        rounds.update(depth=str(depth), tiles=str(tiles), halo_lo=str(tile.halo[0][0]),
+                      halo_hi=str(tile.halo[0][1]), halo_lo_wide=str(depth * tile.halo[0][0]))
+    elif depth > 1:
         prologue_r, publish, gather, copy_r = _tile_round_lines(tile, kparams, resident, depth)
         prologue += prologue_r
         rounds = dict(publish="\n".join(publish) or f"{_INDENT * 2}pass",
@@ -1000,7 +1014,10 @@ def render_kernel(spec: StepSpec, backend: str, scope: str = "grid", *, cache: b
         debug_param=f", {_P}dbg" if debug else "", extra_args=(f", {_P}dbg, {_P}t0 + {_P}t" if debug else
                     "".join(f", {_P}{n}" for n in _TILE_CTX) if tile is not None else ""),
     )
-    if rounds is not None:
+    if tiles:
+        mapping.update(rounds, swap="\n".join(_INDENT * 2 + line for line in swap_lines))
+        template = load_template("cuda_tile_stream_kernel.py.tmpl")
+    elif rounds is not None:
         # the stop decision's slots go by round: one grid barrier per round
         mapping.update(rounds, swap="\n".join(_INDENT + line for line in swap_lines))
         template = load_template("cuda_tile_rounds_kernel.py.tmpl")
@@ -1228,49 +1245,47 @@ def _tile_lines(tile, kparams, resident, written, sync: str = "grid") -> tuple[l
     return pro, barrier, copy_back
 
 
-def _tile_round_lines(tile, kparams, resident, depth: int) -> tuple[list, list, list, list]:
-    """(prologue, publish, gather, copy-back lines) of a tile-mode kernel that runs ``depth``
-    steps per halo exchange (``fused_steps_refusal`` allows it).
+class _TileText:
+    """Lines that move a tile's rows (cells in 1-D, rows in 2-D) between shared memory, the
+    user's arrays and the halo scratch, for the kernels that run several steps per halo
+    exchange (``_tile_round_lines``, ``_tile_stream_lines``).
 
-    Each block keeps its tile of every resident array in shared memory with a halo ``depth``
-    times the stencil's on either side. After a round of steps, the tile's first
-    ``depth * halo_hi`` and last ``depth * halo_lo`` cells (rows) of every resident array, both
-    buffers of each pair, go to the block's slots in ``_lk_halo`` (the round's parity picks one
-    of two sets, so a block that runs ahead never overwrites what a neighbour is still
-    reading); after the grid barrier the block reads its neighbours' slots into its halo. The
-    user's arrays are read once, into the tiles, and written once, from them (the rename rule
-    of swap pairs); nothing else touches them, so no barrier is needed around either. A block's
-    halo comes from its two neighbours only, so a tile must be at least ``depth`` stencil
-    widths long (``config.tile_config`` checks it).
+    A tile is rows ``[tlo, thi)`` of the first dimension; its shared copy of array ``i``
+    (``_lk_w<i>``) holds rows ``[tb, tb + W)``, ``tb = tlo - depth * halo_lo``. Its slots in
+    ``_lk_halo`` (per parity, tile and resident array, ``_lk_hs`` elements) hold its first
+    ``depth * halo_hi`` rows (what the tile below reads) then its last ``depth * halo_lo``
+    (what the tile above reads).
     """
-    (hl, hr) = tile.halo[0]
-    el, er = depth * hl, depth * hr          # the widened halo, below and above the tile
-    two = tile.ndim == 2
-    k0 = kparams[resident[0]]
-    i1 = _INDENT
-    nres = len(resident)
-    pro = [f"{i1}{_P}n = {k0}.shape[0]",
-           f"{i1}{_P}T = ({_P}n + cuda.gridDim.x - 1) // cuda.gridDim.x",
-           f"{i1}{_P}tlo = min(cuda.blockIdx.x * {_P}T, {_P}n)",
-           f"{i1}{_P}thi = min({_P}tlo + {_P}T, {_P}n)",
-           f"{i1}{_P}tb = {_P}tlo - {el}",
-           f"{i1}{_P}W = {_P}T + {el + er}",
-           f"{i1}{_P}btid = cuda.threadIdx.x",
-           f"{i1}{_P}bnt = cuda.blockDim.x",
-           f"{i1}{_P}m = {k0}.shape[1]" if two else f"{i1}{_P}m = 1",
-           f"{i1}{_P}sh = cuda.shared.array(0, {k0}.dtype)",
-           # a block's slots: per parity, block and resident array, the tile's first er and
-           # last el rows, one after the other
-           f"{i1}{_P}hs = {el + er} * {_P}m",
-           f"{i1}{_P}hown = cuda.blockIdx.x * {nres} * {_P}hs",
-           f"{i1}{_P}hpar = cuda.gridDim.x * {nres} * {_P}hs"]
 
-    def cells(depth_, count, first, guard, body):
+    def __init__(self, tile, kparams, resident, depth):
+        (hl, hr) = tile.halo[0]
+        self.el, self.er = depth * hl, depth * hr        # the widened halo, below and above
+        self.two = tile.ndim == 2
+        self.kparams, self.resident = kparams, resident
+        self.nres = len(resident)
+
+    def geometry(self, tile_len: str) -> list[str]:
+        """Prologue lines: the tiles' length, the shared copies and the slots' sizes."""
+        i1, k0 = _INDENT, self.kparams[self.resident[0]]
+        pro = [f"{i1}{_P}n = {k0}.shape[0]",
+               f"{i1}{_P}T = {tile_len}",
+               f"{i1}{_P}W = {_P}T + {self.el + self.er}",
+               f"{i1}{_P}btid = cuda.threadIdx.x",
+               f"{i1}{_P}bnt = cuda.blockDim.x",
+               f"{i1}{_P}m = {k0}.shape[1]" if self.two else f"{i1}{_P}m = 1",
+               f"{i1}{_P}sh = cuda.shared.array(0, {k0}.dtype)",
+               f"{i1}{_P}hs = {self.el + self.er} * {_P}m"]
+        for j, i in enumerate(self.resident):
+            pro.append(f"{i1}{_P}w{i} = {_P}rt.tile_like({_P}sh, {j} * {_P}W * {_P}m, {_P}W * {_P}m, "
+                       f"{self.kparams[i]})")
+        return pro
+
+    def cells(self, depth, count, first, guard, body):
         """Lines running ``body`` for the rows ``_lk_c = first`` (``_lk_r`` in range(count))
         that pass ``guard``: in 1-D the block's threads take the cells, in 2-D each row's
         columns (``_lk_j``)."""
-        ind = _INDENT * depth_
-        if two:
+        ind = _INDENT * depth
+        if self.two:
             return [f"{ind}for {_P}r in range({count}):", f"{ind}{_INDENT}{_P}c = {first}",
                     f"{ind}{_INDENT}if {guard}:",
                     f"{ind}{_INDENT * 2}for {_P}j in range({_P}btid, {_P}m, {_P}bnt):"] + \
@@ -1278,41 +1293,113 @@ def _tile_round_lines(tile, kparams, resident, depth: int) -> tuple[list, list, 
         return [f"{ind}for {_P}r in range({_P}btid, {count}, {_P}bnt):", f"{ind}{_INDENT}{_P}c = {first}",
                 f"{ind}{_INDENT}if {guard}:"] + [f"{ind}{_INDENT * 2}{b}" for b in body]
 
-    def at(name, row):
-        return f"{name}[{row}, {_P}j]" if two else f"{name}[{row}]"
+    def at(self, name, row):
+        return f"{name}[{row}, {_P}j]" if self.two else f"{name}[{row}]"
 
-    def slot(base, j, row):
-        return f"{_P}halo[{base} + {j} * {_P}hs + ({row}) * {_P}m" + (f" + {_P}j]" if two else "]")
-    for j, i in enumerate(resident):
-        pro.append(f"{i1}{_P}w{i} = {_P}rt.tile_like({_P}sh, {j} * {_P}W * {_P}m, {_P}W * {_P}m, {kparams[i]})")
-        pro += cells(1, f"{_P}W", f"{_P}tb + {_P}r", f"0 <= {_P}c < {_P}n",
-                     [f"{at(f'{_P}w{i}', f'{_P}r')} = {at(kparams[i], f'{_P}c')}"])
+    def slot(self, base, j, row):
+        return f"{_P}halo[{base} + {j} * {_P}hs + ({row}) * {_P}m" + (f" + {_P}j]" if self.two else "]")
+
+    def copy_rows(self, depth, count, first, guard, to_shared: bool) -> list[str]:
+        """Rows between the user's arrays and the shared copies (``to_shared``: into them)."""
+        body = []
+        for i in self.resident:
+            glob, shared = self.at(self.kparams[i], f"{_P}c"), self.at(f"{_P}w{i}", f"{_P}c - {_P}tb")
+            body.append(f"{shared} = {glob}" if to_shared else f"{glob} = {shared}")
+        return self.cells(depth, count, first, guard, body)
+
+    def publish(self, depth, from_shared: bool = True) -> list[str]:
+        """The tile's edge rows into its slots at ``_lk_hb`` (from the shared copies, or from
+        the user's arrays before the first step)."""
+        el, er = self.el, self.er
+        if not el + er:
+            return []
+
+        def src(i):
+            return self.at(f"{_P}w{i}", f"{_P}c - {_P}tb") if from_shared else self.at(self.kparams[i], f"{_P}c")
+        return self.cells(depth, el + er, f"{_P}tlo + {_P}r if {_P}r < {er} else {_P}thi - {el} + ({_P}r - {er})",
+                          f"{_P}tlo <= {_P}c < {_P}thi",
+                          [f"{self.slot(f'{_P}hb', j, f'{_P}r')} = {src(i)}" for j, i in enumerate(self.resident)])
+
+    def gather(self, depth, below: str, above: str) -> list[str]:
+        """The halo rows from the slots of the tiles below and above (their bases ``below``,
+        ``above``), into the shared copies."""
+        el, er = self.el, self.er
+        if not el + er:
+            return []
+        ind = _INDENT * depth
+        return [f"{ind}{_P}hlo = {below}", f"{ind}{_P}hhi = {above}"] + self.cells(
+            depth, el + er, f"{_P}tb + {_P}r if {_P}r < {el} else {_P}thi + ({_P}r - {el})",
+            f"0 <= {_P}c < {_P}n and not ({_P}tlo <= {_P}c < {_P}thi)",
+            [f"{_P}hsrc = {_P}hlo if {_P}r < {el} else {_P}hhi",
+             f"{_P}hrow = {er} + {_P}r if {_P}r < {el} else {_P}r - {el}"]
+            + [f"{self.at(f'{_P}w{i}', f'{_P}c - {_P}tb')} = {self.slot(f'{_P}hsrc', j, f'{_P}hrow')}"
+               for j, i in enumerate(self.resident)])
+
+
+def _tile_round_lines(tile, kparams, resident, depth: int) -> tuple[list, list, list, list]:
+    """(prologue, publish, gather, copy-back lines) of a tile-mode kernel that runs ``depth``
+    steps per halo exchange (``fused_steps_refusal`` allows it) with one tile per block kept on
+    chip for the whole run.
+
+    Each block keeps its tile of every resident array in shared memory with a halo ``depth``
+    times the stencil's on either side (see :class:`_TileText`). After a round of steps, its
+    edge rows of both buffers of each pair go to its slots in ``_lk_halo`` (the round's
+    parity picks one of two sets, so a block that runs ahead never overwrites what a
+    neighbour is still reading); after the grid barrier the block reads its neighbours' slots
+    into its halo. The user's arrays are read once, into the tiles, and written once, from
+    them (the rename rule of swap pairs); nothing else touches them, so no barrier is needed
+    around either. A block's halo comes from its two neighbours only, so a tile must be at
+    least ``depth`` stencil widths long (``config.tile_config`` checks it).
+    """
+    tt = _TileText(tile, kparams, resident, depth)
+    i1 = _INDENT
+    pro = tt.geometry(f"({_P}n + cuda.gridDim.x - 1) // cuda.gridDim.x") + [
+        f"{i1}{_P}tlo = min(cuda.blockIdx.x * {_P}T, {_P}n)",
+        f"{i1}{_P}thi = min({_P}tlo + {_P}T, {_P}n)",
+        f"{i1}{_P}tb = {_P}tlo - {tt.el}",
+        f"{i1}{_P}hown = cuda.blockIdx.x * {tt.nres} * {_P}hs",
+        f"{i1}{_P}hpar = cuda.gridDim.x * {tt.nres} * {_P}hs"]
+    pro += tt.copy_rows(1, f"{_P}W", f"{_P}tb + {_P}r", f"0 <= {_P}c < {_P}n", to_shared=True)
     pro.append(f"{i1}cuda.syncthreads()")
     publish, gather = [], []
-    if el + er:
+    if tt.el + tt.er:
         i2 = _INDENT * 2
-        # slot row r < er: tile row tlo + r (what the block below reads); else tile row
-        # thi - el + (r - er) (what the block above reads)
-        publish = [f"{i2}{_P}hb = ({_P}round & 1) * {_P}hpar + {_P}hown"]
-        publish += cells(2, el + er, f"{_P}tlo + {_P}r if {_P}r < {er} else {_P}thi - {el} + ({_P}r - {er})",
-                         f"{_P}tlo <= {_P}c < {_P}thi",
-                         [f"{slot(f'{_P}hb', j, f'{_P}r')} = {at(f'{_P}w{i}', f'{_P}c - {_P}tb')}"
-                          for j, i in enumerate(resident)])
-        # halo row r < el: row tb + r, the block below's slot row er + r; else row
-        # thi + (r - el), the block above's slot row r - el
-        gather = [f"{i2}{_P}hb = ({_P}round & 1) * {_P}hpar",
-                  f"{i2}{_P}hlo = {_P}hb + {_P}hown - {nres} * {_P}hs",
-                  f"{i2}{_P}hhi = {_P}hb + {_P}hown + {nres} * {_P}hs"]
-        gather += cells(2, el + er, f"{_P}tb + {_P}r if {_P}r < {el} else {_P}thi + ({_P}r - {el})",
-                        f"0 <= {_P}c < {_P}n and not ({_P}tlo <= {_P}c < {_P}thi)",
-                        [f"{_P}hsrc = {_P}hlo if {_P}r < {el} else {_P}hhi",
-                         f"{_P}hrow = {er} + {_P}r if {_P}r < {el} else {_P}r - {el}"]
-                        + [f"{at(f'{_P}w{i}', f'{_P}c - {_P}tb')} = {slot(f'{_P}hsrc', j, f'{_P}hrow')}"
-                           for j, i in enumerate(resident)])
+        publish = [f"{i2}{_P}hb = ({_P}round & 1) * {_P}hpar + {_P}hown"] + tt.publish(2)
+        gather = [f"{i2}{_P}hb = ({_P}round & 1) * {_P}hpar"] + tt.gather(
+            2, f"{_P}hb + {_P}hown - {tt.nres} * {_P}hs", f"{_P}hb + {_P}hown + {tt.nres} * {_P}hs")
         gather.append(f"{i2}cuda.syncthreads()")
-    copy_back = cells(1, f"{_P}thi - {_P}tlo", f"{_P}tlo + {_P}r", "True",
-                      [f"{at(kparams[i], f'{_P}c')} = {at(f'{_P}w{i}', f'{_P}c - {_P}tb')}" for i in resident])
+    copy_back = tt.copy_rows(1, f"{_P}thi - {_P}tlo", f"{_P}tlo + {_P}r", "True", to_shared=False)
     return pro, publish, gather, copy_back
+
+
+def _tile_stream_lines(tile, kparams, resident, depth: int, tiles: int) -> dict:
+    """The pieces of a tile-mode kernel for a field too large to stay on chip: each block owns
+    ``tiles`` tiles of the first dimension and, every round, brings each one on chip with its
+    widened halo, runs up to ``depth`` steps on it, and writes its rows back to the user's
+    arrays (only its owner ever reads or writes them) and its edge rows out to its slots in
+    ``_lk_halo`` (see :class:`_TileText`). A tile's halo comes from its neighbours' slots of
+    the previous round's parity (before the first round, from slots filled from the arrays
+    and a grid barrier), so a block that runs ahead never reads a row a neighbour has already
+    advanced. One grid barrier per round. Returns the template's ``prologue``,
+    ``publish_initial``, ``load`` and ``store``.
+    """
+    tt = _TileText(tile, kparams, resident, depth)
+    i1 = _INDENT
+    per = f"cuda.gridDim.x * {tiles}"
+    pro = tt.geometry(f"max(({_P}n + {per} - 1) // ({per}), 1)") + [
+        f"{i1}{_P}ntiles = ({_P}n + {_P}T - 1) // {_P}T",
+        f"{i1}{_P}hx = {tt.nres} * {_P}hs",
+        f"{i1}{_P}hpar = {per} * {_P}hx"]
+    init = tt.publish(2, from_shared=False) or [f"{_INDENT * 2}pass"]
+    d = 3
+    ind = _INDENT * d
+    load = tt.copy_rows(d, f"{_P}thi - {_P}tlo", f"{_P}tlo + {_P}r", "True", to_shared=True)
+    load += [f"{ind}{_P}hb = (({_P}round + 1) & 1) * {_P}hpar"] + tt.gather(
+        d, f"{_P}hb + ({_P}x - 1) * {_P}hx", f"{_P}hb + ({_P}x + 1) * {_P}hx")
+    store = tt.copy_rows(d, f"{_P}thi - {_P}tlo", f"{_P}tlo + {_P}r", "True", to_shared=False)
+    store += [f"{ind}{_P}hb = ({_P}round & 1) * {_P}hpar + {_P}x * {_P}hx"] + tt.publish(d)
+    return dict(prologue="\n".join(pro), publish_initial="\n".join(init), load="\n".join(load),
+                store="\n".join(store))
 
 
 def _staging_lines(staged, kparams) -> list[str]:

@@ -252,3 +252,96 @@ def test_unwritten_cells_through_a_call(rng):
     ru, rv = uneven_ref(u0, v0, w, 0.2, 37)
     np.testing.assert_allclose(u.copy_to_host(), ru, rtol=1e-12, atol=1e-14)
     np.testing.assert_allclose(v.copy_to_host(), rv, rtol=1e-12, atol=1e-14)
+
+
+# -- fields too large to stay on chip: tiles streamed through shared memory ----------------------
+@pytest.fixture
+def small_chip(monkeypatch):
+    """A simulated chip whose shared memory holds 512 bytes per block and whose streamed tiles
+    get 240: fields of a hundred-odd float64 cells stream through several tiles, so the one
+    block the simulator runs exchanges halos between its own tiles through the scratch array."""
+    monkeypatch.setattr(config, "SIMULATOR_SHARED_BYTES", 512)
+    monkeypatch.setattr(config, "STREAM_TILE_BYTES", 240)
+    monkeypatch.setattr(config, "TILE_DEPTH_SPAN", 1)      # short tiles, several steps per round
+
+
+def _streamed(k):
+    cfg = list(k.dispatcher.plans.values())[-1].config
+    assert cfg.tiles > 1, cfg
+    return cfg
+
+
+@pytest.mark.parametrize("n,steps", [(100, 21), (101, 8), (90, 1), (70, 0)])
+def test_a_streamed_field_matches_the_exact_solution(n, steps, rng, small_chip):
+    from numba import cuda
+    k = lk.megakernel(W.heat_step, swap=[("u", "v")])
+    u0 = rng.random(n)
+    u, v = cuda.to_device(u0), cuda.to_device(u0)
+    run = k(u, v, 0.3, steps=steps, backend="cuda", scope="tile", threads=32)
+    cfg = _streamed(k)
+    assert run.steps == steps and run.steps_per_exchange == cfg.depth > 1
+    np.testing.assert_allclose(u.copy_to_host(), refs.heat_exact(u0, steps, 0.3), rtol=1e-12, atol=1e-14)
+    np.testing.assert_allclose(v.copy_to_host(), refs.heat_exact(u0, max(steps - 1, 0), 0.3) if steps else u0,
+                               rtol=1e-12, atol=1e-14)
+
+
+def test_streamed_unwritten_cells_two_pairs_and_two_dimensions(rng, small_chip):
+    from numba import cuda
+    from test_tile import heat2d_ref, heat2d_step
+    k = lk.megakernel(uneven_step, swap=[("u", "v")])
+    u0, v0, w = rng.random(111), rng.random(111), rng.random(111)
+    u, v = cuda.to_device(u0), cuda.to_device(v0)
+    k(u, v, cuda.to_device(w), 0.2, steps=13, backend="cuda", scope="tile", threads=32)
+    _streamed(k)
+    ru, rv = uneven_ref(u0, v0, w, 0.2, 13)
+    np.testing.assert_allclose(u.copy_to_host(), ru, rtol=1e-12, atol=1e-14)
+    np.testing.assert_allclose(v.copy_to_host(), rv, rtol=1e-12, atol=1e-14)
+
+    k = lk.megakernel(two_pairs_step, swap=[("a", "a2"), ("b", "b2")])
+    a0, b0 = rng.random(60), rng.random(60)
+    arrs = [cuda.to_device(x) for x in (a0, a0, b0, b0)]
+    k(*arrs, 0.1, steps=9, backend="cuda", scope="tile", threads=32)
+    _streamed(k)
+    for got, ref in zip(arrs, two_pairs_ref(a0, b0, 0.1, 9)):
+        np.testing.assert_allclose(got.copy_to_host(), ref, rtol=1e-12, atol=1e-14)
+
+    k = lk.megakernel(heat2d_step, swap=[("u", "v")])
+    g0 = rng.random((30, 3))
+    u, v = cuda.to_device(g0), cuda.to_device(g0)
+    k(u, v, 0.2, steps=7, backend="cuda", scope="tile", threads=32)
+    _streamed(k)
+    np.testing.assert_allclose(u.copy_to_host(), heat2d_ref(g0, 7, 0.2), rtol=1e-12)
+    np.testing.assert_allclose(v.copy_to_host(), heat2d_ref(g0, 6, 0.2), rtol=1e-12)
+
+
+def test_a_streamed_run_continues_exactly_across_calls(rng, small_chip):
+    from numba import cuda
+    k = lk.megakernel(W.heat_step, swap=[("u", "v")])
+    u0 = rng.random(100)
+    u, v = cuda.to_device(u0), cuda.to_device(u0)
+    t = 0
+    for steps in (5, 1, 7):
+        t = k(u, v, 0.25, steps=steps, start=t, backend="cuda", scope="tile", threads=32).next_start
+    _streamed(k)
+    np.testing.assert_allclose(u.copy_to_host(), refs.heat_exact(u0, 13, 0.25), rtol=1e-12, atol=1e-14)
+    np.testing.assert_allclose(v.copy_to_host(), refs.heat_exact(u0, 12, 0.25), rtol=1e-12, atol=1e-14)
+
+
+def test_a_step_that_cannot_stream_is_refused_when_its_field_does_not_fit(rng, small_chip):
+    from numba import cuda
+    from loopkern.errors import LaunchError
+    k = lk.megakernel(probe_step, swap=[("u", "v")])
+    u0 = rng.random(100)
+    u, v = cuda.to_device(u0), cuda.to_device(u0)
+    with pytest.raises(LaunchError, match="cannot keep this field on chip"):
+        k(u, v, cuda.to_device(np.zeros(4)), steps=3, backend="cuda", scope="tile")
+    np.testing.assert_array_equal(u.copy_to_host(), u0)
+
+
+def test_the_stream_layout_rule(monkeypatch):
+    monkeypatch.setattr(config, "SIMULATOR_SHARED_BYTES", 512)
+    monkeypatch.setattr(config, "STREAM_TILE_BYTES", 240)
+    assert config.tile_layout(30, (1, 1), 8, None, True, True) == (config.tile_depth(30, (1, 1), 1), 0)
+    depth, tiles = config.tile_layout(100, (1, 1), 8, None, True, True)
+    assert tiles > 1 and 8 * (-(-100 // tiles) + depth * 2) <= 240
+    assert config.tile_layout(100, (1, 1), 8, None, True, False) == (1, 0)      # cannot stream

@@ -97,6 +97,8 @@ class LaunchConfig:
         depth: (tile mode) steps run on chip between halo exchanges.
         halo: (tile mode, ``depth`` above 1) elements of the halo scratch array the kernel
             takes last, of the tiles' dtype.
+        tiles: (tile mode) 0: each block keeps one tile on chip for the whole run; above 0,
+            each block streams this many tiles through its shared memory every round.
     """
 
     scope: str
@@ -105,6 +107,7 @@ class LaunchConfig:
     shared: int = 0
     depth: int = 1
     halo: int = 0
+    tiles: int = 0
 
 
 #: bytes of dynamic shared memory block scope may use for the arrays: the 48 KiB every kernel
@@ -310,32 +313,79 @@ def first_tile_blocks(n: int, halo: tuple, blocks: int | None, simulator: bool, 
 TILE_STATIC_SHARED = 2048
 
 
-def tile_depth_for(n: int, halo: tuple, cell_bytes: int, blocks: int | None, simulator: bool, fused: bool) -> int:
-    """Steps per halo exchange for a tile-mode launch, chosen before its kernel is compiled
-    (the kernel is specialised to it): :func:`tile_depth` at the first block count that
-    :func:`tile_config` will try (``first_tile_blocks``, then one, two, four and eight blocks per
-    SM; or ``blocks``) whose tiles, widened for that many steps, fit in a block's shared
-    memory; 1 when the step does not allow more (``fused`` false) or nothing fits
-    (``tile_config`` then says why)."""
-    if not fused:
-        return 1
-    first = first_tile_blocks(n, halo, blocks, simulator, fused)
+#: the shared memory the simulator is taken to have per block (it has no limit of its own;
+#: tests lower it to make small fields stream)
+SIMULATOR_SHARED_BYTES = 48 * 1024
+#: tile mode, a field too large to stay on chip: blocks per SM, and the most shared memory
+#: each gives one tile (two blocks per SM: one block's tile loads while the other computes)
+STREAM_BLOCKS_PER_SM = 2
+STREAM_TILE_BYTES = 96 * 1024
+
+
+def _shared_room(simulator: bool) -> tuple[int, int]:
+    """(bytes of dynamic shared memory a block may have, bytes an SM holds for its blocks)."""
     if simulator:
-        return tile_depth(n, halo, first)
+        return SIMULATOR_SHARED_BYTES, SIMULATOR_SHARED_BYTES
     from numba import cuda
     dev = cuda.get_current_device()
-    room = int(getattr(dev, "MAX_SHARED_MEMORY_PER_BLOCK_OPTIN", 48 * 1024)) - TILE_STATIC_SHARED
-    candidates = [blocks] if blocks is not None else sorted({first} | {_sm_count() * k for k in TILE_BLOCKS_PER_SM})
+    block = int(getattr(dev, "MAX_SHARED_MEMORY_PER_BLOCK_OPTIN", 48 * 1024)) - TILE_STATIC_SHARED
+    return block, int(getattr(dev, "MAX_SHARED_MEMORY_PER_MULTIPROCESSOR", block + TILE_STATIC_SHARED))
+
+
+def _fits(shared: int, blocks: int, room: tuple[int, int], simulator: bool) -> bool:
+    """Whether ``blocks`` blocks of ``shared`` bytes each fit in a block's and, spread evenly
+    over the SMs, in an SM's shared memory (with each block's static part and the 1 KiB the
+    hardware keeps per block)."""
+    if shared > room[0]:
+        return False
+    if simulator:
+        return True
+    per_sm = -(-blocks // _sm_count())
+    return per_sm * (shared + TILE_STATIC_SHARED + 1024) <= room[1]
+
+
+def tile_layout(n: int, halo: tuple, cell_bytes: int, blocks: int | None, simulator: bool,
+                fused: bool) -> tuple[int, int]:
+    """(steps per halo exchange, tiles per block) of a tile-mode launch, chosen before its
+    kernel is compiled (the kernel is specialised to both).
+
+    Tiles per block 0 (each block keeps one tile on chip for the whole run) when the tiles fit:
+    the steps per exchange are :func:`tile_depth` at the first block count that
+    :func:`tile_config` will try (``first_tile_blocks``, then one, two, four and eight blocks per
+    SM; or ``blocks``) whose tiles, widened for that many steps, fit in a block's shared
+    memory. Otherwise, when several steps may run per exchange (``fused``), the field streams:
+    ``STREAM_BLOCKS_PER_SM`` blocks per SM (or ``blocks``) each own the fewest tiles that fit
+    in ``STREAM_TILE_BYTES``. (1, 0) when the step allows neither (``tile_config`` then says
+    why the tiles do not fit).
+    """
+    if not fused:
+        return 1, 0
+    room = _shared_room(simulator)
+    first = first_tile_blocks(n, halo, blocks, simulator, fused)
+    if simulator:
+        candidates = [first]
+    else:
+        candidates = [blocks] if blocks is not None else sorted({first} | {_sm_count() * k for k in TILE_BLOCKS_PER_SM})
     for b in candidates:
         depth = tile_depth(n, halo, b)
-        if cell_bytes * (-(-n // b) + depth * sum(halo)) <= room:
-            return depth
-    return 1
+        if _fits(cell_bytes * (-(-n // b) + depth * sum(halo)), b, room, simulator):
+            return depth, 0
+    nb = blocks if blocks is not None else 1 if simulator else _sm_count() * STREAM_BLOCKS_PER_SM
+    budget = min(room[0], STREAM_TILE_BYTES)
+    tiles = max(1, -(-n * cell_bytes // (nb * budget)))
+    while True:
+        rows = -(-n // (nb * tiles))
+        depth = tile_depth(n, halo, nb * tiles)
+        if cell_bytes * (rows + depth * sum(halo)) <= budget:
+            return depth, tiles
+        if rows == 1:
+            return 1, 0
+        tiles += 1
 
 
 def tile_config(kernel, n: int, cell_bytes: int, halo: tuple, threads: int | None, blocks: int | None,
                 simulator: bool, cluster: bool = False, depth: int = 1, halo_cell: int = 0,
-                first: int | None = None) -> LaunchConfig:
+                first: int | None = None, tiles: int = 0) -> LaunchConfig:
     """Blocks, threads and dynamic shared memory of a tile-mode launch (``scope="tile"``, or
     ``scope="cluster"`` with ``cluster``: the grid is one thread-block cluster).
 
@@ -350,7 +400,9 @@ def tile_config(kernel, n: int, cell_bytes: int, halo: tuple, threads: int | Non
     that much longer, and the launch carries a halo scratch array of ``2 * blocks *
     depth * (below + above) * halo_cell`` elements (``halo_cell``: elements of one cell of
     every resident array together). ``first``: a block count below one per SM to try first
-    (``first_tile_blocks``).
+    (``first_tile_blocks``). ``tiles`` above 0: each block streams that many tiles of
+    ``ceil(n / (blocks * tiles))`` rows through its shared memory (``tile_layout`` chose the
+    block count: ``blocks``, else ``STREAM_BLOCKS_PER_SM`` per SM).
 
     Raises:
         LaunchError: no block count fits (or the one asked for does not).
@@ -365,22 +417,29 @@ def tile_config(kernel, n: int, cell_bytes: int, halo: tuple, threads: int | Non
         if simulator:
             return 64
         want = TILE_THREADS
-        if depth > 1:
-            want = next((k for bound, k in TILE_FUSED_THREADS if -(-n // b) <= bound), 1024)
+        if depth > 1 or tiles:
+            want = next((k for bound, k in TILE_FUSED_THREADS if -(-n // (b * per)) <= bound), 1024)
         return max(32, min(want, int(kernel.max_threads_per_block)) // 32 * 32)
 
-    def made(b, shared):
-        return LaunchConfig(name, b, threads_for(b), shared, depth,
-                            2 * b * (lo + hi) * halo_cell if depth > 1 else 0)
+    per = max(tiles, 1)
+
+    def made(b, shared, threads_=None):
+        # (a stencil without a halo still gets a scratch array: the kernel takes one)
+        return LaunchConfig(name, b, threads_ or threads_for(b), shared, depth,
+                            max(1, 2 * b * per * (lo + hi) * halo_cell) if depth > 1 or tiles else 0, tiles)
     if threads is not None and (threads % 32 or not 32 <= threads <= 1024):
         raise LaunchError(f"threads={threads}: threads per block must be a multiple of 32 between 32 and 1024")
 
     def shared_for(b):
-        return cell_bytes * (-(-n // b) + lo + hi)
+        return cell_bytes * (-(-n // (b * per)) + lo + hi)
     if simulator:
         if blocks not in (None, 1):
             raise LaunchError(f"blocks={blocks}: Numba's CUDA simulator can run only one cooperative block; "
                               f"pass blocks=1 (or leave it out)")
+        if shared_for(1) > SIMULATOR_SHARED_BYTES:
+            raise LaunchError(f"scope='{name}' cannot keep this field on chip: it needs {shared_for(1)} bytes of "
+                              f"shared memory (the simulator is taken to have {SIMULATOR_SHARED_BYTES}); "
+                              f"use scope='grid'")
         return made(1, shared_for(1))
     from numba import cuda
 
@@ -402,6 +461,8 @@ def tile_config(kernel, n: int, cell_bytes: int, halo: tuple, threads: int | Non
     driver.allow_dynamic_shared(func, max_shared, int(dev.id))
     if blocks is not None:
         candidates = [blocks]
+    elif tiles:
+        candidates = [_sm_count() * STREAM_BLOCKS_PER_SM]
     elif cluster:
         candidates = [driver.CLUSTER_MAX, driver.CLUSTER_PORTABLE_MAX, 4, 2, 1]
     else:
@@ -412,8 +473,8 @@ def tile_config(kernel, n: int, cell_bytes: int, halo: tuple, threads: int | Non
     for b in candidates:
         if b < 1:
             raise LaunchError(f"blocks={b}: must be at least 1")
-        if -(-n // b) < wide and b > 1:
-            why.append(f"{b} blocks make tiles of {-(-n // b)} cells, shorter than the halo ({wide}"
+        if -(-n // (b * per)) < wide and b * per > 1:
+            why.append(f"{b * per} tiles of {-(-n // (b * per))} cells, shorter than the halo ({wide}"
                        + (f": {depth} steps per exchange" if depth > 1 else "") + ")")
             continue
         shared = shared_for(b)
@@ -426,11 +487,18 @@ def tile_config(kernel, n: int, cell_bytes: int, halo: tuple, threads: int | Non
                            f"scheduled on this device")
                 continue
         else:
-            limit = int(kernel.max_cooperative_grid_blocks(threads_for(b), shared))
-            if b > limit:
-                why.append(f"{b} blocks of {threads_for(b)} threads with {shared} bytes each: at most {limit} fit "
+            # a streamed field's blocks may hold fewer threads for two to fit on an SM
+            # (registers): 512, then 256 and 128 when the thread count is not given
+            options = [threads_for(b)]
+            if tiles and threads is None:
+                options += [t for t in (options[0] // 2, options[0] // 4) if t >= 128]
+            fit = next((t for t in options if b <= int(kernel.max_cooperative_grid_blocks(t, shared))), None)
+            if fit is None:
+                limit = int(kernel.max_cooperative_grid_blocks(options[-1], shared))
+                why.append(f"{b} blocks of {options[-1]} threads with {shared} bytes each: at most {limit} fit "
                            f"at once")
                 continue
+            return made(b, shared, fit)
         return made(b, shared)
     raise LaunchError(f"scope='{name}' cannot keep this field on chip: " + "; ".join(why)
                       + ("; use scope='tile' or 'grid'" if cluster else "; use scope='grid'"))

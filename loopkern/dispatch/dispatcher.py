@@ -36,7 +36,7 @@ from ..warpsplit import WARP, step_has_warp_split
 from . import checks, driver
 from .args import ArrayArg, apply_weak_floats, classify, weak_float_type
 from .config import (AUTO_TILE_MIN_ELEMENTS, LaunchConfig, choose_backend, cuda_config, plan_staging, resolve_scope,
-                     first_tile_blocks, tile_config, tile_depth_for)
+                     first_tile_blocks, tile_config, tile_layout)
 from .kernels import KernelCache, check_types, index_bits_for
 from .plan import PlanCache, make_plan
 from .signature import LastCall, call_key
@@ -270,21 +270,21 @@ class Dispatcher:
         fused = not cluster and self.fused_steps
         cell_bytes = row * sum(a.dtype.itemsize for a in arrays)
         blocks0 = first_tile_blocks(first.shape[0], st.halo[0], o.blocks, sim, fused)
-        depth = tile_depth_for(first.shape[0], st.halo[0], cell_bytes, o.blocks, sim, fused)
+        depth, tiles = tile_layout(first.shape[0], st.halo[0], cell_bytes, o.blocks, sim, fused)
         while True:
             compiled = self.kernels.get("cuda", "grid", control=o.control, float_type=float_type, tile=st,
-                                        cluster=cluster, depth=depth)
+                                        cluster=cluster, depth=depth, tiles=tiles)
             types = _cuda_param_types(compiled, argv)
             check_types(spec, compiled, types, run_values)
-            halo = (types[resident[0]].dtype,) if depth > 1 else ()
+            halo = (types[resident[0]].dtype,) if depth > 1 or tiles else ()
             kernel = compiled.specialize_types(_cuda_kernel_types(types, False, halo))
             try:
                 config = tile_config(kernel, first.shape[0], cell_bytes, st.halo[0],
                                      o.threads, o.blocks, sim, cluster=cluster, depth=depth,
-                                     halo_cell=row * len(arrays), first=blocks0)
+                                     halo_cell=row * len(arrays), first=blocks0, tiles=tiles)
                 break
             except LaunchError:
-                # the block count chosen for this depth cannot be co-resident (tile_depth_for
+                # the block count chosen for this depth cannot be co-resident (tile_layout
                 # checked shared memory, not occupancy): fewer steps per exchange, down to one
                 if depth == 1:
                     raise

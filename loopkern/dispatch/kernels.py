@@ -1,6 +1,6 @@
 """The compiled kernels of one step: rendered and loaded once per variant (backend, scope,
 scalars by reference, debug, staged arrays, run control, float type, element access lowering,
-tile mode, cluster launch, steps per halo exchange),
+tile mode, cluster launch, steps per halo exchange, streamed tiles),
 compiled by Numba once per argument-type signature."""
 
 from __future__ import annotations
@@ -22,12 +22,12 @@ class KernelCache:
         self._lock = threading.Lock()
 
     def source(self, backend, scope, by_ref=None, debug=False, staged=(), control=True, float_type=None,
-               index_bits=None, tile=None, cluster=False, depth=1):
+               index_bits=None, tile=None, cluster=False, depth=1, tiles=0):
         """The :class:`~loopkern.codegen.KernelSource` of one variant (rendered once), without
         compiling it: ``kernel.jax`` looks its cubin up on disk by it first
         (``interop/ffi_kernels.py``)."""
         from ..compile import runtime_fingerprint, simulator_enabled
-        key = (backend, scope, by_ref, debug, staged, control, float_type, index_bits, tile, cluster, depth)
+        key = (backend, scope, by_ref, debug, staged, control, float_type, index_bits, tile, cluster, depth, tiles)
         src = self.sources.get(key)
         if src is None:
             with self._lock:
@@ -37,20 +37,20 @@ class KernelCache:
                     src = self.sources[key] = codegen.render_kernel(
                         self.spec, backend, scope, cache=cache, fingerprint=f"runtime {runtime_fingerprint()}",
                         by_ref=by_ref, debug=debug, staged=staged, control=control, float_type=float_type,
-                        index_bits=index_bits, tile=tile, cluster=cluster, depth=depth)
+                        index_bits=index_bits, tile=tile, cluster=cluster, depth=depth, tiles=tiles)
         return src
 
     def get(self, backend, scope, by_ref=None, debug=False, staged=(), control=True, float_type=None,
-            index_bits=None, tile=None, cluster=False, depth=1):
+            index_bits=None, tile=None, cluster=False, depth=1, tiles=0):
         """The :class:`~loopkern.compile.CompiledKernel` of one variant (rendered and loaded on
         first use; Numba compiles it per argument types in ``specialize``)."""
         from ..compile import compile_kernel
-        key = (backend, scope, by_ref, debug, staged, control, float_type, index_bits, tile, cluster, depth)
+        key = (backend, scope, by_ref, debug, staged, control, float_type, index_bits, tile, cluster, depth, tiles)
         k = self.variants.get(key)
         if k is None:
             src = self.source(backend, scope, by_ref=by_ref, debug=debug, staged=staged, control=control,
                               float_type=float_type, index_bits=index_bits, tile=tile, cluster=cluster,
-                              depth=depth)
+                              depth=depth, tiles=tiles)
             with self._lock:
                 k = self.variants.get(key)
                 if k is None:

@@ -401,3 +401,63 @@ def test_a_cluster_refuses_what_it_cannot_hold_before_anything_runs(rng):
         k(*small, np.float32(0.25), steps=10, backend="cuda", scope="cluster", blocks=17)
     np.testing.assert_array_equal(u.copy_to_host(), u0)
     np.testing.assert_array_equal(small[0].copy_to_host(), u0[:4096])
+
+
+# -- fields too large to stay on chip: tiles streamed through shared memory each round ----------
+
+def _tile_config(k):
+    """The launch configuration of the kernel's tile-mode plan."""
+    return next(p.config for p in k.dispatcher.plans.values() if p.config.scope == "tile")
+
+
+@pytest.mark.parametrize("n,blocks", [((1 << 22) + 3, None), ((1 << 22) + 3, 100), ((1 << 24) + 1, None)])
+def test_a_streamed_field_equals_the_grid_scope_bit_for_bit(n, blocks, rng):
+    # 4M and 16M float32 cells in two buffers: 32 and 128 MiB, more than the chip's shared memory
+    k = lk.megakernel(W.heat_step, swap=[("u", "v")])
+    u0 = rng.random(n)
+    out = _both(k, u0, (np.float32(0.25),), 301, blocks)
+    cfg = _tile_config(k)
+    assert cfg.tiles >= 1 and out["tile"][2].steps_per_exchange > 1, cfg
+    if blocks is not None:
+        assert cfg.blocks == blocks
+    np.testing.assert_array_equal(out["tile"][0], out["grid"][0])
+    np.testing.assert_array_equal(out["tile"][1], out["grid"][1])
+    exact = refs.heat_exact(u0.astype(np.float32), 301, 0.25)
+    assert np.abs(out["tile"][0] - exact).max() < 1e-4
+
+
+def test_streamed_unwritten_cells_in_float64(rng):
+    from test_tile_rounds import uneven_ref, uneven_step
+    cuda = _cuda()
+    k = lk.megakernel(uneven_step, swap=[("u", "v")])
+    n, steps = 3_000_017, 101
+    u0, v0, w = rng.random(n), rng.random(n), rng.random(n)
+    out = {}
+    for scope in ("tile", "grid"):
+        u, v = cuda.to_device(u0), cuda.to_device(v0)
+        k(u, v, cuda.to_device(w), 0.2, steps=steps, backend="cuda", scope=scope)
+        out[scope] = (u.copy_to_host(), v.copy_to_host())
+    np.testing.assert_array_equal(out["tile"][0], out["grid"][0])
+    np.testing.assert_array_equal(out["tile"][1], out["grid"][1])
+    ru, rv = uneven_ref(u0, v0, w, 0.2, steps)
+    np.testing.assert_allclose(out["tile"][0], ru, rtol=1e-9, atol=1e-12)
+    np.testing.assert_allclose(out["tile"][1], rv, rtol=1e-9, atol=1e-12)
+    assert _tile_config(k).tiles >= 1
+
+
+def test_a_cancel_of_a_streamed_run_and_scope_auto(rng):
+    import time
+    cuda = _cuda()
+    k = lk.megakernel(W.heat_step, swap=[("u", "v")])
+    u0 = rng.random((1 << 22) + 5).astype(np.float32)
+    u, v = cuda.to_device(u0), cuda.to_device(u0)
+    h = k.start(u, v, np.float32(0.25), steps=10 ** 9, backend="cuda")        # scope="auto"
+    time.sleep(0.3)
+    h.cancel()
+    run = h.wait(timeout=30)
+    assert run.scope == "tile" and run.stopped == "cancelled" and 0 < run.steps < 10 ** 9, run
+    assert _tile_config(k).tiles >= 1
+    a, b = cuda.to_device(u0), cuda.to_device(u0)
+    k(a, b, np.float32(0.25), steps=run.steps, backend="cuda", scope="grid")
+    np.testing.assert_array_equal(u.copy_to_host(), a.copy_to_host())
+    np.testing.assert_array_equal(v.copy_to_host(), b.copy_to_host())
