@@ -197,9 +197,9 @@ def bench_heat(b: Bench):
             e = rel_err(res, ref)
             return e < 1e-4 and done == check_steps, f"rel_err={e:.2e} after {done} steps"
         case = Case("heat1d", n, steps, check_steps, check, dict(u0=u0), bytes_per_step=8 * n)
-        # tile mode while both float32 buffers fit in the SMs' shared memory (up to about 2M cells),
-        # in one cluster while they fit in 16 SMs' (up to about 400K)
-        scopes = (["auto", "grid"] + (["tile"] if n <= 1 << 21 else []) + (["cluster"] if n <= 1 << 18 else [])
+        # tile mode at every size (a field too large for the SMs' shared memory streams through
+        # it), in one cluster while both buffers fit in 16 SMs' (up to about 400K)
+        scopes = (["auto", "grid", "tile"] + (["cluster"] if n <= 1 << 18 else [])
                   + (["block"] if n <= 65536 else [])) if gpu else ["auto"]
         variants = loopkern_variants(gpu, heat_kernel, lambda c: dict(u=c.data["u0"], v=c.data["u0"]),
                                      lambda c: (ALPHA,), ["u", "v"], scopes,

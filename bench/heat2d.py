@@ -60,7 +60,7 @@ def bench_heat2d(b: Bench):
         case = Case("heat2d", n, steps, check_steps, check, dict(u0=u0, side=side), bytes_per_step=8 * n)
         # tile mode: while both float32 buffers fit in the SMs' shared memory (not at 2048²); in
         # one cluster while they fit in 16 SMs' (512²)
-        scopes = (["auto", "grid"] + (["tile"] if side <= 1024 else []) + (["cluster"] if side <= 512 else [])) \
+        scopes = (["auto", "grid", "tile"] + (["cluster"] if side <= 512 else [])) \
             if gpu else ["auto"]
         variants = loopkern_variants(gpu, heat2d_kernel, lambda c: dict(u=c.data["u0"], v=c.data["u0"]),
                                      lambda c: (ALPHA2,), ["u", "v"], scopes)

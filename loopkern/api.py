@@ -148,8 +148,14 @@ class MegaKernel:
                 it; "tile" is a grid whose blocks keep their tiles of the swap pairs' arrays
                 in shared memory for the whole run, for 1-D and 2-D stencils that do not wrap
                 around along the first dimension: ArgumentError says why a step does not
-                qualify, LaunchError when the tiles do not fit on the chip; "auto" picks it
-                for a 1-D stencil from ``AUTO_TILE_MIN_ELEMENTS`` elements when they fit;
+                qualify. A step whose effect is a function of the cells it reads (no
+                returned condition, lk.sync, reduction, lk.atomic or lk.thread_id, and no
+                array written but the swap pairs') runs several steps on chip per exchange of
+                edge cells (``run.steps_per_exchange``), and a field too large for the chip
+                streams through it, a few tiles per block each round; any other step runs one
+                step per exchange, and LaunchError says when its tiles do not fit. "auto"
+                picks it for 1-D stencils: at any size for the first kind, from
+                ``AUTO_TILE_MIN_ELEMENTS`` elements for the other when they fit;
                 "cluster" is tile mode in one thread-block cluster of up to 16 blocks, whose
                 barrier is the cluster's hardware barrier: compute capability 9.0+, for
                 fields whose tiles fit in 16 blocks' shared memory).
