@@ -257,11 +257,11 @@ def test_unwritten_cells_through_a_call(rng):
 # -- fields too large to stay on chip: tiles streamed through shared memory ----------------------
 @pytest.fixture
 def small_chip(monkeypatch):
-    """A simulated chip whose shared memory holds 512 bytes per block and whose streamed tiles
-    get 240: fields of a hundred-odd float64 cells stream through several tiles, so the one
+    """A simulated chip whose shared memory holds 1 KiB per block and whose streamed tiles
+    get 800: fields of a hundred-odd float64 cells stream through several tiles, so the one
     block the simulator runs exchanges halos between its own tiles through the scratch array."""
-    monkeypatch.setattr(config, "SIMULATOR_SHARED_BYTES", 512)
-    monkeypatch.setattr(config, "STREAM_TILE_BYTES", 240)
+    monkeypatch.setattr(config, "SIMULATOR_SHARED_BYTES", 1024)
+    monkeypatch.setattr(config, "STREAM_TILE_BYTES", 800)
     monkeypatch.setattr(config, "TILE_DEPTH_SPAN", 1)      # short tiles, several steps per round
 
 
@@ -339,9 +339,11 @@ def test_a_step_that_cannot_stream_is_refused_when_its_field_does_not_fit(rng, s
 
 
 def test_the_stream_layout_rule(monkeypatch):
-    monkeypatch.setattr(config, "SIMULATOR_SHARED_BYTES", 512)
-    monkeypatch.setattr(config, "STREAM_TILE_BYTES", 240)
+    monkeypatch.setattr(config, "SIMULATOR_SHARED_BYTES", 1024)
+    monkeypatch.setattr(config, "STREAM_TILE_BYTES", 800)
     assert config.tile_layout(30, (1, 1), 8, None, True, True) == (config.tile_depth(30, (1, 1), 1), 0)
-    depth, tiles = config.tile_layout(100, (1, 1), 8, None, True, True)
-    assert tiles > 1 and 8 * (-(-100 // tiles) + depth * 2) <= 240
-    assert config.tile_layout(100, (1, 1), 8, None, True, False) == (1, 0)      # cannot stream
+    depth, tiles = config.tile_layout(100, (1, 1), 16, None, True, True)
+    assert tiles > 1 and depth >= config.STREAM_MIN_DEPTH and 16 * (-(-100 // tiles) + depth * 2) <= 800
+    assert config.tile_layout(100, (1, 1), 16, None, True, False) == (1, 0)      # cannot stream
+    # rows so wide that a streamed tile holds too few steps per round: not streamed
+    assert config.tile_layout(100, (1, 1), 160, None, True, True) == (1, 0)

@@ -320,6 +320,11 @@ SIMULATOR_SHARED_BYTES = 48 * 1024
 #: each gives one tile (two blocks per SM: one block's tile loads while the other computes)
 STREAM_BLOCKS_PER_SM = 2
 STREAM_TILE_BYTES = 96 * 1024
+#: a field streams only when its tiles hold this many steps per round: each round reads and
+#: writes both buffers of every tile, twice the grid scope's traffic per step, and shallow
+#: tiles lose to it (H200 2-D heat 2048² float32, rows of 16 KiB, one step per round: 111.5
+#: µs/step against 14.2 for the grid scope; bench-results/session16/bench-1510-main.log)
+STREAM_MIN_DEPTH = 4
 
 
 def _shared_room(simulator: bool) -> tuple[int, int]:
@@ -355,8 +360,8 @@ def tile_layout(n: int, halo: tuple, cell_bytes: int, blocks: int | None, simula
     SM; or ``blocks``) whose tiles, widened for that many steps, fit in a block's shared
     memory. Otherwise, when several steps may run per exchange (``fused``), the field streams:
     ``STREAM_BLOCKS_PER_SM`` blocks per SM (or ``blocks``) each own the fewest tiles that fit
-    in ``STREAM_TILE_BYTES``. (1, 0) when the step allows neither (``tile_config`` then says
-    why the tiles do not fit).
+    in ``STREAM_TILE_BYTES``, if those tiles hold ``STREAM_MIN_DEPTH`` steps per round. (1, 0)
+    when neither holds (``tile_config`` then says why the tiles do not fit).
     """
     if not fused:
         return 1, 0
@@ -377,7 +382,7 @@ def tile_layout(n: int, halo: tuple, cell_bytes: int, blocks: int | None, simula
         rows = -(-n // (nb * tiles))
         depth = tile_depth(n, halo, nb * tiles)
         if cell_bytes * (rows + depth * sum(halo)) <= budget:
-            return depth, tiles
+            return (depth, tiles) if depth >= STREAM_MIN_DEPTH or not sum(halo) else (1, 0)
         if rows == 1:
             return 1, 0
         tiles += 1
