@@ -57,15 +57,21 @@ def run_tile(fn, swap, arrays, scalars, steps, threads=32, start=0):
     return [d.copy_to_host() for d in dev], host
 
 
+def check_heat_pair(u, v, u0, steps, alpha):
+    """``u`` and ``v`` hold heat from ``u0`` after ``steps`` and ``steps - 1`` steps (``v``
+    is ``u0`` after none), against the exact float64 solution."""
+    np.testing.assert_allclose(u, refs.heat_exact(u0, steps, alpha), rtol=1e-12, atol=1e-14)
+    if steps:
+        np.testing.assert_allclose(v, refs.heat_exact(u0, steps - 1, alpha), rtol=1e-12, atol=1e-14)
+    else:
+        np.testing.assert_array_equal(v, u0)
+
+
 @pytest.mark.parametrize("steps", [0, 1, 2, 7])
 def test_heat_in_tile_mode_matches_the_exact_solution(steps, rng):
     u0 = rng.random(150)
     (u, v), host = run_tile(W.heat_step, [("u", "v")], [u0, u0.copy()], (0.3,), steps)
-    np.testing.assert_allclose(u, refs.heat_exact(u0, steps, 0.3), rtol=1e-12, atol=1e-14)
-    if steps:
-        np.testing.assert_allclose(v, refs.heat_exact(u0, steps - 1, 0.3), rtol=1e-12, atol=1e-14)
-    else:
-        np.testing.assert_array_equal(v, u0)
+    check_heat_pair(u, v, u0, steps, 0.3)
 
 
 @pytest.mark.parametrize("threads", [32, 64])
@@ -145,22 +151,30 @@ def test_tile_mode_refuses_what_it_does_not_cover():
         codegen.render_kernel(h.spec, "cuda", "grid", tile=find_stencil(lk.megakernel(W.helper_step, swap=[("u", "v")]).spec))
 
 
-@pytest.mark.parametrize("scope", ["tile", "cluster"])
-def test_scope_tile_through_a_call_continues_runs_exactly(scope, rng):
+@pytest.mark.parametrize("scope", ["tile", "cluster", "streamed"])
+def test_scope_tile_through_a_call_continues_runs_exactly(scope, rng, monkeypatch):
     from numba import cuda
+
+    from loopkern.dispatch import config
+    if scope == "streamed":
+        # a chip of 1 KiB per block: the 120 float64 cells stream through tiles of a few dozen
+        monkeypatch.setattr(config, "SIMULATOR_SHARED_BYTES", 1024)
+        monkeypatch.setattr(config, "STREAM_TILE_BYTES", 800)
+        monkeypatch.setattr(config, "TILE_DEPTH_SPAN", 1)
+    mode = "cluster" if scope == "cluster" else "tile"
     k = lk.megakernel(W.heat_step, swap=[("u", "v")])
     u0 = rng.random(120)
     u, v = cuda.to_device(u0), cuda.to_device(u0)
     t = 0
-    for steps in (3, 4, 1):
-        run = k(u, v, 0.25, steps=steps, start=t, backend="cuda", scope=scope)
-        assert (run.scope, run.blocks, run.steps) == (scope, 1, steps)
+    for steps in (3, 4, 1, 7):
+        run = k(u, v, 0.25, steps=steps, start=t, backend="cuda", scope=mode)
+        assert (run.scope, run.blocks, run.steps) == (mode, 1, steps)
         t = run.next_start
-    np.testing.assert_allclose(u.copy_to_host(), refs.heat_exact(u0, 8, 0.25), rtol=1e-12, atol=1e-14)
-    np.testing.assert_allclose(v.copy_to_host(), refs.heat_exact(u0, 7, 0.25), rtol=1e-12, atol=1e-14)
+    assert (list(k.dispatcher.plans.values())[-1].config.tiles > 1) == (scope == "streamed")
+    check_heat_pair(u.copy_to_host(), v.copy_to_host(), u0, 15, 0.25)
     # NumPy arrays go through device copies, as in every scope
     a, b = u0.copy(), u0.copy()
-    k(a, b, 0.25, steps=5, backend="cuda", scope=scope)
+    k(a, b, 0.25, steps=5, backend="cuda", scope=mode)
     np.testing.assert_allclose(a, refs.heat_exact(u0, 5, 0.25), rtol=1e-12, atol=1e-14)
 
 

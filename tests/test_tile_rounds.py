@@ -11,13 +11,13 @@ import numpy as np
 import pytest
 
 import loopkern as lk
-import refs
 import workloads as W
 from loopkern import codegen
 from loopkern.compile import compile_kernel
 from loopkern.dispatch import config
 from loopkern.runtime.layout import DONE, HOST_SIZE, STEPS
 from loopkern.stencil import NotStencil, Stencil, find_stencil, fused_steps_refusal
+from test_tile import check_heat_pair
 
 pytestmark = pytest.mark.sim
 
@@ -186,11 +186,7 @@ def run_rounds(fn, swap, arrays, scalars, steps, depth, threads=32):
 def test_heat_in_rounds_matches_the_exact_solution(depth, steps, rng):
     u0 = rng.random(70)
     u, v = run_rounds(W.heat_step, [("u", "v")], [u0, u0.copy()], (0.3,), steps, depth)
-    np.testing.assert_allclose(u, refs.heat_exact(u0, steps, 0.3), rtol=1e-12, atol=1e-14)
-    if steps:
-        np.testing.assert_allclose(v, refs.heat_exact(u0, steps - 1, 0.3), rtol=1e-12, atol=1e-14)
-    else:
-        np.testing.assert_array_equal(v, u0)
+    check_heat_pair(u, v, u0, steps, 0.3)
 
 
 @pytest.mark.parametrize("depth", [2, 5])
@@ -233,8 +229,7 @@ def test_a_call_in_tile_mode_runs_rounds_and_continues_exactly(rng):
         assert run.scope == "tile" and run.steps == steps
         assert run.steps_per_exchange == config.tile_depth(200, (1, 1), 1) > 1
         t = run.next_start
-    np.testing.assert_allclose(u.copy_to_host(), refs.heat_exact(u0, 44, 0.25), rtol=1e-12, atol=1e-14)
-    np.testing.assert_allclose(v.copy_to_host(), refs.heat_exact(u0, 43, 0.25), rtol=1e-12, atol=1e-14)
+    check_heat_pair(u.copy_to_host(), v.copy_to_host(), u0, 44, 0.25)
     # a step that writes another array keeps one step per exchange, and says so
     p = lk.megakernel(probe_step, swap=[("u", "v")])
     hist = cuda.to_device(np.zeros(8))
@@ -280,9 +275,7 @@ def test_a_streamed_field_matches_the_exact_solution(n, steps, rng, small_chip):
     run = k(u, v, 0.3, steps=steps, backend="cuda", scope="tile", threads=32)
     cfg = _streamed(k)
     assert run.steps == steps and run.steps_per_exchange == cfg.depth > 1
-    np.testing.assert_allclose(u.copy_to_host(), refs.heat_exact(u0, steps, 0.3), rtol=1e-12, atol=1e-14)
-    np.testing.assert_allclose(v.copy_to_host(), refs.heat_exact(u0, max(steps - 1, 0), 0.3) if steps else u0,
-                               rtol=1e-12, atol=1e-14)
+    check_heat_pair(u.copy_to_host(), v.copy_to_host(), u0, steps, 0.3)
 
 
 def test_streamed_unwritten_cells_two_pairs_and_two_dimensions(rng, small_chip):
@@ -312,19 +305,6 @@ def test_streamed_unwritten_cells_two_pairs_and_two_dimensions(rng, small_chip):
     _streamed(k)
     np.testing.assert_allclose(u.copy_to_host(), heat2d_ref(g0, 7, 0.2), rtol=1e-12)
     np.testing.assert_allclose(v.copy_to_host(), heat2d_ref(g0, 6, 0.2), rtol=1e-12)
-
-
-def test_a_streamed_run_continues_exactly_across_calls(rng, small_chip):
-    from numba import cuda
-    k = lk.megakernel(W.heat_step, swap=[("u", "v")])
-    u0 = rng.random(100)
-    u, v = cuda.to_device(u0), cuda.to_device(u0)
-    t = 0
-    for steps in (5, 1, 7):
-        t = k(u, v, 0.25, steps=steps, start=t, backend="cuda", scope="tile", threads=32).next_start
-    _streamed(k)
-    np.testing.assert_allclose(u.copy_to_host(), refs.heat_exact(u0, 13, 0.25), rtol=1e-12, atol=1e-14)
-    np.testing.assert_allclose(v.copy_to_host(), refs.heat_exact(u0, 12, 0.25), rtol=1e-12, atol=1e-14)
 
 
 def test_a_step_that_cannot_stream_is_refused_when_its_field_does_not_fit(rng, small_chip):

@@ -253,11 +253,18 @@ def test_rounds_of_steps_in_tile_mode_equal_the_grid_scope_bit_for_bit(cap, bloc
 def test_unwritten_cells_and_different_buffers_in_rounds(cap, blocks, rng, depth_cap):
     # cells a step skips keep the other buffer's value, and the two buffers start different:
     # the halo must carry both buffers of the pair
-    from test_tile_rounds import uneven_ref, uneven_step
     depth_cap(cap)
+    run, _ = _uneven_in_tile_mode(30011, 1001, blocks, rng)
+    assert run.steps_per_exchange > 1
+
+
+def _uneven_in_tile_mode(n, steps, blocks, rng):
+    """test_tile_rounds.uneven_step (cells a step skips, buffers that start different) in tile
+    mode and in the grid scope: bit for bit equal, and within rounding of the float64
+    reference. Returns the tile run and the kernel."""
+    from test_tile_rounds import uneven_ref, uneven_step
     cuda = _cuda()
     k = lk.megakernel(uneven_step, swap=[("u", "v")])
-    n, steps = 30011, 1001
     u0, v0, w = rng.random(n), rng.random(n), rng.random(n)
     out = {}
     for scope in ("tile", "grid"):
@@ -265,12 +272,12 @@ def test_unwritten_cells_and_different_buffers_in_rounds(cap, blocks, rng, depth
         run = k(u, v, cuda.to_device(w), 0.2, steps=steps, backend="cuda", scope=scope,
                 blocks=blocks if scope == "tile" else None)
         out[scope] = (u.copy_to_host(), v.copy_to_host(), run)
-    assert out["tile"][2].steps_per_exchange > 1
     np.testing.assert_array_equal(out["tile"][0], out["grid"][0])
     np.testing.assert_array_equal(out["tile"][1], out["grid"][1])
     ru, rv = uneven_ref(u0, v0, w, 0.2, steps)
     np.testing.assert_allclose(out["tile"][0], ru, rtol=1e-9, atol=1e-12)
     np.testing.assert_allclose(out["tile"][1], rv, rtol=1e-9, atol=1e-12)
+    return out["tile"][2], k
 
 
 @pytest.mark.parametrize("blocks", [17, None])
@@ -427,21 +434,7 @@ def test_a_streamed_field_equals_the_grid_scope_bit_for_bit(n, blocks, rng):
 
 
 def test_streamed_unwritten_cells_in_float64(rng):
-    from test_tile_rounds import uneven_ref, uneven_step
-    cuda = _cuda()
-    k = lk.megakernel(uneven_step, swap=[("u", "v")])
-    n, steps = 3_000_017, 101
-    u0, v0, w = rng.random(n), rng.random(n), rng.random(n)
-    out = {}
-    for scope in ("tile", "grid"):
-        u, v = cuda.to_device(u0), cuda.to_device(v0)
-        k(u, v, cuda.to_device(w), 0.2, steps=steps, backend="cuda", scope=scope)
-        out[scope] = (u.copy_to_host(), v.copy_to_host())
-    np.testing.assert_array_equal(out["tile"][0], out["grid"][0])
-    np.testing.assert_array_equal(out["tile"][1], out["grid"][1])
-    ru, rv = uneven_ref(u0, v0, w, 0.2, steps)
-    np.testing.assert_allclose(out["tile"][0], ru, rtol=1e-9, atol=1e-12)
-    np.testing.assert_allclose(out["tile"][1], rv, rtol=1e-9, atol=1e-12)
+    _, k = _uneven_in_tile_mode(3_000_017, 101, None, rng)
     assert _tile_config(k).tiles >= 1
 
 
