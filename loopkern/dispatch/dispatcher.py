@@ -233,7 +233,10 @@ class Dispatcher:
         if o.scope == "auto" and scope in ("grid", "block") and self._auto_tile(work, o, sim):
             try:
                 return self._make_tile_plan(argv, run_values, float_type, o, sim)
-            except LaunchError as exc:          # the tiles do not fit on this device: the grid scope
+            except (LaunchError, ArgumentError) as exc:
+                # the tiles do not fit on this device, or the swap pairs' arrays differ in shape
+                # or dtype (tile mode keeps them in one shared array): the grid scope, whose own
+                # checks report any argument that is wrong for every scope
                 log.debug("loopkern: scope='auto' for step '%s' keeps the grid scope: %s", spec.name, exc)
         if self.warp_split:
             work *= WARP            # a warp per iteration of its few-iteration loop (see warpsplit.py)
