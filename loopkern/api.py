@@ -49,17 +49,36 @@ class MegaKernel:
         return f"<loopkern.MegaKernel {self.spec.name}{self.dispatcher.signature}>"
 
     # -- inspection ------------------------------------------------------------------------
-    def source(self, backend: str = "cuda", scope: str = "grid") -> str:
+    def source(self, backend: str = "cuda", scope: str = "grid", *, steps_per_exchange: int = 1,
+               tiles_per_block: int = 0) -> str:
         """The generated kernel source for ``backend`` ("cuda" or "cpu") and ``scope`` ("grid",
         "block", "thread", or "tile" / "cluster" for the CUDA backend: ArgumentError if the
-        step is not a stencil that tile mode can keep on chip)."""
+        step is not a stencil that tile mode can keep on chip).
+
+        For ``scope="tile"``, ``steps_per_exchange`` above 1 shows the kernel that runs that
+        many steps on chip per exchange of edge cells, and ``tiles_per_block`` above 0 the one
+        that streams a field too large for the chip (a call picks both from the field's size:
+        ``run.steps_per_exchange``); ArgumentError if the step cannot run that way."""
         check_choice("backend", backend, ("cuda", "cpu"))
         check_choice("scope", scope, ("grid", "block", "thread", "tile", "cluster"))
+        for name, value, least in (("steps_per_exchange", steps_per_exchange, 1),
+                                   ("tiles_per_block", tiles_per_block, 0)):
+            if type(value) is not int or value < least:
+                raise ArgumentError(f"{name} must be an integer of at least {least}, got {value!r}")
+        if (steps_per_exchange > 1 or tiles_per_block) and scope != "tile":
+            raise ArgumentError(f"steps_per_exchange and tiles_per_block are for scope='tile', not {scope!r}")
         if scope in ("tile", "cluster"):
             if backend != "cuda":
                 raise ArgumentError(f"scope='{scope}' exists for the CUDA backend only")
-            return codegen.render_kernel(self.spec, "cuda", "grid", fingerprint="",
-                                         tile=self.dispatcher.tile_stencil(scope), cluster=scope == "cluster").text
+            tile = self.dispatcher.tile_stencil(scope)
+            if (steps_per_exchange > 1 or tiles_per_block) and not self.dispatcher.fused_steps:
+                from .stencil import fused_steps_refusal
+                why = fused_steps_refusal(self.spec, tile)
+                raise ArgumentError(f"step '{self.spec.name}' runs one step per exchange in tile mode and cannot "
+                                    f"stream its field: {why.reason} ({self.spec.filename}:{why.line})")
+            return codegen.render_kernel(self.spec, "cuda", "grid", fingerprint="", tile=tile,
+                                         cluster=scope == "cluster", depth=steps_per_exchange,
+                                         tiles=tiles_per_block).text
         check_thread_scope(self.spec, scope)
         return codegen.render_kernel(self.spec, backend, scope, fingerprint="").text
 

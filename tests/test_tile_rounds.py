@@ -327,3 +327,18 @@ def test_the_stream_layout_rule(monkeypatch):
     assert config.tile_layout(100, (1, 1), 16, None, True, False) == (1, 0)      # cannot stream
     # rows so wide that a streamed tile holds too few steps per round: not streamed
     assert config.tile_layout(100, (1, 1), 160, None, True, True) == (1, 0)
+
+
+def test_the_source_of_each_tile_kernel():
+    from loopkern.errors import ArgumentError
+    k = lk.megakernel(W.heat_step, swap=[("u", "v")])
+    assert "steps per halo exchange" not in k.source(scope="tile")
+    assert "8 steps per halo exchange" in k.source(scope="tile", steps_per_exchange=8)
+    assert "streamed: 3 tiles per block" in k.source(scope="tile", steps_per_exchange=4, tiles_per_block=3)
+    with pytest.raises(ArgumentError, match="steps_per_exchange must be an integer of at least 1"):
+        k.source(scope="tile", steps_per_exchange=0)
+    with pytest.raises(ArgumentError, match="are for scope='tile'"):
+        k.source(scope="grid", steps_per_exchange=4)
+    p = lk.megakernel(probe_step, swap=[("u", "v")])
+    with pytest.raises(ArgumentError, match="writes 'hist', which is not in a swap pair"):
+        p.source(scope="tile", steps_per_exchange=4)
