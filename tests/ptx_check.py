@@ -142,6 +142,26 @@ for name, fn, swap, args in (("heat", W.heat_step, [("u", "v")], [np.zeros(8, f3
             rec.update(ok=False, error=f"{type(exc).__name__}: {exc}"[:2000])
         print(json.dumps(rec), flush=True)
 
+# tile mode with several steps per exchange, the field on chip (heat_rounds) or streamed
+# (heat_stream, heat2d_stream): the kernels take the halo scratch last
+import test_tile as TT  # noqa: E402
+
+for name, fn, arr, depth, tiles in (("heat_rounds", W.heat_step, np.zeros(8, f32), 8, 0),
+                                    ("heat_stream", W.heat_step, np.zeros(8, f32), 4, 3),
+                                    ("heat2d_stream", TT.heat2d_step, np.zeros((4, 4), f32), 4, 2)):
+    k = lk.megakernel(fn, swap=[("u", "v")])
+    sig = (types.int64, types.int64, typeof(arr), typeof(arr), scalar_type(f32(0.25)), *SCRATCH, types.uint64,
+           types.int64[::1], types.int64[::1], types.float32[::1])
+    rec = dict(kernel=name, scope="tile", by_ref=False, debug=False, staged=False, atomics=False, index_bits=None)
+    try:
+        src = codegen.render_kernel(k.spec, "cuda", "grid", cache=False, tile=find_stencil(k.spec), depth=depth,
+                                    tiles=tiles)
+        ptx, _ = cuda.compile_ptx(compile_kernel(src).dispatcher.py_func, sig, cc=(9, 0))
+        rec.update(ok=True, **measure(ptx))
+    except Exception as exc:
+        rec.update(ok=False, error=f"{type(exc).__name__}: {exc}"[:2000])
+    print(json.dumps(rec), flush=True)
+
 # derived steps (loopkern/tangent.py, loopkern/adjoint.py): tangent and adjoint kernels with
 # lk.random draws named by site, lk.sum reductions and their adjoints, scratch versions of
 # arrays, lk.atomic.add scatters, unrolled inner loops, a dropped condition, a segment sweep
