@@ -296,13 +296,18 @@ class Dispatcher:
                          simulator=sim), run_values
 
     @functools.cached_property
+    def stencil(self):
+        """The step's :class:`~loopkern.stencil.Stencil`, or the
+        :class:`~loopkern.stencil.NotStencil` saying why it is not one (analysed once)."""
+        from ..stencil import find_stencil
+        return find_stencil(self.spec)
+
+    @functools.cached_property
     def fused_steps(self) -> bool:
         """Whether tile mode may run several steps per halo exchange (see
         ``stencil.fused_steps_refusal``)."""
-        from ..stencil import Stencil, find_stencil, fused_steps_refusal
-        st = self.__dict__.get("_stencil")
-        if st is None:
-            st = self._stencil = find_stencil(self.spec)
+        from ..stencil import Stencil, fused_steps_refusal
+        st = self.stencil
         return isinstance(st, Stencil) and fused_steps_refusal(self.spec, st) is None
 
     @functools.cached_property
@@ -328,11 +333,9 @@ class Dispatcher:
     def tile_stencil(self, scope: str = "tile"):
         """The step's stencil for ``scope="tile"`` or ``"cluster"`` (ArgumentError, naming
         ``scope``, when tile mode cannot run it)."""
-        from ..stencil import Stencil, find_stencil
+        from ..stencil import Stencil
         spec = self.spec
-        st = self.__dict__.get("_stencil")
-        if st is None:
-            st = self._stencil = find_stencil(spec)
+        st = self.stencil
         where = f"{spec.filename}:{getattr(st, 'line', spec.lineno)}"
         if not isinstance(st, Stencil):
             raise ArgumentError(f"scope='{scope}': step '{spec.name}' is not a stencil ({where}: {st.reason}); "
