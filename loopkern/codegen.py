@@ -1187,9 +1187,10 @@ def _tile_lines(tile, kparams, resident, written, sync: str = "grid") -> tuple[l
     (commit 5595242 has it).
     """
     (hl, hr) = tile.halo[0]
-    two = tile.ndim == 2
+    tt = _TileText(tile, kparams, resident, 1)
+    cells, at = tt.cells, tt.at
     k0 = kparams[resident[0]]
-    i1, i2, i3 = _INDENT, _INDENT * 2, _INDENT * 3
+    i1, i2 = _INDENT, _INDENT * 2
     pro = [f"{i1}{_P}n = {k0}.shape[0]",
            f"{i1}{_P}T = ({_P}n + cuda.gridDim.x - 1) // cuda.gridDim.x",
            f"{i1}{_P}tlo = min(cuda.blockIdx.x * {_P}T, {_P}n)",
@@ -1198,57 +1199,35 @@ def _tile_lines(tile, kparams, resident, written, sync: str = "grid") -> tuple[l
            f"{i1}{_P}W = {_P}T + {hl + hr}",
            f"{i1}{_P}btid = cuda.threadIdx.x",
            f"{i1}{_P}bnt = cuda.blockDim.x",
-           f"{i1}{_P}m = {k0}.shape[1]" if two else f"{i1}{_P}m = 1",
+           f"{i1}{_P}m = {k0}.shape[1]" if tt.two else f"{i1}{_P}m = 1",
            f"{i1}{_P}sh = cuda.shared.array(0, {k0}.dtype)"]
-
-    def cells(depth, head, guard, body):
-        """Lines running ``body`` (statements using _lk_c, the cell or row of the array, and
-        _lk_j, the column) for each row or cell that ``head`` (a for over _lk_r) and ``guard``
-        (a condition on _lk_c) select, the block's threads sharing the work."""
-        ind = _INDENT * depth
-        if two:
-            return [f"{ind}for {_P}r in {head}:", f"{ind}{_INDENT}{_P}c = {guard[0]}",
-                    f"{ind}{_INDENT}if {guard[1]}:",
-                    f"{ind}{_INDENT * 2}for {_P}j in range({_P}btid, {_P}m, {_P}bnt):"] + \
-                [f"{ind}{_INDENT * 3}{b}" for b in body]
-        return [f"{ind}for {_P}r in {head.replace('range(', f'range({_P}btid, ', 1).replace(')', f', {_P}bnt)', 1)}:",
-                f"{ind}{_INDENT}{_P}c = {guard[0]}", f"{ind}{_INDENT}if {guard[1]}:"] + \
-            [f"{ind}{_INDENT * 2}{b}" for b in body]
-
-    def at(name, row):
-        return f"{name}[{row}, {_P}j]" if two else f"{name}[{row}]"
     for j, i in enumerate(resident):
         pro.append(f"{i1}{_P}w{i} = {_P}rt.tile_like({_P}sh, {j} * {_P}W * {_P}m, {_P}W * {_P}m, {kparams[i]})")
-        pro += cells(1, f"range({_P}W)", (f"{_P}tb + {_P}r", f"0 <= {_P}c < {_P}n"),
+        pro += cells(1, f"{_P}W", f"{_P}tb + {_P}r", f"0 <= {_P}c < {_P}n",
                      [f"{at(f'{_P}w{i}', f'{_P}r')} = {at(kparams[i], f'{_P}c')}"])
         pro.append(f"{i1}{_P}e{i} = {kparams[i]}")
     pro.append(f"{i1}cuda.syncthreads()")
     bar = ["cuda.syncthreads()"]
     if hl + hr and written:
-        bar += cells(
-            0, f"range({hl + hr})",
-            (f"{_P}tlo + {_P}r if {_P}r < {hr} else {_P}thi - {hl} + ({_P}r - {hr})",
-             f"{_P}tlo <= {_P}c < {_P}thi"),
-            [f"{at(f'{_P}e{i}', f'{_P}c')} = {at(f'{_P}w{i}', f'{_P}c - {_P}tb')}" for i in written])
+        bar += cells(0, hl + hr, f"{_P}tlo + {_P}r if {_P}r < {hr} else {_P}thi - {hl} + ({_P}r - {hr})",
+                     f"{_P}tlo <= {_P}c < {_P}thi",
+                     [f"{at(f'{_P}e{i}', f'{_P}c')} = {at(f'{_P}w{i}', f'{_P}c - {_P}tb')}" for i in written])
     bar.append(f"{_P}rt.{sync}_sync({_P}bar)")
     if hl + hr and written:
-        bar += cells(
-            0, f"range({hl + hr})",
-            (f"{_P}tb + {_P}r if {_P}r < {hl} else {_P}thi + ({_P}r - {hl})",
-             f"0 <= {_P}c < {_P}n and not ({_P}tlo <= {_P}c < {_P}thi)"),
-            [f"{at(f'{_P}w{i}', f'{_P}c - {_P}tb')} = {at(f'{_P}e{i}', f'{_P}c')}" for i in written])
+        bar += cells(0, hl + hr, f"{_P}tb + {_P}r if {_P}r < {hl} else {_P}thi + ({_P}r - {hl})",
+                     f"0 <= {_P}c < {_P}n and not ({_P}tlo <= {_P}c < {_P}thi)",
+                     [f"{at(f'{_P}w{i}', f'{_P}c - {_P}tb')} = {at(f'{_P}e{i}', f'{_P}c')}" for i in written])
         bar.append("cuda.syncthreads()")
     barrier = ("\n" + i2).join(bar)
-    copy_back = [f"{i1}cuda.syncthreads()"]
-    copy_back += cells(1, f"range({_P}thi - {_P}tlo)", (f"{_P}tlo + {_P}r", "True"),
-                       [f"{at(kparams[i], f'{_P}c')} = {at(f'{_P}w{i}', f'{_P}c - {_P}tb')}" for i in resident])
+    copy_back = [f"{i1}cuda.syncthreads()"] + tt.copy_rows(1, f"{_P}thi - {_P}tlo", f"{_P}tlo + {_P}r", "True",
+                                                          to_shared=False)
     return pro, barrier, copy_back
 
 
 class _TileText:
     """Lines that move a tile's rows (cells in 1-D, rows in 2-D) between shared memory, the
-    user's arrays and the halo scratch, for the kernels that run several steps per halo
-    exchange (``_tile_round_lines``, ``_tile_stream_lines``).
+    user's arrays and the halo scratch, for the tile-mode kernels (``_tile_lines`` with
+    ``depth`` 1, ``_tile_round_lines``, ``_tile_stream_lines``).
 
     A tile is rows ``[tlo, thi)`` of the first dimension; its shared copy of array ``i``
     (``_lk_w<i>``) holds rows ``[tb, tb + W)``, ``tb = tlo - depth * halo_lo``. Its slots in
