@@ -327,6 +327,14 @@ STREAM_TILE_BYTES = 96 * 1024
 STREAM_MIN_DEPTH = 4
 
 
+def _resident_candidates(first: int | None) -> list[int]:
+    """The block counts a tile-mode grid whose tiles stay on chip tries, in order: ``first``
+    (``first_tile_blocks``) when it is below one block per SM, then one, two, four and eight
+    per SM."""
+    per_sm = [_sm_count() * k for k in TILE_BLOCKS_PER_SM]
+    return ([first] if first is not None and first < per_sm[0] else []) + per_sm
+
+
 def _shared_room(simulator: bool) -> tuple[int, int]:
     """(bytes of dynamic shared memory a block may have, bytes an SM holds for its blocks)."""
     if simulator:
@@ -370,7 +378,7 @@ def tile_layout(n: int, halo: tuple, cell_bytes: int, blocks: int | None, simula
     if simulator:
         candidates = [first]
     else:
-        candidates = [blocks] if blocks is not None else sorted({first} | {_sm_count() * k for k in TILE_BLOCKS_PER_SM})
+        candidates = [blocks] if blocks is not None else _resident_candidates(first)
     for b in candidates:
         depth = tile_depth(n, halo, b)
         if _fits(cell_bytes * (-(-n // b) + depth * sum(halo)), b, room, simulator):
@@ -471,9 +479,7 @@ def tile_config(kernel, n: int, cell_bytes: int, halo: tuple, threads: int | Non
     elif cluster:
         candidates = [driver.CLUSTER_MAX, driver.CLUSTER_PORTABLE_MAX, 4, 2, 1]
     else:
-        candidates = [_sm_count() * k for k in TILE_BLOCKS_PER_SM]
-        if first is not None and first < candidates[0]:
-            candidates.insert(0, first)
+        candidates = _resident_candidates(first)
     why = []
     for b in candidates:
         if b < 1:
