@@ -1,5 +1,6 @@
 """One heat run for Nsight Compute:
 ``ncu --clock-control none python bench/ncu_heat.py N STEPS SCOPE [nopoll] [blocks=B] [threads=T] [bits=numba|64|32] [time=1]``
+(``N``: elements of 1-D heat, or ``ROWSxCOLS`` for 2-D heat)
 (``bits``: force the element-access lowering, see ``codegen.render_kernel``'s ``index_bits``).
 
 Runs the bench's heat kernel once (compile) and once more (the profiled launch) on N float32
@@ -13,7 +14,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import bench  # noqa: E402
 
-n, steps, scope = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+n, steps, scope = (0 if "x" in sys.argv[1] else int(sys.argv[1])), int(sys.argv[2]), sys.argv[3]
 extra = sys.argv[4:]
 control = "nopoll" not in extra                # nopoll: without the per-step poll
 opts = dict(a.split("=", 1) for a in extra if "=" in a)
@@ -24,11 +25,18 @@ if "bits" in opts:
     from loopkern.dispatch import dispatcher
     forced = None if opts["bits"] == "numba" else int(opts["bits"])
     dispatcher.index_bits_for = lambda sizes, debug, staged: forced
-k = bench.heat_kernel()
-u0 = np.random.default_rng(0).random(n).astype(np.float32)
+if "x" in sys.argv[1]:
+    # a 2-D field: N is ROWSxCOLS (bench/heat2d.py's kernel)
+    from bench.heat2d import ALPHA2 as alpha
+    from bench.heat2d import heat2d_kernel
+    shape = tuple(int(x) for x in sys.argv[1].split("x"))
+    k = heat2d_kernel()
+else:
+    shape, k, alpha = (n,), bench.heat_kernel(), bench.ALPHA
+u0 = np.random.default_rng(0).random(shape).astype(np.float32)
 u, v = bench.on_device(True, u0), bench.on_device(True, u0)
 for _ in range(2):
-    r = k(u, v, bench.ALPHA, steps=steps, backend="cuda", scope=scope, blocks=blocks, threads=threads, _control=control)
+    r = k(u, v, alpha, steps=steps, backend="cuda", scope=scope, blocks=blocks, threads=threads, _control=control)
 print(r)
 if opts.get("time") == "1":
     # outside ncu: the median µs per step of five more runs of this kernel
@@ -37,7 +45,7 @@ if opts.get("time") == "1":
     times = []
     for _ in range(5):
         t0 = time.perf_counter()
-        k(u, v, bench.ALPHA, steps=steps, backend="cuda", scope=scope, blocks=blocks, threads=threads, _control=control)
+        k(u, v, alpha, steps=steps, backend="cuda", scope=scope, blocks=blocks, threads=threads, _control=control)
         times.append((time.perf_counter() - t0) / steps * 1e6)
-    print(f"n={n} scope={scope} blocks={r.blocks} threads={r.threads} bits={opts.get('bits', 'auto')}: "
+    print(f"n={sys.argv[1]} scope={scope} blocks={r.blocks} threads={r.threads} bits={opts.get('bits', 'auto')}: "
           f"{statistics.median(times):.3f} us/step (median of 5 runs of {steps} steps)")

@@ -844,8 +844,8 @@ def render_kernel(spec: StepSpec, backend: str, scope: str = "grid", *, cache: b
     if tile is not None:
         if not hasattr(tile, "halo"):
             raise ValueError(f"tile mode needs a stencil; the step is not a stencil: {tile}")
-        if backend != "cuda" or scope != "grid" or debug or staged or by_ref is not None or index_bits is not None:
-            raise ValueError("tile mode is for CUDA grid-scope kernels without debug, staging, by_ref or index_bits")
+        if backend != "cuda" or scope != "grid" or debug or staged or index_bits is not None:
+            raise ValueError("tile mode is for CUDA grid-scope kernels without debug, staging or index_bits")
         if tile.ndim not in (1, 2) or tile.periodic[0]:
             raise ValueError("tile mode covers one- and two-dimensional stencils that do not wrap around along "
                              "the first dimension")

@@ -146,16 +146,23 @@ for name, fn, swap, args in (("heat", W.heat_step, [("u", "v")], [np.zeros(8, f3
 # (heat_stream, heat2d_stream): the kernels take the halo scratch last
 import test_tile as TT  # noqa: E402
 
-for name, fn, arr, depth, tiles in (("heat_rounds", W.heat_step, np.zeros(8, f32), 8, 0),
-                                    ("heat_stream", W.heat_step, np.zeros(8, f32), 4, 3),
-                                    ("heat2d_stream", TT.heat2d_step, np.zeros((4, 4), f32), 4, 2)):
+# (by_ref: kernel.jax's form, the step count, start, seed and scalars in device arrays)
+for name, fn, arr, depth, tiles, by_ref in (("heat_rounds", W.heat_step, np.zeros(8, f32), 8, 0, False),
+                                            ("heat_stream", W.heat_step, np.zeros(8, f32), 4, 3, False),
+                                            ("heat2d_stream", TT.heat2d_step, np.zeros((4, 4), f32), 4, 2, False),
+                                            ("heat_rounds", W.heat_step, np.zeros(8, f32), 8, 0, True),
+                                            ("heat_stream", W.heat_step, np.zeros(8, f32), 4, 3, True)):
     k = lk.megakernel(fn, swap=[("u", "v")])
-    sig = (types.int64, types.int64, typeof(arr), typeof(arr), scalar_type(f32(0.25)), *SCRATCH, types.uint64,
-           types.int64[::1], types.int64[::1], types.float32[::1])
-    rec = dict(kernel=name, scope="tile", by_ref=False, debug=False, staged=False, atomics=False, index_bits=None)
+    if by_ref:
+        sig = (types.int64[::1], types.int64[::1], typeof(arr), typeof(arr), types.float32[::1], *SCRATCH,
+               types.uint32[::1], types.int64[::1], types.int64[::1], types.float32[::1])
+    else:
+        sig = (types.int64, types.int64, typeof(arr), typeof(arr), scalar_type(f32(0.25)), *SCRATCH, types.uint64,
+               types.int64[::1], types.int64[::1], types.float32[::1])
+    rec = dict(kernel=name, scope="tile", by_ref=by_ref, debug=False, staged=False, atomics=False, index_bits=None)
     try:
         src = codegen.render_kernel(k.spec, "cuda", "grid", cache=False, tile=find_stencil(k.spec), depth=depth,
-                                    tiles=tiles)
+                                    tiles=tiles, by_ref=frozenset({2}) if by_ref else None)
         ptx, _ = cuda.compile_ptx(compile_kernel(src).dispatcher.py_func, sig, cc=(9, 0))
         rec.update(ok=True, **measure(ptx))
     except Exception as exc:

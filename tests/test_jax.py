@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 import loopkern as lk
+from loopkern.dispatch.dispatcher import Dispatcher
 import refs
 import workloads as W
 
@@ -16,6 +17,7 @@ jnp = jax.numpy
 HEAT = lk.megakernel(W.heat_step, swap=[("u", "v")])
 JACOBI = lk.megakernel(W.jacobi_step, swap=[("u", "v")])
 SHIFT = lk.megakernel(refs.shift_step, swap=[("u", "v")])
+_AUTO_TILE = Dispatcher.auto_tile
 
 
 def jax_heat(u, steps, alpha):
@@ -359,7 +361,9 @@ import types  # noqa: E402
 @pytest.fixture
 def as_if_cuda(monkeypatch):
     """kernel.jax builds its CUDA call here (nothing is launched); the kernels' call caches
-    are emptied before and after, so no entry with a fake handle outlives the test."""
+    are emptied before and after, so no entry with a fake handle outlives the test.
+    ``scope="auto"`` resolves as without tile mode here (its calls need the device's answers:
+    ``cached_tile_device``)."""
     from numba import cuda
 
     from loopkern import compile as lk_compile
@@ -377,6 +381,7 @@ def as_if_cuda(monkeypatch):
     monkeypatch.setattr(lk_config, "cuda_config", fake_config)
     monkeypatch.setattr(jax_bridge, "_platform", lambda mk, arrays, backend: "cuda")
     monkeypatch.setattr(cuda, "get_current_device", lambda: types.SimpleNamespace(id=0, compute_capability=(9, 0)))
+    monkeypatch.setattr(Dispatcher, "auto_tile", lambda self, work, debug, sim: False)
     kernels = (HEAT, JACOBI, SHIFT)
     for k in kernels:
         jax_bridge.call_cache(k).clear()
@@ -446,7 +451,7 @@ def test_a_cubin_on_disk_is_launched_without_compiling(as_if_cuda, monkeypatch):
         return lk_compile.CachedCubin(b"CUBIN", "entry_fn", 640)
     monkeypatch.setattr(lk_compile, "load_cubin", load)
     monkeypatch.setattr(xla_ffi, "register_image", lambda image, entry: seen.update(image=(image, entry)) or 0x777)
-    monkeypatch.setattr(xla_ffi, "function_limits", lambda dev, image_id, threads=0, shared=0: (512, 7 * threads))
+    monkeypatch.setattr(xla_ffi, "function_limits", lambda dev, image_id, threads=0, shared=0: (512, 7 * threads, 0))
     monkeypatch.setattr(lk_compile.CompiledKernel, "load_for_ffi", lambda *a, **k: pytest.fail("Numba compiled"))
     fake = lk_config.cuda_config
 
@@ -463,6 +468,94 @@ def test_a_cubin_on_disk_is_launched_without_compiling(as_if_cuda, monkeypatch):
     jax.jit(lambda a, b: SHIFT.jax(a, b, steps=10, scope="grid")).trace(
         jnp.zeros(4096, jnp.float32), jnp.ones(4096, jnp.float32)).lower(lowering_platforms=("cuda",))
     assert len(keys) == 2 and keys[0] != keys[1]
+
+
+@pytest.fixture
+def cached_tile_device(as_if_cuda, monkeypatch):
+    """kernel.jax builds a CUDA call from cubins 'on disk' for an H200-like device (132 SMs,
+    227 KiB of shared memory a block may opt in to): the driver's answers come through the shim
+    (faked), Numba compiles nothing. Yields what was seen: the kernel sources asked for and the
+    occupancy queries (threads, dynamic shared memory). The grid scope's sizing is
+    ``as_if_cuda``'s (132 blocks, no shared memory)."""
+    from loopkern import compile as lk_compile
+    from loopkern.interop import xla_ffi
+
+    seen = dict(queries=[])
+
+    def limits(dev, image_id, threads=0, shared=0):
+        seen["queries"].append((threads, shared))
+        return 1024, (132 if shared <= 200 * 1024 else 0) if threads else 0, 512
+    monkeypatch.setattr(lk_compile, "load_cubin", lambda key: lk_compile.CachedCubin(b"CUBIN", "entry_fn", 1024))
+    monkeypatch.setattr(xla_ffi, "register_image", lambda image, entry: 0x777)
+    monkeypatch.setattr(xla_ffi, "function_limits", limits)
+    monkeypatch.setattr(xla_ffi, "device_shared", lambda dev: (232448, 233472))
+    monkeypatch.setattr(lk_compile.CompiledKernel, "load_for_ffi", lambda *a, **k: pytest.fail("Numba compiled"))
+    monkeypatch.setattr(Dispatcher, "auto_tile", _AUTO_TILE)
+    yield seen
+
+
+def _custom_call(text):
+    """(the backend_config attributes, the result types) of the one custom call in ``text``."""
+    import re
+    attrs = re.search(r"mhlo\.backend_config = \{(.*?)\}", text).group(1)
+    line = next(ln for ln in text.splitlines() if "stablehlo.custom_call" in ln)
+    return attrs, re.findall(r"tensor<[^>]*>", line.rsplit("->", 1)[1])
+
+
+def test_kernel_jax_runs_tile_mode_with_its_shared_memory_and_halo_scratch(cached_tile_device):
+    """scope='tile' under kernel.jax: the custom call launches the rounds kernel cooperatively
+    with the tiles' dynamic shared memory and carries the halo scratch as one more result (4096
+    float32 cells of heat: 16 blocks of 256 cells, 32 steps per exchange, a halo 32 cells deep
+    on either side)."""
+    import re
+    f = jax.jit(lambda a, b: HEAT.jax(a, b, 0.25, steps=100, scope="tile"))
+    attrs, results = _custom_call(f.trace(jnp.zeros(4096, jnp.float32), jnp.zeros(4096, jnp.float32))
+                                  .lower(lowering_platforms=("cuda",)).as_text())
+    assert "cooperative = 1 : i64" in attrs and "blocks = 16 : i64" in attrs
+    assert f"shared = {2 * 4 * (256 + 64)} : i64" in attrs          # both buffers' tiles and halos
+    # the halo scratch after the control block: two parities x 16 blocks x (32 below + 32
+    # above) cells x both buffers
+    assert results[2:] == ["tensor<2x128xui8>", "tensor<2x128xui8>", "tensor<16xui8>", "tensor<18xui32>",
+                           f"tensor<{2 * 16 * 64 * 2}xf32>"]
+    layout = [int(x) for x in re.search(r"layout = dense<\[(.*?)\]>", attrs).group(1).split(", ")]
+    n_arrays = 2
+    assert layout[-5:] == [1, n_arrays + 4, 0, 0, 0]                # the halo: the kernel's last parameter
+    # the occupancy was asked with the tiles' shared memory (the shim allows it first)
+    assert any(shared == 2 * 4 * (256 + 64) for _, shared in cached_tile_device["queries"])
+
+
+def test_kernel_jax_auto_picks_tile_mode_as_a_direct_call_does(cached_tile_device):
+    """scope='auto' (the default) runs a 1-D stencil that allows rounds in tile mode under
+    kernel.jax too; a step that is not a stencil keeps the grid scope, and scope='tile' for it
+    is an ArgumentError naming the scope."""
+    f = jax.jit(lambda a, b: HEAT.jax(a, b, 0.25, steps=100))
+    attrs, results = _custom_call(f.trace(jnp.zeros(4096, jnp.float32), jnp.zeros(4096, jnp.float32))
+                                  .lower(lowering_platforms=("cuda",)).as_text())
+    assert "cooperative = 1 : i64" in attrs and "blocks = 16 : i64" in attrs and results[-1] == "tensor<4096xf32>"
+    assert len(results) == 7
+    logistic = lk.megakernel(W.logistic_step)
+    x = jnp.zeros(4096, jnp.float32)
+    attrs, results = _custom_call(jax.jit(lambda a: logistic.jax(a, 3.9, steps=10)).trace(x)
+                                  .lower(lowering_platforms=("cuda",)).as_text())
+    assert "shared = 0 : i64" in attrs and len(results) == 5 and results[-1] == "tensor<18xui32>"
+    with pytest.raises(lk.ArgumentError, match="scope='tile'.*not a stencil"):
+        logistic.jax(x, 3.9, steps=10, scope="tile")
+
+
+def test_kernel_jax_auto_keeps_its_scope_when_the_tiles_do_not_fit(cached_tile_device, monkeypatch):
+    """When no tile-mode grid can be co-resident (the driver says none fits), scope='auto'
+    falls back to the scope it resolves to without tiles, as a direct call does; scope='tile'
+    raises LaunchError."""
+    from loopkern.interop import xla_ffi
+    monkeypatch.setattr(xla_ffi, "function_limits",
+                        lambda dev, image_id, threads=0, shared=0: (1024, 0 if shared else 264, 512))
+    x = jnp.zeros(4096, jnp.float32)
+    attrs, results = _custom_call(jax.jit(lambda a, b: HEAT.jax(a, b, 0.25, steps=100)).trace(x, x)
+                                  .lower(lowering_platforms=("cuda",)).as_text())
+    # the scope "auto" resolves to without tiles: one block for 4096 cells, no halo scratch
+    assert "blocks = 1 : i64" in attrs and "cooperative = 0 : i64" in attrs and len(results) == 6
+    with pytest.raises(lk.LaunchError, match="scope='tile'"):
+        HEAT.jax(x, x, 0.25, steps=100, scope="tile")
 
 
 def test_cubins_on_disk_round_trip_and_a_damaged_one_is_a_miss(monkeypatch, tmp_path):
@@ -560,8 +653,11 @@ int cuCtxPushCurrent_v2(void* c) {
 int cuCtxPopCurrent_v2(void** c) { logl_("pop;"); fake_depth--; *c = (void*)current; current = 0; return 0; }
 int cuCtxGetDevice(int* d) { *d = (int)((current - 0x15157) / 0x1000); return 0; }
 int cuCtxGetCurrent(void** c) { *c = (void*)current; return 0; }
-int cuFuncGetAttribute(int* v, int a, void* f) { (void)f; *v = a == 0 ? 768 : -1; return 0; }
-int cuDeviceGetAttribute(int* v, int a, int d) { *v = a == 16 ? 4 >> d : -1; return 0; }
+int cuFuncGetAttribute(int* v, int a, void* f) { (void)f; *v = a == 0 ? 768 : a == 1 ? 256 : -1; return 0; }
+int cuDeviceGetAttribute(int* v, int a, int d) {
+  *v = a == 16 ? 4 >> d : a == 97 ? 232448 : a == 81 ? 233472 : -1;
+  return 0;
+}
 int cuModuleLoadData(void** m, const void* i) {
   char b[64]; snprintf(b, sizeof b, "load(%.16s);", (const char*)i); logl_(b);
   if (!strncmp((const char*)i, "BAD", 3)) return 209;
@@ -823,14 +919,22 @@ int main(void) {
 
   /* without Numba: the current device (no current context: device 0) and a function's limits
      in a device's primary context (device 1: 2 SMs, 2 blocks of up to 64 threads each) */
-  int devno = -1, major = 0, minor = 0, sms = 0, most = 0;
+  int devno = -1, major = 0, minor = 0, sms = 0, most = 0, stat = -1, optin = 0, per_sm = 0;
   int64_t fit = -1;
   CHECK(lk_current_device(&devno, &major, &minor, &sms, err, sizeof err) == 0 && devno == 0 && sms == 4,
         "lk_current_device: %s (%d, %d SMs)", err, devno, sms);
-  CHECK(lk_function_limits(1, id, 64, 0, &most, &fit, err, sizeof err) == 0 && most == 768 && fit == 4,
-        "lk_function_limits: %s (%d, %lld)", err, most, (long long)fit);
-  CHECK(lk_function_limits(1, id, 0, 0, &most, &fit, err, sizeof err) == 0 && fit == 0, "no threads: %lld",
+  CHECK(lk_device_shared(1, &optin, &per_sm, err, sizeof err) == 0 && optin == 232448 && per_sm == 233472,
+        "lk_device_shared: %s (%d, %d)", err, optin, per_sm);
+  CHECK(lk_function_limits(1, id, 64, 0, &most, &fit, &stat, err, sizeof err) == 0 && most == 768 && fit == 4 &&
+        stat == 256, "lk_function_limits: %s (%d, %lld, %d)", err, most, (long long)fit, stat);
+  CHECK(lk_function_limits(1, id, 0, 0, &most, &fit, &stat, err, sizeof err) == 0 && fit == 0, "no threads: %lld",
         (long long)fit);
+  /* above the default 48 KiB the function is allowed the shared memory before the occupancy
+     query, which would not count the launch otherwise */
+  CHECK(lk_function_limits(1, id, 64, 120000, &most, &fit, &stat, err, sizeof err) == 0 &&
+        strstr(fake_loads, ",8,120000);") && strstr(fake_loads, ",64,120000);") &&
+        strstr(fake_loads, ",8,120000);") < strstr(fake_loads, ",64,120000);"),
+        "limits with 120000 bytes: %s / %s", err, fake_loads);
   CHECK(fake_depth == 0, "context stack depth %d after the queries", fake_depth);
 
   /* dynamic shared memory: passed to the launch and to the occupancy query; above 48 KiB the

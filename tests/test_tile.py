@@ -223,8 +223,6 @@ def test_jacobi_to_tolerance_in_tile_mode(scope, rng):
 
 
 def test_scope_auto_tries_tile_mode_for_one_dimensional_stencils_on_a_gpu():
-    from types import SimpleNamespace
-
     from loopkern.dispatch.config import AUTO_TILE_MIN_ELEMENTS
 
     def heat2d(t, u, v, a):
@@ -241,19 +239,19 @@ def test_scope_auto_tries_tile_mode_for_one_dimensional_stencils_on_a_gpu():
             probe[t % 4] = u[i]
 
     heat = lk.megakernel(W.heat_step, swap=[("u", "v")]).dispatcher
-    big, plain = AUTO_TILE_MIN_ELEMENTS, SimpleNamespace(debug=False)
-    assert heat._auto_tile(big, plain, sim=False)
+    big, plain = AUTO_TILE_MIN_ELEMENTS, False
+    assert heat.auto_tile(big, plain, sim=False)
     # several steps per exchange: tiles win at every size (rounds of steps, one barrier each)
-    assert heat.fused_steps and heat._auto_tile(100, plain, sim=False)
+    assert heat.fused_steps and heat.auto_tile(100, plain, sim=False)
     # one step per exchange: only large fields; below, the grid scope's barrier is cheaper
     one = lk.megakernel(probed, swap=[("u", "v")]).dispatcher
     assert not one.fused_steps
-    assert one._auto_tile(big, plain, sim=False)
-    assert not one._auto_tile(big - 1, plain, sim=False)
-    assert not heat._auto_tile(big, SimpleNamespace(debug=True), sim=False)  # no bounds-checked tile kernel
-    assert not heat._auto_tile(big, plain, sim=True)                       # the simulator runs one block
-    assert not lk.megakernel(heat2d, swap=[("u", "v")]).dispatcher._auto_tile(big, plain, sim=False)
-    assert not lk.megakernel(W.logistic_step).dispatcher._auto_tile(big, plain, sim=False)   # not a stencil
+    assert one.auto_tile(big, plain, sim=False)
+    assert not one.auto_tile(big - 1, plain, sim=False)
+    assert not heat.auto_tile(big, True, sim=False)  # no bounds-checked tile kernel
+    assert not heat.auto_tile(big, plain, sim=True)                       # the simulator runs one block
+    assert not lk.megakernel(heat2d, swap=[("u", "v")]).dispatcher.auto_tile(big, plain, sim=False)
+    assert not lk.megakernel(W.logistic_step).dispatcher.auto_tile(big, plain, sim=False)   # not a stencil
 
 
 def test_a_cluster_kernel_uses_the_cluster_barrier_everywhere():

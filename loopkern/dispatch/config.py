@@ -255,6 +255,29 @@ def _sm_count() -> int:
     return int(cuda.get_current_device().MULTIPROCESSOR_COUNT)
 
 
+@dataclass(frozen=True)
+class Chip:
+    """What tile mode sizes its tiles by: the device's SMs and shared memory.
+
+    Attributes:
+        sms: streaming multiprocessors.
+        block_shared: bytes of shared memory a block may opt in to.
+        sm_shared: bytes of shared memory an SM holds for its blocks.
+    """
+
+    sms: int
+    block_shared: int
+    sm_shared: int
+
+
+def numba_chip() -> Chip:
+    """The :class:`Chip` of Numba's current device."""
+    from numba import cuda
+    dev = cuda.get_current_device()
+    block = int(getattr(dev, "MAX_SHARED_MEMORY_PER_BLOCK_OPTIN", 48 * 1024))
+    return Chip(_sm_count(), block, int(getattr(dev, "MAX_SHARED_MEMORY_PER_MULTIPROCESSOR", block)))
+
+
 #: tile mode: threads per block (one block per SM holds few warps; H200, bench/tile_probe.py
 #: 2026-12-03, 132 blocks: heat 1M 2.80 µs/step at 512 threads, 3.23 at 256; 2M 3.63 and 4.34;
 #: 2-D heat 1024² 7.19 and 8.17; 4K and 64K within 0.07 µs)
@@ -292,17 +315,19 @@ def tile_depth(n: int, halo: tuple, blocks: int) -> int:
     return max(1, min(TILE_DEPTH_MAX, tile // (TILE_DEPTH_SPAN * width)))
 
 
-def first_tile_blocks(n: int, halo: tuple, blocks: int | None, simulator: bool, fused: bool) -> int:
+def first_tile_blocks(n: int, halo: tuple, blocks: int | None, simulator: bool, fused: bool,
+                      chip: Chip | None = None) -> int:
     """The block count tile mode tries first for ``n`` cells (rows): the one asked for; else
     one block per SM, or, when several steps may run per halo exchange (``fused``), fewer
     for a small field, each tile long enough for ``TILE_DEPTH_MAX`` steps per exchange (H200
     heat 4K, 16 steps per exchange: 33 blocks 0.26 µs/step, 132 blocks 0.26; 64K: 132 blocks
-    0.32, 33 blocks 0.49; bench-results/session16). The simulator runs one."""
+    0.32, 33 blocks 0.49; bench-results/session16). The simulator runs one. ``chip``: the
+    device's (Numba's current device's when not given)."""
     if blocks is not None:
         return blocks
     if simulator:
         return 1
-    most = _sm_count() * TILE_BLOCKS_PER_SM[0]
+    most = (chip or numba_chip()).sms * TILE_BLOCKS_PER_SM[0]
     if not fused:
         return most
     return max(1, min(most, n // (TILE_DEPTH_MAX * TILE_DEPTH_SPAN * max(sum(halo), 1))))
@@ -327,25 +352,22 @@ STREAM_TILE_BYTES = 96 * 1024
 STREAM_MIN_DEPTH = 4
 
 
-def _resident_candidates(first: int | None) -> list[int]:
+def _resident_candidates(first: int | None, chip: Chip) -> list[int]:
     """The block counts a tile-mode grid whose tiles stay on chip tries, in order: ``first``
     (``first_tile_blocks``) when it is below one block per SM, then one, two, four and eight
     per SM."""
-    per_sm = [_sm_count() * k for k in TILE_BLOCKS_PER_SM]
+    per_sm = [chip.sms * k for k in TILE_BLOCKS_PER_SM]
     return ([first] if first is not None and first < per_sm[0] else []) + per_sm
 
 
-def _shared_room(simulator: bool) -> tuple[int, int]:
+def _shared_room(simulator: bool, chip: Chip | None) -> tuple[int, int]:
     """(bytes of dynamic shared memory a block may have, bytes an SM holds for its blocks)."""
     if simulator:
         return SIMULATOR_SHARED_BYTES, SIMULATOR_SHARED_BYTES
-    from numba import cuda
-    dev = cuda.get_current_device()
-    block = int(getattr(dev, "MAX_SHARED_MEMORY_PER_BLOCK_OPTIN", 48 * 1024)) - TILE_STATIC_SHARED
-    return block, int(getattr(dev, "MAX_SHARED_MEMORY_PER_MULTIPROCESSOR", block + TILE_STATIC_SHARED))
+    return chip.block_shared - TILE_STATIC_SHARED, chip.sm_shared
 
 
-def _fits(shared: int, blocks: int, room: tuple[int, int], simulator: bool) -> bool:
+def _fits(shared: int, blocks: int, room: tuple[int, int], simulator: bool, chip: Chip | None) -> bool:
     """Whether ``blocks`` blocks of ``shared`` bytes each fit in a block's and, spread evenly
     over the SMs, in an SM's shared memory (with each block's static part and the 1 KiB the
     hardware keeps per block)."""
@@ -353,12 +375,12 @@ def _fits(shared: int, blocks: int, room: tuple[int, int], simulator: bool) -> b
         return False
     if simulator:
         return True
-    per_sm = -(-blocks // _sm_count())
+    per_sm = -(-blocks // chip.sms)
     return per_sm * (shared + TILE_STATIC_SHARED + 1024) <= room[1]
 
 
 def tile_layout(n: int, halo: tuple, cell_bytes: int, blocks: int | None, simulator: bool,
-                fused: bool) -> tuple[int, int]:
+                fused: bool, chip: Chip | None = None) -> tuple[int, int]:
     """(steps per halo exchange, tiles per block) of a tile-mode launch, chosen before its
     kernel is compiled (the kernel is specialised to both).
 
@@ -369,21 +391,24 @@ def tile_layout(n: int, halo: tuple, cell_bytes: int, blocks: int | None, simula
     memory. Otherwise, when several steps may run per exchange (``fused``), the field streams:
     ``STREAM_BLOCKS_PER_SM`` blocks per SM (or ``blocks``) each own the fewest tiles that fit
     in ``STREAM_TILE_BYTES``, if those tiles hold ``STREAM_MIN_DEPTH`` steps per round. (1, 0)
-    when neither holds (``tile_config`` then says why the tiles do not fit).
+    when neither holds (``tile_config`` then says why the tiles do not fit). ``chip``: the
+    device's (Numba's current device's when not given).
     """
     if not fused:
         return 1, 0
-    room = _shared_room(simulator)
-    first = first_tile_blocks(n, halo, blocks, simulator, fused)
+    if not simulator:
+        chip = chip or numba_chip()
+    room = _shared_room(simulator, chip)
+    first = first_tile_blocks(n, halo, blocks, simulator, fused, chip)
     if simulator:
         candidates = [first]
     else:
-        candidates = [blocks] if blocks is not None else _resident_candidates(first)
+        candidates = [blocks] if blocks is not None else _resident_candidates(first, chip)
     for b in candidates:
         depth = tile_depth(n, halo, b)
-        if _fits(cell_bytes * (-(-n // b) + depth * sum(halo)), b, room, simulator):
+        if _fits(cell_bytes * (-(-n // b) + depth * sum(halo)), b, room, simulator, chip):
             return depth, 0
-    nb = blocks if blocks is not None else 1 if simulator else _sm_count() * STREAM_BLOCKS_PER_SM
+    nb = blocks if blocks is not None else 1 if simulator else chip.sms * STREAM_BLOCKS_PER_SM
     budget = min(room[0], STREAM_TILE_BYTES)
     tiles = max(1, -(-n * cell_bytes // (nb * budget)))
     while True:
@@ -398,7 +423,7 @@ def tile_layout(n: int, halo: tuple, cell_bytes: int, blocks: int | None, simula
 
 def tile_config(kernel, n: int, cell_bytes: int, halo: tuple, threads: int | None, blocks: int | None,
                 simulator: bool, cluster: bool = False, depth: int = 1, halo_cell: int = 0,
-                first: int | None = None, tiles: int = 0) -> LaunchConfig:
+                first: int | None = None, tiles: int = 0, chip: Chip | None = None) -> LaunchConfig:
     """Blocks, threads and dynamic shared memory of a tile-mode launch (``scope="tile"``, or
     ``scope="cluster"`` with ``cluster``: the grid is one thread-block cluster).
 
@@ -415,7 +440,12 @@ def tile_config(kernel, n: int, cell_bytes: int, halo: tuple, threads: int | Non
     every resident array together). ``first``: a block count below one per SM to try first
     (``first_tile_blocks``). ``tiles`` above 0: each block streams that many tiles of
     ``ceil(n / (blocks * tiles))`` rows through its shared memory (``tile_layout`` chose the
-    block count: ``blocks``, else ``STREAM_BLOCKS_PER_SM`` per SM).
+    block count: ``blocks``, else ``STREAM_BLOCKS_PER_SM`` per SM). ``chip``: the device's
+    (Numba's current device's when not given).
+
+    ``kernel`` is a Numba kernel, or one that kernel.jax runs through the XLA FFI shim
+    (``via_ffi_shim`` true: the shim allows it its dynamic shared memory before each occupancy
+    query and launch, and no cluster launch goes that way).
 
     Raises:
         LaunchError: no block count fits (or the one asked for does not).
@@ -454,12 +484,14 @@ def tile_config(kernel, n: int, cell_bytes: int, halo: tuple, threads: int | Non
                               f"shared memory (the simulator is taken to have {SIMULATOR_SHARED_BYTES}); "
                               f"use scope='grid'")
         return made(1, shared_for(1))
-    from numba import cuda
-
-    from . import driver
-    dev = cuda.get_current_device()
-    func = driver.kernel_handle(kernel)
+    chip = chip or numba_chip()
+    shim = getattr(kernel, "via_ffi_shim", False)
     if cluster:
+        from numba import cuda
+
+        from . import driver
+        dev = cuda.get_current_device()
+        func = driver.kernel_handle(kernel)
         if tuple(dev.compute_capability) < (9, 0):
             raise LaunchError(f"scope='cluster' needs thread-block clusters (compute capability 9.0 or newer); "
                               f"this GPU has {dev.compute_capability[0]}.{dev.compute_capability[1]}: "
@@ -468,18 +500,21 @@ def tile_config(kernel, n: int, cell_bytes: int, halo: tuple, threads: int | Non
             raise LaunchError(f"blocks={blocks}: scope='cluster' runs one cluster of 1 to {driver.CLUSTER_MAX} "
                               f"blocks")
         driver.allow_large_clusters(func, int(dev.id))
-    max_shared = int(getattr(dev, "MAX_SHARED_MEMORY_PER_BLOCK_OPTIN", 48 * 1024)) - int(
-        getattr(kernel, "shared_mem_per_block", 0))
-    # above 48 KiB a kernel must opt in, before the occupancy query and the launch
-    driver.allow_dynamic_shared(func, max_shared, int(dev.id))
+    max_shared = chip.block_shared - int(getattr(kernel, "shared_mem_per_block", 0))
+    if not shim:
+        from numba import cuda
+
+        from . import driver
+        # above 48 KiB a kernel must opt in, before the occupancy query and the launch
+        driver.allow_dynamic_shared(driver.kernel_handle(kernel), max_shared, int(cuda.get_current_device().id))
     if blocks is not None:
         candidates = [blocks]
     elif tiles:
-        candidates = [_sm_count() * STREAM_BLOCKS_PER_SM]
+        candidates = [chip.sms * STREAM_BLOCKS_PER_SM]
     elif cluster:
         candidates = [driver.CLUSTER_MAX, driver.CLUSTER_PORTABLE_MAX, 4, 2, 1]
     else:
-        candidates = _resident_candidates(first)
+        candidates = _resident_candidates(first, chip)
     why = []
     for b in candidates:
         if b < 1:

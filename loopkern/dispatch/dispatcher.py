@@ -230,7 +230,7 @@ class Dispatcher:
         scope = resolve_scope(o.scope, work, spec.parallel, spec.light_elements)
         if scope in ("tile", "cluster"):
             return self._make_tile_plan(argv, run_values, float_type, o, sim, cluster=scope == "cluster")
-        if o.scope == "auto" and scope in ("grid", "block") and self._auto_tile(work, o, sim):
+        if o.scope == "auto" and scope in ("grid", "block") and self.auto_tile(work, o.debug, sim):
             try:
                 return self._make_tile_plan(argv, run_values, float_type, o, sim)
             except (LaunchError, ArgumentError) as exc:
@@ -252,13 +252,41 @@ class Dispatcher:
                          simulator=sim), run_values
 
     def _make_tile_plan(self, argv, run_values, float_type, o: Options, sim: bool, cluster: bool = False):
-        """The plan of a ``scope="tile"`` (or ``"cluster"``) call: the step must be a 1-D or 2-D
-        stencil whose swap pairs' arrays (kept on chip) share one shape and dtype
-        (ArgumentError otherwise)."""
+        """The plan of a ``scope="tile"`` (or ``"cluster"``) call (see :meth:`fit_tiles`)."""
+        spec = self.spec
+        if o.debug:
+            name = "cluster" if cluster else "tile"
+            raise ArgumentError(f"scope='{name}' has no bounds-checked kernel yet: run debug=True with scope='grid'")
+
+        def build(st, depth, tiles, with_halo):
+            compiled = self.kernels.get("cuda", "grid", control=o.control, float_type=float_type, tile=st,
+                                        cluster=cluster, depth=depth, tiles=tiles)
+            types = _cuda_param_types(compiled, argv)
+            check_types(spec, compiled, types, run_values)
+            halo = (types[spec.swap[0][0]].dtype,) if with_halo else ()
+            kernel = compiled.specialize_types(_cuda_kernel_types(types, False, halo))
+            return (compiled, kernel), kernel
+        (compiled, kernel), config = self.fit_tiles(argv, o.threads, o.blocks, sim, build, cluster=cluster)
+        return make_plan(spec, "cuda", argv, compiled, kernel, config, debug=False, staged=(),
+                         simulator=sim), run_values
+
+    def fit_tiles(self, argv, threads, blocks, sim: bool, build, cluster: bool = False, chip=None):
+        """Tile mode's kernel and grid for the arguments ``argv``: the step must be a 1-D or 2-D
+        stencil whose swap pairs' arrays (kept on chip) share one shape and dtype (ArgumentError
+        otherwise).
+
+        ``build(stencil, depth, tiles, with_halo)`` compiles the kernel for ``depth`` steps per
+        halo exchange and ``tiles`` tiles per block (``with_halo``: it takes the halo scratch
+        array last) and returns (what the caller keeps, the kernel for the occupancy query). When
+        the block count chosen for a depth cannot be co-resident, the depth halves, down to one.
+        ``chip``: the device's :class:`~loopkern.dispatch.config.Chip` (Numba's current device's
+        when not given).
+
+        Returns:
+            (what ``build`` returned to keep, the LaunchConfig).
+        """
         spec = self.spec
         name = "cluster" if cluster else "tile"
-        if o.debug:
-            raise ArgumentError(f"scope='{name}' has no bounds-checked kernel yet: run debug=True with scope='grid'")
         st = self.tile_stencil(name)
         resident = sorted(i for pair in spec.swap for i in pair)
         arrays = [argv[i] for i in resident]
@@ -272,28 +300,20 @@ class Dispatcher:
         row = math.prod(first.shape[1:])
         fused = not cluster and self.fused_steps
         cell_bytes = row * sum(a.dtype.itemsize for a in arrays)
-        blocks0 = first_tile_blocks(first.shape[0], st.halo[0], o.blocks, sim, fused)
-        depth, tiles = tile_layout(first.shape[0], st.halo[0], cell_bytes, o.blocks, sim, fused)
+        blocks0 = first_tile_blocks(first.shape[0], st.halo[0], blocks, sim, fused, chip)
+        depth, tiles = tile_layout(first.shape[0], st.halo[0], cell_bytes, blocks, sim, fused, chip)
         while True:
-            compiled = self.kernels.get("cuda", "grid", control=o.control, float_type=float_type, tile=st,
-                                        cluster=cluster, depth=depth, tiles=tiles)
-            types = _cuda_param_types(compiled, argv)
-            check_types(spec, compiled, types, run_values)
-            halo = (types[resident[0]].dtype,) if depth > 1 or tiles else ()
-            kernel = compiled.specialize_types(_cuda_kernel_types(types, False, halo))
+            kept, kernel = build(st, depth, tiles, depth > 1 or tiles > 0)
             try:
-                config = tile_config(kernel, first.shape[0], cell_bytes, st.halo[0],
-                                     o.threads, o.blocks, sim, cluster=cluster, depth=depth,
-                                     halo_cell=row * len(arrays), first=blocks0, tiles=tiles)
-                break
+                return kept, tile_config(kernel, first.shape[0], cell_bytes, st.halo[0], threads, blocks, sim,
+                                         cluster=cluster, depth=depth, halo_cell=row * len(arrays), first=blocks0,
+                                         tiles=tiles, chip=chip)
             except LaunchError:
                 # the block count chosen for this depth cannot be co-resident (tile_layout
                 # checked shared memory, not occupancy): fewer steps per exchange, down to one
                 if depth == 1:
                     raise
                 depth = max(1, depth // 2)
-        return make_plan(spec, "cuda", argv, compiled, kernel, config, debug=False, staged=(),
-                         simulator=sim), run_values
 
     @functools.cached_property
     def stencil(self):
@@ -316,13 +336,13 @@ class Dispatcher:
         the automatic grid then has a warp's worth of threads per element."""
         return step_has_warp_split(self.spec.step)
 
-    def _auto_tile(self, work: int, o: Options, sim: bool) -> bool:
+    def auto_tile(self, work: int, debug: bool, sim: bool) -> bool:
         """Whether ``scope="auto"`` tries tile mode: a one-dimensional stencil, on a GPU, without
         debug, of any size when tile mode can run several steps per halo exchange
         (``fused_steps``: H200 heat, 16 steps per exchange, 4K 0.26 µs/step against 0.66 in
         the block scope, 64K 0.32 against 1.51 in the grid scope), else of at least
         ``config.AUTO_TILE_MIN_ELEMENTS`` elements."""
-        if sim or o.debug:
+        if sim or debug:
             return False
         try:
             st = self.tile_stencil()

@@ -86,6 +86,9 @@ static CUresult (*p_cuCtxGetCurrent)(CUcontext*);
 #define LK_CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK 0
 #define LK_CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR 75
 #define LK_CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR 76
+#define LK_CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR 81
+#define LK_CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN 97
+#define LK_CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES 1
 
 /* CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES: a kernel must opt in to more than the 48 KiB
    of dynamic shared memory every launch may have */
@@ -389,11 +392,27 @@ int lk_current_device(int* device, int* major, int* minor, int* sms, char* err, 
   return 0;
 }
 
+/* Device ``device``'s shared memory: the most a block may opt in to, and what an SM holds
+   (tile mode sizes its tiles by them; kernel.jax asks without Numba). */
+int lk_device_shared(int device, int* per_block_optin, int* per_sm, char* err, size_t errlen) {
+  if (lk_resolve(err, errlen)) return -1;
+  CUresult r;
+  CUdevice dev;
+  if ((r = p_cuInit(0))) { lk_cuda_error("cuInit", r, err, errlen); return -1; }
+  if ((r = p_cuDeviceGet(&dev, device))) { lk_cuda_error("cuDeviceGet", r, err, errlen); return -1; }
+  if ((r = p_cuDeviceGetAttribute(per_block_optin, LK_CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN, dev)) ||
+      (r = p_cuDeviceGetAttribute(per_sm, LK_CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR, dev))) {
+    lk_cuda_error("cuDeviceGetAttribute", r, err, errlen);
+    return -1;
+  }
+  return 0;
+}
+
 /* For image ``id`` in device ``device``'s primary context (loaded there on first use): the most
    threads per block its function can run, and (threads > 0) how many blocks of ``threads``
    threads with ``shared`` bytes of dynamic shared memory fit on the device at once. */
 int lk_function_limits(int device, int64_t id, int64_t threads, int64_t shared, int* max_threads, int64_t* blocks,
-                       char* err, size_t errlen) {
+                       int* static_shared, char* err, size_t errlen) {
   *blocks = 0;
   CUcontext ctx;
   char where[32];
@@ -407,11 +426,15 @@ int lk_function_limits(int device, int64_t id, int64_t threads, int64_t shared, 
     r = p_cuCtxPushCurrent(l->ctx);
     if (!r) {
       r = p_cuFuncGetAttribute(max_threads, LK_CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK, l->f);
+      if (!r) r = p_cuFuncGetAttribute(static_shared, LK_CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES, l->f);
       p_cuCtxPopCurrent(&popped);
     }
     if (r)
-      lk_cuda_error("cuFuncGetAttribute(MAX_THREADS_PER_BLOCK)", r, err, errlen);
-    else if (threads <= 0 || !lk_coresident(l, threads, shared, blocks, err, errlen))
+      lk_cuda_error("cuFuncGetAttribute", r, err, errlen);
+    /* the occupancy of a launch with more dynamic shared memory than the default counts only
+       once the function is allowed it, as the launch itself does (lk_allow_shared) */
+    else if (threads <= 0 || (!lk_allow_shared(l, shared, err, errlen) &&
+                              !lk_coresident(l, threads, shared, blocks, err, errlen)))
       rc = 0;
   }
   pthread_mutex_unlock(&lk_mutex);

@@ -33,6 +33,7 @@ on a device the handler loads the kernel there and checks that the grid can be c
 from __future__ import annotations
 
 import functools
+import logging
 import math
 import numbers
 import threading
@@ -43,9 +44,10 @@ from ..adjoint import ADJOINT_FORMS
 from ..dispatch import checks
 from ..dispatch.args import ArrayArg, check_dtype, weak_float_type
 from ..dispatch.plan import LRUCache
-from ..errors import ArgumentError, LoopkernError
+from ..errors import ArgumentError, LaunchError, LoopkernError
 from ..runtime.layout import HOST_SIZE, STEPS, TIMEOUT_NS
 
+log = logging.getLogger("loopkern")
 _SCRATCH_VIEW = 8   # redf, redi and info are 8-byte elements, passed to XLA as bytes
 CALLS_PER_KERNEL = 64   # signatures kept per kernel (least recently used dropped beyond)
 _NUMERIC_KINDS = "biuf"
@@ -188,7 +190,11 @@ def _launch_work(mk, sig) -> int:
 
 
 def _cuda_options(mk, sig, scope, threads, blocks):
-    """(resolved scope, threads, blocks, the kind of CUDA device the call is built for) of a CUDA call."""
+    """(resolved scope, threads, blocks, the kind of CUDA device the call is built for) of a CUDA call.
+
+    The scope is ``"auto-tile"`` where ``scope="auto"`` picks tile mode as a direct call does
+    (``Dispatcher.auto_tile``): :func:`_cuda_core` then keeps the grid scope if tile mode
+    refuses the arguments."""
     from ..dispatch.config import resolve_scope
     from . import xla_ffi
     spec = mk.spec
@@ -196,11 +202,16 @@ def _cuda_options(mk, sig, scope, threads, blocks):
     # the scope as before the stacks were discounted (that is what ran on the GPU); the block
     # count of a grid launch comes from _launch_work (in _cuda_core)
     work = max([math.prod(shape) for shape, _ in sig if shape is not None] or [1])
-    scope = resolve_scope(scope or defaults["scope"], work, spec.parallel, spec.light_elements)
+    asked = scope or defaults["scope"]
+    scope = resolve_scope(asked, work, spec.parallel, spec.light_elements)
     checks.check_thread_scope(spec, scope)
-    if scope in ("tile", "cluster"):
-        raise ArgumentError(f"{spec.name}.jax(): scope='{scope}' is not available under kernel.jax yet; "
-                            f"use scope='grid'")
+    if scope == "cluster":
+        raise ArgumentError(f"{spec.name}.jax(): scope='cluster' is not available under kernel.jax; "
+                            f"use scope='tile' or 'grid'")
+    if scope == "tile":
+        mk.dispatcher.tile_stencil()        # a step tile mode cannot run: ArgumentError now
+    elif asked == "auto" and mk.dispatcher.auto_tile(work, False, False):
+        scope = "auto-tile"
     # Not the device itself: the custom call runs on whichever device XLA gives it (every one of
     # a mesh under shard_map), and the handler loads the kernel there. But the cubin is built for
     # the current device's compute capability and the grid sized by an occupancy query on it
@@ -395,7 +406,8 @@ def _jvp(mk, key, primals, tangents, arr_set, with_count, call):
                 tg = jnp.zeros(np.shape(b), sig[i][1])
             args.append(jnp.asarray(tg, sig[i][1]) if i in arr_set else scalar(tg))
     count_kw = "max_steps" if returns_condition else "steps"
-    options = dict(backend=platform, scope=scope, threads=threads, blocks=blocks, seed=seed)
+    options = dict(backend=platform, scope="auto" if scope == "auto-tile" else scope, threads=threads, blocks=blocks,
+                   seed=seed)
 
     nsteps = None if isinstance(n_buf, jax.core.Tracer) else int(np.asarray(n_buf).reshape(())[()])
     primal_out, checkpoints = _checkpointed_primal(mk, params, active, arr_set, sig, returns_condition, nsteps,
@@ -714,23 +726,28 @@ def _cpu_core(mk, sig, seed, timeout):
 
 
 class _ShimKernel:
-    """What the grid sizing (``dispatch/config.py``'s ``cuda_config``) asks of a kernel, for a
-    cubin from the disk cache: answered by the driver through the FFI shim, which loads the
-    image into the device's primary context (so that a cubin it cannot run is reported now)."""
+    """What the grid sizing (``dispatch/config.py``'s ``cuda_config`` and ``tile_config``) asks
+    of a kernel, for a cubin from the disk cache: answered by the driver through the FFI shim,
+    which loads the image into the device's primary context (so that a cubin it cannot run is
+    reported now) and allows it dynamic shared memory beyond 48 KiB before each query."""
+
+    via_ffi_shim = True
 
     def __init__(self, device, image_id, max_threads_per_block, shared):
         from . import xla_ffi
         self._limits = functools.partial(xla_ffi.function_limits, device, image_id)
         self._shared = shared
-        self.max_threads_per_block = min(max_threads_per_block, self._limits()[0])
+        most, _, self.shared_mem_per_block = self._limits()
+        self.max_threads_per_block = min(max_threads_per_block, most)
 
-    def max_cooperative_grid_blocks(self, threads: int) -> int:
-        return self._limits(threads, self._shared)[1]
+    def max_cooperative_grid_blocks(self, threads: int, shared: int | None = None) -> int:
+        return self._limits(threads, self._shared if shared is None else shared)[1]
 
 
-def _compile_for_ffi(compiled, n_dtype, t0_dtype, sig, types_key, xla_ffi):
-    """Compile with Numba for the custom call's parameter types and register the cubin (and
-    store it on disk under ``types_key``): (the Numba kernel, the image id)."""
+def _compile_for_ffi(compiled, n_dtype, t0_dtype, sig, types_key, xla_ffi, halo=()):
+    """Compile with Numba for the custom call's parameter types (``halo``: the dtype of a tile
+    kernel's halo scratch, its last parameter) and register the cubin (and store it on disk
+    under ``types_key``): (the Numba kernel, the image id)."""
     from numba import types
     from numba.np.numpy_support import from_dtype
 
@@ -742,15 +759,58 @@ def _compile_for_ffi(compiled, n_dtype, t0_dtype, sig, types_key, xla_ffi):
         nbsig.append(nb(dtype, len(shape)) if shape is not None else nb(dtype, 1))
     nbsig += [types.float64[:, ::1], types.int64[:, ::1], types.uint32[::1], types.uint32[::1], types.int64[::1],
               types.int64[::1]]
+    nbsig += [nb(dtype, 1) for dtype in halo]
     return compiled.load_for_ffi(tuple(nbsig), xla_ffi, disk_key=types_key)
+
+
+def _ffi_kernel(mk, variant, n_dtype, t0_dtype, sig, types_key, device, cc, shared=0, halo=()):
+    """The kernel of ``variant`` for the custom call: (what the grid sizing asks, the image id).
+    A cubin from the disk cache is registered with the shim as it is, without Numba; else
+    Numba compiles it (and stores it there)."""
+    from ..compile import cubin_key, load_cubin
+    from . import xla_ffi
+    variant = dict(variant)
+    scope = variant.pop("scope")
+    source = mk.dispatcher.kernels.source("cuda", scope, **variant)
+    cached = load_cubin(cubin_key(source.text, types_key, cc))
+    if cached is not None:
+        # compiled by an earlier process: registered with the shim as it is, without Numba
+        image_id = xla_ffi.register_image(cached.image, cached.entry)
+        return _ShimKernel(device, image_id, cached.max_threads_per_block, shared), image_id
+    return _compile_for_ffi(mk.dispatcher.kernels.get("cuda", scope, **variant), n_dtype, t0_dtype, sig,
+                            types_key, xla_ffi, halo)
+
+
+def _cuda_tile_kernel(mk, sig, n_dtype, t0_dtype, threads, blocks, types_key):
+    """Tile mode's kernel and grid for the custom call (``Dispatcher.fit_tiles``, sized for the
+    current device through the shim): (LaunchConfig, image id, the halo scratch's dtype or None)."""
+    from ..dispatch.config import Chip
+    from . import xla_ffi
+    spec = mk.spec
+    arr_idx = [i for i in range(len(spec.params)) if sig[i][0] is not None]
+    device, cc, sms = xla_ffi.current_device()
+    chip = Chip(sms, *xla_ffi.device_shared(device))
+    by_ref = frozenset(i for i in range(len(spec.params)) if sig[i][0] is None)
+    float_type = weak_float_type(sig[i][1] for i in arr_idx)
+    argv = [ArrayArg(spec.params[i].name, None, "device", tuple(sig[i][0]), np.dtype(sig[i][1]), None, 0)
+            if sig[i][0] is not None else None for i in range(len(spec.params))]
+    halo_dtype = np.dtype(sig[spec.swap[0][0]][1]) if spec.swap else None
+
+    def build(st, depth, tiles, with_halo):
+        variant = dict(scope="grid", by_ref=by_ref, float_type=float_type, tile=st, depth=depth, tiles=tiles)
+        halo = (halo_dtype,) if with_halo else ()
+        key = types_key + tuple(("halo", dt.str) for dt in halo)
+        kernel, image_id = _ffi_kernel(mk, variant, n_dtype, t0_dtype, sig, key, device, cc, halo=halo)
+        return (image_id, halo_dtype if with_halo else None), kernel
+    (image_id, halo), config = mk.dispatcher.fit_tiles(argv, threads, blocks, False, build, chip=chip)
+    return config, image_id, halo
 
 
 def _cuda_core(mk, sig, n_dtype, t0_dtype, scope, threads, blocks, seed, timeout, with_count, stage=True):
     import jax
     import jax.numpy as jnp
 
-    from ..compile import cubin_key, load_cubin
-    from ..dispatch.config import cuda_config, plan_staging
+    from ..dispatch.config import cuda_config, plan_staging, resolve_scope
     from ..dispatch.kernels import index_bits_for
     from ..warpsplit import WARP
     from . import xla_ffi
@@ -760,36 +820,41 @@ def _cuda_core(mk, sig, n_dtype, t0_dtype, scope, threads, blocks, seed, timeout
     arr_idx = [i for i in range(n) if sig[i][0] is not None]
     work = _launch_work(mk, sig)
     by_ref = frozenset(i for i in range(n) if sig[i][0] is None)
-    # block scope holds its arrays in shared memory as the direct call does (plan_staging),
-    # unless ``stage`` is False (a short run, see STAGE_MIN_STEPS). The arrays the kernel
-    # writes are results of the custom call, each a buffer of its own (an aliased input is
-    # copied by XLA unless donated), so no staged array shares memory with another argument
-    # that the kernel writes
-    staged, stage_bytes = (), 0
-    if scope == "block" and stage:
-        argv = [ArrayArg(spec.params[i].name, None, "device", tuple(sig[i][0]), np.dtype(sig[i][1]), None, 0)
-                if sig[i][0] is not None else None for i in range(n)]
-        staged, stage_bytes = plan_staging(spec, argv, check_overlap=False)
-    variant = dict(by_ref=by_ref, staged=staged, float_type=weak_float_type(sig[i][1] for i in arr_idx),
-                   index_bits=index_bits_for([math.prod(sig[i][0]) for i in arr_idx], False, staged))
     # the kernel's parameters without Numba: the step count, the start, each parameter (an
     # array, or a number as a 1-element array), then the scratch, seed, info and control
-    # buffers, always of the same types
+    # buffers, always of the same types (and a tile kernel's halo scratch)
     types_key = ("ffi-v1", np.dtype(n_dtype).str, np.dtype(t0_dtype).str,
                  tuple((np.dtype(dtype).str, len(shape) if shape is not None else 1) for shape, dtype in sig))
-    device, cc, sms = xla_ffi.current_device()
-    source = mk.dispatcher.kernels.source("cuda", scope, **variant)
-    cached = load_cubin(cubin_key(source.text, types_key, cc))
-    if cached is not None:
-        # compiled by an earlier process: registered with the shim as it is, without Numba
-        image_id = xla_ffi.register_image(cached.image, cached.entry)
-        kernel = _ShimKernel(device, image_id, cached.max_threads_per_block, stage_bytes)
-    else:
-        kernel, image_id = _compile_for_ffi(mk.dispatcher.kernels.get("cuda", scope, **variant), n_dtype, t0_dtype,
-                                            sig, types_key, xla_ffi)
-    if mk.dispatcher.warp_split:
-        work *= WARP            # a warp per iteration of its few-iteration loop (see warpsplit.py)
-    plan = cuda_config(kernel, scope, work, threads, blocks, simulator=False, shared=stage_bytes, sms=sms)
+    plan = halo = None
+    if scope in ("tile", "auto-tile"):
+        try:
+            plan, image_id, halo = _cuda_tile_kernel(mk, sig, n_dtype, t0_dtype, threads, blocks, types_key)
+        except (LaunchError, ArgumentError) as exc:
+            if scope == "tile":
+                raise
+            # as a direct call: the tiles do not fit on this device (or the swap pairs' arrays
+            # differ in shape or dtype), so the scope that "auto" resolves to
+            log.debug("loopkern: kernel.jax with scope='auto' for step '%s' keeps the grid scope: %s", spec.name, exc)
+            full = max([math.prod(shape) for shape, _ in sig if shape is not None] or [1])
+            scope = resolve_scope("auto", full, spec.parallel, spec.light_elements)
+    if plan is None:
+        # block scope holds its arrays in shared memory as the direct call does (plan_staging),
+        # unless ``stage`` is False (a short run, see STAGE_MIN_STEPS). The arrays the kernel
+        # writes are results of the custom call, each a buffer of its own (an aliased input is
+        # copied by XLA unless donated), so no staged array shares memory with another argument
+        # that the kernel writes
+        staged, stage_bytes = (), 0
+        if scope == "block" and stage:
+            argv = [ArrayArg(spec.params[i].name, None, "device", tuple(sig[i][0]), np.dtype(sig[i][1]), None, 0)
+                    if sig[i][0] is not None else None for i in range(n)]
+            staged, stage_bytes = plan_staging(spec, argv, check_overlap=False)
+        variant = dict(scope=scope, by_ref=by_ref, staged=staged, float_type=weak_float_type(sig[i][1] for i in arr_idx),
+                       index_bits=index_bits_for([math.prod(sig[i][0]) for i in arr_idx], False, staged))
+        device, cc, sms = xla_ffi.current_device()
+        kernel, image_id = _ffi_kernel(mk, variant, n_dtype, t0_dtype, sig, types_key, device, cc, stage_bytes)
+        if mk.dispatcher.warp_split:
+            work *= WARP            # a warp per iteration of its few-iteration loop (see warpsplit.py)
+        plan = cuda_config(kernel, scope, work, threads, blocks, simulator=False, shared=stage_bytes, sms=sms)
     xla_ffi.register_cuda_target()
 
     # The custom call is the only operation XLA runs for the call: every input is a parameter
@@ -800,19 +865,22 @@ def _cuda_core(mk, sig, n_dtype, t0_dtype, scope, threads, blocks, seed, timeout
     # elements are all equal, such as the default seed's [0, 0], into a broadcast, an op that
     # would run every call; the kernel sees the first two)
     # results: the arrays (aliased to their inputs), redf, redi, info (bytes, viewed as 8-byte
-    # elements), the control block, and the steps done (an int32 scalar) if the call returns them.
+    # elements), the control block, a tile kernel's halo scratch (whose cells each round
+    # publishes before it reads any), and the steps done (an int32 scalar) if the call returns them.
     # The control block is uint32 words: the HOST_SIZE int64 slots, then the grid barrier's
     # counter (which must start with its low 31 bits clear) and the count of finished blocks
     # (which must start at zero); the handler zeroes it all and
     # writes the timeout on XLA's stream before the launch, and copies the low word of the
     # STEPS slot to the step count after it (ffi_shim.c), so both come without XLA ops.
     na = len(arr_idx)
-    ctl, count = na + 3, na + 4
+    ctl, count = na + 3, na + 4 + (halo is not None)
     results = [jax.ShapeDtypeStruct(sig[i][0], sig[i][1]) for i in arr_idx]
     results += [jax.ShapeDtypeStruct((2, plan.blocks * _SCRATCH_VIEW), jnp.uint8),
                 jax.ShapeDtypeStruct((2, plan.blocks * _SCRATCH_VIEW), jnp.uint8),
                 jax.ShapeDtypeStruct((2 * _SCRATCH_VIEW,), jnp.uint8),
                 jax.ShapeDtypeStruct((2 * HOST_SIZE + 2,), jnp.uint32)]
+    if halo is not None:
+        results.append(jax.ShapeDtypeStruct((plan.halo,), halo))
     if with_count:
         results.append(jax.ShapeDtypeStruct((), jnp.int32))
     aliases = {2 + i: arr_idx.index(i) for i in arr_idx}
@@ -827,13 +895,15 @@ def _cuda_core(mk, sig, n_dtype, t0_dtype, scope, threads, blocks, seed, timeout
                0, n + 2, 0, 0, 2,                           # the seed: the first two words
                1, na + 2, _SCRATCH_VIEW, 0, 0,              # info
                1, ctl, 8, 0, HOST_SIZE]                     # the control block
+    if halo is not None:
+        layout += [1, na + 4, 0, 0, 0]                      # the halo scratch
     seed_words = np.array([seed & 0xFFFFFFFF, seed >> 32, (seed & 0xFFFFFFFF) ^ 1], np.uint32)
     call = jax.ffi.ffi_call(xla_ffi.TARGET, tuple(results), input_output_aliases=aliases,
                             vmap_method="sequential")
     # the kernel by its image id: the handler loads it into the context of the stream XLA runs
     # the call on (each device of a mesh under shard_map), and checks that the grid fits there
     attrs = dict(kernel=np.int64(image_id), blocks=np.int64(plan.blocks), threads=np.int64(plan.threads),
-                 cooperative=np.int64(1 if plan.scope == "grid" else 0), layout=np.array(layout, np.int64),
+                 cooperative=np.int64(1 if plan.scope in ("grid", "tile") else 0), layout=np.array(layout, np.int64),
                  control=np.int64(ctl), timeout_ns=np.int64(int(timeout * 1e9) if timeout is not None else 0),
                  timeout_slot=np.int64(TIMEOUT_NS), count=np.int64(count if with_count else -1),
                  steps_slot=np.int64(STEPS), shared=np.int64(plan.shared))

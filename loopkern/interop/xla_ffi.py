@@ -27,7 +27,8 @@ int lk_register_image(const void* image, size_t len, const char* entry, int64_t*
 int lk_load_function(int device, int64_t id, char* err, size_t errlen);
 int lk_current_device(int* device, int* major, int* minor, int* sms, char* err, size_t errlen);
 int lk_function_limits(int device, int64_t id, int64_t threads, int64_t shared, int* max_threads, int64_t* blocks,
-                       char* err, size_t errlen);
+                       int* static_shared, char* err, size_t errlen);
+int lk_device_shared(int device, int* per_block_optin, int* per_sm, char* err, size_t errlen);
 void* lk_launch_address(void);
 """
 _lock = threading.Lock()
@@ -138,8 +139,10 @@ def current_device() -> tuple:
 
 def function_limits(device: int, image_id: int, threads: int = 0, shared: int = 0) -> tuple:
     """(most threads per block, blocks of ``threads`` threads with ``shared`` bytes of dynamic
-    shared memory that fit on the device at once; 0 when ``threads`` is 0) of a registered
-    image's function in device ``device``'s primary context, loading it there if needed.
+    shared memory that fit on the device at once (0 when ``threads`` is 0), bytes of static
+    shared memory) of a registered image's function in device ``device``'s primary context,
+    loading it there if needed. A ``shared`` above the default 48 KiB is allowed to the function
+    first, as its launch does.
 
     Raises:
         BackendError: libcuda is missing, or the driver could not load or query the function.
@@ -148,7 +151,24 @@ def function_limits(device: int, image_id: int, threads: int = 0, shared: int = 
     ffi, lib = mod.ffi, mod.lib
     most = ffi.new("int*")
     blocks = ffi.new("int64_t*")
+    static = ffi.new("int*")
     err = ffi.new("char[512]")
-    if lib.lk_function_limits(device, image_id, threads, shared, most, blocks, err, 512) != 0:
+    if lib.lk_function_limits(device, image_id, threads, shared, most, blocks, static, err, 512) != 0:
         raise BackendError(ffi.string(err).decode(errors="replace"))
-    return int(most[0]), int(blocks[0])
+    return int(most[0]), int(blocks[0]), int(static[0])
+
+
+def device_shared(device: int) -> tuple:
+    """(bytes of shared memory a block may opt in to, bytes an SM holds) of device ``device``,
+    through the driver: no Numba.
+
+    Raises:
+        BackendError: libcuda is missing or the driver refused.
+    """
+    mod = build_shim()
+    ffi, lib = mod.ffi, mod.lib
+    out = ffi.new("int[2]")
+    err = ffi.new("char[512]")
+    if lib.lk_device_shared(device, out, out + 1, err, 512) != 0:
+        raise BackendError(ffi.string(err).decode(errors="replace"))
+    return int(out[0]), int(out[1])

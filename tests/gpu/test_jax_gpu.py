@@ -475,18 +475,20 @@ sys.path.insert(0, {tests!r})
 import loopkern as lk, workloads as W
 k = lk.megakernel(W.heat_step, swap=[("u", "v")])
 u0 = np.random.default_rng(3).random({n}).astype(np.float32)
-u, v = jax.jit(lambda a, b: k.jax(a, b, np.float32(0.25), steps=77))(jnp.asarray(u0), jnp.asarray(u0))
+u, v = jax.jit(lambda a, b: k.jax(a, b, np.float32(0.25), steps=77, scope={scope!r}))(jnp.asarray(u0),
+                                                                                   jnp.asarray(u0))
 ref = W.heat_ref(u0, 77, 0.25)
 err = float(np.linalg.norm(np.asarray(u, np.float64) - ref) / np.linalg.norm(ref))
 print(json.dumps(dict(err=err, numba="numba" in sys.modules)))
 """
 
 
-@pytest.mark.parametrize("n", [4096, 1 << 16])
-def test_a_new_process_launches_a_cached_cubin_without_numba(n, tmp_path):
+@pytest.mark.parametrize("n,scope", [(4096, "block"), (1 << 16, "grid"), (4096, "auto"), (1 << 16, "tile")])
+def test_a_new_process_launches_a_cached_cubin_without_numba(n, scope, tmp_path):
     """The first process compiles with Numba and stores the cubin; a second one with the same
     cache directory registers it with the FFI shim without importing Numba at all (block scope
-    with staged arrays at 4K, a cooperative grid at 64K), with the same result."""
+    with staged arrays at 4K, a cooperative grid at 64K, tile mode's rounds of steps with their
+    dynamic shared memory and halo scratch at both), with the same result."""
     import json
     import os
     import subprocess
@@ -496,10 +498,78 @@ def test_a_new_process_launches_a_cached_cubin_without_numba(n, tmp_path):
     env.pop("NUMBA_ENABLE_CUDASIM", None)
     runs = []
     for _ in range(2):
-        p = subprocess.run([sys.executable, "-c", _CHILD.format(tests=tests, n=n)], env=env, capture_output=True,
+        p = subprocess.run([sys.executable, "-c", _CHILD.format(tests=tests, n=n, scope=scope)], env=env,
+                           capture_output=True,
                            text=True, timeout=300)
         assert p.returncode == 0, p.stderr[-3000:]
         runs.append(json.loads(p.stdout.strip().splitlines()[-1]))
     assert runs[0]["numba"] and not runs[1]["numba"], runs
     assert runs[0]["err"] < 1e-5 and runs[1]["err"] == runs[0]["err"], runs
     assert list(tmp_path.rglob("*.cubin")), "no cubin was stored"
+
+
+@pytest.mark.parametrize("n,blocks", [(4096, None), (4099, 5), (1 << 16, None), (100003, 13), (1 << 20, None)])
+def test_tile_mode_under_jit_equals_the_direct_call_bit_for_bit(n, blocks, rng):
+    """kernel.jax runs tile mode's kernels (several steps per halo exchange, the tiles in
+    dynamic shared memory, the halo scratch a result of the custom call): bit for bit the
+    direct call's tile mode and the grid scope, within rounding of the float64 reference, for
+    odd and even step counts, counts that end inside a round, traced step counts and starts,
+    donated or not, fields that do not divide into tiles."""
+    from numba import cuda
+    k = lk.megakernel(W.heat_step, swap=[("u", "v")])
+    f = jax.jit(lambda u, v, s: k.jax(u, v, np.float32(0.3), steps=s, scope="tile", blocks=blocks))
+    g = jax.jit(lambda u, v: k.jax(u, v, np.float32(0.3), steps=45, scope="tile", blocks=blocks),
+                donate_argnums=(0, 1))
+    for steps in (1, 2, 31, 33, int(rng.integers(200, 900))):
+        u0, w0 = rng.random(n).astype(np.float32), rng.random(n).astype(np.float32)
+        u, v = f(jnp.asarray(u0), jnp.asarray(w0), steps)
+        assert rel_err(u, W.heat_ref(u0, steps, 0.3)) < 1e-5
+        du, dv = cuda.to_device(u0), cuda.to_device(w0)
+        run = k(du, dv, np.float32(0.3), steps=steps, scope="tile", blocks=blocks)
+        assert run.scope == "tile"
+        np.testing.assert_array_equal(np.asarray(u), du.copy_to_host())
+        np.testing.assert_array_equal(np.asarray(v), dv.copy_to_host())
+        gu, gv = cuda.to_device(u0), cuda.to_device(w0)
+        k(gu, gv, np.float32(0.3), steps=steps, scope="grid")
+        np.testing.assert_array_equal(np.asarray(u), gu.copy_to_host())
+    u0 = rng.random(n).astype(np.float32)
+    u, _ = g(jnp.asarray(u0), jnp.asarray(u0))
+    assert rel_err(u, W.heat_ref(u0, 45, 0.3)) < 1e-5
+    entries = list(jax_bridge_calls(k))
+    assert entries and all(e.config.scope == "tile" and e.config.shared > 0 for e in entries)
+    assert any(e.config.depth > 1 for e in entries)
+
+
+def jax_bridge_calls(k):
+    from loopkern.interop import jax_bridge
+    return jax_bridge.call_cache(k).values()
+
+
+def test_tile_mode_under_jit_continues_from_a_traced_start_and_stops_at_a_timeout(rng):
+    """start= continues a run split into calls exactly (lk.random's draws and t follow the
+    start), and a timeout inside jit stops tile mode at a round's end with the steps done
+    returned: the state is exactly that many steps."""
+    def noisy(t, u, v, a):
+        n = u.shape[0]
+        for i in lk.range(1, n - 1):
+            v[i] = u[i] + a * (u[i - 1] - 2 * u[i] + u[i + 1]) + 1e-3 * lk.random.uniform(i)
+    k = lk.megakernel(noisy, swap=[("u", "v")])
+    n = 1 << 16
+    u0 = rng.random(n).astype(np.float32)
+    f = jax.jit(lambda u, v, s, t0: k.jax(u, v, np.float32(0.2), steps=s, start=t0, scope="tile", seed=5))
+    whole = f(jnp.asarray(u0), jnp.asarray(u0), 300, 0)
+    part = f(jnp.asarray(u0), jnp.asarray(u0), 113, 0)
+    split = f(part[0], part[1], 187, 113)
+    np.testing.assert_array_equal(np.asarray(split[0]), np.asarray(whole[0]))
+    from numba import cuda
+    du, dv = cuda.to_device(u0), cuda.to_device(u0)
+    k(du, dv, np.float32(0.2), steps=300, scope="tile", seed=5)
+    np.testing.assert_array_equal(np.asarray(whole[0]), du.copy_to_host())
+    # a timeout: the steps done come back with the state of exactly that many steps
+    h = jax.jit(lambda u, v: k.jax(u, v, np.float32(0.2), max_steps=10 ** 9, scope="tile", seed=5, timeout=0.05))
+    u, v, done = h(jnp.asarray(u0), jnp.asarray(u0))
+    done = int(done)
+    assert 0 < done < 10 ** 9
+    du, dv = cuda.to_device(u0), cuda.to_device(u0)
+    k(du, dv, np.float32(0.2), steps=done, scope="tile", seed=5)
+    np.testing.assert_array_equal(np.asarray(u), du.copy_to_host())
