@@ -160,6 +160,7 @@ def test_repeated_traces_reuse_one_cached_call(rng, monkeypatch, tmp_path):
     functions with the same shapes and eager calls reuse it, and every result is right."""
     from loopkern import compile as lk_compile
     from loopkern.dispatch import config as lk_config
+    from loopkern.dispatch import dispatcher as lk_dispatcher
     from loopkern.interop import jax_bridge
 
     # an empty disk cache: the cubin is Numba's (load_for_ffi), not one an earlier test stored
@@ -178,6 +179,8 @@ def test_repeated_traces_reuse_one_cached_call(rng, monkeypatch, tmp_path):
     monkeypatch.setattr(lk_compile.CompiledKernel, "load_for_ffi",
                         counting("load", lk_compile.CompiledKernel.load_for_ffi))
     monkeypatch.setattr(lk_config, "cuda_config", counting("occupancy", lk_config.cuda_config))
+    # (64K heat runs in tile mode under scope="auto": its grid comes from tile_config)
+    monkeypatch.setattr(lk_dispatcher, "tile_config", counting("occupancy", lk_dispatcher.tile_config))
 
     n = 1 << 16
     for _ in range(3):
