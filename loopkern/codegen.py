@@ -140,6 +140,9 @@ class _Lower(ast.NodeTransformer):
         # tile mode (on-chip residency): these arrays are the block's tile in shared memory,
         # whose element k holds the array's element _lk_tb + k
         self.tile_arrays = tile_arrays
+        # tile mode, inside a 2-D lk.grid loop: the names of its (row, column) indices, by
+        # which a 2-D tile's accesses are addressed (see _tile_flat); None elsewhere
+        self.tile_cell = None
         # arrays in shared memory (tiles, block scope's staged arrays): their accesses with
         # indices proven non-negative go through runtime/arrays.py's ld.shared/st.shared
         self.shared_arrays = shared_arrays | tile_arrays
@@ -164,6 +167,11 @@ class _Lower(ast.NodeTransformer):
     def visit_Subscript(self, node):
         self.generic_visit(node)
         if isinstance(node.value, ast.Name) and node.value.id in self.tile_arrays:
+            flat = self._tile_flat(node)
+            if flat is not None and isinstance(node.ctx, ast.Load):
+                return _rt_call("sloadf", [node.value, flat], node)
+            # (a store's flat offset is kept for visit_Assign; an augmented store keeps the slice)
+            node.lk_flat = flat
             # the tile holds a range of the first dimension: only that index moves
             if isinstance(node.slice, ast.Tuple):
                 node.slice.elts = [_tile_index(node.slice.elts[0])] + node.slice.elts[1:]
@@ -184,6 +192,25 @@ class _Lower(ast.NodeTransformer):
         node.slice = check_call("checked", node.value.id, node.slice, site, node)
         return node
 
+    def _tile_flat(self, node):
+        """The flat offset into a 2-D tile of ``u[E0, E1]`` inside a 2-D ``lk.grid`` loop over
+        ``(i, j)`` (``tile_cell``), both indices proven non-negative: written as the cell's
+        offset plus the access's own, ``((i - tb) * m + j) + ((E0 - i) * m + (E1 - j))``, which
+        is ``(E0 - tb) * m + E1``: the cell's part is the same expression in every access of the
+        cell (LLVM computes it once) and ``E0 - i`` folds to the stencil's constant offset, so a
+        neighbour costs an add instead of a row-major multiply (runtime/arrays.py ``sloadf``).
+        None for any other access."""
+        cell, sl = self.tile_cell, node.slice
+        if (cell is None or self.sites is not None or not isinstance(sl, ast.Tuple) or len(sl.elts) != 2
+                or not all(is_nonneg_mark(e) for e in sl.elts)):
+            return None
+        (e0, e1), (c0, c1) = [e.args[0] for e in sl.elts], cell
+        m = f"{node.value.id}.shape[1]"
+        text = f"(({c0} - {_P}tb) * {m} + {c1}) + ((({_src(e0)}) - {c0}) * {m} + (({_src(e1)}) - {c1}))"
+        off = ast.parse(text, mode="eval").body
+        mark = ast.Attribute(value=ast.Name(id="_lk_np", ctx=ast.Load()), attr="uint64", ctx=ast.Load())
+        return ast.copy_location(ast.Call(func=mark, args=[off], keywords=[]), node)
+
     def _own_access(self, node) -> bool:
         """An access that runtime/arrays.py lowers: an array parameter indexed by indices all
         proven non-negative (wrapped in uint64 by index_bounds), in a kernel that asked for it."""
@@ -202,6 +229,8 @@ class _Lower(ast.NodeTransformer):
         if len(node.targets) == 1 and isinstance(tgt, ast.Subscript) and self.sites is None and self._own_access(tgt):
             return ast.copy_location(ast.Expr(_rt_call(f"store{self.access}", [tgt.value, tgt.slice, node.value],
                                                        node)), node)
+        if len(node.targets) == 1 and isinstance(tgt, ast.Subscript) and getattr(tgt, "lk_flat", None) is not None:
+            return ast.copy_location(ast.Expr(_rt_call("sstoref", [tgt.value, tgt.lk_flat, node.value], node)), node)
         if (len(node.targets) == 1 and isinstance(tgt, ast.Subscript) and isinstance(tgt.value, ast.Name)
                 and tgt.value.id in self.shared_arrays and self._shared_access(tgt)):
             return ast.copy_location(ast.Expr(_rt_call("sstore", [tgt.value, tgt.slice, node.value], node)), node)
@@ -581,11 +610,16 @@ class _BodyWriter:
         cur = f"{_P}g{k}"
         index_names = names + ([_src(s.target)] if single else [])
         start = tid
-        if not self.unrolled(s, index_names, depth, k, cur, start, total, take, stride=nt):
+        # a 2-D tile's accesses by the cell's row and column (_Lower._tile_flat)
+        cells = (lambda rn: (rn(names[0]), rn(names[1]))) if self.tile and nd == 2 and not single else None
+        outer = self.lower.tile_cell
+        if not self.unrolled(s, index_names, depth, k, cur, start, total, take, stride=nt, cells=cells):
             self.out.add(depth, f"{cur} = {start}", s)
+        self.lower.tile_cell = cells(lambda n: n) if cells else outer
         self.strided_loop(s, depth, f"{cur} < {total}", take(0, lambda n: n) + [f"{cur} += {nt}"])
+        self.lower.tile_cell = outer
 
-    def unrolled(self, s, index_names, depth, k, cur, start, stop, take, stride: str = f"{_P}nt"):
+    def unrolled(self, s, index_names, depth, k, cur, start, stop, take, stride: str = f"{_P}nt", cells=None):
         """Emit an unrolled loop over this thread's indices when that cannot change the result.
 
         Iterations of a parallel loop must be independent (threads run them concurrently), so
@@ -595,7 +629,8 @@ class _BodyWriter:
         values they store: several loads in flight per thread instead of one. Returns whether
         it emitted the loop (``cur`` then holds where the remainder loop starts). ``stride``:
         the distance between a thread's indices (the grid's threads, or in tile mode the
-        block's).
+        block's). ``cells``: given a renaming, the (row, column) index names of a 2-D tile's
+        cell (``_Lower.tile_cell``).
         """
         if self.sites is not None:   # debug: keep each access where the user wrote it
             return False
@@ -608,9 +643,13 @@ class _BodyWriter:
         for c in range(UNROLL):
             for line in take(c, lambda n, c=c: _rename(n, c, k)):
                 self.out.add(depth + 1, line, s)
+        outer = self.lower.tile_cell
         for stmt in split:
             for c in range(UNROLL):
+                if cells is not None:
+                    self.lower.tile_cell = cells(lambda n, c=c: _rename(n, c, k))
                 self.stmt(_Renamer({n: _rename(n, c, k) for n in temps}).visit(copy.deepcopy(stmt)), depth + 1)
+        self.lower.tile_cell = outer
         self.out.add(depth + 1, f"{cur} += {UNROLL} * {stride}", s)
         return True
 

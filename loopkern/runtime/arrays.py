@@ -24,6 +24,11 @@ meaning.
   scope's staged arrays): the same addressing through an ``addrspace(3)`` pointer
   (``ld.shared``/``st.shared``), with 64-bit offsets (32-bit ones kept LLVM from giving a
   stencil's neighbours one base address with immediate offsets).
+- ``sloadf`` / ``sstoref``: an element of a C-contiguous array in shared memory by its flat
+  (row-major) offset, for 2-D tiles whose accesses codegen writes as one offset per cell plus
+  each access's own (``_Lower.visit_Subscript``): LLVM then shares the cell's offset between
+  a stencil's neighbours, where the row-major ``(i + c) * m + j`` of each access is computed
+  anew.
 """
 
 from __future__ import annotations
@@ -36,10 +41,11 @@ def build_numba(overload, intrinsic, target="cuda") -> dict:
     from numba import types
     from numba.core import cgutils
 
-    def _address(context, builder, aryty, ary, idxty, idx, bits, space):
-        """The ``addrspace(space)`` pointer to ``ary[idx]`` (C layout, every index >= 0)."""
+    def _address(context, builder, aryty, ary, idxty, idx, bits, space, flat=False):
+        """The ``addrspace(space)`` pointer to ``ary[idx]`` (C layout, every index >= 0), or
+        with ``flat`` to the element at flat offset ``idx``."""
         a = context.make_array(aryty)(context, builder, ary)
-        n = aryty.ndim
+        n = 1 if flat else aryty.ndim
         if n > 1:
             # measured on the H200 (bench/lowering_probe.py, 2026-12-03): 32-bit row-major
             # offsets keep LLVM from sharing one address between a stencil's neighbours, so
@@ -62,25 +68,27 @@ def build_numba(overload, intrinsic, target="cuda") -> dict:
         data = builder.addrspacecast(a.data, ir.PointerType(elem, space))
         return builder.gep(data, [off], inbounds=True)
 
-    def _fits(aryty, idxty):
-        """A C-contiguous array indexed by one unsigned integer per dimension."""
+    def _fits(aryty, idxty, flat=False):
+        """A C-contiguous array indexed by one unsigned integer per dimension (``flat``: one
+        unsigned integer, the flat offset)."""
         if not isinstance(aryty, types.Array) or aryty.layout != "C" or aryty.ndim < 1:
             return False
         kinds = list(idxty.types) if isinstance(idxty, types.BaseTuple) else [idxty]
-        return len(kinds) == aryty.ndim and all(isinstance(k, types.Integer) and not k.signed for k in kinds)
+        return len(kinds) == (1 if flat else aryty.ndim) and all(isinstance(k, types.Integer) and not k.signed
+                                                                 for k in kinds)
 
-    def make(bits, space=1):
+    def make(bits, space=1, flat=False):
         @intrinsic
         def _load(typingctx, ary, idx):
             def codegen(context, builder, sig, args):
-                ptr = _address(context, builder, sig.args[0], args[0], sig.args[1], args[1], bits, space)
+                ptr = _address(context, builder, sig.args[0], args[0], sig.args[1], args[1], bits, space, flat)
                 return context.unpack_value(builder, sig.args[0].dtype, ptr)
             return ary.dtype(ary, idx), codegen
 
         @intrinsic
         def _store(typingctx, ary, idx, val):
             def codegen(context, builder, sig, args):
-                ptr = _address(context, builder, sig.args[0], args[0], sig.args[1], args[1], bits, space)
+                ptr = _address(context, builder, sig.args[0], args[0], sig.args[1], args[1], bits, space, flat)
                 v = context.cast(builder, args[2], sig.args[2], sig.args[0].dtype)
                 context.pack_value(builder, sig.args[0].dtype, v, ptr)
                 return context.get_dummy_value()
@@ -94,14 +102,20 @@ def build_numba(overload, intrinsic, target="cuda") -> dict:
 
         @overload(load, target=target)
         def _ol_load(a, idx):
-            if _fits(a, idx):
+            if _fits(a, idx, flat):
                 return lambda a, idx: _load(a, idx)
+            if flat:
+                return lambda a, idx: a.reshape(a.size)[idx]
             return lambda a, idx: a[idx]
 
         @overload(store, target=target)
         def _ol_store(a, idx, v):
-            if _fits(a, idx) and isinstance(v, (types.Number, types.Boolean)):
+            if _fits(a, idx, flat) and isinstance(v, (types.Number, types.Boolean)):
                 return lambda a, idx, v: _store(a, idx, v)
+            if flat:
+                def generic_flat(a, idx, v):
+                    a.reshape(a.size)[idx] = v
+                return generic_flat
 
             def generic(a, idx, v):
                 a[idx] = v
@@ -111,7 +125,9 @@ def build_numba(overload, intrinsic, target="cuda") -> dict:
     load64, store64 = make(64)
     load32, store32 = make(32)
     sload, sstore = make(64, 3)
-    return {"load": load64, "store": store64, "load32": load32, "store32": store32, "sload": sload, "sstore": sstore}
+    sloadf, sstoref = make(64, 3, flat=True)
+    return {"load": load64, "store": store64, "load32": load32, "store32": store32, "sload": sload, "sstore": sstore,
+            "sloadf": sloadf, "sstoref": sstoref}
 
 
 def build_python() -> dict:
@@ -121,4 +137,12 @@ def build_python() -> dict:
 
     def store(a, idx, v):
         a[idx] = v
-    return {"load": load, "store": store, "load32": load, "store32": store, "sload": load, "sstore": store}
+
+    # (ravel: a view of a C-contiguous array, or of a tile, runtime/cuda_rt.py's _TileView)
+    def loadf(a, idx):
+        return a.ravel()[idx]
+
+    def storef(a, idx, v):
+        a.ravel()[idx] = v
+    return {"load": load, "store": store, "load32": load, "store32": store, "sload": load, "sstore": store,
+            "sloadf": loadf, "sstoref": storef}

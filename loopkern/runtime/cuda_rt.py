@@ -747,6 +747,10 @@ if SIMULATOR:
         def __setitem__(self, idx, value):
             self._data[idx] = value
 
+        def ravel(self):
+            """The tile's elements in row-major order (a view: arrays.py's flat accesses)."""
+            return self._data.reshape(-1)
+
     def tile_like(sh, off, width, a):
         """The tile view of ``sh[off:off + width]`` with ``a``'s shape (see the GPU version)."""
         return _TileView(sh, off, width, a)
@@ -768,3 +772,4 @@ else:
     _ARRAYS = _arrays.build_numba(overload, intrinsic)
 load, store, load32, store32 = _ARRAYS["load"], _ARRAYS["store"], _ARRAYS["load32"], _ARRAYS["store32"]
 sload, sstore = _ARRAYS["sload"], _ARRAYS["sstore"]
+sloadf, sstoref = _ARRAYS["sloadf"], _ARRAYS["sstoref"]
