@@ -125,16 +125,24 @@ for name, fn, swap, args, scopes in CASES:
 # tile mode (scope="tile"): 1-D heat and 2-D Jacobi (a reduction and a condition) kept on chip
 from loopkern.stencil import find_stencil  # noqa: E402
 
+# (by_ref: kernel.jax's form of the tile kernel, the step count, start, seed and scalars in
+# device arrays)
 for name, fn, swap, args in (("heat", W.heat_step, [("u", "v")], [np.zeros(8, f32), np.zeros(8, f32), f32(0.25)]),
                              ("jacobi", W.jacobi_step, [("u", "v")], [np.zeros((4, 4)), np.zeros((4, 4)), 1e-3])):
-    for cluster in (False, True):
+    for cluster, by_ref in ((False, False), (True, False), (False, True)):
         k = lk.megakernel(fn, swap=swap)
-        sig = (types.int64, types.int64, *[typeof(a) for a in args[:2]], scalar_type(args[2]), *SCRATCH, types.uint64,
-               types.int64[::1], types.int64[::1])
-        rec = dict(kernel=name, scope="cluster" if cluster else "tile", by_ref=False, debug=False, staged=False,
+        if by_ref:
+            sig = (types.int64[::1], types.int64[::1], *[typeof(a) for a in args[:2]],
+                   types.Array(scalar_type(args[2]), 1, "C"), *SCRATCH, types.uint32[::1], types.int64[::1],
+                   types.int64[::1])
+        else:
+            sig = (types.int64, types.int64, *[typeof(a) for a in args[:2]], scalar_type(args[2]), *SCRATCH,
+                   types.uint64, types.int64[::1], types.int64[::1])
+        rec = dict(kernel=name, scope="cluster" if cluster else "tile", by_ref=by_ref, debug=False, staged=False,
                    atomics=False, index_bits=None)
         try:
-            src = codegen.render_kernel(k.spec, "cuda", "grid", cache=False, tile=find_stencil(k.spec), cluster=cluster)
+            src = codegen.render_kernel(k.spec, "cuda", "grid", cache=False, tile=find_stencil(k.spec), cluster=cluster,
+                                        by_ref=frozenset({2}) if by_ref else None)
             ptx, _ = cuda.compile_ptx(compile_kernel(src).dispatcher.py_func, sig, cc=(9, 0))
             # the tiles' element accesses are in the shared state space (runtime/arrays.py)
             rec.update(ok=True, **measure(ptx))

@@ -53,8 +53,8 @@ def test_cuda_kernels_compile_to_ptx():
     assert any(r["shuffles"] for r in recs if r["kernel"] in ("jacobi", "normalize"))
     assert all(r["shuffles"] >= 5 for r in recs if r["kernel"] == "warpsplit")     # 5 xor steps per sum
     assert [(r["kernel"], r["by_ref"]) for r in recs if r["scope"] == "tile"] == [
-        ("heat", False), ("jacobi", False), ("heat_rounds", False), ("heat_stream", False), ("heat2d_stream", False),
-        ("heat_rounds", True), ("heat_stream", True)]
+        ("heat", False), ("heat", True), ("jacobi", False), ("jacobi", True), ("heat_rounds", False),
+        ("heat_stream", False), ("heat2d_stream", False), ("heat_rounds", True), ("heat_stream", True)]
     assert [r["kernel"] for r in recs if r["scope"] == "cluster"] == ["heat", "jacobi"]
     # the derived (tangent, adjoint, segment-sweep) kernels compile too
     assert len([r for r in recs if r["kernel"].startswith("derived:")]) == 19
