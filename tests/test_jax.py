@@ -178,6 +178,22 @@ def test_xla_ffi_shim_builds_and_registers_without_a_gpu():
     xla_ffi.register_cuda_target()     # queued for CUDA on a CPU-only jaxlib
 
 
+def test_the_shims_device_queries_report_a_missing_driver():
+    """Without libcuda the shim's device queries (what kernel.jax sizes a call by without
+    Numba) raise BackendError with the driver's absence as the reason: the Python side calls
+    them with the arguments their C declarations take."""
+    import ctypes.util
+
+    from loopkern.interop import xla_ffi
+    pytest.importorskip("cffi")
+    if ctypes.util.find_library("cuda"):
+        pytest.skip("this machine has a CUDA driver (the GPU tests query it)")
+    for query in (xla_ffi.current_device, lambda: xla_ffi.device_shared(0),
+                  lambda: xla_ffi.function_limits(0, 1, 64, 1000)):
+        with pytest.raises(lk.BackendError, match="libcuda"):
+            query()
+
+
 def test_timeout_returns_the_steps_done(rng):
     # an integer step with a closed form: exactly the state after 'done' steps, every element
     a0 = rng.integers(-1000, 1000, 2000).astype(np.int32)

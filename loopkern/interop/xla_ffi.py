@@ -121,6 +121,21 @@ def load_function(device: int, image_id: int) -> None:
         raise BackendError(ffi.string(err).decode(errors="replace"))
 
 
+def _ints(function: str, count: int, *args) -> list[int]:
+    """The ``count`` ints that the shim's ``function(*args, int* out..., err, errlen)`` writes.
+
+    Raises:
+        BackendError: with the shim's message, when it fails.
+    """
+    mod = build_shim()
+    ffi, lib = mod.ffi, mod.lib
+    out = ffi.new(f"int[{count}]")
+    err = ffi.new("char[512]")
+    if getattr(lib, function)(*args, *(out + k for k in range(count)), err, 512) != 0:
+        raise BackendError(ffi.string(err).decode(errors="replace"))
+    return [int(out[k]) for k in range(count)]
+
+
 def current_device() -> tuple:
     """(ordinal, compute capability, SM count) of the calling thread's current CUDA device (that
     of its current context; device 0 without one, as for Numba), through the driver: no Numba.
@@ -128,13 +143,8 @@ def current_device() -> tuple:
     Raises:
         BackendError: libcuda is missing or the driver refused.
     """
-    mod = build_shim()
-    ffi, lib = mod.ffi, mod.lib
-    out = ffi.new("int[4]")
-    err = ffi.new("char[512]")
-    if lib.lk_current_device(out, out + 1, out + 2, out + 3, err, 512) != 0:
-        raise BackendError(ffi.string(err).decode(errors="replace"))
-    return int(out[0]), (int(out[1]), int(out[2])), int(out[3])
+    device, major, minor, sms = _ints("lk_current_device", 4)
+    return device, (major, minor), sms
 
 
 def function_limits(device: int, image_id: int, threads: int = 0, shared: int = 0) -> tuple:
@@ -165,10 +175,4 @@ def device_shared(device: int) -> tuple:
     Raises:
         BackendError: libcuda is missing or the driver refused.
     """
-    mod = build_shim()
-    ffi, lib = mod.ffi, mod.lib
-    out = ffi.new("int[2]")
-    err = ffi.new("char[512]")
-    if lib.lk_device_shared(device, out, out + 1, err, 512) != 0:
-        raise BackendError(ffi.string(err).decode(errors="replace"))
-    return int(out[0]), int(out[1])
+    return tuple(_ints("lk_device_shared", 2, device))
