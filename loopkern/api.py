@@ -241,7 +241,8 @@ class MegaKernel:
             start: the step index of the first step (an int >= 0 or a 0-d integer JAX array,
                 traced values too; a traced negative value runs no step), to continue a run.
             backend: "auto" (the platform of the arrays), "cuda" or "cpu".
-            scope, threads, blocks: as for calling the kernel (CUDA only).
+            scope, threads, blocks: as for calling the kernel (CUDA only; ``scope="tile"``
+                and ``"auto"``'s choice of tile mode included, ``"cluster"`` not).
             seed: the seed of ``lk.random`` draws (a Python int).
             timeout: seconds (a Python number) after which the kernel stops itself at a step
                 boundary, measured by the GPU's clock from the kernel's start.
