@@ -36,7 +36,7 @@ from ..warpsplit import WARP, step_has_warp_split
 from . import checks, driver
 from .args import ArrayArg, apply_weak_floats, classify, weak_float_type
 from .config import (AUTO_TILE_MIN_ELEMENTS, LaunchConfig, choose_backend, cuda_config, plan_staging, resolve_scope,
-                     first_tile_blocks, tile_config, tile_layout)
+                     first_tile_blocks, numba_chip, tile_config, tile_layout)
 from .kernels import KernelCache, check_types, index_bits_for
 from .plan import PlanCache, make_plan
 from .signature import LastCall, call_key
@@ -287,6 +287,8 @@ class Dispatcher:
         """
         spec = self.spec
         name = "cluster" if cluster else "tile"
+        if chip is None and not sim:
+            chip = numba_chip()         # asked once for the layout, the first block count and the grid
         st = self.tile_stencil(name)
         resident = sorted(i for pair in spec.swap for i in pair)
         arrays = [argv[i] for i in resident]

@@ -177,6 +177,19 @@ def _platform(mk, arrays, backend):
     return platform
 
 
+def _largest_array(sig) -> int:
+    """Elements of the largest array of the signature (1 without arrays): what ``scope="auto"``
+    resolves by, as for a direct call."""
+    return max([math.prod(shape) for shape, _ in sig if shape is not None] or [1])
+
+
+def _device_argv(spec, sig) -> list:
+    """The signature's arrays as the dispatcher's :class:`ArrayArg` descriptions (device
+    arrays; None for scalars), for the staging and tile planners."""
+    return [ArrayArg(spec.params[i].name, None, "device", tuple(sig[i][0]), np.dtype(sig[i][1]), None, 0)
+            if sig[i][0] is not None else None for i in range(len(spec.params))]
+
+
 def _launch_work(mk, sig) -> int:
     """The elements a launch of ``mk`` covers: its largest array, where a stack of recorded states
     (the ``S_a`` of the reverse sweep's recorder and segment kernels, one state per step of a
@@ -201,7 +214,7 @@ def _cuda_options(mk, sig, scope, threads, blocks):
     defaults = mk.dispatcher.defaults
     # the scope as before the stacks were discounted (that is what ran on the GPU); the block
     # count of a grid launch comes from _launch_work (in _cuda_core)
-    work = max([math.prod(shape) for shape, _ in sig if shape is not None] or [1])
+    work = _largest_array(sig)
     asked = scope or defaults["scope"]
     scope = resolve_scope(asked, work, spec.parallel, spec.light_elements)
     checks.check_thread_scope(spec, scope)
@@ -781,19 +794,15 @@ def _ffi_kernel(mk, variant, n_dtype, t0_dtype, sig, types_key, device, cc, shar
                             types_key, xla_ffi, halo)
 
 
-def _cuda_tile_kernel(mk, sig, n_dtype, t0_dtype, threads, blocks, types_key):
+def _cuda_tile_kernel(mk, sig, n_dtype, t0_dtype, threads, blocks, types_key, by_ref, float_type):
     """Tile mode's kernel and grid for the custom call (``Dispatcher.fit_tiles``, sized for the
-    current device through the shim): (LaunchConfig, image id, the halo scratch's dtype or None)."""
+    current device through the shim): (LaunchConfig, image id, the halo scratch's dtype or None).
+    ``by_ref``, ``float_type``: the kernel variant's, as for the other scopes."""
     from ..dispatch.config import Chip
     from . import xla_ffi
     spec = mk.spec
-    arr_idx = [i for i in range(len(spec.params)) if sig[i][0] is not None]
     device, cc, sms = xla_ffi.current_device()
     chip = Chip(sms, *xla_ffi.device_shared(device))
-    by_ref = frozenset(i for i in range(len(spec.params)) if sig[i][0] is None)
-    float_type = weak_float_type(sig[i][1] for i in arr_idx)
-    argv = [ArrayArg(spec.params[i].name, None, "device", tuple(sig[i][0]), np.dtype(sig[i][1]), None, 0)
-            if sig[i][0] is not None else None for i in range(len(spec.params))]
     halo_dtype = np.dtype(sig[spec.swap[0][0]][1]) if spec.swap else None
 
     def build(st, depth, tiles, with_halo):
@@ -802,7 +811,8 @@ def _cuda_tile_kernel(mk, sig, n_dtype, t0_dtype, threads, blocks, types_key):
         key = types_key + tuple(("halo", dt.str) for dt in halo)
         kernel, image_id = _ffi_kernel(mk, variant, n_dtype, t0_dtype, sig, key, device, cc, halo=halo)
         return (image_id, halo_dtype if with_halo else None), kernel
-    (image_id, halo), config = mk.dispatcher.fit_tiles(argv, threads, blocks, False, build, chip=chip)
+    (image_id, halo), config = mk.dispatcher.fit_tiles(_device_argv(spec, sig), threads, blocks, False, build,
+                                                       chip=chip)
     return config, image_id, halo
 
 
@@ -820,6 +830,7 @@ def _cuda_core(mk, sig, n_dtype, t0_dtype, scope, threads, blocks, seed, timeout
     arr_idx = [i for i in range(n) if sig[i][0] is not None]
     work = _launch_work(mk, sig)
     by_ref = frozenset(i for i in range(n) if sig[i][0] is None)
+    float_type = weak_float_type(sig[i][1] for i in arr_idx)
     # the kernel's parameters without Numba: the step count, the start, each parameter (an
     # array, or a number as a 1-element array), then the scratch, seed, info and control
     # buffers, always of the same types (and a tile kernel's halo scratch)
@@ -828,15 +839,15 @@ def _cuda_core(mk, sig, n_dtype, t0_dtype, scope, threads, blocks, seed, timeout
     plan = halo = None
     if scope in ("tile", "auto-tile"):
         try:
-            plan, image_id, halo = _cuda_tile_kernel(mk, sig, n_dtype, t0_dtype, threads, blocks, types_key)
+            plan, image_id, halo = _cuda_tile_kernel(mk, sig, n_dtype, t0_dtype, threads, blocks, types_key, by_ref,
+                                                     float_type)
         except (LaunchError, ArgumentError) as exc:
             if scope == "tile":
                 raise
             # as a direct call: the tiles do not fit on this device (or the swap pairs' arrays
             # differ in shape or dtype), so the scope that "auto" resolves to
             log.debug("loopkern: kernel.jax with scope='auto' for step '%s' keeps the grid scope: %s", spec.name, exc)
-            full = max([math.prod(shape) for shape, _ in sig if shape is not None] or [1])
-            scope = resolve_scope("auto", full, spec.parallel, spec.light_elements)
+            scope = resolve_scope("auto", _largest_array(sig), spec.parallel, spec.light_elements)
     if plan is None:
         # block scope holds its arrays in shared memory as the direct call does (plan_staging),
         # unless ``stage`` is False (a short run, see STAGE_MIN_STEPS). The arrays the kernel
@@ -845,10 +856,8 @@ def _cuda_core(mk, sig, n_dtype, t0_dtype, scope, threads, blocks, seed, timeout
         # that the kernel writes
         staged, stage_bytes = (), 0
         if scope == "block" and stage:
-            argv = [ArrayArg(spec.params[i].name, None, "device", tuple(sig[i][0]), np.dtype(sig[i][1]), None, 0)
-                    if sig[i][0] is not None else None for i in range(n)]
-            staged, stage_bytes = plan_staging(spec, argv, check_overlap=False)
-        variant = dict(scope=scope, by_ref=by_ref, staged=staged, float_type=weak_float_type(sig[i][1] for i in arr_idx),
+            staged, stage_bytes = plan_staging(spec, _device_argv(spec, sig), check_overlap=False)
+        variant = dict(scope=scope, by_ref=by_ref, staged=staged, float_type=float_type,
                        index_bits=index_bits_for([math.prod(sig[i][0]) for i in arr_idx], False, staged))
         device, cc, sms = xla_ffi.current_device()
         kernel, image_id = _ffi_kernel(mk, variant, n_dtype, t0_dtype, sig, types_key, device, cc, stage_bytes)
