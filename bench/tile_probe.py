@@ -1,6 +1,10 @@
-"""Time the bench's heat kernels over scopes, block and thread counts (tuning scope="tile" and
-scope="cluster"): ``python bench/tile_probe.py [heat:N[,N...]] [heat2d:SIDE[,SIDE...]]
-[threads=T,T] [blocks=B,B] [scope=tile,cluster] [depth=D,D] [span=S]``.
+"""Time the bench's heat and Jacobi kernels over scopes, block and thread counts (tuning
+scope="tile" and scope="cluster"): ``python bench/tile_probe.py [heat:N[,N...]]
+[heat2d:SIDE[,SIDE...]] [jacobi:SIDE[,SIDE...]] [threads=T,T] [blocks=B,B]
+[scope=tile,cluster] [depth=D,D] [span=S]``.
+
+Jacobi runs a fixed number of steps (its tolerance is -1, so the condition never stops it)
+and reduces its update every step, as the bench's Jacobi does.
 
 ``depth`` caps the steps tile mode runs per halo exchange (``config.TILE_DEPTH_MAX``; 1: one
 step per exchange), ``span`` sets ``config.TILE_DEPTH_SPAN`` (how many widened halos a tile
@@ -19,6 +23,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.heat import ALPHA, heat_kernel  # noqa: E402
 from bench.heat2d import ALPHA2, heat2d_kernel  # noqa: E402
+from bench.jacobi import jacobi_kernel, jacobi_problem  # noqa: E402
 from numba import cuda  # noqa: E402
 
 from loopkern.dispatch import config  # noqa: E402
@@ -70,3 +75,5 @@ for n in [int(x) for x in opts.get("heat", "").split(",") if x]:
     probe(f"heat n={n}", heat_kernel, rng.random(n).astype(np.float32), ALPHA, 20000 if n <= 65536 else 4000)
 for side in [int(x) for x in opts.get("heat2d", "").split(",") if x]:
     probe(f"heat2d {side}^2", heat2d_kernel, rng.random((side, side)).astype(np.float32), ALPHA2, 2000)
+for side in [int(x) for x in opts.get("jacobi", "").split(",") if x]:
+    probe(f"jacobi {side}^2", jacobi_kernel, jacobi_problem(side, rng), np.float32(-1.0), 2000)

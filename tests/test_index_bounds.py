@@ -112,3 +112,103 @@ def test_negative_indices_still_wrap_around(backend, rng):
     v = np.zeros_like(u0)
     lk.megakernel(wrap_step)(u0, v, steps=1, backend=backend)
     np.testing.assert_array_equal(v, np.roll(u0, 1))
+
+
+def test_periodic_neighbours_inside_the_grid_are_proven():
+    # inside lk.grid(n, m) the body runs only if n >= 1, so n - 1 is a valid row; the test of
+    # each conditional expression holds in its first branch
+    assert _marked("""
+        n = a.shape[0]
+        m = a.shape[1]
+        for i, j in lk.grid(n, m):
+            up = i - 1 if i > 0 else n - 1
+            lf = j - 1 if j >= 1 else m - 1
+            dn = i + 1 if i < n - 1 else 0
+            b[i, j] = a[up, lf] + a[dn, j]
+    """) == ["dn", "i", "j", "j", "lf", "up"]
+
+
+def test_tests_bound_what_they_compare_where_they_hold():
+    assert _marked("""
+        n = a.shape[0]
+        for i in lk.range(0, n):
+            x = a[i - 1] if 0 <= i - 1 < n else a[i]
+            y = a[i - 1] if i == 0 else a[i - 2]
+            z = 1 if i > 1 and a[i - 2] > 0 else 0
+            w = 1 if i > 1 or a[i - 2] > 0 else 0
+            if k >= 0 and i - k >= 1:
+                b[i - 1] = a[i - k - 1] + a[k]
+            if i > 0:
+                b[i] = a[i - 1]
+            else:
+                b[i] = a[i - 1]
+    """) == sorted(["i - 1", "i", "i - 2", "i - k - 1", "k", "i", "i - 1", "i"])
+
+
+def test_a_name_assigned_under_its_guard_loses_the_guards_fact():
+    assert _marked("""
+        n = a.shape[0]
+        for i in lk.range(0, n):
+            j = i
+            if j > 0:
+                j = j - 2
+                b[i] = a[j]
+            while j > 0:
+                b[j - 1] = 0.0
+                j -= 1
+        for i in range(n):
+            n = n - 3
+            b[0] = a[n - 1]
+    """) == ["i"]
+
+
+def test_floats_and_calls_give_no_fact():
+    # a float compared to 0 may be 0.5 (it is never an index itself); a call may differ each time
+    assert _marked("""
+        for i in lk.range(0, 8):
+            if 0.5 < i:
+                b[i] = a[i - 1]
+            if min(i, k) > 0:
+                b[i] = a[min(i, k) - 1]
+    """) == ["i", "i"]
+
+
+def test_an_assignment_is_bounded_where_it_is_made():
+    # x = i - 1 is made where i >= 0, though it is used where i >= 1
+    assert _marked("""
+        for k in lk.range(0, 8):
+            x = 0
+            for i in range(0, 1):
+                x = i - 1
+            for i in range(1, 2):
+                b[k] = a[x] + i
+    """) == ["k"]
+
+
+def stale_bound_step(t, u, v):
+    for k in lk.range(0, v.shape[0]):
+        x = 0
+        for i in range(0, 1):
+            x = i - 1           # -1: u[x] is the last element
+        for i in range(1, 2):
+            v[k] = u[x] + i
+
+
+def periodic_step(t, u, v):
+    n = u.shape[0]
+    for i in lk.range(0, n):
+        left = i - 1 if i > 0 else n - 1
+        right = i + 1 if i < n - 1 else 0
+        v[i] = u[left] - u[right] + (u[i - 1] if 0 <= i - 1 else 10.0 * u[i])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_guarded_and_stale_indices_mean_what_python_means(backend, rng):
+    u0 = rng.random(37)
+    v = np.zeros_like(u0)
+    lk.megakernel(stale_bound_step)(u0, v, steps=1, backend=backend)
+    np.testing.assert_array_equal(v, u0[-1] + 1)
+    v = np.zeros_like(u0)
+    lk.megakernel(periodic_step)(u0, v, steps=1, backend=backend)
+    ref = np.roll(u0, 1) - np.roll(u0, -1) + np.where(np.arange(37) >= 1, np.roll(u0, 1), 10.0 * u0)
+    np.testing.assert_array_equal(v, ref)

@@ -377,7 +377,8 @@ else:
 
     def _make_core(op, sync, dtype):
         """Block reduction (``sync`` None) or grid reduction (across the threads ``sync`` joins)
-        of a float64 or int64 value; every thread gets the result."""
+        of a float64, int64 or (max and min only) float32 value; every thread gets the
+        result."""
         grid = sync is not None
         sync = sync if grid else block_sync      # a device function either way (see above)
         combine = _COMBINE[op]
@@ -392,7 +393,7 @@ else:
                 off >>= 1
             return v
 
-        # ``sh`` (the per-warp slots, 2 * _MAX_WARPS of ``dtype``) is the kernel's own shared
+        # ``sh`` (the per-warp slots, 2 * _MAX_WARPS of float64 or int64) is the kernel's own shared
         # array, passed in: a shared array allocated here would be one global symbol in each
         # compiled copy of this function, and reductions of two value types in one kernel
         # (a float32 and a float64 lk.max, an int32 and an int64 lk.sum) link two copies,
@@ -407,7 +408,7 @@ else:
             if lane == 0:
                 sh[slot * _MAX_WARPS + warp] = v
             cuda.syncthreads()
-            w = sh[slot * _MAX_WARPS + lane] if lane < (cuda.blockDim.x >> 5) else dtype(ident)
+            w = dtype(sh[slot * _MAX_WARPS + lane]) if lane < (cuda.blockDim.x >> 5) else dtype(ident)
             w = warp_all(w)
             if grid:
                 if cuda.threadIdx.x == 0:
@@ -415,7 +416,7 @@ else:
                 sync(bar)
                 acc = dtype(ident)
                 for b in range(lane, cuda.gridDim.x, 32):
-                    acc = combine(acc, red[slot, b])
+                    acc = combine(acc, dtype(red[slot, b]))
                 w = warp_all(acc)
             return w
         return core
@@ -423,12 +424,20 @@ else:
     def _make(op, sync):
         core_f = _make_core(op, sync, np.float64)
         core_i = _make_core(op, sync, np.int64)
+        # max and min are exact: a float32 value is reduced in float32 (one 32-bit shuffle per
+        # step instead of two 32-bit halves and a float64 compare), to the same result as in
+        # float64 (the slots stay float64 and hold it exactly); a sum stays in float64
+        core_f32 = _make_core(op, sync, np.float32) if op != "sum" else None
 
         def reduce(x, redf, redi, st, bar, shf, shi):
             raise NotImplementedError("only callable from a loopkern kernel")
 
         @overload(reduce, target="cuda")
         def _reduce_impl(x, redf, redi, st, bar, shf, shi):
+            if isinstance(x, types.Float) and x.bitwidth == 32 and core_f32 is not None:
+                def impl(x, redf, redi, st, bar, shf, shi):
+                    return core_f32(x, redf, st, bar, shf)
+                return impl
             if isinstance(x, types.Float):
                 out = x
 

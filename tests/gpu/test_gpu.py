@@ -302,3 +302,45 @@ def test_random_numbers_match_an_independent_philox_at_any_grid_size(rng):
         np.testing.assert_array_equal(out, ref_u)                          # uniform: bit for bit
         # normal: CUDA's log and cos may round the last bit differently from NumPy's
         np.testing.assert_allclose(noise, ref_z, rtol=1e-13, atol=1e-14)
+
+
+def f32_extremes_step(t, x, out):
+    # lk.max and lk.min of float32 values run in float32 (runtime/cuda_rt.py _make): each step
+    # reduces one row
+    n = x.shape[1]
+    hi = np.float32(-3e38)
+    lo = np.float32(3e38)
+    for i in lk.range(n):
+        hi = max(hi, x[t, i])
+        lo = min(lo, x[t, i])
+    a = lk.max(hi)
+    b = lk.min(lo)
+    if lk.thread_id() == 0:
+        out[t, 0] = a
+        out[t, 1] = b
+
+
+@pytest.mark.parametrize("scope,blocks", LAUNCHES)
+def test_float32_max_and_min_equal_numpys(scope, blocks, rng):
+    steps, n = 9, 3001
+    x = (rng.standard_normal((steps, n)) * 10.0 ** rng.integers(-40, 38, (steps, n))).astype(np.float32)
+    x[1, 17] = np.inf
+    x[2, 5] = -np.inf
+    x[3, :] = np.float32(1e-45) * rng.integers(-3, 4, n)        # subnormals and zeros
+    out = np.zeros((steps, 2), np.float32)
+    run = lk.megakernel(f32_extremes_step)(x, out, steps=steps, backend="cuda", scope=scope, blocks=blocks)
+    _check_launch(run, scope, blocks)
+    np.testing.assert_array_equal(out[:, 0], x.max(axis=1))
+    np.testing.assert_array_equal(out[:, 1], x.min(axis=1))
+
+
+@pytest.mark.parametrize("scope,blocks", LAUNCHES)
+def test_reductions_of_float32_and_float64_in_one_kernel(scope, blocks, rng):
+    n, steps = 5000, 4
+    x0 = rng.random(n).astype(np.float32)
+    x, out = x0.copy(), np.zeros((steps, 4))
+    run = lk.megakernel(W.mixed_reductions_step)(x, out, steps=steps, backend="cuda", scope=scope, blocks=blocks)
+    _check_launch(run, scope, blocks)
+    want_x, want_out = W.mixed_reductions_ref(x0, steps)
+    np.testing.assert_array_equal(x, want_x)
+    np.testing.assert_allclose(out, want_out, rtol=1e-6)
