@@ -6,10 +6,18 @@
 # SET 1m: heat 1M in the grid scope (loopkern's own 32-bit element accesses) and in tile mode
 # (rounds of steps on chip), the C++ kernel at 1M; 2-D heat 1024x1024 in the grid scope, in
 # tile mode, and the 2-D C++ kernel. Each kernel runs 2000 steps in its profiled launch.
+# SET misses: Life 1024x1024 and Jacobi 256x256 in the grid scope, 2000 steps each.
 out=${1:-.}
 set=${2:-2026-12-02}
 sections="--section SpeedOfLight --section WarpStateStats --section InstructionStats --section LaunchStats --section Occupancy --section SchedulerStats"
 prof() { name=$1; shift; ncu --clock-control none -k regex:"$KREGEX" --launch-skip ${SKIP:-1} --launch-count 1 $sections "$@" > "$out/ncu-$name.txt" 2>&1; }
+if [ "$set" = misses ]; then
+  # the issue-12 rows that miss their targets and had no profile: Life 1024x1024 and Jacobi
+  # 256x256 (a reduction every step) in the grid scope that scope="auto" picks
+  KREGEX=_lk_kernel prof life1024-grid python3 bench/ncu_heat.py life1024 2000 grid
+  KREGEX=_lk_kernel prof jacobi256-grid python3 bench/ncu_heat.py jacobi256 2000 grid
+  exit 0
+fi
 if [ "$set" = 1m ]; then
   KREGEX=_lk_kernel prof heat1m-grid python3 bench/ncu_heat.py 1048576 2000 grid
   KREGEX=_lk_kernel prof heat1m-tile python3 bench/ncu_heat.py 1048576 2000 tile
