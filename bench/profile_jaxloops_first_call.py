@@ -1,6 +1,8 @@
 """Where the first lk.fori_loop call of a new process goes (the compile row of bench.py's
 jaxloops workload): one child process fills a fresh cache, a second one is profiled with
-cProfile from the call on (JAX's own start-up done before, as in the bench row).
+cProfile from the call on (JAX's own start-up done before, as in the bench row). Each child
+then profiles a second, different body (its kernel compiled in a process that has compiled
+one; the shim built or loaded by then).
 
     python bench/profile_jaxloops_first_call.py [top entries]
 """
@@ -27,6 +29,17 @@ CHILD = textwrap.dedent("""
     jax.block_until_ready(lk.fori_loop(0, 10, body, u, fallback="error"))
     prof.disable()
     print(f"first call: {{time.perf_counter() - t0:.3f}} s ({label})")
+    if {show}:
+        pstats.Stats(prof).sort_stats("cumulative").print_stats({top})
+
+    def other(i, x):
+        return x.at[1:-1].set(np.float32(0.5) * (x[:-2] + x[2:]) - np.float32(0.01) * x[1:-1])
+    prof = cProfile.Profile()
+    t0 = time.perf_counter()
+    prof.enable()
+    jax.block_until_ready(lk.fori_loop(0, 10, other, u, fallback="error"))
+    prof.disable()
+    print(f"second body: {{time.perf_counter() - t0:.3f}} s ({label})")
     if {show}:
         pstats.Stats(prof).sort_stats("cumulative").print_stats({top})
 """)
