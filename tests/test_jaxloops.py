@@ -7,6 +7,7 @@ fallback to jax.lax (warning / error), jax.jit, traced bounds, derivatives and t
 Every compiled test passes ``fallback="error"``, so a body that silently ran as the lax loop
 would fail instead of comparing lax with itself."""
 
+import re
 import warnings
 
 import numpy as np
@@ -229,6 +230,12 @@ def test_heat2d_and_jacobi_to_tolerance(rng):
     # the counter is kept out of memory and the condition needs no extra reduction
     step = _source_of(lambda: lk.while_loop(cond, body, init, fallback="error"))
     assert step.count("lk.max(") == 1
+    # its neighbour reads sit under the conditional expression that keeps them inside the
+    # grid: index_bounds proves each index non-negative, so no read keeps Python's wraparound
+    from loopkern.jaxloops import loops
+    kernel = next(k for (src, _), k in loops._kernels.items() if src == step)
+    reads = re.findall(r"\bc0\[([^\]]*)\]", kernel.source("cuda", "grid"))
+    assert len(reads) >= 5 and all(i.count("_lk_np.uint64(") == 2 for i in reads), reads
 
 
 def test_while_loop_zero_iterations_and_chunks(rng):
