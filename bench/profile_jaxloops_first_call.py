@@ -22,26 +22,22 @@ CHILD = textwrap.dedent("""
 
     def body(i, x):
         return x.at[1:-1].set(x[1:-1] + np.float32(0.25) * (x[:-2] - 2 * x[1:-1] + x[2:]))
-    jax.block_until_ready(u * 2)
-    prof = cProfile.Profile()
-    t0 = time.perf_counter()
-    prof.enable()
-    jax.block_until_ready(lk.fori_loop(0, 10, body, u, fallback="error"))
-    prof.disable()
-    print(f"first call: {{time.perf_counter() - t0:.3f}} s ({label})")
-    if {show}:
-        pstats.Stats(prof).sort_stats("cumulative").print_stats({top})
 
     def other(i, x):
         return x.at[1:-1].set(np.float32(0.5) * (x[:-2] + x[2:]) - np.float32(0.01) * x[1:-1])
-    prof = cProfile.Profile()
-    t0 = time.perf_counter()
-    prof.enable()
-    jax.block_until_ready(lk.fori_loop(0, 10, other, u, fallback="error"))
-    prof.disable()
-    print(f"second body: {{time.perf_counter() - t0:.3f}} s ({label})")
-    if {show}:
-        pstats.Stats(prof).sort_stats("cumulative").print_stats({top})
+
+    def profiled(what, fn):
+        prof = cProfile.Profile()
+        t0 = time.perf_counter()
+        prof.enable()
+        jax.block_until_ready(lk.fori_loop(0, 10, fn, u, fallback="error"))
+        prof.disable()
+        print(f"{{what}}: {{time.perf_counter() - t0:.3f}} s ({label})")
+        if {show}:
+            pstats.Stats(prof).sort_stats("cumulative").print_stats({top})
+    jax.block_until_ready(u * 2)
+    profiled("first call", body)
+    profiled("second body", other)
 """)
 top = int(sys.argv[1]) if len(sys.argv) > 1 else 45
 with tempfile.TemporaryDirectory() as cache:
