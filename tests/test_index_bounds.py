@@ -212,3 +212,65 @@ def test_guarded_and_stale_indices_mean_what_python_means(backend, rng):
     lk.megakernel(periodic_step)(u0, v, steps=1, backend=backend)
     ref = np.roll(u0, 1) - np.roll(u0, -1) + np.where(np.arange(37) >= 1, np.roll(u0, 1), 10.0 * u0)
     np.testing.assert_array_equal(v, ref)
+
+
+# -- random guarded indices against the plain-Python interpreter -----------------------------
+# Steps whose indices are offsets of the loop index, of a parameter and of locals bound under
+# conditional expressions, read under random tests (and, or, not, chained comparisons, an if
+# with an else): every index lies in [-n, n), so each is valid Python, and a negative one means
+# an element counted from the end. A wrongly proven index would be read as a huge unsigned one:
+# the simulator raises, the CPU backend reads far outside the array.
+
+GUARD_TESTS = ["i > {c}", "i >= {c}", "0 <= i - {c}", "a >= {c}", "b > {c} - 1", "0 <= a - {c} < n",
+               "i - {c} >= 0 and a > {d}", "i > {c} or k > {d}", "not i < {c}", "{c} <= b", "k >= {c}",
+               "a == {c}", "i - k >= {c}"]
+GUARD_LOCALS = ["i - {c}", "i - {c} if i > {d} else n - {e}", "i - {c} if {d} <= i else 0", "k - {c}",
+                "n - 1 - i", "max(i - {c}, {d})", "min(i, k) - {c}", "i - {c} if i > {d} else i - {e}"]
+GUARD_INDICES = ["i", "i - {c}", "a", "b", "a - {c}", "k - {c}", "n - 1 - i - {c}",
+                 "u.shape[0] - {e}", "b - {c} if b > {d} else a", "i - {c} if i >= {c} else i - {d}"]
+
+
+def _guarded_program(rng, name):
+    def fill(template):
+        c, d, e = rng.integers(0, 6), rng.integers(0, 6), rng.integers(1, 6)
+        return template.format(c=c, d=d, e=e)
+    pick = lambda options: fill(options[rng.integers(len(options))])  # noqa: E731
+    c = int(rng.integers(1, 6))
+    b_expr = pick(GUARD_LOCALS)
+    a_expr = pick(GUARD_LOCALS + ["b - {c} if b >= {c} else b", "b if {d} < b else i"])
+    return "\n".join([
+        f"def {name}(t, u, v, k):",
+        "    n = u.shape[0]",
+        f"    for i in lk.range({rng.integers(0, 4)}, n):",
+        f"        b = {b_expr}",
+        f"        a = {a_expr}",
+        # the else branch's index is negative where the test fails (when the range starts low)
+        f"        w = u[i - {c}] if i >= {c} else u[i - {rng.integers(1, c + 1)}]",
+        f"        if {pick(GUARD_TESTS)}:",
+        f"            v[i] = u[{pick(GUARD_INDICES)}] + (u[{pick(GUARD_INDICES)}] if {pick(GUARD_TESTS)} else w)",
+        "        else:",
+        f"            v[i] = 2.0 * u[{pick(GUARD_INDICES)}] + w",
+        ""])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_random_guarded_indices_mean_what_python_means(backend, tmp_path, rng):
+    import importlib.util
+
+    import interp
+    count = 40 if backend == "cpu" else 12
+    progs = [_guarded_program(rng, f"guarded_{k}") for k in range(count)]
+    path = tmp_path / f"guarded_{backend}.py"
+    path.write_text("import loopkern as lk\n\n\n" + "\n\n".join(progs))
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    for k, src in enumerate(progs):
+        fn = getattr(mod, f"guarded_{k}")
+        n, kk = 40, int(rng.integers(0, 6))
+        u0 = rng.random(n)
+        want = np.zeros(n)
+        interp.run(fn, [u0.copy(), want, kk], 1)
+        got = np.zeros(n)
+        lk.megakernel(fn)(u0.copy(), got, kk, steps=1, backend=backend)
+        np.testing.assert_array_equal(got, want, err_msg=src)
