@@ -104,12 +104,20 @@ class _Walker:
             self.stmts(st.orelse, ctx)
         else:
             self.bind(st, ctx)
-            for _, value in ast.iter_fields(st):
-                for v in value if isinstance(value, list) else [value]:
-                    if isinstance(v, ast.expr):
-                        self.expr(v, ctx)
-                    elif isinstance(v, ast.stmt):
-                        self.stmt(v, ctx)
+            for child in ast.iter_child_nodes(st):
+                self.node(child, ctx)
+
+    def node(self, node, ctx):
+        """Any node: a statement, an expression, or one that holds them (a keyword argument, a
+        comprehension, an exception handler), visited in ``ctx``."""
+        if isinstance(node, ast.stmt):
+            self.stmt(node, ctx)
+        elif isinstance(node, ast.expr):
+            self.expr(node, ctx)
+        else:
+            for child in ast.iter_child_nodes(node):
+                self.node(child, ctx)
+            self.leaf(node, ctx)
 
     def expr(self, e, ctx):
         if isinstance(e, ast.IfExp):
@@ -122,8 +130,7 @@ class _Walker:
                 ctx = self.tested(v, ctx)
         else:
             for child in ast.iter_child_nodes(e):
-                if isinstance(child, ast.expr):
-                    self.expr(child, ctx)
+                self.node(child, ctx)
             self.leaf(e, ctx)
 
     def tested(self, test, ctx):
@@ -136,7 +143,8 @@ class _Walker:
         """Hook: a ``for`` statement (its target is bound in ``ctx``, outside the loop)."""
 
     def leaf(self, e, ctx):
-        """Hook: an expression other than a conditional or an ``and``, after its children."""
+        """Hook: a node other than a statement, a conditional expression or an ``and``, after
+        its children."""
 
 
 class _Marker(_Walker):
