@@ -84,8 +84,8 @@ class _Walker:
     tuple of ``(kind, node, names assigned in the guarded body)``, outermost first; kind
     "loop" for a ``for`` statement, "test" for a condition)."""
 
-    def __init__(self, trust_tests: bool):
-        self.trust_tests = trust_tests
+    def __init__(self, bounds):
+        self.bounds = bounds
 
     def stmts(self, stmts, ctx):
         for st in stmts:
@@ -99,8 +99,7 @@ class _Walker:
             self.stmts(st.orelse, ctx)
         elif isinstance(st, (ast.If, ast.While)):
             self.expr(st.test, ctx)
-            inner = ctx + (("test", st.test, frozenset(_assigned_names(st.body))),) if self.trust_tests else ctx
-            self.stmts(st.body, inner)
+            self.stmts(st.body, self.bounds.tested(st.test, ctx, st.body))
             self.stmts(st.orelse, ctx)
         else:
             self.bind(st, ctx)
@@ -122,19 +121,16 @@ class _Walker:
     def expr(self, e, ctx):
         if isinstance(e, ast.IfExp):
             self.expr(e.test, ctx)
-            self.expr(e.body, self.tested(e.test, ctx))
+            self.expr(e.body, self.bounds.tested(e.test, ctx))
             self.expr(e.orelse, ctx)
         elif isinstance(e, ast.BoolOp) and isinstance(e.op, ast.And):
             for v in e.values:
                 self.expr(v, ctx)
-                ctx = self.tested(v, ctx)
+                ctx = self.bounds.tested(v, ctx)
         else:
             for child in ast.iter_child_nodes(e):
                 self.node(child, ctx)
             self.leaf(e, ctx)
-
-    def tested(self, test, ctx):
-        return ctx + (("test", test, frozenset()),) if self.trust_tests else ctx
 
     def bind(self, st, ctx):
         """Hook: a statement other than a loop or a condition, in context ``ctx``."""
@@ -151,8 +147,7 @@ class _Marker(_Walker):
     """Wraps the provable indices of array parameters."""
 
     def __init__(self, bounds, arrays):
-        super().__init__(bounds.trust_tests)
-        self.bounds = bounds
+        super().__init__(bounds)
         self.arrays = arrays
 
     def leaf(self, e, ctx):
@@ -174,10 +169,6 @@ class _Marker(_Walker):
 
 class _Collector(_Walker):
     """Records every binding of a name with the context it is made in."""
-
-    def __init__(self, bounds):
-        super().__init__(bounds.trust_tests)
-        self.bounds = bounds
 
     def bind(self, st, ctx):
         b = self.bounds
@@ -227,6 +218,25 @@ def _names(e) -> set:
     return {n.id for n in ast.walk(e) if isinstance(n, ast.Name)}
 
 
+def _put(facts, key, low, names):
+    """Record in ``facts`` that the expression ``key`` (whose names are ``names``) is at least
+    ``low``, keeping the greater of two bounds."""
+    prev = facts.get(key)
+    facts[key] = (max(low, prev[0]) if prev else low, names)
+
+
+def _loop_kind(it) -> str | None:
+    """"range" for a loop over ``range(...)`` or ``lk.range(...)``, "grid" for ``lk.grid``."""
+    if isinstance(it, ast.Call) and isinstance(it.func, ast.Name) and it.func.id == "range":
+        return "range"
+    return marker_of(it)
+
+
+def _grid_axis(a):
+    """(start, stop) of one ``lk.grid`` argument, ``(start, stop)`` or ``stop``."""
+    return (a.elts[0], a.elts[1]) if isinstance(a, ast.Tuple) and len(a.elts) == 2 else (ast.Constant(0), a)
+
+
 class _Bounds:
     """Lower bounds of integer expressions in one function (None: unknown or not an integer)."""
 
@@ -258,6 +268,11 @@ class _Bounds:
             self.bind_target(tgt.value, None, ctx)
 
     # -- facts -----------------------------------------------------------------------------
+    def tested(self, test, ctx, body=()):
+        """``ctx`` where ``test`` holds, in the statements ``body`` (none: an expression), which
+        may assign names; ``ctx`` itself in a function whose tests are not trusted."""
+        return ctx + (("test", test, frozenset(_assigned_names(body))),) if self.trust_tests else ctx
+
     def facts(self, ctx) -> dict:
         """{key of an expression: a lower bound that holds for it} in context ``ctx``."""
         if not ctx:
@@ -282,8 +297,7 @@ class _Bounds:
         for name, low in self.loop_bounds(loop.target, loop.iter, ctx).items():
             out[ast.dump(ast.Name(id=name, ctx=ast.Load()))] = (low, {name})
         it = loop.iter
-        python_range = isinstance(it, ast.Call) and isinstance(it.func, ast.Name) and it.func.id == "range"
-        kind = "range" if python_range else marker_of(it)
+        kind = _loop_kind(it)
         if kind == "range" and not it.keywords and 1 <= len(it.args) <= 3:
             args = it.args
             step = int_constant(args[2]) if len(args) == 3 else 1
@@ -294,7 +308,7 @@ class _Bounds:
                 self._above(out, start, stop, ctx)
         elif kind == "grid" and not it.keywords:
             for a in it.args:
-                lo, hi = (a.elts[0], a.elts[1]) if isinstance(a, ast.Tuple) and len(a.elts) == 2 else (ast.Constant(0), a)
+                lo, hi = _grid_axis(a)
                 self._above(out, hi, lo, ctx)
         return out
 
@@ -303,8 +317,7 @@ class _Bounds:
         key = _key(big)
         low = self.lower(small, ctx)
         if key is not None and low is not None:
-            prev = out.get(key)
-            out[key] = (max(low + by, prev[0]) if prev else low + by, _names(big))
+            _put(out, key, low + by, _names(big))
 
     def _test_facts(self, test, ctx) -> dict:
         """What holds where ``test`` was true: its comparisons (each operand of an ``and``)."""
@@ -312,10 +325,9 @@ class _Bounds:
         if isinstance(test, ast.BoolOp) and isinstance(test.op, ast.And):
             # each operand is evaluated where the ones before it held
             for v in test.values:
-                for key, fact in self._test_facts(v, ctx).items():
-                    prev = out.get(key)
-                    out[key] = (max(fact[0], prev[0]), fact[1]) if prev else fact
-                ctx = ctx + (("test", v, frozenset()),)
+                for key, (low, names) in self._test_facts(v, ctx).items():
+                    _put(out, key, low, names)
+                ctx = self.tested(v, ctx)
             return out
         if not isinstance(test, ast.Compare):
             return out
@@ -339,13 +351,12 @@ class _Bounds:
     def loop_bounds(self, tgt, it, ctx=()) -> dict:
         """The bound of each name a ``for`` loop's target binds, from the loop alone (its
         range evaluated in context ``ctx``, outside the loop)."""
-        python_range = isinstance(it, ast.Call) and isinstance(it.func, ast.Name) and it.func.id == "range"
-        kind = "range" if python_range else marker_of(it)
+        kind = _loop_kind(it)
         if kind == "range" and isinstance(tgt, ast.Name):
             return {tgt.id: self._range_low(it.args, ctx)}
         if kind == "grid" and isinstance(tgt, ast.Tuple) and len(tgt.elts) == len(it.args):
-            return {t.id: self.lower(a.elts[0], ctx) if isinstance(a, ast.Tuple) and len(a.elts) == 2 else 0
-                    for t, a in zip(tgt.elts, it.args) if isinstance(t, ast.Name)}
+            return {t.id: self.lower(_grid_axis(a)[0], ctx) for t, a in zip(tgt.elts, it.args)
+                    if isinstance(t, ast.Name)}
         return {}
 
     def name(self, n):
@@ -415,7 +426,7 @@ class _Bounds:
         if isinstance(e, ast.BinOp):
             return self._binop(e, ctx)
         if isinstance(e, ast.IfExp):
-            a = self.lower(e.body, ctx + (("test", e.test, frozenset()),) if self.trust_tests else ctx)
+            a = self.lower(e.body, self.tested(e.test, ctx))
             b = self.lower(e.orelse, ctx)
             return min(a, b) if a is not None and b is not None else None
         if isinstance(e, ast.Call) and isinstance(e.func, ast.Name):
