@@ -584,6 +584,9 @@ class _BodyWriter:
             self.out.add(depth, f"{_P}g{k}_n{d} = max({span}, 0)", s)
             los.append(lo_t)
             ns.append(f"{_P}g{k}_n{d}")
+        if self.tile and nd == 2:
+            self.tile_rows(s, k, depth, names, los, ns, single)
+            return
         total = f"{_P}g{k}_total"
         self.out.add(depth, f"{total} = {' * '.join(ns)}", s)
         cs = [f"{_P}g{k}_c{d}" for d in range(nd)]
@@ -617,6 +620,40 @@ class _BodyWriter:
             self.out.add(depth, f"{cur} = {start}", s)
         self.lower.tile_cell = cells(lambda n: n) if cells else outer
         self.strided_loop(s, depth, f"{cur} < {total}", take(0, lambda n: n) + [f"{cur} += {nt}"])
+        self.lower.tile_cell = outer
+
+    def tile_rows(self, s, k, depth, names, los, ns, single):
+        """A 2-D ``lk.grid`` over a tile's rows: each of the block's threads keeps a column and
+        takes it in every ``rows``-th row of the tile (``rt.tile_columns``), so no cell pays the
+        flattened loop's carry between row and column digits, and a cell's neighbours in the
+        shared tile are the same offsets from one address that advances by a constant.
+
+        Every thread has at most twice the cells of the flattened split (a row narrower than
+        the block leaves at most half of its threads idle; a wider one gives each thread at
+        most one column more than its share), and a cell costs a third of the instructions.
+        """
+        r0, c, rows, width = (f"{_P}g{k}_{x}" for x in ("r0", "c", "rows", "width"))
+        col, cur = f"{_P}g{k}_j", f"{_P}g{k}"
+        self.out.add(depth, f"{r0}, {c}, {rows}, {width} = {_P}rt.tile_columns({ns[1]}, {_P}bnt, {_P}btid)", s)
+        self.out.add(depth, f"while {c} < {ns[1]}:", s)
+        d = depth + 1
+        self.out.add(d, f"{col} = {c}" if los[1] == "0" else f"{col} = {los[1]} + {c}", s)
+        self.out.add(d, f"{c} += {width}", s)
+
+        def take(q, rn):
+            row = cur + (f" + {q} * {rows}" if q else "")
+            lines = [f"{rn(names[0])} = {row}" if los[0] == "0" else f"{rn(names[0])} = {los[0]} + {row}",
+                     f"{rn(names[1])} = {col}"]
+            if single:
+                lines.append(f"{rn(_src(s.target))} = ({rn(names[0])}, {rn(names[1])})")
+            return lines
+        index_names = names + ([_src(s.target)] if single else [])
+        cells = (lambda rn: (rn(names[0]), rn(names[1]))) if not single else None
+        outer = self.lower.tile_cell
+        if not self.unrolled(s, index_names, d, k, cur, r0, ns[0], take, stride=rows, cells=cells):
+            self.out.add(d, f"{cur} = {r0}", s)
+        self.lower.tile_cell = cells(lambda n: n) if cells else outer
+        self.strided_loop(s, d, f"{cur} < {ns[0]}", take(0, lambda n: n) + [f"{cur} += {rows}"])
         self.lower.tile_cell = outer
 
     def unrolled(self, s, index_names, depth, k, cur, start, stop, take, stride: str = f"{_P}nt", cells=None):
@@ -1227,7 +1264,7 @@ def _tile_lines(tile, kparams, resident, written, sync: str = "grid") -> tuple[l
     """
     (hl, hr) = tile.halo[0]
     tt = _TileText(tile, kparams, resident, 1)
-    cells, at = tt.cells, tt.at
+    cells, get, put = tt.cells, tt.get, tt.put
     k0 = kparams[resident[0]]
     i1, i2 = _INDENT, _INDENT * 2
     pro = [f"{i1}{_P}n = {k0}.shape[0]",
@@ -1243,19 +1280,19 @@ def _tile_lines(tile, kparams, resident, written, sync: str = "grid") -> tuple[l
     for j, i in enumerate(resident):
         pro.append(f"{i1}{_P}w{i} = {_P}rt.tile_like({_P}sh, {j} * {_P}W * {_P}m, {_P}W * {_P}m, {kparams[i]})")
         pro += cells(1, f"{_P}W", f"{_P}tb + {_P}r", f"0 <= {_P}c < {_P}n",
-                     [f"{at(f'{_P}w{i}', f'{_P}r')} = {at(kparams[i], f'{_P}c')}"])
+                     [put(f"{_P}w{i}", f"{_P}r", get(kparams[i], f"{_P}c", False), True)])
         pro.append(f"{i1}{_P}e{i} = {kparams[i]}")
     pro.append(f"{i1}cuda.syncthreads()")
     bar = ["cuda.syncthreads()"]
     if hl + hr and written:
         bar += cells(0, hl + hr, f"{_P}tlo + {_P}r if {_P}r < {hr} else {_P}thi - {hl} + ({_P}r - {hr})",
                      f"{_P}tlo <= {_P}c < {_P}thi",
-                     [f"{at(f'{_P}e{i}', f'{_P}c')} = {at(f'{_P}w{i}', f'{_P}c - {_P}tb')}" for i in written])
+                     [put(f"{_P}e{i}", f"{_P}c", get(f"{_P}w{i}", f"{_P}c - {_P}tb", True), False) for i in written])
     bar.append(f"{_P}rt.{sync}_sync({_P}bar)")
     if hl + hr and written:
         bar += cells(0, hl + hr, f"{_P}tb + {_P}r if {_P}r < {hl} else {_P}thi + ({_P}r - {hl})",
                      f"0 <= {_P}c < {_P}n and not ({_P}tlo <= {_P}c < {_P}thi)",
-                     [f"{at(f'{_P}w{i}', f'{_P}c - {_P}tb')} = {at(f'{_P}e{i}', f'{_P}c')}" for i in written])
+                     [put(f"{_P}w{i}", f"{_P}c - {_P}tb", get(f"{_P}e{i}", f"{_P}c", False), True) for i in written])
         bar.append("cuda.syncthreads()")
     barrier = ("\n" + i2).join(bar)
     copy_back = [f"{i1}cuda.syncthreads()"] + tt.copy_rows(1, f"{_P}thi - {_P}tlo", f"{_P}tlo + {_P}r", "True",
@@ -1301,28 +1338,47 @@ class _TileText:
     def cells(self, depth, count, first, guard, body):
         """Lines running ``body`` for the rows ``_lk_c = first`` (``_lk_r`` in range(count))
         that pass ``guard``: in 1-D the block's threads take the cells, in 2-D each row's
-        columns (``_lk_j``)."""
-        ind = _INDENT * depth
+        columns (``_lk_j``). Strided ``while`` loops: ``range(btid, m, bnt)`` would make Numba
+        divide (64-bit, tens of instructions) to count the trips, for every row of every
+        exchange."""
+        ind, i1, i2 = _INDENT * depth, _INDENT, _INDENT * 2
         if self.two:
-            return [f"{ind}for {_P}r in range({count}):", f"{ind}{_INDENT}{_P}c = {first}",
-                    f"{ind}{_INDENT}if {guard}:",
-                    f"{ind}{_INDENT * 2}for {_P}j in range({_P}btid, {_P}m, {_P}bnt):"] + \
-                [f"{ind}{_INDENT * 3}{b}" for b in body]
-        return [f"{ind}for {_P}r in range({_P}btid, {count}, {_P}bnt):", f"{ind}{_INDENT}{_P}c = {first}",
-                f"{ind}{_INDENT}if {guard}:"] + [f"{ind}{_INDENT * 2}{b}" for b in body]
+            return [f"{ind}for {_P}r in range({count}):", f"{ind}{i1}{_P}c = {first}",
+                    f"{ind}{i1}if {guard}:", f"{ind}{i2}{_P}j = {_P}btid",
+                    f"{ind}{i2}while {_P}j < {_P}m:"] + \
+                [f"{ind}{_INDENT * 3}{b}" for b in body] + [f"{ind}{_INDENT * 3}{_P}j += {_P}bnt"]
+        return [f"{ind}{_P}r = {_P}btid", f"{ind}while {_P}r < {count}:", f"{ind}{i1}{_P}c = {first}",
+                f"{ind}{i1}if {guard}:"] + [f"{ind}{i2}{b}" for b in body] + [f"{ind}{i1}{_P}r += {_P}bnt"]
 
-    def at(self, name, row):
-        return f"{name}[{row}, {_P}j]" if self.two else f"{name}[{row}]"
+    def _index(self, row):
+        # every index these lines use is proven in range by the guards around them: unsigned,
+        # so the access skips Python's negative-index test (runtime/arrays.py)
+        return f"(_lk_np.uint64({row}), _lk_np.uint64({_P}j))" if self.two else f"_lk_np.uint64({row})"
 
-    def slot(self, base, j, row):
-        return f"{_P}halo[{base} + {j} * {_P}hs + ({row}) * {_P}m" + (f" + {_P}j]" if self.two else "]")
+    def get(self, name, row, shared: bool) -> str:
+        """The element of row ``row`` (and column ``_lk_j`` in 2-D) of an array in shared
+        memory (a tile) or in global memory (the user's arrays)."""
+        return f"{_P}rt.{'sload' if shared else 'load'}({name}, {self._index(row)})"
+
+    def put(self, name, row, value, shared: bool) -> str:
+        return f"{_P}rt.{'sstore' if shared else 'store'}({name}, {self._index(row)}, {value})"
+
+    def slot_get(self, base, j, row) -> str:
+        return f"{_P}rt.load({_P}halo, _lk_np.uint64({self._slot(base, j, row)}))"
+
+    def slot_put(self, base, j, row, value) -> str:
+        return f"{_P}rt.store({_P}halo, _lk_np.uint64({self._slot(base, j, row)}), {value})"
+
+    def _slot(self, base, j, row):
+        return f"{base} + {j} * {_P}hs + ({row}) * {_P}m" + (f" + {_P}j" if self.two else "")
 
     def copy_rows(self, depth, count, first, guard, to_shared: bool) -> list[str]:
         """Rows between the user's arrays and the shared copies (``to_shared``: into them)."""
         body = []
         for i in self.resident:
-            glob, shared = self.at(self.kparams[i], f"{_P}c"), self.at(f"{_P}w{i}", f"{_P}c - {_P}tb")
-            body.append(f"{shared} = {glob}" if to_shared else f"{glob} = {shared}")
+            glob, shared, row = self.kparams[i], f"{_P}w{i}", f"{_P}c - {_P}tb"
+            body.append(self.put(shared, row, self.get(glob, f"{_P}c", False), True) if to_shared
+                        else self.put(glob, f"{_P}c", self.get(shared, row, True), False))
         return self.cells(depth, count, first, guard, body)
 
     def publish(self, depth, from_shared: bool = True) -> list[str]:
@@ -1333,10 +1389,11 @@ class _TileText:
             return []
 
         def src(i):
-            return self.at(f"{_P}w{i}", f"{_P}c - {_P}tb") if from_shared else self.at(self.kparams[i], f"{_P}c")
+            return self.get(f"{_P}w{i}", f"{_P}c - {_P}tb", True) if from_shared else \
+                self.get(self.kparams[i], f"{_P}c", False)
         return self.cells(depth, el + er, f"{_P}tlo + {_P}r if {_P}r < {er} else {_P}thi - {el} + ({_P}r - {er})",
                           f"{_P}tlo <= {_P}c < {_P}thi",
-                          [f"{self.slot(f'{_P}hb', j, f'{_P}r')} = {src(i)}" for j, i in enumerate(self.resident)])
+                          [self.slot_put(f"{_P}hb", j, f"{_P}r", src(i)) for j, i in enumerate(self.resident)])
 
     def gather(self, depth, below: str, above: str) -> list[str]:
         """The halo rows from the slots of the tiles below and above (their bases ``below``,
@@ -1350,7 +1407,7 @@ class _TileText:
             f"0 <= {_P}c < {_P}n and not ({_P}tlo <= {_P}c < {_P}thi)",
             [f"{_P}hsrc = {_P}hlo if {_P}r < {el} else {_P}hhi",
              f"{_P}hrow = {er} + {_P}r if {_P}r < {el} else {_P}r - {el}"]
-            + [f"{self.at(f'{_P}w{i}', f'{_P}c - {_P}tb')} = {self.slot(f'{_P}hsrc', j, f'{_P}hrow')}"
+            + [self.put(f"{_P}w{i}", f"{_P}c - {_P}tb", self.slot_get(f"{_P}hsrc", j, f"{_P}hrow"), True)
                for j, i in enumerate(self.resident)])
 
 

@@ -120,20 +120,24 @@ def ring_ref(u0, steps):
     return u
 
 
-@pytest.mark.parametrize("steps", [1, 6])
-def test_two_dimensional_stencils_in_tile_mode(steps, rng):
+# a block's threads share a tile's rows column by column (codegen.tile_rows): rows of 9 inner
+# cells with 32 threads (3 rows at a time, 5 threads idle) and 64 (7 rows, 1 idle), of 22 (one
+# row, 10 idle) and of 38 (each thread takes one or two columns of every row)
+@pytest.mark.parametrize("steps,threads,shape", [(1, None, (13, 11)), (6, 32, (13, 11)), (6, 64, (13, 11)),
+                                                 (6, 32, (9, 24)), (5, 32, (7, 40))])
+def test_two_dimensional_stencils_in_tile_mode(steps, threads, shape, rng):
     from numba import cuda
-    u0 = rng.random((13, 11))
+    u0 = rng.random(shape)
     k = lk.megakernel(heat2d_step, swap=[("u", "v")])
     u, v = cuda.to_device(u0), cuda.to_device(u0)
-    run = k(u, v, 0.2, steps=steps, backend="cuda", scope="tile")
+    run = k(u, v, 0.2, steps=steps, backend="cuda", scope="tile", threads=threads)
     assert run.scope == "tile"
     np.testing.assert_allclose(u.copy_to_host(), heat2d_ref(u0, steps, 0.2), rtol=1e-12)
     np.testing.assert_allclose(v.copy_to_host(), heat2d_ref(u0, steps - 1, 0.2), rtol=1e-12)
     r = lk.megakernel(ring_step, swap=[("u", "v")])
     assert find_stencil(r.spec).periodic == (False, True)
     u, v = cuda.to_device(u0), cuda.to_device(u0)
-    r(u, v, steps=steps, backend="cuda", scope="tile")
+    r(u, v, steps=steps, backend="cuda", scope="tile", threads=threads)
     np.testing.assert_allclose(u.copy_to_host(), ring_ref(u0, steps), rtol=1e-12)
 
 

@@ -671,6 +671,24 @@ def tile_range(lo, hi, st, tlo, thi):
     return lo, lo
 
 
+@cuda.jit(device=True)
+def tile_columns(n1, bnt, btid):
+    """How a block's threads share the rows of a 2-D tile that are ``n1`` cells wide: each
+    thread keeps one column of a row and takes it in every ``rows``-th row, so no cell costs
+    a carry between row and column (see codegen ``parallel_grid``). Returns (the thread's
+    first row, its first column, rows per pass, columns per pass); a thread left over when
+    the rows do not divide the block gets no column (its first column is ``n1``)."""
+    if n1 >= bnt:
+        return np.int64(0), np.int64(btid), np.int64(1), np.int64(bnt)
+    width = np.int64(max(n1, 1))
+    # a block's thread count is below 2**31: 32-bit divisions, not Python's 64-bit floor
+    # division (tens of instructions each)
+    row = np.int64(np.uint32(btid) // np.uint32(width))
+    rows = np.int64(np.uint32(bnt) // np.uint32(width))
+    col = np.int64(btid) - row * width
+    return row, col if row < rows else np.int64(n1), rows, width
+
+
 from . import bounds as _bounds  # noqa: E402
 
 if SIMULATOR:
