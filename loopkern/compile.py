@@ -186,7 +186,10 @@ class CompiledKernel:
             return hit
         with _translate_errors(self):
             kernel = self.dispatcher.compile(types)
-        cubin = kernel._codelibrary.get_cubin(cc=dev.compute_capability)
+        # the cubin Numba linked when it bound the kernel (for the device's own architecture,
+        # sm_90a on an H200): asking for it by compute capability, (9, 0), made NVVM and the
+        # linker build a second one, a third of a new body's compile time
+        cubin = kernel._codelibrary.get_cubin()
         image = getattr(cubin, "code", cubin)
         entry = _entry_name(kernel)
         image_id = xla_ffi.register_image(bytes(image), entry)

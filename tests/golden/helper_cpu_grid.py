@@ -31,8 +31,8 @@ def _lk_kernel(_lk_nsteps, _lk_t0, _lk_a0, _lk_a1, _lk_a2, _lk_seed, _lk_host):
     _lk_tid = 0
     _lk_nt = 1
     _lk_code = _lk_pc = _lk_pn = _lk_pd = _lk_np.int64(0)
-    _lk_why = 0
-    _lk_t = 0
+    _lk_why = _lk_np.int64(0)   # not a literal 0: Numba would type (and compile) the calls that take it twice
+    _lk_t = _lk_np.int64(0)
     _lk_go = True
     while _lk_t < _lk_nsteps:
         _lk_code, _lk_pc, _lk_pn, _lk_pd = _lk_rt.poll(_lk_t, _lk_host, _lk_pc, _lk_pn, _lk_pd, _lk_code)

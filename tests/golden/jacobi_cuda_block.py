@@ -98,8 +98,8 @@ def _lk_kernel(_lk_nsteps, _lk_t0, _lk_a0, _lk_a1, _lk_a2, _lk_redf, _lk_redi, _
     _lk_shi = cuda.shared.array(64, _lk_np.int64)
     _lk_code = _lk_pc = _lk_pn = _lk_pd = _lk_np.int64(0)   # the leader's poll state
     _lk_lead = _lk_tid == 0
-    _lk_why = 0
-    _lk_t = 0
+    _lk_why = _lk_np.int64(0)   # not a literal 0: Numba would type (and compile) the calls that take it twice
+    _lk_t = _lk_np.int64(0)
     _lk_go = True
     while _lk_t < _lk_nsteps:
         _lk_seen = _lk_sd[(_lk_t + 1) & 1] if _lk_t > 0 else 0

@@ -212,6 +212,39 @@ def test_repeated_traces_reuse_one_cached_call(rng, monkeypatch, tmp_path):
     assert counts["build"] == 4 and len(entries) == 2
 
 
+def test_a_new_kernel_is_compiled_and_linked_once(rng, monkeypatch, tmp_path):
+    """kernel.jax registers the cubin Numba linked when it bound the kernel: NVVM and the
+    linker run once for a new kernel, not again for the FFI shim's image."""
+    from numba.cuda.cudadrv import driver, nvvm
+
+    monkeypatch.setenv("LOOPKERN_CACHE_DIR", str(tmp_path))
+    counts = dict(nvvm=0, link=0)
+    compile_ir, linker = nvvm.compile_ir, driver._Linker
+
+    def counted_compile(*a, **k):
+        counts["nvvm"] += 1
+        return compile_ir(*a, **k)
+
+    def counted_linker(*a, **k):
+        counts["link"] += 1
+        return linker(*a, **k)
+    monkeypatch.setattr(nvvm, "compile_ir", counted_compile)
+    monkeypatch.setattr(driver, "_Linker", counted_linker)
+
+    def scaled(t, u, v, a):         # a step no other test compiles
+        n = u.shape[0]
+        for i in lk.range(n):
+            v[i] = a * u[i] + np.float32(0.125) * t
+    k = lk.megakernel(scaled, swap=[("u", "v")])
+    u0 = rng.random(5000).astype(np.float32)
+    u, _ = k.jax(jnp.asarray(u0), jnp.asarray(u0), np.float32(0.5), steps=3, scope="grid")
+    ref = u0.astype(np.float64)
+    for t in range(3):
+        ref = 0.5 * ref + 0.125 * t
+    np.testing.assert_allclose(np.asarray(u), ref, rtol=1e-6)
+    assert counts == dict(nvvm=1, link=1)
+
+
 def test_timeout_entry_reused_across_traces(rng):
     """timeout= is part of the signature: each jitted function with it reports the steps done,
     and the state is exactly that of the reported step count."""
