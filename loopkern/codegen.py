@@ -12,6 +12,7 @@ from __future__ import annotations
 import ast
 import copy
 import hashlib
+import re
 import string
 from dataclasses import dataclass, field
 from importlib import resources
@@ -19,7 +20,7 @@ from importlib import resources
 from .errors import LoopkernError
 from .index_bounds import is_nonneg_mark, mark_nonneg_indices
 from .warpsplit import WARP, find_warp_split
-from .spec import INTRINSIC_PREFIX, RESERVED_PREFIX, FunctionSpec, StepSpec, is_helper_call, marker_of
+from .spec import INTRINSIC_PREFIX, RESERVED_PREFIX, FunctionSpec, StepSpec, int_constant, is_helper_call, marker_of
 
 BACKENDS = ("cuda", "cpu")
 SCOPES = ("grid", "block", "thread")
@@ -135,13 +136,22 @@ class _Lower(ast.NodeTransformer):
     def __init__(self, backend: str, scope: str, index_name: str = "t", sites: "_Sites | None" = None,
                  filename: str = "", function: str = "", float_type: str | None = None,
                  arrays: frozenset = frozenset(), index_bits: int | None = None,
-                 tile_arrays: frozenset = frozenset(), shared_arrays: frozenset = frozenset()):
+                 tile_arrays: frozenset = frozenset(), shared_arrays: frozenset = frozenset(),
+                 tile_wrap: bool = False, row_shifts: dict | None = None):
         self.float_type = float_type
+        # tile mode: names bound to the cell's row plus a constant (Stencil.row_shifts), whose
+        # accesses are addressed from the cell's row (in its unrolled copies too)
+        self.row_shifts = row_shifts or {}
+        # tile mode of a stencil that wraps around along dimension 0: a tile's first and last
+        # rows have neighbours at the far end of the array, which its halo holds; such an
+        # access's row is found modulo the extent (runtime cuda_rt.tile_row)
+        self.tile_wrap = tile_wrap
         # tile mode (on-chip residency): these arrays are the block's tile in shared memory,
         # whose element k holds the array's element _lk_tb + k
         self.tile_arrays = tile_arrays
-        # tile mode, inside a 2-D lk.grid loop: the names of its (row, column) indices, by
-        # which a 2-D tile's accesses are addressed (see _tile_flat); None elsewhere
+        # tile mode, inside a parallel loop: the names of its indices (row, column in 2-D), by
+        # which a 2-D tile's accesses are addressed (see _tile_flat) and an access is known
+        # not to wrap around (_own_row); None elsewhere
         self.tile_cell = None
         # arrays in shared memory (tiles, block scope's staged arrays): their accesses with
         # indices proven non-negative go through runtime/arrays.py's ld.shared/st.shared
@@ -167,16 +177,21 @@ class _Lower(ast.NodeTransformer):
     def visit_Subscript(self, node):
         self.generic_visit(node)
         if isinstance(node.value, ast.Name) and node.value.id in self.tile_arrays:
+            self._shift_row(node)
             flat = self._tile_flat(node)
             if flat is not None and isinstance(node.ctx, ast.Load):
                 return _rt_call("sloadf", [node.value, flat], node)
             # (a store's flat offset is kept for visit_Assign; an augmented store keeps the slice)
             node.lk_flat = flat
             # the tile holds a range of the first dimension: only that index moves
+            first = node.slice.elts[0] if isinstance(node.slice, ast.Tuple) else node.slice
+            # (a store is at the thread's own cell, the stencil analysis checked: never wrapped)
+            wrap = node.value.id if self.tile_wrap and isinstance(node.ctx, ast.Load) and not self._own_row(first) \
+                else None
             if isinstance(node.slice, ast.Tuple):
-                node.slice.elts = [_tile_index(node.slice.elts[0])] + node.slice.elts[1:]
+                node.slice.elts = [_tile_index(node.slice.elts[0], wrap)] + node.slice.elts[1:]
             else:
-                node.slice = _tile_index(node.slice)
+                node.slice = _tile_index(node.slice, wrap)
             if isinstance(node.ctx, ast.Load) and self._shared_access(node):
                 return _rt_call("sload", [node.value, node.slice], node)
             return node
@@ -201,15 +216,57 @@ class _Lower(ast.NodeTransformer):
         neighbour costs an add instead of a row-major multiply (runtime/arrays.py ``sloadf``).
         None for any other access."""
         cell, sl = self.tile_cell, node.slice
-        if (cell is None or self.sites is not None or not isinstance(sl, ast.Tuple) or len(sl.elts) != 2
+        if (cell is None or len(cell) != 2 or self.sites is not None or not isinstance(sl, ast.Tuple)
+                or len(sl.elts) != 2
                 or not all(is_nonneg_mark(e) for e in sl.elts)):
             return None
         (e0, e1), (c0, c1) = [e.args[0] for e in sl.elts], cell
         m = f"{node.value.id}.shape[1]"
-        text = f"(({c0} - {_P}tb) * {m} + {c1}) + ((({_src(e0)}) - {c0}) * {m} + (({_src(e1)}) - {c1}))"
+        if self.tile_wrap and isinstance(node.ctx, ast.Load) and not _row_offset(e0, c0):
+            # a row that may lie across the wrap: found modulo the extent, from no shared base
+            row = f"{_P}rt.tile_row(({_src(e0)}) - {_P}tb, {node.value.id}.shape[0])"
+            text = f"{row} * {m} + ({_src(e1)})"
+        else:
+            text = f"(({c0} - {_P}tb) * {m} + {c1}) + ((({_src(e0)}) - {c0}) * {m} + (({_src(e1)}) - {c1}))"
         off = ast.parse(text, mode="eval").body
         mark = ast.Attribute(value=ast.Name(id="_lk_np", ctx=ast.Load()), attr="uint64", ctx=ast.Load())
         return ast.copy_location(ast.Call(func=mark, args=[off], keywords=[]), node)
+
+    def _shift_row(self, node):
+        """Index dimension 0 of a tile access through a name of ``row_shifts`` by the cell's
+        row plus the name's constant instead: the tile holds that row (across the wrap too, in
+        its halo), so the access shares the cell's address and needs no wrap-around test."""
+        if self.tile_cell is None:
+            return
+        elts = node.slice.elts if isinstance(node.slice, ast.Tuple) else [node.slice]
+        first = elts[0]
+        x = first.args[0] if is_nonneg_mark(first) else first
+        name = x.id if isinstance(x, ast.Name) else None
+        if name is not None and name not in self.row_shifts:
+            m = _COPY_NAME.match(name)
+            name = m.group(1) if m else None
+        if name not in self.row_shifts:
+            return
+        shift = self.row_shifts[name]
+        row = ast.parse(f"{self.tile_cell[0]} {'-' if shift < 0 else '+'} {abs(shift)}", mode="eval").body
+        if is_nonneg_mark(first):
+            # (only ever used less the tile's base, which is then non-negative)
+            first = copy.copy(first)
+            first.args = [row]
+        else:
+            first = row
+        ast.copy_location(row, x)
+        if isinstance(node.slice, ast.Tuple):
+            node.slice.elts = [first] + node.slice.elts[1:]
+        else:
+            node.slice = first
+
+    def _own_row(self, e) -> bool:
+        """Whether index ``e`` of dimension 0 is the cell's own row plus a literal (it cannot
+        wrap around: the stencil analysis bounds the literal by the halo)."""
+        if self.tile_cell is None:
+            return False
+        return _row_offset(e.args[0] if is_nonneg_mark(e) else e, self.tile_cell[0])
 
     def _own_access(self, node) -> bool:
         """An access that runtime/arrays.py lowers: an array parameter indexed by indices all
@@ -322,7 +379,8 @@ class _BodyWriter:
     def __init__(self, out: _Lines, backend: str, scope: str, is_step: bool, fn_body=(), index_name="t",
                  sites: "_Sites | None" = None, function: str = "", float_type: str | None = None,
                  arrays: frozenset = frozenset(), index_bits: int | None = None,
-                 tile_arrays: frozenset | None = None, shared_arrays: frozenset = frozenset()):
+                 tile_arrays: frozenset | None = None, shared_arrays: frozenset = frozenset(),
+                 tile_wrap: bool = False, row_shifts: dict | None = None):
         self.out = out
         self.tile = tile_arrays is not None
         self.fn_body = list(fn_body)
@@ -330,7 +388,7 @@ class _BodyWriter:
         self.sites = sites
         self.function = function
         self.lower = _Lower(backend, scope, index_name, sites, out.filename, function, float_type, arrays,
-                            index_bits, tile_arrays or frozenset(), shared_arrays)
+                            index_bits, tile_arrays or frozenset(), shared_arrays, tile_wrap, row_shifts)
         self.is_step = is_step
         self.loop_id = 0
         self.temp_id = 0
@@ -451,17 +509,23 @@ class _BodyWriter:
             st_t = self._bind(depth, f"{_P}r{k}_st", st, s)
             first, stop = f"{_P}r{k}_first", f"{_P}r{k}_stop"
             self.out.add(depth, f"{first}, {stop} = {_P}rt.tile_range({lo_t}, {hi_t}, {st_t}, {_P}tlo, {_P}thi)", s)
+            # the cell's own index (_Lower._own_row: an access at it plus a literal never wraps)
+            outer = self.lower.tile_cell
             if _is_one(st):
                 def take_tile(c, rn):
                     return [f"{rn(target)} = {cur}" + (f" + {c} * {_P}bnt" if c else "")]
                 if not self.unrolled(s, [target], depth, k, cur, f"{first} + {_P}btid", stop, take_tile,
-                                     stride=f"{_P}bnt"):
+                                     stride=f"{_P}bnt", cells=lambda rn: (rn(target),)):
                     self.out.add(depth, f"{cur} = {first} + {_P}btid", s)
+                self.lower.tile_cell = (target,)
                 self.strided_loop(s, depth, f"{cur} < {stop}", [f"{target} = {cur}", f"{cur} += {_P}bnt"])
+                self.lower.tile_cell = outer
                 return
             self.out.add(depth, f"{cur} = {first} + {_P}btid * {st_t}", s)
             test = f"({cur} < {stop}) if {st_t} > 0 else ({cur} > {stop} if {st_t} < 0 else False)"
+            self.lower.tile_cell = (target,)
             self.strided_loop(s, depth, test, [f"{target} = {cur}", f"{cur} += {_P}bnt * {st_t}"])
+            self.lower.tile_cell = outer
             return
         if not _is_one(st):
             st_t = self._bind(depth, f"{_P}r{k}_st", st, s)
@@ -714,6 +778,9 @@ def _rename(name: str, copy_index: int, k: int) -> str:
     return f"{_P}u{k}_{copy_index}_{name}"
 
 
+_COPY_NAME = re.compile(rf"^{_P}u\d+_\d+_(.+)$")     # a name _rename made: the user's name
+
+
 class _Renamer(ast.NodeTransformer):
     def __init__(self, mapping):
         self.mapping = mapping
@@ -799,7 +866,8 @@ def _is_zero(e):
 def _render_function(fs: FunctionSpec, home: str, backend: str, scope: str, is_step: bool,
                      ctx_params: list[str], decorator: str, sites: _Sites | None = None,
                      float_type: str | None = None, index_bits: int | None = None,
-                     tile_arrays: frozenset | None = None, shared_arrays: frozenset = frozenset()) -> _Lines:
+                     tile_arrays: frozenset | None = None, shared_arrays: frozenset = frozenset(),
+                     tile_wrap: bool = False, row_shifts: dict | None = None) -> _Lines:
     out = _Lines(fs.filename, home)
     if sites is None:
         body = mark_nonneg_indices(fs.body, fs.params, fs.array_params, fs.params[0] if is_step else None)
@@ -810,7 +878,7 @@ def _render_function(fs: FunctionSpec, home: str, backend: str, scope: str, is_s
     out.add(0, f"def {fs.symbol}({', '.join(params)}):", ast.Pass(lineno=fs.lineno, col_offset=0))
     w = _BodyWriter(out, backend, scope, is_step, body, fs.params[0] if fs.params else "t", sites, fs.name,
                     float_type, frozenset(fs.params[i] for i in fs.array_params), index_bits, tile_arrays,
-                    shared_arrays)
+                    shared_arrays, tile_wrap, row_shifts)
     w.body(body, 1)
     if is_step and not (body and isinstance(body[-1], ast.Return)):
         out.add(1, "return True")
@@ -922,9 +990,11 @@ def render_kernel(spec: StepSpec, backend: str, scope: str = "grid", *, cache: b
             raise ValueError(f"tile mode needs a stencil; the step is not a stencil: {tile}")
         if backend != "cuda" or scope != "grid" or debug or staged or index_bits is not None:
             raise ValueError("tile mode is for CUDA grid-scope kernels without debug, staging or index_bits")
-        if tile.ndim not in (1, 2) or tile.periodic[0]:
-            raise ValueError("tile mode covers one- and two-dimensional stencils that do not wrap around along "
-                             "the first dimension")
+        if tile.ndim not in (1, 2):
+            raise ValueError("tile mode covers one- and two-dimensional stencils")
+        if tile.periodic[0] and (depth != 1 or cluster or tiles):
+            raise ValueError("a stencil that wraps around along the first dimension runs in tile mode with one "
+                             "step per halo exchange, without a cluster or streamed tiles")
         resident = sorted(i for pair in spec.swap for i in pair)
         if not resident or not set(resident) <= set(tile.resident):
             raise ValueError("tile mode keeps the swap pairs' arrays on chip: the stencil must make them resident")
@@ -950,7 +1020,8 @@ def render_kernel(spec: StepSpec, backend: str, scope: str = "grid", *, cache: b
                                        float_type, index_bits))
     staged_names = frozenset(spec.params[i].name for i in staged) if backend == "cuda" else frozenset()
     step_lines = _render_function(spec.step, spec.filename, backend, sync, True, ctx_params, "", sites, float_type,
-                                  index_bits, tile_names, staged_names)
+                                  index_bits, tile_names, staged_names, tile is not None and tile.periodic[0],
+                                  tile.row_shifts if tile is not None else None)
 
     n = len(spec.params)
     kparams = [f"{_P}a{i}" for i in range(n)]
@@ -1233,15 +1304,33 @@ def always_reduces(e: ast.expr) -> bool:
 _TILE_CTX = ("tlo", "thi", "tb", "btid", "bnt")
 
 
-def _tile_index(e):
+def _tile_index(e, wrap: str | None = None):
     """``e`` (an index into a tile-mode array) shifted by the tile's base; an index proven
-    non-negative stays so (an access inside the tile or its halo is at or above the base)."""
+    non-negative stays so (an access inside the tile or its halo is at or above the base).
+    ``wrap``: the array's name when the stencil wraps around along this dimension; the row is
+    then taken modulo its extent (``rt.tile_row``), which is never negative."""
     base = ast.Name(id=f"{_P}tb", ctx=ast.Load())
+
+    def shifted(x):
+        d = ast.BinOp(left=x, op=ast.Sub(), right=base)
+        if wrap is None:
+            return d
+        extent = ast.parse(f"{wrap}.shape[0]", mode="eval").body
+        return _rt_call("tile_row", [d, extent], x)
     if is_nonneg_mark(e):
         e = copy.copy(e)
-        e.args = [ast.BinOp(left=e.args[0], op=ast.Sub(), right=base)]
+        e.args = [shifted(e.args[0])]
         return e
-    return ast.BinOp(left=e, op=ast.Sub(), right=base)
+    return shifted(e)
+
+
+def _row_offset(e, row: str) -> bool:
+    """Whether ``e`` is ``row``, ``row + c`` or ``row - c`` with ``c`` an integer literal: an
+    access that cannot wrap around (the stencil analysis bounds ``c`` by the halo)."""
+    if isinstance(e, ast.Name):
+        return e.id == row
+    return (isinstance(e, ast.BinOp) and isinstance(e.op, (ast.Add, ast.Sub)) and isinstance(e.left, ast.Name)
+            and e.left.id == row and int_constant(e.right) is not None)
 
 
 def _tile_lines(tile, kparams, resident, written, sync: str = "grid") -> tuple[list, str, list]:
@@ -1254,7 +1343,10 @@ def _tile_lines(tile, kparams, resident, written, sync: str = "grid") -> tuple[l
     one of this step's parity), passes the grid barrier, and reads its neighbours' edge cells
     into its halo. At the end every tile is written back to the global array its name refers
     to (the rename rule of swap pairs). A 2-D tile holds whole rows, so the second dimension
-    needs no exchange (and may wrap around: it is all on chip).
+    needs no exchange (and may wrap around: it is all on chip). A stencil that wraps around
+    along the first dimension fills the first tile's lower halo from the array's last rows and
+    the last tile's upper halo from its first rows; the step finds such a row in the tile
+    modulo the extent (``rt.tile_row``).
 
     The barrier is ``sync``'s: the grid's, or a cluster's (a grid launched as one cluster). A
     barrier among neighbouring blocks only (per-block step counts with release/acquire, and a
@@ -1265,6 +1357,7 @@ def _tile_lines(tile, kparams, resident, written, sync: str = "grid") -> tuple[l
     (hl, hr) = tile.halo[0]
     tt = _TileText(tile, kparams, resident, 1)
     cells, get, put = tt.cells, tt.get, tt.put
+    wrap = tile.periodic[0]
     k0 = kparams[resident[0]]
     i1, i2 = _INDENT, _INDENT * 2
     pro = [f"{i1}{_P}n = {k0}.shape[0]",
@@ -1279,8 +1372,12 @@ def _tile_lines(tile, kparams, resident, written, sync: str = "grid") -> tuple[l
            f"{i1}{_P}sh = cuda.shared.array(0, {k0}.dtype)"]
     for j, i in enumerate(resident):
         pro.append(f"{i1}{_P}w{i} = {_P}rt.tile_like({_P}sh, {j} * {_P}W * {_P}m, {_P}W * {_P}m, {kparams[i]})")
-        pro += cells(1, f"{_P}W", f"{_P}tb + {_P}r", f"0 <= {_P}c < {_P}n",
-                     [put(f"{_P}w{i}", f"{_P}r", get(kparams[i], f"{_P}c", False), True)])
+        if wrap:    # every row of the tile, its halo's taken across the wrap
+            pro += cells(1, f"{_P}W", f"({_P}tb + {_P}r) % max({_P}n, 1)", "True",
+                         [put(f"{_P}w{i}", f"{_P}r", get(kparams[i], f"{_P}c", False), True)])
+        else:
+            pro += cells(1, f"{_P}W", f"{_P}tb + {_P}r", f"0 <= {_P}c < {_P}n",
+                         [put(f"{_P}w{i}", f"{_P}r", get(kparams[i], f"{_P}c", False), True)])
         pro.append(f"{i1}{_P}e{i} = {kparams[i]}")
     pro.append(f"{i1}cuda.syncthreads()")
     bar = ["cuda.syncthreads()"]
@@ -1290,9 +1387,13 @@ def _tile_lines(tile, kparams, resident, written, sync: str = "grid") -> tuple[l
                      [put(f"{_P}e{i}", f"{_P}c", get(f"{_P}w{i}", f"{_P}c - {_P}tb", True), False) for i in written])
     bar.append(f"{_P}rt.{sync}_sync({_P}bar)")
     if hl + hr and written:
-        bar += cells(0, hl + hr, f"{_P}tb + {_P}r if {_P}r < {hl} else {_P}thi + ({_P}r - {hl})",
-                     f"0 <= {_P}c < {_P}n and not ({_P}tlo <= {_P}c < {_P}thi)",
-                     [put(f"{_P}w{i}", f"{_P}c - {_P}tb", get(f"{_P}e{i}", f"{_P}c", False), True) for i in written])
+        # the halo rows, from the neighbours' edges; wrapping around along dimension 0, the
+        # first tile's lower halo is the last rows of the array and the last tile's upper halo
+        # its first rows (every one of them some tile's edge: each tile is at least a halo long)
+        guard = "True" if wrap else f"0 <= {_P}c < {_P}n and not ({_P}tlo <= {_P}c < {_P}thi)"
+        row = f"{_P}c % max({_P}n, 1)" if wrap else f"{_P}c"
+        bar += cells(0, hl + hr, f"{_P}tb + {_P}r if {_P}r < {hl} else {_P}thi + ({_P}r - {hl})", guard,
+                     [put(f"{_P}w{i}", f"{_P}c - {_P}tb", get(f"{_P}e{i}", row, False), True) for i in written])
         bar.append("cuda.syncthreads()")
     barrier = ("\n" + i2).join(bar)
     copy_back = [f"{i1}cuda.syncthreads()"] + tt.copy_rows(1, f"{_P}thi - {_P}tlo", f"{_P}tlo + {_P}r", "True",

@@ -15,7 +15,9 @@ This module decides that from the normalized step, and reports the offsets:
   (or a name bound once to it), or the neighbour written as a conditional expression
   (``x_k - 1 if x_k > 0 else E - 1``, ``x_k + 1 if x_k < E - 1 else 0`` and their mirrored
   forms); an index may also be a name bound once, at the top of the loop body, to such an
-  expression of loop variables, literals and extents;
+  expression of loop variables, literals and extents; ``x_k - c`` in a loop that may start
+  below ``c`` is a negative index, which in Python counts from the end of the dimension: that
+  access wraps around too (dimension ``k`` is periodic);
 - a resident array that the step writes is written and read only at offset 0 in every
   dimension (a thread's own cell): the halo comes from arrays the step only reads, so no
   thread reads a cell another thread writes in the same step;
@@ -54,6 +56,11 @@ class Stencil:
         irregular: per array, the line of its first access that is not at a constant offset
             from the loop indices (or is outside the parallel loops); what sharding needs.
         wraps: per array, the dimensions along which some access of it wraps around.
+        row_shifts: names bound once at the top of a parallel loop's body to an index of
+            dimension 0 that is always the loop's own index plus one constant, wrapping
+            around or not (``up = i - 1 if i > 0 else n - 1``): name -> that constant. In a
+            tile that holds the rows around its own (the halo across the wrap included), the
+            row such a name indexes is the cell's row plus the constant.
     """
 
     ndim: int
@@ -65,6 +72,7 @@ class Stencil:
     writes: dict = field(default_factory=dict, hash=False, compare=False)
     irregular: dict = field(default_factory=dict, hash=False, compare=False)
     wraps: dict = field(default_factory=dict, hash=False, compare=False)
+    row_shifts: dict = field(default_factory=dict, hash=False, compare=False)
 
 
 @dataclass(frozen=True)
@@ -105,6 +113,8 @@ class _Analysis:
         self.wraps: dict = {}            # array index -> dimensions some access of it wraps around
         self.aliases: dict = {}          # name -> the index expression it names (inside a loop)
         self._wrapped: set = set()       # the dimensions the access being read wraps
+        self.lows: dict = {}             # dimension -> the parallel loop's first index, if a literal
+        self.shifts: dict = {}           # alias name -> the offset sets its dimension-0 uses gave
 
     def run(self):
         try:
@@ -174,6 +184,7 @@ class _Analysis:
         elif self.ndim != ndim:
             raise _Reject(f"parallel loops over {self.ndim} and {ndim} dimensions", st)
         self._expressions(st.iter, None, {})
+        self.lows = _first_indices(st.iter, kind, ndim)
         loop = {t.id: k for k, t in enumerate(targets)}
         # neighbour indices named once at the top of the loop body (up = i - 1 if i > 0 else
         # n - 1): an access through the name is analysed as the expression it names
@@ -221,6 +232,8 @@ class _Analysis:
             off = []
             for k, e in enumerate(elts):
                 o = self._offset(e, k, loop, offsets, a)
+                if k == 0 and isinstance(e, ast.Name) and e.id in self.aliases:
+                    self.shifts.setdefault(e.id, set()).add(o)
                 if o is _WHOLE:
                     off = _WHOLE
                     break
@@ -228,6 +241,13 @@ class _Analysis:
             off = _WHOLE if off is _WHOLE else tuple(off)
         (self.writes if write else self.reads).setdefault(a, []).append((off, node))
         if off is not _WHOLE:
+            for k, o in enumerate(off):
+                # x_k + c with c < 0 may be a negative index, which in Python counts from the end
+                # of the dimension (as the grid scope's kernel reads it): the access wraps
+                # around unless the loop starts at -c or above
+                low = self.lows.get(k)
+                if min(o) < 0 and (low is None or low + min(o) < 0):
+                    self._wrapped.add(k)
             for k in self._wrapped:
                 self.wraps.setdefault(a, set()).add(k)
         self._wrapped = set()
@@ -374,7 +394,16 @@ class _Analysis:
         return Stencil(ndim=self.ndim, halo=tuple(tuple(h) for h in halo), periodic=periodic,
                        resident=frozenset(resident), offsets=offsets, reads=self._regular(self.reads),
                        writes=self._regular(self.writes), irregular=self._irregular(),
-                       wraps={a: frozenset(d) for a, d in self.wraps.items()})
+                       wraps={a: frozenset(d) for a, d in self.wraps.items()},
+                       row_shifts=self._row_shifts())
+
+    def _row_shifts(self):
+        shifts = {}
+        for name, sets in self.shifts.items():
+            (o, *others) = sets
+            if not others and o is not _WHOLE and len(o) == 1:
+                shifts[name] = next(iter(o))
+        return shifts
 
     @staticmethod
     def _regular(accesses):
@@ -445,6 +474,27 @@ def _product(off):
     return out
 
 
+def _first_indices(it: ast.Call, kind: str, ndim: int) -> dict:
+    """Per dimension of a parallel loop, its first index when it is an integer literal and the
+    loop counts up (``lk.range(n)``, ``lk.range(1, n - 1)``, ``lk.grid(n, (1, m))``): the
+    lowest index it takes."""
+    if kind == "range":
+        args = it.args
+        if len(args) == 1:
+            return {0: 0}
+        step = 1 if len(args) == 2 else int_constant(args[2])
+        if step is not None and step > 0:
+            low = int_constant(args[0])
+            return {} if low is None else {0: low}
+        return {}
+    lows = {}
+    for k, a in enumerate(it.args[:ndim]):
+        low = int_constant(a.elts[0]) if isinstance(a, ast.Tuple) else 0
+        if low is not None:
+            lows[k] = low
+    return lows
+
+
 def fused_steps_refusal(spec, stencil: Stencil) -> NotStencil | None:
     """Why tile mode cannot run several of ``spec``'s steps per halo exchange, or None if it can.
 
@@ -462,10 +512,15 @@ def fused_steps_refusal(spec, stencil: Stencil) -> NotStencil | None:
     - the only arrays the step writes are the swap pairs' (``hist[t] = x`` would be written
       twice by blocks that recompute a cell, and may be read by none);
     - ``stencil`` already holds (every read of a swap pair's array is its loop index plus a
-      constant; a written array is accessed only at its own cell).
+      constant; a written array is accessed only at its own cell);
+    - the stencil does not wrap around along its first dimension (a halo widened across the
+      wrap is not built).
     """
     if spec.returns_condition:
         return NotStencil("the step returns a condition (a stop decision every step)", spec.lineno)
+    if stencil.periodic[0]:
+        # (a widened halo across the wrap is not built)
+        return NotStencil("the stencil wraps around along its first dimension", spec.lineno)
     swapped = {i for pair in spec.swap for i in pair}
     for i, p in enumerate(spec.params):
         if p.written and i not in swapped:

@@ -52,6 +52,31 @@ def reads_itself_twice(t, u, v, x):
         v[i] = u[i] + x[i]
 
 
+def back_from_zero(t, u, v):
+    n = u.shape[0]
+    for i in lk.range(n - 1):
+        v[i] = u[i - 1] + u[i + 1]      # u[-1] at i = 0: Python's last element
+
+
+def back_from_two(t, u, v):
+    n = u.shape[0]
+    for i in lk.range(2, n - 1, 3):
+        v[i] = u[i - 2] + u[i + 1]      # never below 0
+
+
+def back_from_a_name(t, u, v, k):
+    n = u.shape[0]
+    for i in lk.range(k, n - 1):
+        v[i] = u[i - 1]                 # k may be 0
+
+
+def columns_from_zero(t, u, v):
+    n = u.shape[0]
+    m = u.shape[1]
+    for i, j in lk.grid((1, n - 1), m):
+        v[i, j] = u[i - 1, j] + u[i, j - 1]     # column -1 at j = 0
+
+
 @pytest.mark.parametrize("fn,swap,ndim,halo,periodic,resident", [
     (W.heat_step, [("u", "v")], 1, ((1, 1),), (False,), {0, 1}),
     (wide, [("u", "v")], 1, ((2, 2),), (False,), {0, 1}),
@@ -60,6 +85,11 @@ def reads_itself_twice(t, u, v, x):
     (periodic_2d, [("a", "b")], 2, ((1, 1), (2, 0)), (True, True), {0, 1}),
     (box_3x5, [("u", "v")], 2, ((1, 1), (2, 2)), (False, False), {0, 1}),
     (reads_itself_twice, [("u", "v")], 1, ((0, 0),), (False,), {0, 1, 2}),
+    # a negative offset from a loop that may start below it is a negative index, which wraps
+    (back_from_zero, [("u", "v")], 1, ((1, 1),), (True,), {0, 1}),
+    (back_from_two, [("u", "v")], 1, ((2, 1),), (False,), {0, 1}),
+    (back_from_a_name, [("u", "v")], 1, ((1, 0),), (True,), {0, 1}),
+    (columns_from_zero, [("u", "v")], 2, ((1, 0), (1, 0)), (False, True), {0, 1}),
 ])
 def test_stencils_and_their_halos(fn, swap, ndim, halo, periodic, resident):
     s = stencil_of(fn, swap)

@@ -141,10 +141,119 @@ def test_two_dimensional_stencils_in_tile_mode(steps, threads, shape, rng):
     np.testing.assert_allclose(u.copy_to_host(), ring_ref(u0, steps), rtol=1e-12)
 
 
+def life_neighbours_step(t, a, b):
+    # the bench's Life: periodic neighbours as conditional expressions
+    n = a.shape[0]
+    m = a.shape[1]
+    for i, j in lk.grid(n, m):
+        up = i - 1 if i > 0 else n - 1
+        dn = i + 1 if i < n - 1 else 0
+        lf = j - 1 if j > 0 else m - 1
+        rt = j + 1 if j < m - 1 else 0
+        s = a[up, lf] + a[up, j] + a[up, rt] + a[i, lf] + a[i, rt] + a[dn, lf] + a[dn, j] + a[dn, rt]
+        b[i, j] = 1 if (s == 3 or (s == 2 and a[i, j] == 1)) else 0
+
+
+# tile mode of stencils that wrap around along their first dimension: a tile's rows at the ends
+# of the array read the far end through its halo (codegen _tile_index, rt.tile_row). The
+# simulator runs one block, whose tile is then the whole array: the wrapped rows come from its
+# own halo (the GPU tests run several blocks, tests/gpu/test_tile_gpu.py)
+@pytest.mark.parametrize("shape,threads,steps", [((8, 8), None, 1), ((8, 8), None, 9), ((11, 7), 32, 6),
+                                                 ((5, 40), 32, 4), ((3, 3), 64, 5)])
+def test_game_of_life_wrapping_around_both_dimensions_in_tile_mode(shape, threads, steps, rng):
+    from numba import cuda
+    a0 = (rng.random(shape) < 0.4).astype(np.int32)
+    ref, pops = W.life_ref(a0, steps)
+    life = lk.megakernel(W.life_step, swap=[("a", "b")])
+    assert find_stencil(life.spec).periodic == (True, True)
+    a, b, pop = cuda.to_device(a0), cuda.to_device(a0), cuda.to_device(np.zeros(steps, np.int64))
+    run = life(a, b, pop, steps=steps, backend="cuda", scope="tile", threads=threads)
+    assert run.scope == "tile"
+    np.testing.assert_array_equal(a.copy_to_host(), ref)
+    np.testing.assert_array_equal(pop.copy_to_host(), pops)
+    other = lk.megakernel(life_neighbours_step, swap=[("a", "b")])
+    a, b = cuda.to_device(a0), cuda.to_device(a0)
+    other(a, b, steps=steps, backend="cuda", scope="tile", threads=threads)
+    np.testing.assert_array_equal(a.copy_to_host(), ref)
+    # one-sided: a neighbour taken from the wrong side changes the result (Life's is symmetric)
+    drift = lk.megakernel(W.drift_step, swap=[("u", "v")])
+    assert find_stencil(drift.spec).row_shifts == {"up": -1}
+    u0 = rng.random(shape)
+    u, v = cuda.to_device(u0), cuda.to_device(u0)
+    drift(u, v, steps=steps, backend="cuda", scope="tile", threads=threads)
+    np.testing.assert_allclose(u.copy_to_host(), W.drift_ref(u0, steps), rtol=1e-12)
+
+
+@pytest.mark.parametrize("n,steps", [(3, 4), (40, 7), (97, 5)])
+def test_a_one_dimensional_ring_in_tile_mode(n, steps, rng):
+    u0 = rng.random(n)
+    (u, _), _ = run_tile(W.ring_rows_step, [("u", "v")], [u0, u0.copy()], (), steps)
+    assert find_stencil(lk.megakernel(W.ring_rows_step, swap=[("u", "v")]).spec).halo == ((2, 1),)
+    np.testing.assert_allclose(u, W.ring_rows_ref(u0, steps), rtol=1e-12)
+
+
+def test_a_negative_index_reads_the_far_end_in_tile_mode(rng):
+    # tile mode once read the halo below the first tile for u[-1], which nothing had filled:
+    # a silently wrong result where the grid scope's was right
+    u0 = rng.random(37)
+    for threads in (32, 64):
+        (u, _), _ = run_tile(W.back_step, [("u", "v")], [u0, u0.copy()], (), 6, threads=threads)
+        np.testing.assert_allclose(u, W.back_ref(u0, 6), rtol=1e-12)
+
+
+def test_every_row_a_wrapping_tile_reads_holds_the_row_asked_for():
+    """The invariant tile mode relies on across blocks, which the simulator (one block) cannot
+    run: with tiles of ceil(n / blocks) rows (at least the halo long, as tile_config asks)
+    whose every row outside the block's own holds the array's row of its index modulo n (the
+    prologue loads them so; each exchange refills them from rows some block publishes, its
+    first ``above`` and last ``below`` rows), an access to row ``e`` of a cell of the block,
+    wrapped or not, finds that row: at ``e - tb`` for the cell's row plus a literal (a
+    negative ``e`` then counts from the end, as in Python), at ``rt.tile_row(e - tb, n)`` for
+    a wrapped index in [0, n)."""
+    from loopkern.runtime import cuda_rt
+    for n in range(1, 15):
+        for below, above in ((1, 1), (2, 1), (0, 2), (2, 2), (3, 1)):
+            for blocks in range(1, 7):
+                T = -(-n // blocks)
+                if blocks > 1 and T < max(below, above):
+                    continue                     # tile_config refuses the launch
+                spans = [(min(b * T, n), min(min(b * T, n) + T, n)) for b in range(blocks)]
+                published = {r for lo, hi in spans for r in range(lo, hi)
+                             if r < lo + above or r >= hi - below}
+                for lo, hi in spans:
+                    tb, W = lo - below, T + below + above
+                    # the rows an exchange refills (codegen _tile_lines: `below` rows under the
+                    # block's, `above` over them) and the block's own: what a step may read
+                    halo = list(range(tb, lo)) + list(range(hi, hi + above))
+                    assert all((v % n) in published for v in halo), (n, below, above, blocks, lo)
+                    fresh = {v - tb for v in halo + list(range(lo, hi))}
+                    assert all(0 <= x < W for x in fresh)
+                    for i in range(lo, hi):
+                        for o in range(-below, above + 1):
+                            if not 0 <= i + o < n and o > 0:
+                                continue                 # past the end: not a valid access
+                            x = i + o - tb               # the cell's row plus a literal
+                            assert x in fresh and (tb + x) % n == (i + o) % n
+                            e = (i + o) % n              # the same neighbour, wrapped
+                            x = cuda_rt.tile_row(e - tb, n)
+                            assert x in fresh and (tb + x) % n == e, (n, below, above, blocks, i, o)
+
+
+def test_a_wrapping_stencil_runs_one_step_per_exchange_and_auto_keeps_the_grid_scope():
+    from loopkern.stencil import fused_steps_refusal
+    k = lk.megakernel(W.ring_rows_step, swap=[("u", "v")])
+    st = find_stencil(k.spec)
+    assert "wraps around along its first dimension" in fused_steps_refusal(k.spec, st).reason
+    assert not k.dispatcher.auto_tile(1 << 20, False, False)
+    with pytest.raises(ValueError, match="one step per halo exchange"):
+        codegen.render_kernel(k.spec, "cuda", "grid", cache=False, tile=st, depth=4)
+
+
 def test_tile_mode_refuses_what_it_does_not_cover():
     k = lk.megakernel(W.life_step, swap=[("a", "b")])
-    with pytest.raises(ValueError, match="do not wrap around along the first dimension"):
-        codegen.render_kernel(k.spec, "cuda", "grid", tile=find_stencil(k.spec))
+    for kw in (dict(depth=2), dict(cluster=True)):
+        with pytest.raises(ValueError, match="wraps around along the first dimension .*one step per halo exchange"):
+            codegen.render_kernel(k.spec, "cuda", "grid", tile=find_stencil(k.spec), **kw)
     h = lk.megakernel(W.heat_step, swap=[("u", "v")])
     st = find_stencil(h.spec)
     for kw in (dict(scope="block"), dict(debug=True), dict(index_bits=64)):
@@ -193,8 +302,8 @@ def test_scope_tile_says_why_it_cannot_run(rng):
     life = lk.megakernel(W.life_step, swap=[("a", "b")])
     g = cuda.to_device(np.zeros((8, 8), np.int64))
     h = cuda.to_device(np.zeros((8, 8), np.int64))
-    with pytest.raises(ArgumentError, match="2-D stencil that wraps around along its first dimension"):
-        life(g, h, cuda.to_device(np.zeros(4, np.int64)), steps=1, backend="cuda", scope="tile")
+    with pytest.raises(ArgumentError, match="wraps around along its first dimension.*scope='tile' or 'grid'"):
+        life(g, h, cuda.to_device(np.zeros(4, np.int64)), steps=1, backend="cuda", scope="cluster")
     heat = lk.megakernel(W.heat_step, swap=[("u", "v")])
     with pytest.raises(ArgumentError, match="debug=True with scope='grid'"):
         heat(x, y, 0.1, steps=1, backend="cuda", scope="tile", debug=True)
@@ -297,7 +406,7 @@ def test_scope_cluster_says_why_it_cannot_run(rng):
     y = cuda.to_device(rng.random(64))
     life = lk.megakernel(W.life_step, swap=[("a", "b")])
     g = cuda.to_device(np.zeros((8, 8), np.int64))
-    with pytest.raises(ArgumentError, match="scope='cluster': step 'life_step' is a 2-D stencil that wraps around"):
+    with pytest.raises(ArgumentError, match="scope='cluster': step 'life_step' wraps around along its first dimension"):
         life(g, cuda.to_device(np.zeros((8, 8), np.int64)), cuda.to_device(np.zeros(4, np.int64)), steps=1,
              backend="cuda", scope="cluster")
     heat = lk.megakernel(W.heat_step, swap=[("u", "v")])

@@ -442,3 +442,49 @@ def smooth_ref(u0, tol, max_steps, keep_going):
         if not keep_going(steps - 1, err):
             break
     return u, prev, steps
+
+
+# ---------------------------------------------------------------- steps that wrap around along dimension 0
+def ring_rows_step(t, u, v):
+    # a 1-D ring of width two: each cell mixes the cells up to two places away, across the end
+    n = u.shape[0]
+    for i in lk.range(n):
+        v[i] = 0.5 * u[i] + 0.125 * (u[(i + 1) % n] + u[(i - 2 + n) % n]) + 0.25 * u[(i + n - 1) % n]
+
+
+def ring_rows_ref(u0, steps):
+    u = u0.astype(np.float64)
+    for _ in range(steps):
+        u = 0.5 * u + 0.125 * (np.roll(u, -1) + np.roll(u, 2)) + 0.25 * np.roll(u, 1)
+    return u
+
+
+def drift_step(t, u, v):
+    # advection on a torus: rows come from above (a neighbour named once), columns from the right
+    n = u.shape[0]
+    m = u.shape[1]
+    for i, j in lk.grid(n, m):
+        up = i - 1 if i > 0 else n - 1
+        v[i, j] = 0.6 * u[i, j] + 0.3 * u[up, j] + 0.1 * u[i, (j + 1) % m]
+
+
+def drift_ref(u0, steps):
+    u = u0.astype(np.float64)
+    for _ in range(steps):
+        u = 0.6 * u + 0.3 * np.roll(u, 1, axis=0) + 0.1 * np.roll(u, -1, axis=1)
+    return u
+
+
+def back_step(t, u, v):
+    n = u.shape[0]
+    for i in lk.range(n - 1):
+        v[i] = 0.5 * (u[i - 1] + u[i + 1])     # u[-1] at i = 0 is u[n - 1], as in Python
+
+
+def back_ref(u0, steps):
+    u = u0.astype(np.float64)
+    for _ in range(steps):
+        v = u.copy()
+        v[:-1] = 0.5 * (np.roll(u, 1)[:-1] + u[1:])
+        u = v
+    return u

@@ -689,6 +689,20 @@ def tile_columns(n1, bnt, btid):
     return row, col if row < rows else np.int64(n1), rows, width
 
 
+@cuda.jit(device=True)
+def tile_row(x, n):
+    """The tile row of an access to row ``x + tb`` of an array of ``n`` rows that wraps around
+    along them, given ``x`` (the row less the tile's base): the row taken modulo ``n`` (one
+    correction is enough: the row is in ``[0, n)`` and the base in ``[-halo, n)``). Every row
+    of a tile that is not the block's own holds the array's row of that index modulo ``n``,
+    so the row found holds the one asked for, whichever of its copies it is."""
+    if x < 0:
+        return x + n
+    if x >= n:
+        return x - n
+    return x
+
+
 from . import bounds as _bounds  # noqa: E402
 
 if SIMULATOR:

@@ -163,6 +163,69 @@ def test_two_dimensional_heat_in_tile_mode_equals_the_grid_scope(shape, blocks, 
     np.testing.assert_array_equal(out["tile"][1], out["grid"][1])
 
 
+# stencils that wrap around along dimension 0: the first tile's lower halo is the array's last
+# rows, the last tile's upper halo its first rows (codegen _tile_lines, rt.tile_row); odd shapes,
+# short last tiles and several block counts
+@pytest.mark.parametrize("shape,blocks", [((1024, 1024), None), ((517, 333), 7), ((9, 50), 4), ((64, 96), 3),
+                                          ((301, 64), 132)])
+def test_game_of_life_in_tile_mode_equals_the_grid_scope(shape, blocks, rng):
+    from bench.life import life_kernel
+    cuda = _cuda()
+    k = life_kernel()
+    a0 = (rng.random(shape) < 0.35).astype(np.int32)
+    steps = 301
+    out = {}
+    for scope in ("tile", "grid"):
+        a, b = cuda.to_device(a0), cuda.to_device(a0)
+        run = k(a, b, steps=steps, backend="cuda", scope=scope, blocks=blocks if scope == "tile" else None)
+        assert run.scope == scope and run.steps == steps
+        out[scope] = (a.copy_to_host(), b.copy_to_host())
+    np.testing.assert_array_equal(out["tile"][0], out["grid"][0])
+    np.testing.assert_array_equal(out["tile"][1], out["grid"][1])
+    np.testing.assert_array_equal(out["tile"][0], W.life_ref(a0, steps)[0])
+
+
+@pytest.mark.parametrize("shape,blocks", [((517, 333), 7), ((1024, 1024), None), ((40, 64), 13)])
+def test_a_one_sided_wrapping_stencil_in_tile_mode(shape, blocks, rng):
+    # the neighbour above named once (Stencil.row_shifts: addressed from the cell's row)
+    k = lk.megakernel(W.drift_step, swap=[("u", "v")])
+    u0 = rng.random(shape)
+    out = _both(k, u0, (), 1001, blocks)
+    np.testing.assert_array_equal(out["tile"][0], out["grid"][0])
+    np.testing.assert_array_equal(out["tile"][1], out["grid"][1])
+    np.testing.assert_allclose(out["tile"][0], W.drift_ref(u0.astype(np.float32), 1001), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("blocks", [2, 5, None])
+def test_life_with_its_population_in_tile_mode(blocks, rng):
+    # the (i + di + n) % n form, a reduction over the grid and a store by one thread each step
+    cuda = _cuda()
+    k = lk.megakernel(W.life_step, swap=[("a", "b")])
+    a0 = (rng.random((203, 77)) < 0.4).astype(np.int32)
+    steps = 157
+    ref, pops = W.life_ref(a0, steps)
+    a, b, pop = cuda.to_device(a0), cuda.to_device(a0), cuda.to_device(np.zeros(steps, np.int64))
+    run = k(a, b, pop, steps=steps, backend="cuda", scope="tile", blocks=blocks)
+    assert run.scope == "tile" and run.steps == steps
+    np.testing.assert_array_equal(a.copy_to_host(), ref)
+    np.testing.assert_array_equal(pop.copy_to_host(), pops)
+
+
+@pytest.mark.parametrize("fn,ref,n,blocks", [(W.ring_rows_step, W.ring_rows_ref, 65536 + 7, 7),
+                                             (W.ring_rows_step, W.ring_rows_ref, 65536 + 7, None),
+                                             (W.ring_rows_step, W.ring_rows_ref, 1000, 333),
+                                             (W.back_step, W.back_ref, 65536 + 7, 132),
+                                             (W.back_step, W.back_ref, 97, 3)])
+def test_one_dimensional_wrapping_stencils_in_tile_mode(fn, ref, n, blocks, rng):
+    k = lk.megakernel(fn, swap=[("u", "v")])
+    u0 = rng.random(n)
+    steps = 1001
+    out = _both(k, u0, (), steps, blocks)
+    np.testing.assert_array_equal(out["tile"][0], out["grid"][0])
+    np.testing.assert_array_equal(out["tile"][1], out["grid"][1])
+    np.testing.assert_allclose(out["tile"][0], ref(u0.astype(np.float32), steps), rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.parametrize("mode", ["tile", "cluster"])
 def test_jacobi_to_tolerance_in_tile_mode_stops_where_the_grid_scope_does(mode, rng, request):
     # in a cluster, the lk.max reduction combines the blocks' partial results across the
