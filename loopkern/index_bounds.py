@@ -24,7 +24,11 @@ It also knows what holds where an expression is evaluated (its *guards*):
 - in the body of ``if T:``, ``while T:``, of ``x if T else y`` and in the operands after ``T``
   of ``T and ...``, the comparisons that ``T`` (or each operand of an ``and`` in it) makes:
   ``0 <= i - 1 < n`` gives ``i - 1 >= 0``, ``i > 0`` gives ``i >= 1``, ``i >= k`` gives
-  ``i >= lower(k)``, ``a == b`` each side the other's bound.
+  ``i >= lower(k)``, ``a == b`` each side the other's bound;
+- in the ``else`` of ``if T:`` / ``while T:`` and of ``x if T else y``, where ``T`` is a single
+  comparison, its complement: ``i < 2`` false gives ``i >= 2`` (exact for integers), ``i != k``
+  false ``i == k``; an ``and``, an ``or``, a ``not`` or a chain gives nothing there (their
+  negation is a disjunction, or is not read).
 
 A guard's fact about an expression holds only while none of the expression's names is
 assigned again, so a statement guard (loop, ``if``, ``while``) keeps no fact about a name that
@@ -82,7 +86,7 @@ def is_nonneg_mark(e) -> bool:
 class _Walker:
     """Visits a function body with, at each node, its context: the guards that enclose it (a
     tuple of ``(kind, node, names assigned in the guarded body)``, outermost first; kind
-    "loop" for a ``for`` statement, "test" for a condition)."""
+    "loop" for a ``for`` statement, "test" for a condition, "else" for one that was false)."""
 
     def __init__(self, bounds):
         self.bounds = bounds
@@ -100,7 +104,8 @@ class _Walker:
         elif isinstance(st, (ast.If, ast.While)):
             self.expr(st.test, ctx)
             self.stmts(st.body, self.bounds.tested(st.test, ctx, st.body))
-            self.stmts(st.orelse, ctx)
+            # (a while loop's else runs when its test is false: after a break it does not run)
+            self.stmts(st.orelse, self.bounds.tested(st.test, ctx, st.orelse, held=False))
         else:
             self.bind(st, ctx)
             for child in ast.iter_child_nodes(st):
@@ -122,7 +127,7 @@ class _Walker:
         if isinstance(e, ast.IfExp):
             self.expr(e.test, ctx)
             self.expr(e.body, self.bounds.tested(e.test, ctx))
-            self.expr(e.orelse, ctx)
+            self.expr(e.orelse, self.bounds.tested(e.test, ctx, held=False))
         elif isinstance(e, ast.BoolOp) and isinstance(e.op, ast.And):
             for v in e.values:
                 self.expr(v, ctx)
@@ -268,10 +273,13 @@ class _Bounds:
             self.bind_target(tgt.value, None, ctx)
 
     # -- facts -----------------------------------------------------------------------------
-    def tested(self, test, ctx, body=()):
-        """``ctx`` where ``test`` holds, in the statements ``body`` (none: an expression), which
-        may assign names; ``ctx`` itself in a function whose tests are not trusted."""
-        return ctx + (("test", test, frozenset(_assigned_names(body))),) if self.trust_tests else ctx
+    def tested(self, test, ctx, body=(), held: bool = True):
+        """``ctx`` where ``test`` holds (``held=False``: where it was false), in the statements
+        ``body`` (none: an expression), which may assign names; ``ctx`` itself in a function
+        whose tests are not trusted."""
+        if not self.trust_tests:
+            return ctx
+        return ctx + (("test" if held else "else", test, frozenset(_assigned_names(body))),)
 
     def facts(self, ctx) -> dict:
         """{key of an expression: a lower bound that holds for it} in context ``ctx``."""
@@ -282,7 +290,8 @@ class _Bounds:
             return memo
         outer = ctx[:-1]
         kind, node, assigned = ctx[-1]
-        new = self._loop_facts(node, outer) if kind == "loop" else self._test_facts(node, outer)
+        new = self._loop_facts(node, outer) if kind == "loop" else \
+            self._test_facts(node, outer) if kind == "test" else self._false_facts(node, outer)
         facts = dict(self.facts(outer))
         for key, (low, names) in new.items():
             if low is not None and not (names & assigned):
@@ -346,6 +355,18 @@ class _Bounds:
                 self._above(out, right, left, ctx, 0)
             left = right
         return out
+
+    def _false_facts(self, test, ctx) -> dict:
+        """What holds where ``test`` was false: the complement of a single comparison (``i < c``
+        false is ``i >= c``; an index is an integer, for which that is exact). Nothing for a
+        chain, an ``and`` or anything else (their negation is a disjunction)."""
+        if not (isinstance(test, ast.Compare) and len(test.ops) == 1):
+            return {}
+        complement = {ast.Lt: ast.GtE, ast.LtE: ast.Gt, ast.Gt: ast.LtE, ast.GtE: ast.Lt, ast.NotEq: ast.Eq}
+        op = complement.get(type(test.ops[0]))
+        if op is None:
+            return {}
+        return self._test_facts(ast.Compare(left=test.left, ops=[op()], comparators=test.comparators), ctx)
 
     # -- bounds ----------------------------------------------------------------------------
     def loop_bounds(self, tgt, it, ctx=()) -> dict:
@@ -427,7 +448,7 @@ class _Bounds:
             return self._binop(e, ctx)
         if isinstance(e, ast.IfExp):
             a = self.lower(e.body, self.tested(e.test, ctx))
-            b = self.lower(e.orelse, ctx)
+            b = self.lower(e.orelse, self.tested(e.test, ctx, held=False))
             return min(a, b) if a is not None and b is not None else None
         if isinstance(e, ast.Call) and isinstance(e.func, ast.Name):
             return self._call(e, ctx)

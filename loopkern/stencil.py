@@ -17,7 +17,8 @@ This module decides that from the normalized step, and reports the offsets:
   forms); an index may also be a name bound once, at the top of the loop body, to such an
   expression of loop variables, literals and extents; ``x_k - c`` in a loop that may start
   below ``c`` is a negative index, which in Python counts from the end of the dimension: that
-  access wraps around too (dimension ``k`` is periodic);
+  access wraps around too (dimension ``k`` is periodic), unless the front end proves the index
+  non-negative where it is read (``index_bounds``: under ``if i >= c``, say);
 - a resident array that the step writes is written and read only at offset 0 in every
   dimension (a thread's own cell): the halo comes from arrays the step only reads, so no
   thread reads a cell another thread writes in the same step;
@@ -36,6 +37,7 @@ from __future__ import annotations
 import ast
 from dataclasses import dataclass, field
 
+from .index_bounds import is_nonneg_mark, mark_nonneg_indices
 from .spec import int_constant, is_helper_call, marker_of
 
 
@@ -118,7 +120,11 @@ class _Analysis:
 
     def run(self):
         try:
-            self._function(self.spec.step.body)
+            step = self.spec.step
+            # indices the front end proves non-negative arrive wrapped (index_bounds): such an
+            # index never counts from the end of its dimension, whatever the loop's start
+            self._function(mark_nonneg_indices(step.body, step.params, step.array_params,
+                                               step.params[0] if step.params else None))
             return self._result()
         except _Reject as r:
             return NotStencil(r.reason, r.line)
@@ -230,7 +236,10 @@ class _Analysis:
             off = _WHOLE
         else:
             off = []
+            proven = [is_nonneg_mark(e) for e in elts]
             for k, e in enumerate(elts):
+                if proven[k]:
+                    e = e.args[0]
                 o = self._offset(e, k, loop, offsets, a)
                 if k == 0 and isinstance(e, ast.Name) and e.id in self.aliases:
                     self.shifts.setdefault(e.id, set()).add(o)
@@ -246,7 +255,7 @@ class _Analysis:
                 # of the dimension (as the grid scope's kernel reads it): the access wraps
                 # around unless the loop starts at -c or above
                 low = self.lows.get(k)
-                if min(o) < 0 and (low is None or low + min(o) < 0):
+                if min(o) < 0 and not proven[k] and (low is None or low + min(o) < 0):
                     self._wrapped.add(k)
             for k in self._wrapped:
                 self.wraps.setdefault(a, set()).add(k)

@@ -145,6 +145,31 @@ def test_tests_bound_what_they_compare_where_they_hold():
     """) == sorted(["i - 1", "i", "i - 2", "i - k - 1", "k", "i", "i - 1", "i"])
 
 
+def test_where_a_comparison_was_false_its_complement_holds():
+    # an else branch (of an if or a conditional expression) knows its test failed: i < 2 false
+    # is i >= 2 for an integer; an or, a not (and an and, a chain) give nothing there
+    assert _marked("""
+        n = a.shape[0]
+        for i in lk.range(0, n):
+            x = a[0] if i < 2 else a[i - 2]
+            y = a[0] if i <= 2 else a[i - 3]
+            z = a[0] if i < 3 else a[i - 4]
+            w = a[0] if 3 > i else a[i - 3]
+            if i < 4:
+                b[i] = 0.0
+            else:
+                b[i - 4] = a[i - 4]
+            if i < 5 or k < 0:
+                b[i] = 0.0
+            else:
+                b[i] = a[i - 5]
+            if not i >= 6:
+                b[i] = 0.0
+            else:
+                b[i] = a[i - 6]
+    """) == sorted(["i - 2", "i - 3", "i - 3", "i", "i - 4", "i - 4", "i", "i", "i", "i"])
+
+
 def test_a_name_assigned_under_its_guard_loses_the_guards_fact():
     assert _marked("""
         n = a.shape[0]
@@ -217,13 +242,14 @@ def test_guarded_and_stale_indices_mean_what_python_means(backend, rng):
 # -- random guarded indices against the plain-Python interpreter -----------------------------
 # Steps whose indices are offsets of the loop index, of a parameter and of locals bound under
 # conditional expressions, read under random tests (and, or, not, chained comparisons, an if
-# with an else): every index lies in [-n, n), so each is valid Python, and a negative one means
+# with an else, where a single comparison's complement holds): every index lies in [-n, n), so
+# each is valid Python, and a negative one means
 # an element counted from the end. A wrongly proven index would be read as a huge unsigned one:
 # the simulator raises, the CPU backend reads far outside the array.
 
 GUARD_TESTS = ["i > {c}", "i >= {c}", "0 <= i - {c}", "a >= {c}", "b > {c} - 1", "0 <= a - {c} < n",
                "i - {c} >= 0 and a > {d}", "i > {c} or k > {d}", "not i < {c}", "{c} <= b", "k >= {c}",
-               "a == {c}", "i - k >= {c}"]
+               "a == {c}", "i - k >= {c}", "i < {c}", "{c} > a", "b <= {c}", "i != {c}"]
 GUARD_LOCALS = ["i - {c}", "i - {c} if i > {d} else n - {e}", "i - {c} if {d} <= i else 0", "k - {c}",
                 "n - 1 - i", "max(i - {c}, {d})", "min(i, k) - {c}", "i - {c} if i > {d} else i - {e}"]
 GUARD_INDICES = ["i", "i - {c}", "a", "b", "a - {c}", "k - {c}", "n - 1 - i - {c}",
