@@ -82,7 +82,7 @@ def bench_life(b: Bench):
         return bad == 0, f"{bad} cells differ"
     case = Case("life", n * n, 50 if args.quick else 2000, 20, check, dict(a0=a0))
     variants = loopkern_variants(gpu, life_kernel, lambda c: dict(a=c.data["a0"], b=c.data["a0"]), lambda c: (),
-                                 ["a", "b"], ["auto"] if gpu else ["auto"])
+                                 ["a", "b"], ["auto", "tile"] if gpu else ["auto"])
     if have("jax") and not args.no_jax:
         import jax
         variants.append(("jax.lax.fori_loop", lambda c: jax_impl(

@@ -1,6 +1,6 @@
 """Time the bench's heat and Jacobi kernels over scopes, block and thread counts (tuning
 scope="tile" and scope="cluster"): ``python bench/tile_probe.py [heat:N[,N...]]
-[heat2d:SIDE[,SIDE...]] [jacobi:SIDE[,SIDE...]] [threads=T,T] [blocks=B,B]
+[heat2d:SIDE[,SIDE...]] [jacobi:SIDE[,SIDE...]] [life:SIDE[,SIDE...]] [threads=T,T] [blocks=B,B]
 [scope=tile,cluster] [depth=D,D] [span=S]``.
 
 Jacobi runs a fixed number of steps (its tolerance is -1, so the condition never stops it)
@@ -24,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.heat import ALPHA, heat_kernel  # noqa: E402
 from bench.heat2d import ALPHA2, heat2d_kernel  # noqa: E402
 from bench.jacobi import jacobi_kernel, jacobi_problem  # noqa: E402
+from bench.life import life_kernel  # noqa: E402
 from numba import cuda  # noqa: E402
 
 from loopkern.dispatch import config  # noqa: E402
@@ -39,12 +40,13 @@ if "span" in opts:
 
 def timed(k, u0, alpha, steps, scope, blocks, threads):
     u, v = cuda.to_device(u0), cuda.to_device(u0)
-    r = k(u, v, alpha, steps=steps, backend="cuda", scope=scope, blocks=blocks, threads=threads)
+    scalars = () if alpha is None else (alpha,)     # (Life has none)
+    r = k(u, v, *scalars, steps=steps, backend="cuda", scope=scope, blocks=blocks, threads=threads)
     out = u.copy_to_host()
     times = []
     for _ in range(5):
         t0 = time.perf_counter()
-        k(u, v, alpha, steps=steps, backend="cuda", scope=scope, blocks=blocks, threads=threads)
+        k(u, v, *scalars, steps=steps, backend="cuda", scope=scope, blocks=blocks, threads=threads)
         times.append((time.perf_counter() - t0) / steps * 1e6)
     return statistics.median(times), out, r
 
@@ -77,3 +79,5 @@ for side in [int(x) for x in opts.get("heat2d", "").split(",") if x]:
     probe(f"heat2d {side}^2", heat2d_kernel, rng.random((side, side)).astype(np.float32), ALPHA2, 2000)
 for side in [int(x) for x in opts.get("jacobi", "").split(",") if x]:
     probe(f"jacobi {side}^2", jacobi_kernel, jacobi_problem(side, rng), np.float32(-1.0), 2000)
+for side in [int(x) for x in opts.get("life", "").split(",") if x]:
+    probe(f"life {side}^2", life_kernel, (rng.random((side, side)) < 0.3).astype(np.int32), None, 2000)

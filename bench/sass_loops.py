@@ -1,0 +1,121 @@
+"""Count the SASS instructions of a bench kernel's loops without a GPU: the kernel is rendered
+and compiled to PTX by Numba for a stand-in sm_90 device, assembled by ``ptxas`` and
+disassembled by ``cuobjdump``; each backward branch is reported with the instructions of the
+loop it closes (and how many of them are shared/global loads and stores).
+
+    python bench/sass_loops.py heat2d|jacobi|life|heat tile|grid [depth]
+
+``ptxas`` and ``cuobjdump`` are taken from $PTXAS and $CUOBJDUMP, else from PATH (CUDA 12.8+
+or 13: ``pip download nvidia-cuda-cuobjdump`` has a cuobjdump). A PTX version newer than the
+ptxas is lowered to its own (the kernel uses nothing newer). Static counts, not a profile:
+they say what one trip of a loop costs, not how often it runs or how long it waits.
+"""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+os.environ["NUMBA_ENABLE_CUDASIM"] = "0"
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+
+class _StandIn:
+    """The device Numba's compile asks about (compute capability only)."""
+    compute_capability = (9, 0)
+    id = 0
+    name = b"stand-in sm_90"
+
+
+def kernel_ptx(which: str, mode: str, depth: int) -> tuple[str, str]:
+    """(generated Python source, PTX) of bench kernel ``which`` in ``mode`` (grid: with 32-bit
+    indices, as the dispatcher picks for these sizes; tile: ``depth`` steps per exchange)."""
+    import numba.cuda.api as api
+    import numba.cuda.dispatcher as disp
+    import numpy as np
+    from numba import cuda, typeof, types
+    api.get_current_device = disp.get_current_device = lambda: _StandIn()
+
+    from loopkern import codegen
+    from loopkern.compile import compile_kernel
+    from loopkern.stencil import find_stencil
+    f32 = np.zeros((4, 4), np.float32)
+    if which == "heat2d":
+        from bench.heat2d import heat2d_kernel as make
+        args, float_type = [f32, f32, np.float32(0.1)], "float32"
+    elif which == "jacobi":
+        from bench.jacobi import jacobi_kernel as make
+        args, float_type = [f32, f32, np.float32(0.1)], "float32"
+    elif which == "life":
+        from bench.life import life_kernel as make
+        args, float_type = [np.zeros((4, 4), np.int32)] * 2, None
+    elif which == "heat":
+        from bench.heat import heat_kernel as make
+        args, float_type = [np.zeros(4, np.float32)] * 2 + [np.float32(0.1)], "float32"
+    else:
+        raise SystemExit(f"unknown kernel {which!r}: heat2d, jacobi, life or heat")
+    k = make()
+    tile = find_stencil(k.spec) if mode == "tile" else None
+    src = codegen.render_kernel(k.spec, "cuda", "grid", cache=False, tile=tile, float_type=float_type,
+                                index_bits=None if tile is not None else 32, depth=depth)
+    scratch = (types.float64[:, ::1], types.int64[:, ::1], types.uint32[::1])
+    sig = (types.int64, types.int64, *[typeof(a) for a in args], *scratch, types.uint64, types.int64[::1],
+           types.int64[::1])
+    if tile is not None and depth > 1:
+        sig += (typeof(args[0]).dtype[::1],)          # the halo scratch
+    ptx, _ = cuda.compile_ptx(compile_kernel(src).dispatcher.py_func, sig, cc=(9, 0))
+    return src.text, ptx
+
+
+def sass(ptx: str) -> list[str]:
+    """The kernel's SASS lines ``/*addr*/ INSTR ;``."""
+    ptxas = os.environ.get("PTXAS") or shutil.which("ptxas")
+    cuobjdump = os.environ.get("CUOBJDUMP") or shutil.which("cuobjdump")
+    if not ptxas or not cuobjdump:
+        raise SystemExit("needs ptxas and cuobjdump (set $PTXAS and $CUOBJDUMP)")
+    version = subprocess.run([ptxas, "--version"], capture_output=True, text=True).stdout
+    release = re.search(r"release (\d+)\.(\d+)", version)
+    if release and int(release.group(1)) >= 13:
+        # ptxas 13.0 reads PTX ISA up to 9.0; Numba's NVVM may write a newer header
+        ptx = re.sub(r"^\.version \d+\.\d+", ".version 9.0", ptx, count=1, flags=re.M)
+    with tempfile.TemporaryDirectory() as tmp:
+        src, cubin = Path(tmp) / "k.ptx", Path(tmp) / "k.cubin"
+        src.write_text(ptx)
+        subprocess.run([ptxas, "-arch=sm_90a", "-O3", str(src), "-o", str(cubin)], check=True)
+        out = subprocess.run([cuobjdump, "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
+    return [re.sub(r"\s*/\* 0x[0-9a-f]+ \*/", "", ln).strip() for ln in out.splitlines()
+            if re.match(r"\s+/\*[0-9a-f]{4,}\*/", ln)]
+
+
+def loops(lines: list[str]) -> list[str]:
+    addr = [int(re.match(r"/\*([0-9a-f]+)\*/", ln).group(1), 16) for ln in lines]
+    found = []
+    for ln, a in zip(lines, addr):
+        m = re.search(r"\bBRA (0x[0-9a-f]+)", ln)
+        if m and int(m.group(1), 16) < a:
+            start = int(m.group(1), 16)
+            body = [x for x, b in zip(lines, addr) if start <= b <= a]
+            count = {op: sum(bool(re.search(rf"\b{op}(\.| )", x)) for x in body)
+                     for op in ("LDS", "STS", "LDG", "STG", "LD", "ST")}
+            found.append(f"loop {start:#06x}-{a:#06x}: {len(body):4d} instructions; "
+                         + ", ".join(f"{op} {n}" for op, n in count.items() if n))
+    return found
+
+
+def main():
+    which, mode = sys.argv[1], sys.argv[2]
+    depth = int(sys.argv[3]) if len(sys.argv) > 3 else 1
+    _, ptx = kernel_ptx(which, mode, depth)
+    lines = sass(ptx)
+    print(f"{which} {mode} depth={depth}: {len(lines)} SASS instructions in all")
+    for ln in loops(lines):
+        print(" ", ln)
+
+
+if __name__ == "__main__":
+    main()
