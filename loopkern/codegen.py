@@ -137,15 +137,15 @@ class _Lower(ast.NodeTransformer):
                  filename: str = "", function: str = "", float_type: str | None = None,
                  arrays: frozenset = frozenset(), index_bits: int | None = None,
                  tile_arrays: frozenset = frozenset(), shared_arrays: frozenset = frozenset(),
-                 tile_wrap: bool = False, row_shifts: dict | None = None):
+                 stencil=None):
         self.float_type = float_type
         # tile mode: names bound to the cell's row plus a constant (Stencil.row_shifts), whose
         # accesses are addressed from the cell's row (in its unrolled copies too)
-        self.row_shifts = row_shifts or {}
+        self.row_shifts = stencil.row_shifts if stencil is not None else {}
         # tile mode of a stencil that wraps around along dimension 0: a tile's first and last
         # rows have neighbours at the far end of the array, which its halo holds; such an
         # access's row is found modulo the extent (runtime cuda_rt.tile_row)
-        self.tile_wrap = tile_wrap
+        self.tile_wrap = stencil is not None and stencil.periodic[0]
         # tile mode (on-chip residency): these arrays are the block's tile in shared memory,
         # whose element k holds the array's element _lk_tb + k
         self.tile_arrays = tile_arrays
@@ -184,10 +184,7 @@ class _Lower(ast.NodeTransformer):
             # (a store's flat offset is kept for visit_Assign; an augmented store keeps the slice)
             node.lk_flat = flat
             # the tile holds a range of the first dimension: only that index moves
-            first = node.slice.elts[0] if isinstance(node.slice, ast.Tuple) else node.slice
-            # (a store is at the thread's own cell, the stencil analysis checked: never wrapped)
-            wrap = node.value.id if self.tile_wrap and isinstance(node.ctx, ast.Load) and not self._own_row(first) \
-                else None
+            wrap = node.value.id if self._may_wrap(node) else None
             if isinstance(node.slice, ast.Tuple):
                 node.slice.elts = [_tile_index(node.slice.elts[0], wrap)] + node.slice.elts[1:]
             else:
@@ -222,7 +219,7 @@ class _Lower(ast.NodeTransformer):
             return None
         (e0, e1), (c0, c1) = [e.args[0] for e in sl.elts], cell
         m = f"{node.value.id}.shape[1]"
-        if self.tile_wrap and isinstance(node.ctx, ast.Load) and not _row_offset(e0, c0):
+        if self._may_wrap(node):
             # a row that may lie across the wrap: found modulo the extent, from no shared base
             row = f"{_P}rt.tile_row(({_src(e0)}) - {_P}tb, {node.value.id}.shape[0])"
             text = f"{row} * {m} + ({_src(e1)})"
@@ -238,8 +235,7 @@ class _Lower(ast.NodeTransformer):
         its halo), so the access shares the cell's address and needs no wrap-around test."""
         if self.tile_cell is None:
             return
-        elts = node.slice.elts if isinstance(node.slice, ast.Tuple) else [node.slice]
-        first = elts[0]
+        first = _first_index(node)
         x = first.args[0] if is_nonneg_mark(first) else first
         name = x.id if isinstance(x, ast.Name) else None
         if name is not None and name not in self.row_shifts:
@@ -261,12 +257,17 @@ class _Lower(ast.NodeTransformer):
         else:
             node.slice = first
 
-    def _own_row(self, e) -> bool:
-        """Whether index ``e`` of dimension 0 is the cell's own row plus a literal (it cannot
-        wrap around: the stencil analysis bounds the literal by the halo)."""
-        if self.tile_cell is None:
+    def _may_wrap(self, node) -> bool:
+        """Whether tile access ``node`` may read a row across the wrap of a stencil that wraps
+        around along dimension 0: a load whose row is not the cell's own plus a literal (the
+        stencil analysis bounds the literal by the halo). A store is at the thread's own cell
+        (the stencil analysis checked), never wrapped."""
+        if not self.tile_wrap or not isinstance(node.ctx, ast.Load):
             return False
-        return _row_offset(e.args[0] if is_nonneg_mark(e) else e, self.tile_cell[0])
+        if self.tile_cell is None:
+            return True
+        e = _first_index(node)
+        return not _row_offset(e.args[0] if is_nonneg_mark(e) else e, self.tile_cell[0])
 
     def _own_access(self, node) -> bool:
         """An access that runtime/arrays.py lowers: an array parameter indexed by indices all
@@ -380,7 +381,7 @@ class _BodyWriter:
                  sites: "_Sites | None" = None, function: str = "", float_type: str | None = None,
                  arrays: frozenset = frozenset(), index_bits: int | None = None,
                  tile_arrays: frozenset | None = None, shared_arrays: frozenset = frozenset(),
-                 tile_wrap: bool = False, row_shifts: dict | None = None):
+                 stencil=None):
         self.out = out
         self.tile = tile_arrays is not None
         self.fn_body = list(fn_body)
@@ -388,7 +389,7 @@ class _BodyWriter:
         self.sites = sites
         self.function = function
         self.lower = _Lower(backend, scope, index_name, sites, out.filename, function, float_type, arrays,
-                            index_bits, tile_arrays or frozenset(), shared_arrays, tile_wrap, row_shifts)
+                            index_bits, tile_arrays or frozenset(), shared_arrays, stencil)
         self.is_step = is_step
         self.loop_id = 0
         self.temp_id = 0
@@ -867,7 +868,7 @@ def _render_function(fs: FunctionSpec, home: str, backend: str, scope: str, is_s
                      ctx_params: list[str], decorator: str, sites: _Sites | None = None,
                      float_type: str | None = None, index_bits: int | None = None,
                      tile_arrays: frozenset | None = None, shared_arrays: frozenset = frozenset(),
-                     tile_wrap: bool = False, row_shifts: dict | None = None) -> _Lines:
+                     stencil=None) -> _Lines:
     out = _Lines(fs.filename, home)
     if sites is None:
         body = mark_nonneg_indices(fs.body, fs.params, fs.array_params, fs.params[0] if is_step else None)
@@ -878,7 +879,7 @@ def _render_function(fs: FunctionSpec, home: str, backend: str, scope: str, is_s
     out.add(0, f"def {fs.symbol}({', '.join(params)}):", ast.Pass(lineno=fs.lineno, col_offset=0))
     w = _BodyWriter(out, backend, scope, is_step, body, fs.params[0] if fs.params else "t", sites, fs.name,
                     float_type, frozenset(fs.params[i] for i in fs.array_params), index_bits, tile_arrays,
-                    shared_arrays, tile_wrap, row_shifts)
+                    shared_arrays, stencil)
     w.body(body, 1)
     if is_step and not (body and isinstance(body[-1], ast.Return)):
         out.add(1, "return True")
@@ -1020,8 +1021,7 @@ def render_kernel(spec: StepSpec, backend: str, scope: str = "grid", *, cache: b
                                        float_type, index_bits))
     staged_names = frozenset(spec.params[i].name for i in staged) if backend == "cuda" else frozenset()
     step_lines = _render_function(spec.step, spec.filename, backend, sync, True, ctx_params, "", sites, float_type,
-                                  index_bits, tile_names, staged_names, tile is not None and tile.periodic[0],
-                                  tile.row_shifts if tile is not None else None)
+                                  index_bits, tile_names, staged_names, tile)
 
     n = len(spec.params)
     kparams = [f"{_P}a{i}" for i in range(n)]
@@ -1324,6 +1324,11 @@ def _tile_index(e, wrap: str | None = None):
     return shifted(e)
 
 
+def _first_index(node):
+    """The index of dimension 0 of subscript ``node``."""
+    return node.slice.elts[0] if isinstance(node.slice, ast.Tuple) else node.slice
+
+
 def _row_offset(e, row: str) -> bool:
     """Whether ``e`` is ``row``, ``row + c`` or ``row - c`` with ``c`` an integer literal: an
     access that cannot wrap around (the stencil analysis bounds ``c`` by the halo)."""
@@ -1372,12 +1377,10 @@ def _tile_lines(tile, kparams, resident, written, sync: str = "grid") -> tuple[l
            f"{i1}{_P}sh = cuda.shared.array(0, {k0}.dtype)"]
     for j, i in enumerate(resident):
         pro.append(f"{i1}{_P}w{i} = {_P}rt.tile_like({_P}sh, {j} * {_P}W * {_P}m, {_P}W * {_P}m, {kparams[i]})")
-        if wrap:    # every row of the tile, its halo's taken across the wrap
-            pro += cells(1, f"{_P}W", f"({_P}tb + {_P}r) % max({_P}n, 1)", "True",
-                         [put(f"{_P}w{i}", f"{_P}r", get(kparams[i], f"{_P}c", False), True)])
-        else:
-            pro += cells(1, f"{_P}W", f"{_P}tb + {_P}r", f"0 <= {_P}c < {_P}n",
-                         [put(f"{_P}w{i}", f"{_P}r", get(kparams[i], f"{_P}c", False), True)])
+        # (wrapping around, every row of the tile: its halo's taken across the wrap)
+        first, guard = (f"({_P}tb + {_P}r) % max({_P}n, 1)", "True") if wrap else \
+            (f"{_P}tb + {_P}r", f"0 <= {_P}c < {_P}n")
+        pro += cells(1, f"{_P}W", first, guard, [put(f"{_P}w{i}", f"{_P}r", get(kparams[i], f"{_P}c", False), True)])
         pro.append(f"{i1}{_P}e{i} = {kparams[i]}")
     pro.append(f"{i1}cuda.syncthreads()")
     bar = ["cuda.syncthreads()"]

@@ -528,7 +528,6 @@ def fused_steps_refusal(spec, stencil: Stencil) -> NotStencil | None:
     if spec.returns_condition:
         return NotStencil("the step returns a condition (a stop decision every step)", spec.lineno)
     if stencil.periodic[0]:
-        # (a widened halo across the wrap is not built)
         return NotStencil("the stencil wraps around along its first dimension", spec.lineno)
     swapped = {i for pair in spec.swap for i in pair}
     for i, p in enumerate(spec.params):

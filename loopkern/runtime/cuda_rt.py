@@ -675,7 +675,7 @@ def tile_range(lo, hi, st, tlo, thi):
 def tile_columns(n1, bnt, btid):
     """How a block's threads share the rows of a 2-D tile that are ``n1`` cells wide: each
     thread keeps one column of a row and takes it in every ``rows``-th row, so no cell costs
-    a carry between row and column (see codegen ``parallel_grid``). Returns (the thread's
+    a carry between row and column (see codegen ``tile_rows``). Returns (the thread's
     first row, its first column, rows per pass, columns per pass); a thread left over when
     the rows do not divide the block gets no column (its first column is ``n1``)."""
     if n1 >= bnt:
