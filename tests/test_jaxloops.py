@@ -87,6 +87,8 @@ PRIMITIVE_BODIES = [
     ("pad_edge", lambda i, x: (lambda p: (p[:-2] + p[1:-1] + p[2:]) / 3.0)(jnp.pad(x, 1, mode="edge")), True),
     ("concatenate", lambda i, x: jnp.concatenate([x[5:] * 0.5, x[:5] * 2.0]) * 0.99, True),
     ("roll", lambda i, x: 0.5 * (jnp.roll(x, 1) + jnp.roll(x, -3)), True),
+    ("stack", lambda i, x: jnp.stack([x[:20] * 0.5, x[20:] + 0.25, x[::2]], axis=1)[:, ::2].T.reshape(40) * 0.9,
+     True),
     ("flip", lambda i, x: 0.5 * (x + jnp.flip(x)), True),
     ("reshape_transpose", lambda i, x: x.reshape(5, 8).T.reshape(40) * 0.999, True),
     ("dynamic_slice_by_counter", lambda i, x: x * 0.9 + 0.1 * lax.dynamic_slice(x, (i % 30,), (10,)).sum(), False),
@@ -497,6 +499,158 @@ def test_gathers_with_computed_indices(rng):
     same(lk.fori_loop(0, 5, lookup, c0, fallback="error"), lax.fori_loop(0, 5, lookup, c0))
 
 
+def test_point_and_window_gathers_in_2d(rng):
+    """m[i, j] at computed (row, column) pairs, windows m[i, 1:4] at computed rows, and
+    mode="fill" where a window does not fit, each against lax."""
+    m0 = f32(rng, 7, 6)
+    r = jnp.asarray(rng.integers(-9, 9, 42).astype(np.int32))
+    c = jnp.asarray(rng.integers(-8, 8, 42).astype(np.int32))
+
+    def points(i, m):
+        return 0.5 * m + 0.5 * m[(r + i) % 7, c].reshape(7, 6)
+    same(lk.fori_loop(0, 5, points, m0, fallback="error"), lax.fori_loop(0, 5, points, m0))
+    rows = jnp.asarray(rng.integers(-3, 12, 7).astype(np.int32))
+
+    def windows(i, m):                                       # start rows past the end are clamped
+        w = m[(rows + i) % 10, 1:4]
+        return m.at[:, :3].set(w * 0.5 + m[:, 3:] * 0.5)
+    same(lk.fori_loop(0, 4, windows, m0, fallback="error"), lax.fori_loop(0, 4, windows, m0), exact=False)
+
+    def filled(i, m):
+        w = jnp.take(m, (rows + i) % 12 - 2, axis=0, mode="fill", fill_value=-1.0)
+        return m * 0.5 + w * 0.25
+    same(lk.fori_loop(0, 4, filled, m0, fallback="error"), lax.fori_loop(0, 4, filled, m0), exact=False)
+
+    def filled_points(i, m):
+        v = m.at[r % 9, c].get(mode="fill", fill_value=2.0)
+        return m * 0.5 + v.reshape(7, 6) * 0.25
+    same(lk.fori_loop(0, 4, filled_points, m0, fallback="error"), lax.fori_loop(0, 4, filled_points, m0),
+         exact=False)
+
+    def patches(i, m):          # 2x3 windows at computed corners, clamped into the array as lax does
+        corners = jnp.stack([(r[:7] + i) % 9, c[:7] % 6], axis=1)
+        p = jax.vmap(lambda q: lax.dynamic_slice(m, (q[0], q[1]), (2, 3)))(corners)
+        return m * 0.5 + p.reshape(7, 6) * 0.5
+    same(lk.fori_loop(0, 4, patches, m0, fallback="error"), lax.fori_loop(0, 4, patches, m0), exact=False)
+
+
+# ------------------------------------------------------------------------------ scatters to computed indices
+def test_segment_sum_spmv_with_duplicates_and_dropped_segments(rng):
+    """A sparse matrix-vector product in COO form (jax.ops.segment_sum): repeated rows add up,
+    row ids outside [0, n) are dropped, as in JAX."""
+    n, nnz = 30, 120
+    rows = rng.integers(0, n, nnz).astype(np.int32)
+    rows[:6] = [-1, n, n + 5, -7, 0, 0]
+    rows, cols = jnp.asarray(rows), jnp.asarray(rng.integers(0, n, nnz).astype(np.int32))
+    vals = jnp.asarray(rng.uniform(-0.04, 0.04, nnz).astype(np.float32))
+    x0 = f32(rng, n)
+
+    def body(i, x):
+        return 0.5 * x + jax.ops.segment_sum(vals * x[cols], rows, num_segments=n) + 0.01 * i
+    same(lk.fori_loop(0, 9, body, x0, fallback="error"), lax.fori_loop(0, 9, body, x0), exact=False)
+    step = _source_of(lambda: lk.fori_loop(0, 9, body, x0 + 0.0, fallback="error"))
+    assert "lk.atomic.add(" in step and step.count("lk.sync()") == 2
+
+
+def test_histogram_carry_adds_in_its_own_buffer(rng):
+    """h.at[b].add(1) with bins computed in the body: negative bins count from the end (JAX's
+    index normalisation), bins past the end are dropped; the histogram is built in the carry's
+    second buffer (a copy, a barrier, the atomic adds; nothing after them)."""
+    h0 = jnp.asarray(rng.integers(0, 5, 12).astype(np.int32))
+    p = jnp.asarray(rng.uniform(-3.0, 15.0, 200).astype(np.float32))
+
+    def body(i, h):
+        b = jnp.floor(p + 0.37 * i).astype(jnp.int32)
+        return h.at[b].add(1 + i % 3)
+    same(lk.fori_loop(0, 11, body, h0, fallback="error"), lax.fori_loop(0, 11, body, h0))
+    step = _source_of(lambda: lk.fori_loop(0, 11, body, h0 + 0, fallback="error"))
+    assert step.count("lk.sync()") == 1 and "lk.atomic.add(c0n," in step
+    assert step.rstrip().splitlines()[-1].strip().startswith("lk.atomic.add(")
+
+
+def test_scatter_windows_points_and_clip_mode(rng):
+    """Row windows added at computed rows, single points set at computed (row, column) pairs,
+    and mode="clip", each against lax."""
+    m0 = f32(rng, 7, 5)
+    r = jnp.asarray(rng.integers(-9, 9, 4).astype(np.int32))
+
+    def rows(i, m):
+        return m.at[(r + i) % 9 - 1].add(m[:4] * 0.25)           # some rows -1 (the last), some 7 (dropped)
+    same(lk.fori_loop(0, 6, rows, m0, fallback="error"), lax.fori_loop(0, 6, rows, m0), exact=False)
+    pi = jnp.asarray(np.array([0, 3, 6, 2, 5], np.int32))
+    pj = jnp.asarray(np.array([4, 1, 0, 2, 3], np.int32))
+
+    def points(i, m):                                            # distinct (row, column) pairs
+        return m.at[(pi + i) % 7, (pj * 2 + i) % 5].set(m[pi, pj] + 1.0) * 0.5
+    same(lk.fori_loop(0, 5, points, m0, fallback="error"), lax.fori_loop(0, 5, points, m0))
+    x0 = f32(rng, 16)
+    idx = jnp.asarray(rng.integers(-10, 30, 25).astype(np.int32))
+
+    def clipped(i, x):
+        return x.at[idx + i].add(0.1, mode="clip") * 0.9
+    same(lk.fori_loop(0, 5, clipped, x0, fallback="error"), lax.fori_loop(0, 5, clipped, x0), exact=False)
+
+    def listed(i, x):                                            # constant indices, not evenly spaced
+        return x.at[jnp.array([3, 1, 7, 3])].add(0.5) * 0.75
+    same(lk.fori_loop(0, 5, listed, x0, fallback="error"), lax.fori_loop(0, 5, listed, x0), exact=False)
+
+
+def test_scatter_results_feed_reductions_conditions_and_ys(rng):
+    """A scatter that reads a reduction, a second scatter that reads the first, a reduction of
+    the result, a while_loop condition on it, and scan outputs built from it."""
+    x0 = f32(rng, 24)
+    idx = jnp.asarray(rng.integers(0, 24, 40).astype(np.int32))
+
+    def body(c):
+        x, k = c
+        h = jnp.zeros(24, jnp.float32).at[(idx + jnp.argmax(x)) % 24].add(x[idx] * 0.1)
+        g = jnp.zeros(24, jnp.float32).at[idx[::-1]].add(h[idx])
+        y = 0.8 * x + 0.1 * g + 0.05 * h
+        return y / jnp.max(y), k + 1
+    cond = lambda c: (jnp.sum(c[0]) > 3.0) & (c[1] < 40)
+    same(lk.while_loop(cond, body, (x0, jnp.int32(0)), fallback="error"),
+         lax.while_loop(cond, body, (x0, jnp.int32(0))), exact=False, rtol=1e-5)
+
+    def scan_body(x, w):
+        h = jax.ops.segment_sum(x[idx] * w, idx[::-1], num_segments=24)
+        return 0.5 * x + 0.1 * h, h[:5] * 2.0
+    ws = f32(rng, 7, 40)
+    same(lk.scan(scan_body, x0, ws, fallback="error"), lax.scan(scan_body, x0, ws), exact=False, rtol=1e-5)
+
+
+def test_scatter_add_float64_and_int64_under_x64(rng):
+    with _x64():
+        x0 = jnp.asarray(rng.uniform(0, 1, 20))
+        k0 = jnp.asarray(rng.integers(0, 9, 20))
+        idx = jnp.asarray(rng.integers(0, 20, 50))
+
+        def body(i, c):
+            x, k = c
+            return 0.5 * x + jax.ops.segment_sum(x[idx], idx[::-1], num_segments=20) * 0.1, k.at[idx].add(k[::-1][idx])
+        same(lk.fori_loop(0, 6, body, (x0, k0), fallback="error"), lax.fori_loop(0, 6, body, (x0, k0)),
+             exact=False, rtol=1e-12, atol=1e-14)
+
+
+def test_scatter_add_without_an_atomic_add_falls_back_naming_it(rng):
+    """int8 and bool scatter-adds have no atomic add on the GPU: lax runs the loop and says why;
+    a scatter-max (.at[].max) is not in the subset."""
+    h0 = jnp.zeros(8, jnp.int8)
+    idx = jnp.asarray(rng.integers(0, 8, 30).astype(np.int32))
+
+    def small_ints(i, h):
+        return h.at[(idx + i) % 8].add(jnp.int8(1))
+    with pytest.raises(lk.StepSyntaxError, match="scatter-add.*int8"):
+        lk.fori_loop(0, 3, small_ints, h0, fallback="error")
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        got = lk.fori_loop(0, 3, small_ints, h0)
+    assert any("scatter-add" in str(m.message) for m in w if issubclass(m.category, lk.JaxLoopWarning))
+    same(got, lax.fori_loop(0, 3, small_ints, h0))
+    x0 = f32(rng, 8)
+    with pytest.raises(lk.StepSyntaxError, match="scatter.max"):
+        lk.fori_loop(0, 3, lambda i, x: x.at[idx].max(x[::-1][idx % 8] * 0.9), x0, fallback="error")
+
+
 # ------------------------------------------------------------------------------ fallback
 def sorting_body(i, x):
     return jnp.sort(x) * 0.5 + x[::-1] * 0.5
@@ -525,9 +679,9 @@ def test_fallback_error_raises_a_step_syntax_error(rng):
                 jnp.float32(1.0), None, length=3, fallback="error")
     with pytest.raises(lk.ArgumentError, match="fallback"):
         lk.fori_loop(0, 4, sorting_body, x0, fallback="maybe")
-    # a scatter to indices that are not evenly spaced: not compiled yet
-    with pytest.raises(lk.StepSyntaxError, match="scatter-add"):
-        lk.fori_loop(0, 4, lambda i, x: x.at[jnp.array([3, 1, 7])].add(0.5), x0, fallback="error")
+    # a scatter that multiplies: not compiled (adds and stores are)
+    with pytest.raises(lk.StepSyntaxError, match="scatter.mul"):
+        lk.fori_loop(0, 4, lambda i, x: x.at[jnp.array([3, 1, 7])].multiply(0.5), x0, fallback="error")
 
 
 def test_fallback_inside_jit_and_silent(rng):

@@ -172,6 +172,10 @@ def _launch(plan, mk, leaves, consts, *, steps=None, max_steps=None, lo=0, xs=()
             args.append(_scalar_const(consts[k]))
         elif role == "lo":
             args.append(lo)
+        elif role == "scratch":     # a scatter's buffer: every element is written before it is read
+            shape, dtype = k
+            args.append(jnp.empty(shape, dtype))
+            arr_roles.append((role, None))
         else:   # pragma: no cover
             raise AssertionError(role)
     if plan.returns_condition:

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..dsl import ATOMIC_DTYPES
 from .trace import Eqn, Lit, Program, Unsupported, Var
 
 FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
@@ -37,6 +38,7 @@ INTS = tuple(np.dtype(t) for t in (np.int8, np.int16, np.int32, np.int64, np.uin
                                    np.uint64))
 BOOL = np.dtype(np.bool_)
 OK_DTYPES = FLOATS + INTS + (BOOL,)
+SCATTERS = ("scatter", "scatter-add", "scatter_add")
 
 HELPERS = '''
 def jl_fmax(a, b):
@@ -190,7 +192,7 @@ class Loop:
 @dataclass(eq=False)
 class Item:
     """Work of a parallel loop: a store (``target`` params, index maker) or a reduction."""
-    kind: str               # "store" | "reduce"
+    kind: str               # "store" | "reduce" | "scatter" (atom: the scatter's Eqn)
     atom: object            # the value
     box: tuple              # the cells it covers
     target: str = ""        # the array stored into
@@ -246,6 +248,8 @@ class Lowering:
         self.load_vars = set()      # top-level names read from arrays (not the same on every thread)
         self.final: list = []       # (target text, value text) single-thread stores at the end
         self.uses_t = False
+        self.scratch = {}           # Var -> the buffer a scatter to computed indices is built in
+        self.syncs = set()          # stages whose loops end with a barrier (lk.sync())
 
     # ---------------------------------------------------------------- helpers
     def fresh(self, prefix="a") -> str:
@@ -268,8 +272,7 @@ class Lowering:
             for o in e.outs:
                 if o.dtype not in OK_DTYPES:
                     self.unsupported(e, f"dtype {o.dtype}")
-            if e.prim not in RULES and e.prim not in ("reduce_sum", "reduce_max", "reduce_min", "reduce_or",
-                                                      "reduce_and", "scatter", "scatter-add", "scatter_add"):
+            if e.prim not in RULES and e.prim not in REDUCTIONS + SCATTERS:
                 self.unsupported(e)
 
     # ---------------------------------------------------------------- stages
@@ -280,7 +283,12 @@ class Lowering:
             return self.stage_memo[a]
         e = a.eqn
         s = max([self.stage(x) for x in e.ins] or [0])
-        if e.prim.startswith("reduce_") and len(e.params.get("axes", ())) == len(e.ins[0].shape) and e.ins[0].shape:
+        if self.computed_scatter(e):
+            # the operand is copied into the buffer in its own stage, the updates go in after a
+            # barrier, and the result is read after another
+            x, ind, upd = e.ins
+            s = max(self.stage(x) + 1, self.stage(ind), self.stage(upd)) + 1
+        elif e.prim.startswith("reduce_") and len(e.params.get("axes", ())) == len(e.ins[0].shape) and e.ins[0].shape:
             s += 1
         elif e.prim == "dot_general" and not a.shape and e.ins[0].shape:
             s += 1
@@ -295,7 +303,7 @@ class Lowering:
             return literal(a.value, a.value.dtype)
         if not a.shape:
             return self.S(a, B)
-        if a.eqn is None:
+        if a.eqn is None or a in self.scratch:
             return self.load_input(a, idx, ctx, B)
         key = (a, tuple(i.expr for i in idx), ctx)
         if key in B.memo:
@@ -349,7 +357,9 @@ class Lowering:
         if key in B.memo:
             return B.memo[key]
         role = self.input_role.get(a)
-        if role is None:      # a closed-over constant array
+        if a in self.scratch:
+            text = f"{self.scratch[a]}[{', '.join(i.expr for i in idx)}]"
+        elif role is None:      # a closed-over constant array
             name = self.const_names[a]
             text = f"{name}[{', '.join(i.expr for i in idx)}]"
         elif role[0] == "carry":
@@ -524,6 +534,11 @@ class Lowering:
             name = f"g{i}"
             self.const_names[v] = self.add_param(name, "const" if v.shape else "const_scalar", i)
         self.add_param("lo_", "lo")
+        roots = list(carry_out.values()) + list(ys_out.values()) + [cond]
+        # a scatter that is only a new carry is built in the carry's second buffer
+        direct = {carry_out[k]: p.next_name for k, p in self.carries.items()
+                  if p.kind == "pair" and isinstance(carry_out[k], Var) and carry_out[k].uses == 1}
+        self.materialize_scatters(roots, direct)
         # every whole-array reduction first (their loops must exist before loops are rendered)
         for v in self.reachable_reductions(list(carry_out.values()) + list(ys_out.values()) + [cond]):
             self.S(v)
@@ -540,6 +555,8 @@ class Lowering:
                 continue
             if plan.kind == "inplace":
                 self.inplace_store(plan, vout.eqn)
+                continue
+            if self.scratch.get(vout) == plan.next_name:     # built there by materialize_scatters
                 continue
             if isinstance(vout, Lit):
                 val = Var(shape, vin.dtype, False, -1)   # pragma: no cover - literals are scalars
@@ -570,7 +587,7 @@ class Lowering:
         v = vout
         while isinstance(v, Var) and v is not vin:
             e = v.eqn
-            if e is None or e.prim not in ("scatter", "scatter-add", "scatter_add", "dynamic_update_slice"):
+            if e is None or e.prim not in SCATTERS + ("dynamic_update_slice",):
                 return None
             if v is not vout and v.uses != 1:
                 return None
@@ -716,6 +733,92 @@ class Lowering:
         self.add_item(st, upd.shape, Item("store", upd, tuple((0, n) for n in upd.shape), target=plan.name,
                                             index=index, op=guard or ""))
 
+    # ---------------------------------------------------------------- scatters to computed indices
+    def computed_scatter(self, e: Eqn) -> bool:
+        """Whether ``e`` scatters one window per index vector of an index array known only at
+        run time (``h.at[idx].add(w)``, ``jax.ops.segment_sum``, ``m.at[i, j].set(v)``). Such a
+        scatter is no index function: :meth:`materialize_scatters` builds its result in a buffer."""
+        return e.prim in SCATTERS and self.dynamic_window(e) is None and _strided_form(e) is None
+
+    def materialize_scatters(self, roots, direct):
+        """Give every scatter to computed indices that ``roots`` depend on a buffer of its own (a
+        ``scratch`` parameter, one per call): the operand is copied into it by the loops of the
+        operand's stage, then (after a barrier) a parallel loop over the updates adds them
+        atomically (``lk.atomic.add``) or stores them, and after another barrier later stages read
+        the buffer. The stages are :meth:`stage`'s. ``direct`` maps a scatter that is only a new
+        carry to that carry's second buffer, which is then its buffer."""
+        found, seen, stack = [], set(), [r for r in roots if isinstance(r, Var)]
+        while stack:
+            v = stack.pop()
+            if v in seen:
+                continue
+            seen.add(v)
+            if v.eqn is not None:
+                if self.computed_scatter(v.eqn):
+                    found.append(v)
+                stack += [x for x in v.eqn.ins if isinstance(x, Var)]
+        for v in sorted(found, key=self.stage):
+            e = v.eqn
+            x, ind, upd = e.ins
+            dn = e.params["dimension_numbers"]
+            if getattr(dn, "operand_batching_dims", ()):
+                self.unsupported(e, "a batched scatter (operand_batching_dims)")
+            if ind.dtype.kind not in "iu":
+                self.unsupported(e, f"scatter indices of {ind.dtype}")
+            if e.prim != "scatter" and str(v.dtype) not in ATOMIC_DTYPES:
+                self.unsupported(e, f"a scatter-add to computed indices of {v.dtype} (it runs as atomic adds, "
+                                    f"of {', '.join(ATOMIC_DTYPES)} only)")
+            self.window_sizes(e, x, upd)        # an unsupported layout raises here
+            name = direct.get(v) or self.add_param(self.fresh("h"), "scratch", (tuple(v.shape), v.dtype))
+            self.scratch[v] = name
+            sx, sa = self.stage(x), self.stage(v) - 1
+            self.add_item(sx, tuple(v.shape), Item("store", x, tuple((0, n) for n in v.shape), target=name,
+                                                   index=lambda ix: [i.expr for i in ix]))
+            self.add_item(sa, tuple(upd.shape), Item("scatter", e, tuple((0, n) for n in upd.shape), target=name))
+            self.syncs.update((sx, sa))
+
+    def render_scatter(self, it: Item, ix: tuple, B: Block):
+        """The body of a scatter's update loop at update index ``ix``: the window's start from the
+        index array (clamped with mode=clip; otherwise a window that does not fit in the operand
+        is dropped, as JAX's FILL_OR_DROP does), then the atomic add or the store."""
+        e = it.atom
+        x, ind, upd = e.ins
+        dn = e.params["dimension_numbers"]
+        uwd = tuple(dn.update_window_dims)
+        scatter_pos = [k for k in range(len(upd.shape)) if k not in uwd]
+        rest = [d for d in range(len(x.shape)) if d not in dn.inserted_window_dims]
+        window = {d: uwd[j] for j, d in enumerate(rest)}
+        sizes = self.window_sizes(e, x, upd)
+        clip = "CLIP" in str(e.params.get("mode"))
+        batch = tuple(ix[k] for k in scatter_pos)
+        starts, conds = {}, []
+        for p, d in enumerate(dn.scatter_dims_to_operand_dims):
+            text = self.E(ind, batch + (const_ix(p),), None, B)
+            nm = self.fresh("p")
+            hi = x.shape[d] - sizes[d]
+            if clip:
+                B.lines.append(f"{nm} = min(max(int({text}), 0), {hi})")
+            else:
+                B.lines.append(f"{nm} = int({text})")
+                conds.append(f"0 <= {nm} <= {hi}")
+            starts[d] = nm
+        subs = []
+        for d in range(len(x.shape)):
+            w = ix[window[d]].expr if d in window else None
+            st = starts.get(d)
+            subs.append("0" if st is None and w is None else st if w is None else w if st is None
+                        else f"{st} + {w}")
+        val = self.E(upd, ix, None, B)
+        if e.prim == "scatter":
+            line = f"{it.target}[{', '.join(subs)}] = {val}"
+        else:
+            index = subs[0] if len(subs) == 1 else f"({', '.join(subs)})"
+            line = f"lk.atomic.add({it.target}, {index}, {val})"
+        if conds:
+            B.lines += [f"if {' and '.join(conds)}:", "    " + line]
+        else:
+            B.lines.append(line)
+
     # ---------------------------------------------------------------- rendering
     def render(self, cond_text, cond) -> StepPlan:
         # generate the loops, stage by stage (new items can appear while generating: not here,
@@ -729,6 +832,9 @@ class Lowering:
             L.body = Block(L.stage, "        ", loop=L)
             ix = tuple(Ix(n, 0, lo, hi - 1) for n, (lo, hi) in zip(L.names, L.box))
             for it in L.items:
+                if it.kind == "scatter":
+                    self.render_scatter(it, ix, L.body)
+                    continue
                 if it.kind == "reduce":
                     if isinstance(it.atom, tuple):   # a full dot
                         _, x, y, lc, rc = it.atom
@@ -762,7 +868,11 @@ class Lowering:
         stages = sorted(set(self.pre) | {L.stage for L in self.loops} | set(self.post) |
                         {f[3] for f in self.final})
         # finals (single-thread stores at the end): scalar carries, scalar ys, in-place stores
+        synced = False      # the barrier a stage's loops end with goes before the next stage
         for s in stages:
+            if synced:
+                out.append("    lk.sync()")
+                synced = False
             if s in self.pre:
                 out += ["    " + ln for ln in self.pre[s].lines]
             for L in self.loops:
@@ -777,7 +887,9 @@ class Lowering:
                     out.append(f"    for {', '.join(L.names)} in lk.grid({dims}):")
                 body = L.body.lines or ["pass"]
                 out += ["        " + ln for ln in body]
-            out += ["    " + ln for ln in self.post.get(s, [])]
+            post = self.post.get(s, [])
+            out += ["    " + ln for ln in post]
+            synced = s in self.syncs and not post      # a grid reduction is a barrier already
         finals = []
         for f in self._finals_in_order():
             plan, target, val = f[0], f[1], f[2]
@@ -1057,6 +1169,8 @@ def _convert(L, e, out, idx, ctx, B):
     if dt == BOOL:
         return f"({x} != 0)"
     if src.kind == "f" and dt.kind in "iu":
+        if not _trivial(x):         # the tests below read it four times
+            x = L.bind(x, src, ctx, B)
         # JAX: NaN -> 0, out of range saturates; in range truncates toward zero
         info = np.iinfo(dt)
         return (f"({literal(0, dt)} if {x} != {x} else ({literal(info.max, dt)} if {x} >= {float(info.max)} else "
@@ -1255,6 +1369,25 @@ def _concat(L, e, out, idx, ctx, B):
     return text
 
 
+@rule("stack")
+def _stack(L, e, out, idx, ctx, B):
+    """``jnp.stack``: along the new axis, position k reads input k at the other indices."""
+    d = e.params["axis"]
+    i = idx[d]
+    rest = idx[:d] + idx[d + 1:]
+    live = [k for k in range(len(e.ins)) if range_cond(i, k, k + 1) is not False]
+    if len(live) == 1:
+        return L.E(e.ins[live[0]], rest, ctx, B)
+    text = None
+    for k in reversed(live):
+        if text is None:
+            text = L.E(e.ins[k], rest, ctx if range_cond(i, k, k + 1) is True else _and_ctx(ctx, f"{i.expr} >= {k}"),
+                       B)
+        else:
+            text = f"({L.E(e.ins[k], rest, _and_ctx(ctx, f'{i.expr} == {k}'), B)} if {i.expr} == {k} else {text})"
+    return text
+
+
 @rule("dynamic_slice")
 def _dslice(L, e, out, idx, ctx, B):
     x = e.ins[0]
@@ -1275,30 +1408,36 @@ def _dslice(L, e, out, idx, ctx, B):
 
 @rule("gather")
 def _gather(L, e, out, idx, ctx, B):
-    """``x[i]`` with an array of computed indices ``i`` along one dimension (``jnp.take``,
-    ``x[idx]``, ``x[:, idx]``): per element of the result, one read at the index the indices
-    array holds there. XLA clamps an index to the dimension (the ``promise_in_bounds`` and
-    ``clip`` modes; JAX has already made negative ones count from the end); ``fill`` gives JAX's
-    fill value out of bounds. Any other form of gather is left to jax.lax."""
+    """A gather with computed start indices (``x[idx]``, ``jnp.take``, ``x[:, idx]``, points
+    ``m[i, j]``, windows ``m[i, 1:3]``): per element of the result, one read at the start its
+    index vector holds plus its offset in the window. XLA clamps a start so that the window fits
+    (the ``promise_in_bounds`` and ``clip`` modes; JAX has already made negative indices count
+    from the end); ``fill`` gives JAX's fill value where a window does not fit. Batched gathers
+    (``operand_batching_dims``, from ``vmap``) are left to jax.lax."""
     x, ind = e.ins
     dn = e.params["dimension_numbers"]
     mode = str(e.params.get("mode", "")).rsplit(".", 1)[-1].lower()
-    if (getattr(dn, "operand_batching_dims", ()) or len(dn.start_index_map) != 1
-            or tuple(dn.collapsed_slice_dims) != tuple(dn.start_index_map) or not ind.shape or ind.shape[-1] != 1
-            or mode not in ("promise_in_bounds", "clip", "fill_or_drop")):
-        L.unsupported(e, "only x[indices] along one dimension")
-    k = dn.start_index_map[0]
     sizes = e.params["slice_sizes"]
-    kept = [d for d in range(len(x.shape)) if d != k]
-    if sizes[k] != 1 or any(sizes[d] != x.shape[d] for d in kept) or len(dn.offset_dims) != len(kept):
-        L.unsupported(e, "only whole slices along the other dimensions")
-    offset = sorted(dn.offset_dims)
+    offset = sorted(dn.offset_dims)        # the window's dimensions of the result, in operand order
+    kept = [d for d in range(len(x.shape)) if d not in dn.collapsed_slice_dims]
     batch = [d for d in range(len(out.shape)) if d not in offset]
-    raw = f"int({L.E(ind, tuple(idx[d] for d in batch) + (const_ix(0),), ctx, B)})"
-    n = x.shape[k]
-    sub = []
-    for d in range(len(x.shape)):
-        sub.append(opaque(f"min(max({raw}, 0), {n - 1})", 0, n - 1) if d == k else idx[offset[kept.index(d)]])
+    if (getattr(dn, "operand_batching_dims", ()) or not ind.shape or ind.shape[-1] != len(dn.start_index_map)
+            or len(ind.shape) - 1 != len(batch) or len(offset) != len(kept)
+            or mode not in ("promise_in_bounds", "clip", "fill_or_drop")):
+        L.unsupported(e, "a batched gather, or one whose indices are not one index vector per result "
+                         "element")
+    starts = {d: f"int({L.E(ind, tuple(idx[b] for b in batch) + (const_ix(p),), ctx, B)})"
+              for p, d in enumerate(dn.start_index_map)}
+    sub, conds = [], []
+    for d, n in enumerate(x.shape):
+        w = idx[offset[kept.index(d)]] if d in kept else None
+        if d not in starts:
+            sub.append(w if w is not None else const_ix(0))
+            continue
+        hi = n - sizes[d]
+        text = f"min(max({starts[d]}, 0), {hi})"
+        sub.append(opaque(text if w is None else f"{text} + {w.expr}", 0, n - 1))
+        conds.append(f"0 <= {starts[d]} <= {hi}")
     val = L.E(x, tuple(sub), ctx, B)
     if mode != "fill_or_drop":
         return val
@@ -1307,7 +1446,7 @@ def _gather(L, e, out, idx, ctx, B):
     if fill is None:
         fill = (np.nan if dt.kind == "f" else True if dt == BOOL else np.iinfo(dt).min if dt.kind == "i"
                 else np.iinfo(dt).max)
-    return f"({val} if 0 <= {raw} < {n} else {literal(fill, dt)})"
+    return f"({val} if {' and '.join(conds)} else {literal(fill, dt)})"
 
 
 @rule("dynamic_update_slice")
@@ -1372,10 +1511,9 @@ def _affine_iota(a, depth=0):
     return None
 
 
-def _strided_scatter(L, e, out, idx, ctx, B):
-    """A scatter into every s-th element along one dimension (``x.at[lo:hi:s].set/add``): the
-    element at ``i`` takes update ``(i - c) // s`` when ``(i - c) % s == 0`` and that position is
-    one of the m updates; otherwise it keeps ``x[i]``."""
+def _strided_form(e):
+    """(d, c, s, m, scatter position, rest) of a scatter into every s-th element along operand
+    dimension d (``x.at[lo:hi:s].set/add``: m updates from c), or None."""
     dn = e.params["dimension_numbers"]
     x, ind, upd = e.ins
     if getattr(dn, "operand_batching_dims", ()) or len(dn.scatter_dims_to_operand_dims) != 1 or \
@@ -1393,6 +1531,19 @@ def _strided_scatter(L, e, out, idx, ctx, B):
     if len(scatter_pos) != 1 or len(rest) != len(dn.update_window_dims) or any(
             upd.shape[ud] != x.shape[k] for k, ud in zip(rest, dn.update_window_dims)):
         return None
+    return d, c, st, m, scatter_pos, rest
+
+
+def _strided_scatter(L, e, out, idx, ctx, B):
+    """A scatter into every s-th element along one dimension (``x.at[lo:hi:s].set/add``): the
+    element at ``i`` takes update ``(i - c) // s`` when ``(i - c) % s == 0`` and that position is
+    one of the m updates; otherwise it keeps ``x[i]``."""
+    form = _strided_form(e)
+    if form is None:
+        return None
+    d, c, st, m, scatter_pos, rest = form
+    dn = e.params["dimension_numbers"]
+    x, ind, upd = e.ins
     i = idx[d]
     if st > 0:      # update j goes to c + st * j: j = (i - c) / st
         rel = i.expr if c == 0 else (f"({i.expr} + {-c})" if c < 0 else f"({i.expr} - {c})")

@@ -146,3 +146,43 @@ def test_gather_with_computed_indices_on_the_gpu(rng):
         beyond = np.clip(np.where(beyond < 0, beyond + n, beyond), 0, n - 1)
         ref = np.float32(0.5) * ref[j] + np.float32(0.5) * ref[beyond]
     np.testing.assert_array_equal(got, ref)
+
+
+@pytest.mark.parametrize("n,nnz", [(1000, 5000), (1 << 16, 1 << 19)])
+def test_coo_spmv_iteration_on_the_gpu(n, nnz, rng):
+    """x <- 0.5 x + A x with A in COO form (jax.ops.segment_sum): atomic adds from many blocks
+    into a buffer, a grid barrier, then the update; against a float64 NumPy loop."""
+    rows = rng.integers(0, n, nnz).astype(np.int32)
+    cols = rng.integers(0, n, nnz).astype(np.int32)
+    vals = (rng.uniform(-0.5, 0.5, nnz) * n / nnz).astype(np.float32)
+    x0 = rng.random(n).astype(np.float32)
+    r, c, v = jnp.asarray(rows), jnp.asarray(cols), jnp.asarray(vals)
+
+    def body(i, x):
+        return np.float32(0.5) * x + jax.ops.segment_sum(v * x[c], r, num_segments=n)
+    got = np.asarray(jax.jit(lambda x: lk.fori_loop(0, 50, body, x, fallback="error"))(jnp.asarray(x0)), np.float64)
+    ref = x0.astype(np.float64)
+    for _ in range(50):
+        y = np.zeros(n)
+        np.add.at(y, rows, vals.astype(np.float64) * ref[cols])
+        ref = 0.5 * ref + y
+    assert np.abs(got - ref).max() <= 1e-4 * max(1.0, np.abs(ref).max())
+
+
+@pytest.mark.parametrize("npts", [3000, 1 << 20])
+def test_histogram_carry_on_the_gpu(npts, rng):
+    """h.at[bins].add(1), bins moving every step, many threads hitting the same bins: the integer
+    counts must equal NumPy's exactly."""
+    p0 = rng.uniform(-2.0, 70.0, npts).astype(np.float32)
+    p = jnp.asarray(p0)
+
+    def body(i, h):
+        b = jnp.floor(p + i.astype(jnp.float32) * np.float32(0.5)).astype(jnp.int32) % 80 - 8
+        return h.at[b].add(1)
+    got = np.asarray(jax.jit(lambda h: lk.fori_loop(0, 30, body, h, fallback="error"))(jnp.zeros(64, jnp.int32)))
+    ref = np.zeros(64, np.int64)
+    for i in range(30):
+        b = np.floor(p0 + np.float32(i) * np.float32(0.5)).astype(np.int64) % 80 - 8
+        b = np.where(b < 0, b + 64, b)
+        np.add.at(ref, b[b < 64], 1)
+    np.testing.assert_array_equal(got, ref)

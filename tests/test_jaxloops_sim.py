@@ -1,0 +1,87 @@
+"""Steps that loopkern lowers from jnp loop bodies, run through the CUDA code path under Numba's
+simulator (many threads, so a missing barrier between a scatter's copy, its atomic adds and its
+readers shows) and on the CPU backend, each against a float64 NumPy reference of the loop."""
+
+import numpy as np
+import pytest
+
+jax = pytest.importorskip("jax")
+jnp = jax.numpy
+
+from loopkern.jaxloops import loops  # noqa: E402
+
+BACKENDS = [pytest.param("cpu", id="cpu"), pytest.param("cuda", id="sim", marks=pytest.mark.sim)]
+
+
+def lowered(body, carry):
+    """The MegaKernel of ``body(i, carry)`` (a single array carry) and its plan."""
+    traced = loops._trace_body(lambda i, x: [body(i, x)], [loops._aval(carry)],
+                               lead=(jax.ShapeDtypeStruct((), np.int32),))
+    prog = loops.flatten(traced[0])
+    plan = loops._lower(prog, [("index",), ("carry", 0)], {0: 0}, {0: 1})
+    return loops._kernel(plan), plan
+
+
+def run_lowered(body, carry, steps, backend):
+    """Run the lowered step ``steps`` times on NumPy arrays (loop index from 0); the new carry."""
+    mk, plan = lowered(body, carry)
+    args, first = [], None
+    for name, role, k in plan.params:
+        if role in ("carry", "carry_next"):
+            args.append(np.array(carry, copy=True))
+            first = args[-1] if role == "carry" else first
+        elif role == "lo":
+            args.append(np.int32(0))
+        elif role == "scratch":
+            shape, dtype = k
+            args.append(np.full(shape, 77, dtype))       # never read before it is written
+        elif role == "const":
+            args.append(np.asarray(CONSTS[k]))
+        else:
+            raise AssertionError(role)
+    run = mk(*args, steps=steps, backend=backend, threads=64, blocks=1)
+    assert run.steps == steps
+    return first, plan
+
+
+CONSTS = []
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_histogram_of_a_moving_cloud(backend):
+    """h.at[bins].add(w): the copy of the old histogram into the new buffer runs over 12 bins,
+    the atomic adds over 90 points; every thread must see the whole copy before it adds."""
+    h0 = np.arange(12, dtype=np.int32) % 5
+
+    def body(i, h):
+        p = jnp.arange(90, dtype=jnp.float32) * 0.37 + i.astype(jnp.float32) * 1.3
+        return h.at[jnp.floor(p).astype(jnp.int32) % 15 - 2].add(1 + i % 3)
+    got, _ = run_lowered(body, h0, 7, backend)
+    ref = h0.astype(np.int64)
+    for i in range(7):
+        p = np.arange(90, dtype=np.float32) * np.float32(0.37) + np.float32(i) * np.float32(1.3)
+        b = np.floor(p).astype(np.int64) % 15 - 2
+        b = np.where(b < 0, b + 12, b)
+        ok = (b >= 0) & (b < 12)
+        np.add.at(ref, b[ok], 1 + i % 3)
+    np.testing.assert_array_equal(got, ref)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_segment_sum_read_back_by_a_stencil(backend):
+    """A segment_sum whose result is read at neighbouring positions in the next phase: the read
+    must wait for every thread's atomic adds."""
+    x0 = np.linspace(0.0, 1.0, 40).astype(np.float32)
+
+    def body(i, x):
+        seg = (jnp.arange(40) * 7) % 40
+        s = jax.ops.segment_sum(x, seg, num_segments=40)
+        return 0.5 * x + 0.25 * (jnp.roll(s, 1) + jnp.roll(s, -1))
+    got, plan = run_lowered(body, x0, 5, backend)
+    assert "lk.atomic.add(" in plan.source and "lk.sync()" in plan.source
+    x = x0.astype(np.float64)
+    for _ in range(5):
+        s = np.zeros(40)
+        np.add.at(s, (np.arange(40) * 7) % 40, x)
+        x = 0.5 * x + 0.25 * (np.roll(s, 1) + np.roll(s, -1))
+    np.testing.assert_allclose(got, x, rtol=1e-5, atol=1e-6)
