@@ -250,3 +250,43 @@ for label, k, vals in DERIVED:
     except Exception as exc:
         rec.update(ok=False, error=f"{type(exc).__name__}: {exc}"[:2000])
     print(json.dumps(rec), flush=True)
+
+# steps lowered from jnp loop bodies (loopkern/jaxloops): scatters to computed indices (a
+# buffer, barriers, atomic adds) and nested loops (a sequential range / while per element)
+try:
+    import jax
+except ImportError:      # the JAX extra is not installed: no such kernels
+    jax = None
+if jax is not None:
+    from jax import lax
+
+    from loopkern.jaxloops import loops as JL
+    jnp = jax.numpy
+    ix = jnp.asarray(np.arange(12, dtype=np.int32) % 5)
+    BODIES = [("segment_sum", lambda i, x: 0.5 * x + jax.ops.segment_sum(x[ix], ix[::-1], num_segments=8),
+               np.zeros(8, f32)),
+              ("histogram", lambda i, h: h.at[ix + i].add(1), np.zeros(8, i32)),
+              ("nested_newton", lambda i, x: lax.fori_loop(0, 4, lambda j, y: y - (y * y - x) / (2 * y), x),
+               np.ones(8, f32)),
+              ("nested_while", lambda i, x: lax.fori_loop(0, i % 3 + 1, lambda j, y: y * 0.5 + 1.0, x),
+               np.ones(8, f32))]
+    for label, body, c in BODIES:
+        traced = JL._trace_body(lambda i, x, body=body: [body(i, x)], [JL._aval(c)],
+                                lead=(jax.ShapeDtypeStruct((), np.int32),))
+        prog = JL.flatten(traced[0])
+        plan = JL._lower(prog, [("index",), ("carry", 0)], {0: 0}, {0: 1})
+        vals = []
+        for _, role, payload in plan.params:
+            vals.append(c if role in ("carry", "carry_next") else np.int32(0) if role == "lo" else
+                        np.zeros(*payload) if role == "scratch" else np.asarray(prog.consts[payload][1]))
+        rec = dict(kernel=f"jaxloops:{label}", scope="grid", by_ref=False, debug=False, staged=False,
+                   atomics="lk.atomic" in plan.source, index_bits=None)
+        sig = (types.int64, types.int64, *[typeof(v) for v in vals], *SCRATCH, types.uint64, types.int64[::1],
+               types.int64[::1])
+        try:
+            src = codegen.render_kernel(JL._kernel(plan).spec, "cuda", "grid", cache=False)
+            ptx, _ = cuda.compile_ptx(compile_kernel(src).dispatcher.py_func, sig, cc=(9, 0))
+            rec.update(ok=True, **measure(ptx))
+        except Exception as exc:
+            rec.update(ok=False, error=f"{type(exc).__name__}: {exc}"[:2000])
+        print(json.dumps(rec), flush=True)

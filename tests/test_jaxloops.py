@@ -651,6 +651,87 @@ def test_scatter_add_without_an_atomic_add_falls_back_naming_it(rng):
         lk.fori_loop(0, 3, lambda i, x: x.at[idx].max(x[::-1][idx % 8] * 0.9), x0, fallback="error")
 
 
+# ------------------------------------------------------------------------------ nested loops
+def test_nested_fori_loop_runs_per_element(rng):
+    """A fixed number of Newton iterations per element inside the body (lax.fori_loop with static
+    bounds, traced as a scan): a sequential loop in each thread, no barrier."""
+    x0 = f32(rng, 50, lo=1.0, hi=2.0)
+
+    def body(i, x):
+        a = x + 0.1 * i
+        root = lax.fori_loop(0, 6, lambda j, y: y - (y * y - a) / (2 * y), a)
+        return 0.5 * x + 0.3 * root + 0.1 * jnp.roll(x, 1)
+    same(lk.fori_loop(0, 5, body, x0, fallback="error"), lax.fori_loop(0, 5, body, x0), exact=False)
+    step = _source_of(lambda: lk.fori_loop(0, 5, body, x0 + 0.0, fallback="error"))
+    assert "for j" in step and "in range(6)" in step and "lk.sync" not in step
+
+
+def test_nested_loops_with_dynamic_trip_counts_pytrees_and_two_levels(rng):
+    """A trip count from the outer counter (traced as a while), a pytree carry of two arrays and
+    a counter (leapfrog substeps), a loop inside a loop, and a while_loop on a scalar."""
+    x0, v0 = f32(rng, 6, 7), f32(rng, 6, 7, lo=-1.0, hi=1.0)
+
+    def varying(i, x):
+        return lax.fori_loop(0, i % 4 + 1, lambda j, z: z * 0.5 + j, x) * 0.9 + 0.05
+    same(lk.fori_loop(0, 7, varying, x0, fallback="error"), lax.fori_loop(0, 7, varying, x0), exact=False)
+
+    def leapfrog(i, c):
+        x, v = c
+
+        def sub(j, s):
+            x, v, k = s
+            v = v - 0.05 * x * (1.0 + 0.1 * k)
+            return x + 0.05 * v, v, k + 1
+        x, v, _ = lax.fori_loop(0, 3, sub, (x, v, jnp.int32(0)))
+        return x, v
+    same(lk.fori_loop(0, 6, leapfrog, (x0, v0), fallback="error"), lax.fori_loop(0, 6, leapfrog, (x0, v0)),
+         exact=False)
+
+    def two_levels(i, x):
+        return lax.fori_loop(0, 3, lambda j, y: lax.fori_loop(0, j + 1, lambda k, z: z * 0.9 + 0.01 * k, y) + 0.1,
+                             x)
+    same(lk.fori_loop(0, 4, two_levels, x0, fallback="error"), lax.fori_loop(0, 4, two_levels, x0), exact=False)
+
+    def halvings(i, x):       # a while_loop on a scalar: how many halvings bring the max below 0.1
+        m = jnp.max(x)
+        n = lax.while_loop(lambda c: c[0] > 0.1, lambda c: (c[0] * 0.5, c[1] + 1), (m, jnp.int32(0)))[1]
+        return x * 0.8 + 0.01 * n
+    same(lk.fori_loop(0, 8, halvings, x0, fallback="error"), lax.fori_loop(0, 8, halvings, x0), exact=False)
+
+
+def test_nested_loops_in_while_loop_and_scan_and_under_a_condition(rng):
+    x0 = f32(rng, 30, lo=0.5, hi=1.5)
+
+    def body(c):
+        x, k = c
+        y = lax.fori_loop(0, 4, lambda j, y: 0.5 * (y + x / y), x)            # sqrt by Heron
+        return 0.9 * x + 0.1 * y, k + 1
+    cond = lambda c: (jnp.sum(c[0]) > 20.0) & (c[1] < 50)
+    same(lk.while_loop(cond, body, (x0, jnp.int32(0)), fallback="error"),
+         lax.while_loop(cond, body, (x0, jnp.int32(0))), exact=False)
+
+    def scan_body(x, w):
+        y = lax.fori_loop(0, 3, lambda j, y: y * w + 0.1, x)
+        return jnp.pad(y[1:-1], 1) + x * 0.5, y[0]     # the loop's values under the pad's condition
+    ws = f32(rng, 5)
+    same(lk.scan(scan_body, x0, ws, fallback="error"), lax.scan(scan_body, x0, ws), exact=False)
+
+
+def test_nested_loops_outside_the_subset_fall_back_naming_why(rng):
+    x0 = f32(rng, 20)
+    with pytest.raises(lk.StepSyntaxError, match="reads other elements"):
+        lk.fori_loop(0, 3, lambda i, x: lax.fori_loop(0, 2, lambda j, y: y[::-1] * 0.5, x), x0, fallback="error")
+    with pytest.raises(lk.StepSyntaxError, match="reduction"):
+        lk.fori_loop(0, 3, lambda i, x: lax.fori_loop(0, 2, lambda j, y: y / jnp.sum(y), x), x0, fallback="error")
+    with pytest.raises(lk.StepSyntaxError, match="scan"):         # a scan over xs inside the body
+        lk.fori_loop(0, 3, lambda i, x: x + lax.scan(lambda c, v: (c + v, c), 0.0, x)[0], x0, fallback="error")
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        got = lk.fori_loop(0, 3, lambda i, x: lax.fori_loop(0, 2, lambda j, y: y[::-1] * 0.5, x), x0)
+    assert any("nested loop" in str(m.message) for m in w if issubclass(m.category, lk.JaxLoopWarning))
+    same(got, lax.fori_loop(0, 3, lambda i, x: lax.fori_loop(0, 2, lambda j, y: y[::-1] * 0.5, x), x0))
+
+
 # ------------------------------------------------------------------------------ fallback
 def sorting_body(i, x):
     return jnp.sort(x) * 0.5 + x[::-1] * 0.5
@@ -674,9 +755,9 @@ def test_fallback_error_raises_a_step_syntax_error(rng):
     assert "test_jaxloops.py" in str(info.value)
     with pytest.raises(lk.StepSyntaxError, match="cumlogsumexp"):
         lk.while_loop(lambda c: c[1] < 3, lambda c: (lax.cumlogsumexp(c[0]), c[1] + 1), (x0, 0), fallback="error")
-    with pytest.raises(lk.StepSyntaxError, match="while"):       # a nested loop
-        lk.scan(lambda c, _: (lax.fori_loop(0, c.astype(jnp.int32) % 3, lambda i, y: y + 1.0, c), c),
-                jnp.float32(1.0), None, length=3, fallback="error")
+    with pytest.raises(lk.StepSyntaxError, match="nested loop"):       # a nested loop that is a stencil
+        lk.fori_loop(0, 3, lambda i, x: lax.fori_loop(0, 4, lambda j, y: 0.5 * (y + jnp.roll(y, 1)), x), x0,
+                     fallback="error")
     with pytest.raises(lk.ArgumentError, match="fallback"):
         lk.fori_loop(0, 4, sorting_body, x0, fallback="maybe")
     # a scatter that multiplies: not compiled (adds and stores are)

@@ -1,6 +1,7 @@
 """The CUDA kernels compile to PTX (with NVVM, no GPU needed): catches CUDA-only compile errors
 in CI, where only the simulator can run kernels."""
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -66,5 +67,14 @@ def test_cuda_kernels_compile_to_ptx():
     assert {r["index_bits"] for r in own} == {32, 64} and {r["by_ref"] for r in own} == {False, True}
     for r in own:
         assert r["ld_global"] >= 3 and r["st_global"] >= 1, r
+    # the steps lowered from jnp bodies, when JAX is installed
+    lowered = {r["kernel"]: r for r in recs if r["kernel"].startswith("jaxloops:")}
+    if importlib.util.find_spec("jax") is not None:
+        assert sorted(lowered) == ["jaxloops:histogram", "jaxloops:nested_newton", "jaxloops:nested_while",
+                                   "jaxloops:segment_sum"]
+        assert lowered["jaxloops:histogram"]["atomics"] and lowered["jaxloops:segment_sum"]["atomics"]
+        assert not lowered["jaxloops:nested_newton"]["atomics"]
+    else:
+        assert not lowered
     scatter = [r for r in recs if r["kernel"] == "scatter"]
     assert scatter and all(r["atom_minmax"] >= 1 and r["atom_cas"] >= 1 for r in scatter)   # int min, float max

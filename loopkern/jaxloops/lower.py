@@ -177,6 +177,16 @@ class Block:
     lines: list = field(default_factory=list)
     memo: dict = field(default_factory=dict)
     loop: "Loop | None" = None
+    parent: "Block | None" = None   # a nested loop's body: the block the loop is in
+
+    def find(self, key):
+        """A value already computed here, or before the nested loop this block is the body of."""
+        b = self
+        while b is not None:
+            if key in b.memo:
+                return b.memo[key]
+            b = b.parent
+        return None
 
 
 @dataclass(eq=False)
@@ -249,6 +259,11 @@ class Lowering:
         self.final: list = []       # (target text, value text) single-thread stores at the end
         self.uses_t = False
         self.scratch = {}           # Var -> the buffer a scatter to computed indices is built in
+        self.sub_env = {}           # a nested loop's carry Var -> its name, while its body is lowered
+        self.inner_vars = set()     # every Var a nested loop's body or condition defines
+        self.inner_blocks = []      # the blocks of the nested loop bodies being lowered
+        self.nested_checked = set()
+        self._collect_inner(prog.eqns, False)
         self.syncs = set()          # stages whose loops end with a barrier (lk.sync())
 
     # ---------------------------------------------------------------- helpers
@@ -262,13 +277,27 @@ class Lowering:
         return self.pre[stage]
 
     def unsupported(self, eqn: Eqn, reason=""):
-        raise Unsupported(eqn.prim, eqn.where, reason)
+        prim = f"{eqn.params['kind']} (a nested loop)" if eqn.prim == "nested_loop" else eqn.prim
+        raise Unsupported(prim, eqn.where, reason)
+
+    def _collect_inner(self, eqns, inside):
+        for e in eqns:
+            if inside:
+                self.inner_vars.update(e.outs)
+            if e.prim == "nested_loop":
+                self._collect_inner(e.params["body"] + e.params["cond"], True)
+
+    def _all_eqns(self, eqns):
+        for e in eqns:
+            yield e
+            if e.prim == "nested_loop":
+                yield from self._all_eqns(e.params["body"] + e.params["cond"])
 
     def check_dtypes(self):
         for v in self.prog.invars:
             if v.dtype not in OK_DTYPES:
                 raise Unsupported(f"dtype {v.dtype}", "the loop carry", "float32, float64, ints and bool only")
-        for e in self.prog.eqns:
+        for e in self._all_eqns(self.prog.eqns):
             for o in e.outs:
                 if o.dtype not in OK_DTYPES:
                     self.unsupported(e, f"dtype {o.dtype}")
@@ -301,13 +330,16 @@ class Lowering:
         condition ``ctx`` (text, or None)."""
         if isinstance(a, Lit):
             return literal(a.value, a.value.dtype)
+        if a in self.sub_env:
+            return self.sub_env[a]
         if not a.shape:
             return self.S(a, B)
         if a.eqn is None or a in self.scratch:
             return self.load_input(a, idx, ctx, B)
         key = (a, tuple(i.expr for i in idx), ctx)
-        if key in B.memo:
-            return B.memo[key]
+        found = B.find(key)
+        if found is not None:
+            return found
         e = a.eqn
         text = RULES[e.prim](self, e, a, idx, ctx, B)
         if a.uses > 1 and not _trivial(text):
@@ -324,6 +356,10 @@ class Lowering:
         """A scalar value: a name (or literal) computed at the top of its stage."""
         if isinstance(a, Lit):
             return literal(a.value, a.value.dtype)
+        if a in self.sub_env:
+            return self.sub_env[a]
+        if a in self.inner_vars:        # changes from one iteration of its nested loop to the next
+            return self.inner_scalar(a, B if B is not None else self.inner_blocks[-1])
         if a in self.scalar_names:
             return self.scalar_names[a]
         if a.eqn is None:
@@ -354,8 +390,9 @@ class Lowering:
 
     def load_input(self, a, idx, ctx, B) -> str:
         key = (a, tuple(i.expr for i in idx), ctx)
-        if key in B.memo:
-            return B.memo[key]
+        found = B.find(key)
+        if found is not None:
+            return found
         role = self.input_role.get(a)
         if a in self.scratch:
             text = f"{self.scratch[a]}[{', '.join(i.expr for i in idx)}]"
@@ -819,6 +856,105 @@ class Lowering:
         else:
             B.lines.append(line)
 
+    # ---------------------------------------------------------------- nested loops
+    def inner_scalar(self, a, B: Block) -> str:
+        """A scalar of a nested loop's body, computed where it is needed (in ``B``)."""
+        key = (a, (), None)
+        found = B.find(key)
+        if found is not None:
+            return found
+        text = RULES[a.eqn.prim](self, a.eqn, a, (), None, B)
+        if not _trivial(text):
+            name = self.fresh("s")
+            B.lines.append(f"{name} = {text}")
+            text = name
+        B.memo[key] = text
+        return text
+
+    def check_nested(self, e: Eqn, outer_dep=frozenset()):
+        """A nested loop runs per element of its array carries (a sequential loop in each thread,
+        no barrier): every equation that reads an array carry, or a value computed from one, must
+        be elementwise (so each element's iterations read that element only), every array carry
+        has one shape, and the body holds no whole-array reduction or scatter to computed indices
+        (they are barriers). Scalar carries may do anything scalars do. A loop nested in this one
+        is held to the same rule, with the values of ``outer_dep`` (those of an enclosing loop's
+        array carries it reads) counted as its own array carries."""
+        if (e, outer_dep) in self.nested_checked:
+            return
+        p = e.params
+        dep = {c for c in p["carries"] if c.shape} | set(outer_dep)
+        shapes = {c.shape for c in dep}
+        if len(shapes) > 1:
+            self.unsupported(e, "a nested loop whose array carries differ in shape")
+        for q in p["body"] + p["cond"]:
+            if (q.prim in REDUCTIONS and q.ins[0].shape) or (q.prim == "dot_general" and not q.outs[0].shape) or (
+                    q.prim in SCATTERS and self.computed_scatter(q)):
+                self.unsupported(q, "a whole-array reduction or a scatter to computed indices inside a nested loop")
+            if any(isinstance(a, Var) and a in dep for a in q.ins):
+                if q.prim == "nested_loop":
+                    self.check_nested(q, frozenset(a for a in q.ins if isinstance(a, Var) and a in dep))
+                if (q.prim not in ELEMENTWISE and q.prim != "nested_loop") or any(
+                        o.shape not in shapes for o in q.outs if o.shape):
+                    self.unsupported(q, "inside a nested loop, an operation that reads other elements of an array "
+                                        "carry (only elementwise operations on the carries run per element)")
+                dep.update(q.outs)
+        self.nested_checked.add((e, outer_dep))
+
+    def nested_loop(self, e: Eqn, idx, ctx, B: Block) -> list:
+        """Emit a nested ``fori_loop``/``scan``/``while_loop`` into ``B`` at ``idx`` (None: its
+        scalar carries only) as a sequential loop over local names, one per carry; their names
+        (None for the array carries left out)."""
+        self.check_nested(e)
+        p = e.params
+        carries, outs = p["carries"], p["outs"]
+        names = []
+        for c, a in zip(carries, e.ins[:p["n_inits"]]):
+            if c.shape and idx is None:
+                names.append(None)
+                continue
+            nm = self.fresh("y")
+            init = self.E(a, idx if c.shape else (), ctx, B)
+            B.lines.append(f"{nm} = {init}" if ctx is None else f"{nm} = {init} if {ctx} else {zero(c.dtype)}")
+            names.append(nm)
+        saved = dict(self.sub_env)
+        self.sub_env.update({c: nm for c, nm in zip(carries, names) if nm is not None})
+
+        def lower_in(block, atoms):
+            self.inner_blocks.append(block)
+            try:
+                return [self.E(a, idx if a.shape else (), None, block) for a in atoms]
+            finally:
+                self.inner_blocks.pop()
+        try:
+            body = Block(B.stage, B.indent + "    ", loop=B.loop, parent=B)
+            new = []
+            for c, o, nm in zip(carries, outs, names):
+                if nm is None:
+                    continue
+                tmp = self.fresh("v")
+                body.lines.append(f"{tmp} = {lower_in(body, [o])[0]}")
+                new.append((nm, tmp))
+            body.lines += [f"{nm} = {tmp}" for nm, tmp in new]
+            if p["kind"] == "scan":
+                loop = [f"for {self.fresh('j')} in range({int(p['length'])}):"]
+            else:   # the test before the loop and again after each iteration
+                go = self.fresh("go")
+                first = Block(B.stage, B.indent, loop=B.loop, parent=B)
+                test = lower_in(first, [p["test"]])[0]
+                loop = first.lines + [f"{go} = {test}", f"while {go}:"]
+                again = Block(B.stage, B.indent, loop=B.loop, parent=B)    # not body: its values are of the old carries
+                test = lower_in(again, [p["test"]])[0]
+                body.lines += again.lines + [f"{go} = {test}"]
+            loop += ["    " + ln for ln in body.lines]
+        finally:
+            self.sub_env = saved
+        if ctx is not None:
+            loop = [f"if {ctx}:"] + ["    " + ln for ln in loop]
+        B.lines += loop
+        if any("[" in ln for ln in loop):       # it reads arrays: not the same on every thread
+            self.load_vars.update(nm for nm in names if nm is not None)
+        return names
+
     # ---------------------------------------------------------------- rendering
     def render(self, cond_text, cond) -> StepPlan:
         # generate the loops, stage by stage (new items can appear while generating: not here,
@@ -1207,6 +1343,10 @@ def _clamp(L, e, out, idx, ctx, B):
     if out.dtype.kind == "f":
         return f"jl_fmin(jl_fmax({x}, {lo}), {hi})"
     return cast(f"min(max({x}, {lo}), {hi})", out.dtype)
+
+
+#: the rules above compute an element from the operands' elements at the same index
+ELEMENTWISE = frozenset(RULES)
 
 
 @rule("iota")
@@ -1681,6 +1821,17 @@ def _partial_reduce(L, e, out, idx, ctx, B):
 
 for _r in REDUCTIONS:
     RULES[_r] = _partial_reduce
+
+
+@rule("nested_loop")
+def _nested(L, e, out, idx, ctx, B):
+    """One result of a nested loop: the loop is emitted once per block, index and condition."""
+    key = ("nested", e, tuple(i.expr for i in idx) if out.shape else None, ctx)
+    names = B.memo.get(key)
+    if names is None:
+        names = L.nested_loop(e, idx if out.shape else None, ctx, B)
+        B.memo[key] = names
+    return names[e.outs.index(out)]
 
 
 @rule("cumsum", "cumprod", "cummax", "cummin")

@@ -147,6 +147,7 @@ def flatten(closed) -> Program:
 
     eqns: list = []
     consts: list = []
+    sink = [eqns]       # where equations go: the program, or the body of a nested loop
 
     def atom(env, a):
         if _is_literal(a):
@@ -196,7 +197,9 @@ def flatten(closed) -> Program:
                         env[o] = nv
                     eq = Eqn("select_n", {}, [which] + [outs_of[k] for outs_of in taken], [nv], where)
                     nv.eqn = eq
-                    eqns.append(eq)
+                    sink[-1].append(eq)
+                continue
+            if nested_loop(e, env, where):
                 continue
             ins = [atom(env, a) for a in e.invars]
             outs = []
@@ -208,7 +211,67 @@ def flatten(closed) -> Program:
             eq = Eqn(name, dict(e.params), ins, outs, where)
             for nv in outs:
                 nv.eqn = eq
-            eqns.append(eq)
+            sink[-1].append(eq)
+
+    def sub_program(closed, consts_in, carries):
+        """Run the ClosedJaxpr ``closed`` whose first inputs are the atoms ``consts_in`` and the
+        rest the new Vars ``carries``: its equations and outputs."""
+        inner = closed.jaxpr
+        senv = {v: _const(v, c) for v, c in zip(inner.constvars, closed.consts)}
+        for v, a in zip(inner.invars, list(consts_in) + list(carries)):
+            senv[v] = a
+        sink.append([])
+        run(inner, senv)
+        return sink.pop(), [atom(senv, o) for o in inner.outvars]
+
+    def nested_loop(e, env, where):
+        """A ``fori_loop``/``scan`` without xs or ys, or a ``while_loop``, inside the body: one
+        ``nested_loop`` equation holding its body's (and condition's) equations, over Vars of its
+        own for the carries. Its inputs are the initial carries and then every outer Var the body
+        or condition reads (so that stages, reductions and uses see them). Anything else (a scan
+        over xs or with ys) stays as it is, and the lowering names it as unsupported."""
+        name = e.primitive.name
+        p = e.params
+        ins = [atom(env, a) for a in e.invars]
+        if name == "scan":
+            nc, nk = p["num_consts"], p["num_carry"]
+            if len(ins) != nc + nk or len(e.outvars) != nk:
+                return False
+            consts_in, inits = ins[:nc], ins[nc:]
+        elif name == "while":
+            cc, bc = p["cond_nconsts"], p["body_nconsts"]
+            consts_in, inits = ins[:cc + bc], ins[cc + bc:]
+        else:
+            return False
+        carries = [new_var(v.aval) for v in e.outvars]
+        if name == "scan":
+            body, outs = sub_program(p["jaxpr"], consts_in, carries)
+            cond, test = [], None
+        else:
+            body, outs = sub_program(p["body_jaxpr"], consts_in[cc:], carries)
+            cond, (test,) = sub_program(p["cond_jaxpr"], consts_in[:cc], carries)
+        inside = set(carries) | {o for q in body + cond for o in q.outs}
+        captured = []
+        for q in body + cond:
+            for a in q.ins:
+                if isinstance(a, Var) and a not in inside and a not in captured:
+                    captured.append(a)
+        for a in outs + [test]:
+            if isinstance(a, Var) and a not in inside and a not in captured:
+                captured.append(a)
+        res = []
+        for o in e.outvars:
+            nv = new_var(o.aval)
+            if type(o).__name__ != "DropVar":
+                env[o] = nv
+            res.append(nv)
+        eq = Eqn("nested_loop", {"kind": name, "length": p.get("length"), "carries": carries, "body": body,
+                                 "outs": outs, "cond": cond, "test": test, "n_inits": len(inits)},
+                 inits + captured, res, where)
+        for nv in res:
+            nv.eqn = eq
+        sink[-1].append(eq)
+        return True
 
     def _const(v, c):
         nv = new_var(v.aval)
@@ -221,7 +284,7 @@ def flatten(closed) -> Program:
         nv = Var(tuple(shape), np.dtype(dtype), False, counter[0])
         eq = Eqn(prim, params, list(ins), [nv], where)
         nv.eqn = eq
-        eqns.append(eq)
+        sink[-1].append(eq)
         return nv
 
     env = {}
@@ -236,10 +299,18 @@ def flatten(closed) -> Program:
     run(jaxpr, env)
     outs = [atom(env, o) for o in jaxpr.outvars]
     prog = Program(invars, eqns, outs, consts)
-    for e in eqns:
-        for a in e.ins:
-            if isinstance(a, Var):
-                a.uses += 1
+
+    def count(eqs):     # a nested loop's body counts too (an outer Var it reads counts twice)
+        for e in eqs:
+            for a in e.ins:
+                if isinstance(a, Var):
+                    a.uses += 1
+            if e.prim == "nested_loop":
+                count(e.params["body"] + e.params["cond"])
+                for a in e.params["outs"] + [e.params["test"]]:
+                    if isinstance(a, Var):
+                        a.uses += 1
+    count(eqns)
     for o in outs:
         if isinstance(o, Var):
             o.uses += 1

@@ -186,3 +186,24 @@ def test_histogram_carry_on_the_gpu(npts, rng):
         b = np.where(b < 0, b + 64, b)
         np.add.at(ref, b[b < 64], 1)
     np.testing.assert_array_equal(got, ref)
+
+
+def test_nested_newton_and_while_loops_on_the_gpu(rng):
+    """A fixed count of Newton steps per element (nested fori_loop) and a trip count from the
+    outer counter (nested while) in one body over 1M elements, against a float64 NumPy loop."""
+    from jax import lax
+    n = 1 << 20
+    x0 = rng.uniform(1.0, 2.0, n).astype(np.float32)
+
+    def body(i, x):
+        root = lax.fori_loop(0, 6, lambda j, y: y - (y * y - x) / (np.float32(2.0) * y), x)
+        z = lax.fori_loop(0, i % 3 + 1, lambda j, z: z * np.float32(0.5) + np.float32(0.25), root)
+        return np.float32(0.5) * x + np.float32(0.5) * z + np.float32(0.5)
+    got = np.asarray(jax.jit(lambda x: lk.fori_loop(0, 10, body, x, fallback="error"))(jnp.asarray(x0)), np.float64)
+    ref = x0.astype(np.float64)
+    for i in range(10):
+        z = np.sqrt(ref)
+        for _ in range(i % 3 + 1):
+            z = z * 0.5 + 0.25
+        ref = 0.5 * ref + 0.5 * z + 0.5
+    assert np.abs(got - ref).max() < 1e-5 * np.abs(ref).max()
