@@ -269,6 +269,8 @@ if jax is not None:
               ("nested_newton", lambda i, x: lax.fori_loop(0, 4, lambda j, y: y - (y * y - x) / (2 * y), x),
                np.ones(8, f32)),
               ("nested_while", lambda i, x: lax.fori_loop(0, i % 3 + 1, lambda j, y: y * 0.5 + 1.0, x),
+               np.ones(8, f32)),
+              ("unrolled", lambda i, x: lax.fori_loop(0, 3, lambda j, y: jnp.roll(y, 1) * 0.5 + x, x),
                np.ones(8, f32))]
     for label, body, c in BODIES:
         traced = JL._trace_body(lambda i, x, body=body: [body(i, x)], [JL._aval(c)],

@@ -718,18 +718,57 @@ def test_nested_loops_in_while_loop_and_scan_and_under_a_condition(rng):
 
 
 def test_nested_loops_outside_the_subset_fall_back_naming_why(rng):
+    """Not elementwise and not unrollable: more than UNROLL_MAX iterations, or a count known only
+    at run time."""
     x0 = f32(rng, 20)
-    with pytest.raises(lk.StepSyntaxError, match="reads other elements"):
-        lk.fori_loop(0, 3, lambda i, x: lax.fori_loop(0, 2, lambda j, y: y[::-1] * 0.5, x), x0, fallback="error")
+    with pytest.raises(lk.StepSyntaxError, match="reads other elements.*at most 16"):
+        lk.fori_loop(0, 3, lambda i, x: lax.fori_loop(0, 17, lambda j, y: y[::-1] * 0.5, x), x0, fallback="error")
     with pytest.raises(lk.StepSyntaxError, match="reduction"):
-        lk.fori_loop(0, 3, lambda i, x: lax.fori_loop(0, 2, lambda j, y: y / jnp.sum(y), x), x0, fallback="error")
+        lk.fori_loop(0, 3, lambda i, x: lax.fori_loop(0, i + 1, lambda j, y: y / jnp.sum(y), x), x0,
+                     fallback="error")
     with pytest.raises(lk.StepSyntaxError, match="scan"):         # a scan over xs inside the body
         lk.fori_loop(0, 3, lambda i, x: x + lax.scan(lambda c, v: (c + v, c), 0.0, x)[0], x0, fallback="error")
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
-        got = lk.fori_loop(0, 3, lambda i, x: lax.fori_loop(0, 2, lambda j, y: y[::-1] * 0.5, x), x0)
+        got = lk.fori_loop(0, 3, lambda i, x: lax.fori_loop(0, 20, lambda j, y: y[::-1] * 0.5, x), x0)
     assert any("nested loop" in str(m.message) for m in w if issubclass(m.category, lk.JaxLoopWarning))
-    same(got, lax.fori_loop(0, 3, lambda i, x: lax.fori_loop(0, 2, lambda j, y: y[::-1] * 0.5, x), x0))
+    same(got, lax.fori_loop(0, 3, lambda i, x: lax.fori_loop(0, 20, lambda j, y: y[::-1] * 0.5, x), x0))
+
+
+def test_nested_loops_that_read_other_elements_run_unrolled(rng):
+    """A static count of at most 16 iterations of a body that is no elementwise update (Jacobi
+    sweeps of an implicit step, a normalisation by the sum, a reversal) runs unrolled: one
+    parallel phase per iteration, each iteration's carry in a buffer of its own behind a
+    barrier; the last one written into the carry's second buffer."""
+    u0 = f32(rng, 12, 10)
+
+    def implicit(i, u):         # backward Euler for heat, four Jacobi sweeps per step
+        def sweep(j, v):
+            nb = jnp.pad(v, 1, mode="edge")
+            return (u + 0.2 * (nb[:-2, 1:-1] + nb[2:, 1:-1] + nb[1:-1, :-2] + nb[1:-1, 2:])) / 1.8
+        return lax.fori_loop(0, 4, sweep, u)
+    same(lk.fori_loop(0, 5, implicit, u0, fallback="error"), lax.fori_loop(0, 5, implicit, u0), exact=False)
+    step = _source_of(lambda: lk.fori_loop(0, 5, implicit, u0 + 0.0, fallback="error"))
+    assert step.count("lk.sync()") == 3 and "c0n[" in step.rstrip().splitlines()[-1]
+
+    x0 = f32(rng, 20)
+
+    def renormalised(i, x):     # a reduction in every iteration, a scalar carry fed by it
+        def inner(j, c):
+            y, total = c
+            s = jnp.sum(y)
+            return y[::-1] * 0.5 + y / s, total + s
+        y, total = lax.fori_loop(0, 3, inner, (x, jnp.float32(0.0)))
+        return y * 0.9 + 0.001 * total
+    same(lk.fori_loop(0, 4, renormalised, x0, fallback="error"), lax.fori_loop(0, 4, renormalised, x0),
+         exact=False, rtol=1e-5)
+
+    def mixed(i, x):            # an elementwise loop inside an unrolled one stays per element
+        def inner(j, y):
+            z = lax.fori_loop(0, 3, lambda k, z: z * 0.5 + 0.25, y)
+            return jnp.roll(z, 1) * 0.5 + y * 0.5
+        return lax.fori_loop(0, 2, inner, x)
+    same(lk.fori_loop(0, 3, mixed, x0, fallback="error"), lax.fori_loop(0, 3, mixed, x0), exact=False)
 
 
 # ------------------------------------------------------------------------------ fallback
@@ -756,7 +795,7 @@ def test_fallback_error_raises_a_step_syntax_error(rng):
     with pytest.raises(lk.StepSyntaxError, match="cumlogsumexp"):
         lk.while_loop(lambda c: c[1] < 3, lambda c: (lax.cumlogsumexp(c[0]), c[1] + 1), (x0, 0), fallback="error")
     with pytest.raises(lk.StepSyntaxError, match="nested loop"):       # a nested loop that is a stencil
-        lk.fori_loop(0, 3, lambda i, x: lax.fori_loop(0, 4, lambda j, y: 0.5 * (y + jnp.roll(y, 1)), x), x0,
+        lk.fori_loop(0, 3, lambda i, x: lax.fori_loop(0, 40, lambda j, y: 0.5 * (y + jnp.roll(y, 1)), x), x0,
                      fallback="error")
     with pytest.raises(lk.ArgumentError, match="fallback"):
         lk.fori_loop(0, 4, sorting_body, x0, fallback="maybe")

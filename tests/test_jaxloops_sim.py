@@ -7,6 +7,7 @@ import pytest
 
 jax = pytest.importorskip("jax")
 jnp = jax.numpy
+lax = jax.lax
 
 from loopkern.jaxloops import loops  # noqa: E402
 
@@ -85,3 +86,27 @@ def test_segment_sum_read_back_by_a_stencil(backend):
         np.add.at(s, (np.arange(40) * 7) % 40, x)
         x = 0.5 * x + 0.25 * (np.roll(s, 1) + np.roll(s, -1))
     np.testing.assert_allclose(got, x, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_unrolled_jacobi_sweeps_of_an_implicit_step(backend):
+    """Three Jacobi sweeps per step of backward Euler for 1-D heat (a nested fori_loop that reads
+    its carry's neighbours, so it runs unrolled): every sweep must see the whole previous one."""
+    u0 = np.sin(np.linspace(0.0, 3.0, 70)).astype(np.float32)
+    a = 0.3
+
+    def body(i, u):
+        def sweep(j, v):
+            nb = jnp.pad(v, 1)
+            return (u + a * (nb[:-2] + nb[2:])) / (1 + 2 * a)
+        return lax.fori_loop(0, 3, sweep, u)
+    got, plan = run_lowered(body, u0, 4, backend)
+    assert plan.source.count("lk.sync()") == 2
+    u = u0.astype(np.float64)
+    for _ in range(4):
+        v = u.copy()
+        for _ in range(3):
+            nb = np.pad(v, 1)
+            v = (u + a * (nb[:-2] + nb[2:])) / (1 + 2 * a)
+        u = v
+    np.testing.assert_allclose(got, u, rtol=1e-5, atol=1e-6)

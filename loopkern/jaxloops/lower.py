@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..dsl import ATOMIC_DTYPES
-from .trace import Eqn, Lit, Program, Unsupported, Var
+from .trace import Eqn, Lit, Program, Unsupported, Var, clone_eqns, count_uses
 
 FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
 INTS = tuple(np.dtype(t) for t in (np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32,
@@ -39,6 +39,10 @@ INTS = tuple(np.dtype(t) for t in (np.int8, np.int16, np.int32, np.int64, np.uin
 BOOL = np.dtype(np.bool_)
 OK_DTYPES = FLOATS + INTS + (BOOL,)
 SCATTERS = ("scatter", "scatter-add", "scatter_add")
+#: a nested loop that is not elementwise in its array carries runs unrolled, up to this count
+UNROLL_MAX = 16
+_UNROLL_HINT = (f"(a nested loop runs per element when it updates its array carries elementwise, and unrolled "
+                f"when its count is static and at most {UNROLL_MAX})")
 
 HELPERS = '''
 def jl_fmax(a, b):
@@ -263,6 +267,7 @@ class Lowering:
         self.inner_vars = set()     # every Var a nested loop's body or condition defines
         self.inner_blocks = []      # the blocks of the nested loop bodies being lowered
         self.nested_checked = set()
+        self.unroll_nested()
         self._collect_inner(prog.eqns, False)
         self.syncs = set()          # stages whose loops end with a barrier (lk.sync())
 
@@ -279,6 +284,59 @@ class Lowering:
     def unsupported(self, eqn: Eqn, reason=""):
         prim = f"{eqn.params['kind']} (a nested loop)" if eqn.prim == "nested_loop" else eqn.prim
         raise Unsupported(prim, eqn.where, reason)
+
+    def unroll_nested(self):
+        """Unroll each nested loop of the program that cannot run per element (it reads other
+        elements of an array carry: a stencil, a reduction, a gather) and has a static count of
+        at most :data:`UNROLL_MAX` iterations: its body once per iteration, each iteration's new
+        array carries materialised in buffers of their own (``materialize``: stored in one
+        stage, read after a barrier), so that iteration k + 1 reads what iteration k wrote.
+        Other nested loops stay; the lowering runs them per element or says why it cannot."""
+        ids = [-1]
+
+        def new_id():
+            ids[0] -= 1
+            return ids[0]
+        changed = True
+        while changed:
+            changed = False
+            for pos, e in enumerate(self.prog.eqns):
+                if e.prim != "nested_loop" or e.params["kind"] != "scan" or e.params["length"] > UNROLL_MAX:
+                    continue
+                try:
+                    self.check_nested(e)
+                    continue
+                except Unsupported:
+                    pass
+                self.prog.eqns[pos:pos + 1] = self._unrolled(e, new_id)
+                changed = True
+                break
+        count_uses(self.prog)
+
+    def _unrolled(self, e: Eqn, new_id) -> list:
+        p = e.params
+        cur = list(e.ins[:p["n_inits"]])
+        eqns = []
+        for _ in range(int(p["length"])):
+            env = dict(zip(p["carries"], cur))
+            made = clone_eqns(p["body"], env, new_id)
+            eqns += made
+            fresh = {o for q in made for o in q.outs}
+            cur = []
+            for o in p["outs"]:
+                a = env.get(o, o) if isinstance(o, Var) else o
+                if isinstance(a, Var) and a.shape and a in fresh:
+                    m = Var(a.shape, a.dtype, a.weak, new_id())
+                    q = Eqn("materialize", {}, [a], [m], e.where)
+                    m.eqn = q
+                    eqns.append(q)
+                    a = m
+                cur.append(a)
+        for out, a in zip(e.outs, cur):     # the loop's results, read where they were before
+            q = Eqn("copy", {}, [a], [out], e.where)
+            out.eqn = q
+            eqns.append(q)
+        return eqns
 
     def _collect_inner(self, eqns, inside):
         for e in eqns:
@@ -301,7 +359,7 @@ class Lowering:
             for o in e.outs:
                 if o.dtype not in OK_DTYPES:
                     self.unsupported(e, f"dtype {o.dtype}")
-            if e.prim not in RULES and e.prim not in REDUCTIONS + SCATTERS:
+            if e.prim not in RULES and e.prim not in REDUCTIONS + SCATTERS + ("materialize",):
                 self.unsupported(e)
 
     # ---------------------------------------------------------------- stages
@@ -312,7 +370,9 @@ class Lowering:
             return self.stage_memo[a]
         e = a.eqn
         s = max([self.stage(x) for x in e.ins] or [0])
-        if self.computed_scatter(e):
+        if e.prim == "materialize":     # stored in its operand's stage, read after a barrier
+            s += 1
+        elif self.computed_scatter(e):
             # the operand is copied into the buffer in its own stage, the updates go in after a
             # barrier, and the result is read after another
             x, ind, upd = e.ins
@@ -572,10 +632,19 @@ class Lowering:
             self.const_names[v] = self.add_param(name, "const" if v.shape else "const_scalar", i)
         self.add_param("lo_", "lo")
         roots = list(carry_out.values()) + list(ys_out.values()) + [cond]
-        # a scatter that is only a new carry is built in the carry's second buffer
-        direct = {carry_out[k]: p.next_name for k, p in self.carries.items()
-                  if p.kind == "pair" and isinstance(carry_out[k], Var) and carry_out[k].uses == 1}
-        self.materialize_scatters(roots, direct)
+        # a scatter or materialised value that is only a new carry is built in the carry's
+        # second buffer (an unrolled nested loop's result is a copy of its last materialisation)
+        direct = {}
+        for k, p in self.carries.items():
+            v = carry_out[k]
+            if p.kind != "pair" or not isinstance(v, Var) or v.uses != 1:
+                continue
+            if v.eqn is not None and v.eqn.prim == "copy" and isinstance(v.eqn.ins[0], Var) and \
+                    v.eqn.ins[0].uses == 1 and v.eqn.ins[0].eqn is not None and \
+                    v.eqn.ins[0].eqn.prim == "materialize":
+                v = v.eqn.ins[0]
+            direct[v] = p.next_name
+        self.materialize(roots, direct)
         # every whole-array reduction first (their loops must exist before loops are rendered)
         for v in self.reachable_reductions(list(carry_out.values()) + list(ys_out.values()) + [cond]):
             self.S(v)
@@ -593,8 +662,9 @@ class Lowering:
             if plan.kind == "inplace":
                 self.inplace_store(plan, vout.eqn)
                 continue
-            if self.scratch.get(vout) == plan.next_name:     # built there by materialize_scatters
-                continue
+            built = vout.eqn.ins[0] if vout.eqn is not None and vout.eqn.prim == "copy" else vout
+            if self.scratch.get(vout) == plan.next_name or self.scratch.get(built) == plan.next_name:
+                continue        # built there by materialize
             if isinstance(vout, Lit):
                 val = Var(shape, vin.dtype, False, -1)   # pragma: no cover - literals are scalars
             windows = self.identity_windows(vout, vin)
@@ -774,16 +844,18 @@ class Lowering:
     def computed_scatter(self, e: Eqn) -> bool:
         """Whether ``e`` scatters one window per index vector of an index array known only at
         run time (``h.at[idx].add(w)``, ``jax.ops.segment_sum``, ``m.at[i, j].set(v)``). Such a
-        scatter is no index function: :meth:`materialize_scatters` builds its result in a buffer."""
+        scatter is no index function: :meth:`materialize` builds its result in a buffer."""
         return e.prim in SCATTERS and self.dynamic_window(e) is None and _strided_form(e) is None
 
-    def materialize_scatters(self, roots, direct):
-        """Give every scatter to computed indices that ``roots`` depend on a buffer of its own (a
-        ``scratch`` parameter, one per call): the operand is copied into it by the loops of the
-        operand's stage, then (after a barrier) a parallel loop over the updates adds them
-        atomically (``lk.atomic.add``) or stores them, and after another barrier later stages read
-        the buffer. The stages are :meth:`stage`'s. ``direct`` maps a scatter that is only a new
-        carry to that carry's second buffer, which is then its buffer."""
+    def materialize(self, roots, direct):
+        """Give every scatter to computed indices and every ``materialize`` that ``roots`` depend
+        on a buffer of its own (a ``scratch`` parameter, one per call). A materialised value is
+        stored into it by the loops of its stage and read after a barrier. For a scatter, the
+        operand is copied into it by the loops of the operand's stage, then (after a barrier) a
+        parallel loop over the updates adds them atomically (``lk.atomic.add``) or stores them,
+        and after another barrier later stages read the buffer. The stages are :meth:`stage`'s.
+        ``direct`` maps a value that is only a new carry to that carry's second buffer, which is
+        then its buffer (nothing else writes it during the step)."""
         found, seen, stack = [], set(), [r for r in roots if isinstance(r, Var)]
         while stack:
             v = stack.pop()
@@ -791,11 +863,19 @@ class Lowering:
                 continue
             seen.add(v)
             if v.eqn is not None:
-                if self.computed_scatter(v.eqn):
+                if v.eqn.prim == "materialize" or self.computed_scatter(v.eqn):
                     found.append(v)
                 stack += [x for x in v.eqn.ins if isinstance(x, Var)]
         for v in sorted(found, key=self.stage):
             e = v.eqn
+            if e.prim == "materialize":
+                name = direct.get(v) or self.add_param(self.fresh("h"), "scratch", (tuple(v.shape), v.dtype))
+                self.scratch[v] = name
+                x = e.ins[0]
+                self.add_item(self.stage(x), tuple(v.shape), Item("store", x, tuple((0, n) for n in v.shape),
+                                                                  target=name, index=lambda ix: [i.expr for i in ix]))
+                self.syncs.add(self.stage(x))
+                continue
             x, ind, upd = e.ins
             dn = e.params["dimension_numbers"]
             if getattr(dn, "operand_batching_dims", ()):
@@ -885,18 +965,19 @@ class Lowering:
         dep = {c for c in p["carries"] if c.shape} | set(outer_dep)
         shapes = {c.shape for c in dep}
         if len(shapes) > 1:
-            self.unsupported(e, "a nested loop whose array carries differ in shape")
+            self.unsupported(e, f"a nested loop whose array carries differ in shape {_UNROLL_HINT}")
         for q in p["body"] + p["cond"]:
             if (q.prim in REDUCTIONS and q.ins[0].shape) or (q.prim == "dot_general" and not q.outs[0].shape) or (
                     q.prim in SCATTERS and self.computed_scatter(q)):
-                self.unsupported(q, "a whole-array reduction or a scatter to computed indices inside a nested loop")
+                self.unsupported(q, "a whole-array reduction or a scatter to computed indices inside a nested loop "
+                                    f"{_UNROLL_HINT}")
             if any(isinstance(a, Var) and a in dep for a in q.ins):
                 if q.prim == "nested_loop":
                     self.check_nested(q, frozenset(a for a in q.ins if isinstance(a, Var) and a in dep))
                 if (q.prim not in ELEMENTWISE and q.prim != "nested_loop") or any(
                         o.shape not in shapes for o in q.outs if o.shape):
                     self.unsupported(q, "inside a nested loop, an operation that reads other elements of an array "
-                                        "carry (only elementwise operations on the carries run per element)")
+                                        f"carry {_UNROLL_HINT}")
                 dep.update(q.outs)
         self.nested_checked.add((e, outer_dep))
 

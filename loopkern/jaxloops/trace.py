@@ -299,22 +299,71 @@ def flatten(closed) -> Program:
     run(jaxpr, env)
     outs = [atom(env, o) for o in jaxpr.outvars]
     prog = Program(invars, eqns, outs, consts)
+    count_uses(prog)
+    return prog
 
-    def count(eqs):     # a nested loop's body counts too (an outer Var it reads counts twice)
-        for e in eqs:
-            for a in e.ins:
+
+def _walk(eqns):
+    """Every equation, those of nested loops' bodies and conditions too."""
+    for e in eqns:
+        yield e
+        if e.prim == "nested_loop":
+            yield from _walk(e.params["body"] + e.params["cond"])
+
+
+def count_uses(prog: Program):
+    """Set every Var's ``uses``: the equations that read it, the program's outputs, and a nested
+    loop's results (an outer Var that a nested loop reads counts twice: as the loop's input and
+    in its body)."""
+    every = list(_walk(prog.eqns))
+    for e in every:
+        for a in list(e.ins) + list(e.outs):
+            if isinstance(a, Var):
+                a.uses = 0
+        if e.prim == "nested_loop":
+            for c in e.params["carries"]:
+                c.uses = 0
+    for a in list(prog.invars) + list(prog.outs):
+        if isinstance(a, Var):
+            a.uses = 0
+    for e in every:
+        for a in e.ins:
+            if isinstance(a, Var):
+                a.uses += 1
+        if e.prim == "nested_loop":
+            for a in e.params["outs"] + [e.params["test"]]:
                 if isinstance(a, Var):
                     a.uses += 1
-            if e.prim == "nested_loop":
-                count(e.params["body"] + e.params["cond"])
-                for a in e.params["outs"] + [e.params["test"]]:
-                    if isinstance(a, Var):
-                        a.uses += 1
-    count(eqns)
-    for o in outs:
+    for o in prog.outs:
         if isinstance(o, Var):
             o.uses += 1
-    return prog
+
+
+def clone_eqns(eqns, env: dict, new_id) -> list:
+    """Copies of ``eqns`` over new Vars (ids from ``new_id()``), reading ``env[v]`` for each Var
+    ``v`` that ``env`` maps; ``env`` gains each old result's copy. Nested loops are copied
+    whole, their carries renamed too."""
+    out = []
+    for e in eqns:
+        ins = [env.get(a, a) if isinstance(a, Var) else a for a in e.ins]
+        params = dict(e.params)
+        if e.prim == "nested_loop":
+            carries = [Var(c.shape, c.dtype, c.weak, new_id()) for c in params["carries"]]
+            sub = dict(env)
+            sub.update(zip(params["carries"], carries))
+            body = clone_eqns(params["body"], sub, new_id)
+            cond = clone_eqns(params["cond"], sub, new_id)
+            params.update(carries=carries, body=body, cond=cond,
+                          outs=[sub.get(o, o) if isinstance(o, Var) else o for o in params["outs"]],
+                          test=sub.get(params["test"], params["test"]) if isinstance(params["test"], Var)
+                          else params["test"])
+        outs = [Var(o.shape, o.dtype, o.weak, new_id()) for o in e.outs]
+        env.update(zip(e.outs, outs))
+        q = Eqn(e.prim, params, ins, outs, e.where)
+        for o in outs:
+            o.eqn = q
+        out.append(q)
+    return out
 
 
 def trace(fn, avals):

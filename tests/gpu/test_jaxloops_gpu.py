@@ -207,3 +207,27 @@ def test_nested_newton_and_while_loops_on_the_gpu(rng):
             z = z * 0.5 + 0.25
         ref = 0.5 * ref + 0.5 * z + 0.5
     assert np.abs(got - ref).max() < 1e-5 * np.abs(ref).max()
+
+
+def test_unrolled_jacobi_sweeps_on_the_gpu(rng):
+    """Backward Euler for 2-D heat with four Jacobi sweeps per step (a nested fori_loop that reads
+    its carry's neighbours: unrolled, a grid barrier between sweeps) on 512², against float64."""
+    from jax import lax
+    side = 512
+    u0 = rng.random((side, side)).astype(np.float32)
+    a = np.float32(0.2)
+
+    def body(i, u):
+        def sweep(j, v):
+            nb = jnp.pad(v, 1)
+            return (u + a * (nb[:-2, 1:-1] + nb[2:, 1:-1] + nb[1:-1, :-2] + nb[1:-1, 2:])) / (1 + 4 * a)
+        return lax.fori_loop(0, 4, sweep, u)
+    got = np.asarray(jax.jit(lambda u: lk.fori_loop(0, 20, body, u, fallback="error"))(jnp.asarray(u0)), np.float64)
+    ref = u0.astype(np.float64)
+    for _ in range(20):
+        v = ref.copy()
+        for _ in range(4):
+            nb = np.pad(v, 1)
+            v = (ref + 0.2 * (nb[:-2, 1:-1] + nb[2:, 1:-1] + nb[1:-1, :-2] + nb[1:-1, 2:])) / 1.8
+        ref = v
+    assert np.abs(got - ref).max() < 1e-5
