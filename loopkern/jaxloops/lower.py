@@ -267,6 +267,8 @@ class Lowering:
         self.inner_vars = set()     # every Var a nested loop's body or condition defines
         self.inner_blocks = []      # the blocks of the nested loop bodies being lowered
         self.nested_checked = set()
+        self.phased = {}            # a nested loop that runs in phases -> its PhasedLoop
+        self.phased_text = {}       # ... -> its statements (generated with the parallel loops)
         self.unroll_nested()
         self._collect_inner(prog.eqns, False)
         self.syncs = set()          # stages whose loops end with a barrier (lk.sync())
@@ -1038,8 +1040,87 @@ class Lowering:
 
     # ---------------------------------------------------------------- rendering
     def render(self, cond_text, cond) -> StepPlan:
-        # generate the loops, stage by stage (new items can appear while generating: not here,
-        # every item was registered by build)
+        self.generate_loops()
+        sequential = not self.loops and (cond is None or not self._varying(cond_text))
+        out = [f"def {self.name}({', '.join(['t'] + [p[0] for p in self.params])}):"]
+        out += self.stage_lines()
+        # finals (single-thread stores at the end): scalar carries, scalar ys, in-place stores
+        finals = []
+        for f in self._finals_in_order():
+            plan, target, val = f[0], f[1], f[2]
+            guard = f[4] if len(f) > 4 else None
+            if plan is not None:     # a scalar carry
+                target = f"{(plan.name if sequential or plan.kind != 'pair' else plan.next_name)}{target}"
+            line = f"{target} = {val}"
+            finals.append(line if guard is None else f"if {guard}:\n    {line}")
+        if finals:
+            if sequential:
+                out += ["    " + ln for f in finals for ln in f.split("\n")]
+            else:
+                out.append("    for q_ in lk.range(1):")
+                out += ["        " + ln for f in finals for ln in f.split("\n")]
+        if cond_text is not None:
+            if self._varying(cond_text):
+                out.append(f"    return lk.max(1 if {cond_text} else 0) > 0")
+            else:
+                out.append(f"    return {cond_text}")
+        if len(out) == 1:
+            out.append("    pass")
+        swap = []
+        if not sequential:
+            swap = [(p.name, p.next_name) for p in self.carries.values() if p.kind == "pair"]
+        else:
+            # one thread: scalar carries are updated in place
+            for k, p in self.carries.items():
+                if p.kind == "pair" and not self.param_shape(k):
+                    p.kind = "inplace"
+            swap = [(p.name, p.next_name) for p in self.carries.values() if p.kind == "pair"]
+            self.params = [q for q in self.params if not (q[1] == "carry_next" and self.carries[q[2]].kind == "inplace")]
+            out[0] = f"def {self.name}({', '.join(['t'] + [p[0] for p in self.params])}):"
+        source = "\n".join(out) + "\n"
+        return StepPlan(source, self.name, self.params, swap, [self.carries[k] for k in sorted(self.carries)],
+                        cond is not None, sequential)
+
+    def stage_lines(self) -> list:
+        """The step's statements stage by stage (indented for the step's body): each stage's
+        scalars, its parallel loops, its reductions, the barrier it ends with if any, and the
+        nested loops that run in phases after it."""
+        out = []
+        stages = sorted(set(self.pre) | {L.stage for L in self.loops} | set(self.post) |
+                        {f[3] for f in self.final} | {p.stage for p in self.phased.values()})
+        synced = False      # the barrier a stage's loops end with goes before the next stage
+        for s in stages:
+            if synced:
+                out.append("    lk.sync()")
+                synced = False
+            if s in self.pre:
+                out += ["    " + ln for ln in self.pre[s].lines]
+            for L in self.loops:
+                if L.stage != s:
+                    continue
+                if len(L.names) == 1:
+                    (lo, hi), = L.box
+                    out.append(f"    for {L.names[0]} in lk.range({lo}, {hi}):" if lo else
+                               f"    for {L.names[0]} in lk.range({hi}):")
+                else:
+                    dims = ", ".join(f"({lo}, {hi})" if lo else f"{hi}" for lo, hi in L.box)
+                    out.append(f"    for {', '.join(L.names)} in lk.grid({dims}):")
+                body = L.body.lines or ["pass"]
+                out += ["        " + ln for ln in body]
+            post = self.post.get(s, [])
+            out += ["    " + ln for ln in post]
+            synced = s in self.syncs and not post      # a grid reduction is a barrier already
+            for e, lines in self.phased_text.items():
+                if self.phased[e].stage == s:
+                    if synced:
+                        out.append("    lk.sync()")
+                        synced = False
+                    out += ["    " + ln for ln in lines]
+        return out
+
+    def generate_loops(self):
+        """Generate every parallel loop's body (every item was registered by build), then the
+        text of the nested loops that run in phases."""
         for L in list(self.loops):
             nd = len(L.space)
             boxes = [it.box for it in L.items]
@@ -1080,68 +1161,8 @@ class Lowering:
                     L.body.lines.append("    " + store)
                 else:
                     L.body.lines.append(store)
-        sequential = not self.loops and (cond is None or not self._varying(cond_text))
-        out = [f"def {self.name}({', '.join(['t'] + [p[0] for p in self.params])}):"]
-        stages = sorted(set(self.pre) | {L.stage for L in self.loops} | set(self.post) |
-                        {f[3] for f in self.final})
-        # finals (single-thread stores at the end): scalar carries, scalar ys, in-place stores
-        synced = False      # the barrier a stage's loops end with goes before the next stage
-        for s in stages:
-            if synced:
-                out.append("    lk.sync()")
-                synced = False
-            if s in self.pre:
-                out += ["    " + ln for ln in self.pre[s].lines]
-            for L in self.loops:
-                if L.stage != s:
-                    continue
-                if len(L.names) == 1:
-                    (lo, hi), = L.box
-                    out.append(f"    for {L.names[0]} in lk.range({lo}, {hi}):" if lo else
-                               f"    for {L.names[0]} in lk.range({hi}):")
-                else:
-                    dims = ", ".join(f"({lo}, {hi})" if lo else f"{hi}" for lo, hi in L.box)
-                    out.append(f"    for {', '.join(L.names)} in lk.grid({dims}):")
-                body = L.body.lines or ["pass"]
-                out += ["        " + ln for ln in body]
-            post = self.post.get(s, [])
-            out += ["    " + ln for ln in post]
-            synced = s in self.syncs and not post      # a grid reduction is a barrier already
-        finals = []
-        for f in self._finals_in_order():
-            plan, target, val = f[0], f[1], f[2]
-            guard = f[4] if len(f) > 4 else None
-            if plan is not None:     # a scalar carry
-                target = f"{(plan.name if sequential or plan.kind != 'pair' else plan.next_name)}{target}"
-            line = f"{target} = {val}"
-            finals.append(line if guard is None else f"if {guard}:\n    {line}")
-        if finals:
-            if sequential:
-                out += ["    " + ln for f in finals for ln in f.split("\n")]
-            else:
-                out.append("    for q_ in lk.range(1):")
-                out += ["        " + ln for f in finals for ln in f.split("\n")]
-        if cond_text is not None:
-            if self._varying(cond_text):
-                out.append(f"    return lk.max(1 if {cond_text} else 0) > 0")
-            else:
-                out.append(f"    return {cond_text}")
-        if len(out) == 1:
-            out.append("    pass")
-        swap = []
-        if not sequential:
-            swap = [(p.name, p.next_name) for p in self.carries.values() if p.kind == "pair"]
-        else:
-            # one thread: scalar carries are updated in place
-            for k, p in self.carries.items():
-                if p.kind == "pair" and not self.param_shape(k):
-                    p.kind = "inplace"
-            swap = [(p.name, p.next_name) for p in self.carries.values() if p.kind == "pair"]
-            self.params = [q for q in self.params if not (q[1] == "carry_next" and self.carries[q[2]].kind == "inplace")]
-            out[0] = f"def {self.name}({', '.join(['t'] + [p[0] for p in self.params])}):"
-        source = "\n".join(out) + "\n"
-        return StepPlan(source, self.name, self.params, swap, [self.carries[k] for k in sorted(self.carries)],
-                        cond is not None, sequential)
+        for e, lines in self.phased_text.items():
+            lines += self.phased[e].text()
 
     def _finals_in_order(self) -> list:
         """The final stores, the scalar carries' last. A carry is read back at the start of the
