@@ -271,7 +271,9 @@ if jax is not None:
               ("nested_while", lambda i, x: lax.fori_loop(0, i % 3 + 1, lambda j, y: y * 0.5 + 1.0, x),
                np.ones(8, f32)),
               ("unrolled", lambda i, x: lax.fori_loop(0, 3, lambda j, y: jnp.roll(y, 1) * 0.5 + x, x),
-               np.ones(8, f32))]
+               np.ones(8, f32)),
+              ("phased", lambda i, x: lax.while_loop(lambda c: c[1] > 1e-3, lambda c: (
+                  jnp.roll(c[0], 1) * 0.5, jnp.max(c[0]) * 0.5), (x, jnp.float32(1.0)))[0], np.ones(8, f32))]
     for label, body, c in BODIES:
         traced = JL._trace_body(lambda i, x, body=body: [body(i, x)], [JL._aval(c)],
                                 lead=(jax.ShapeDtypeStruct((), np.int32),))

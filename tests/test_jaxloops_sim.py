@@ -110,3 +110,49 @@ def test_unrolled_jacobi_sweeps_of_an_implicit_step(backend):
             v = (u + a * (nb[:-2] + nb[2:])) / (1 + 2 * a)
         u = v
     np.testing.assert_allclose(got, u, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_phased_jacobi_to_a_tolerance(backend):
+    """Jacobi sweeps of an implicit step until they change nothing above a tolerance (a nested
+    while_loop that reads its carry's neighbours, run in phases: a sweep, a barrier, the copy
+    back, a barrier, the condition's reduction)."""
+    u0 = np.cos(np.linspace(0.0, 4.0, 50)).astype(np.float32)
+    a = 0.4
+
+    def body(i, u):
+        def sweep(c):
+            v, err = c
+            nb = jnp.pad(v, 1)
+            w = (u + a * (nb[:-2] + nb[2:])) / (1 + 2 * a)
+            return w, jnp.max(jnp.abs(w - v))
+        return lax.while_loop(lambda c: c[1] > 1e-6, sweep, (u, jnp.float32(1.0)))[0]
+    got, plan = run_lowered(body, u0, 3, backend)
+    assert "while go" in plan.source
+    u = u0.astype(np.float64)
+    for _ in range(3):
+        v, err = u.copy(), 1.0
+        while err > 1e-6:
+            nb = np.pad(v, 1)
+            w = (u + a * (nb[:-2] + nb[2:])) / (1 + 2 * a)
+            err, v = np.abs(w - v).max(), w
+        u = v
+    np.testing.assert_allclose(got, u, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_phased_shifts_with_a_count_from_the_step(backend):
+    """A nested fori_loop whose count is the outer step's index plus one (a while loop in
+    phases) shifting an integer array by one place per iteration: any read of the carry before
+    every thread has copied the last iteration back shows as a wrong element."""
+    a0 = np.arange(64, dtype=np.int32) * 3 % 17
+
+    def body(i, a):
+        return lax.fori_loop(0, i + 1, lambda j, v: jnp.roll(v, 1) + j, a)
+    got, plan = run_lowered(body, a0, 5, backend)
+    assert "while go" in plan.source
+    ref = a0.astype(np.int64)
+    for i in range(5):
+        for j in range(i + 1):
+            ref = np.roll(ref, 1) + j
+    np.testing.assert_array_equal(got, ref)

@@ -267,7 +267,8 @@ class Lowering:
         self.inner_vars = set()     # every Var a nested loop's body or condition defines
         self.inner_blocks = []      # the blocks of the nested loop bodies being lowered
         self.nested_checked = set()
-        self.phased = {}            # a nested loop that runs in phases -> its PhasedLoop
+        self.phased_marked = set()  # the nested loops that run in phases
+        self.phased = {}            # ... -> its PhasedLoop
         self.phased_text = {}       # ... -> its statements (generated with the parallel loops)
         self.unroll_nested()
         self._collect_inner(prog.eqns, False)
@@ -293,7 +294,7 @@ class Lowering:
         at most :data:`UNROLL_MAX` iterations: its body once per iteration, each iteration's new
         array carries materialised in buffers of their own (``materialize``: stored in one
         stage, read after a barrier), so that iteration k + 1 reads what iteration k wrote.
-        Other nested loops stay; the lowering runs them per element or says why it cannot."""
+        Any other nested loop that cannot run per element runs in phases (:class:`PhasedLoop`)."""
         ids = [-1]
 
         def new_id():
@@ -303,16 +304,18 @@ class Lowering:
         while changed:
             changed = False
             for pos, e in enumerate(self.prog.eqns):
-                if e.prim != "nested_loop" or e.params["kind"] != "scan" or e.params["length"] > UNROLL_MAX:
+                if e.prim != "nested_loop" or e in self.phased_marked:
                     continue
                 try:
                     self.check_nested(e)
                     continue
                 except Unsupported:
                     pass
-                self.prog.eqns[pos:pos + 1] = self._unrolled(e, new_id)
-                changed = True
-                break
+                if e.params["kind"] == "scan" and e.params["length"] <= UNROLL_MAX:
+                    self.prog.eqns[pos:pos + 1] = self._unrolled(e, new_id)
+                    changed = True
+                    break
+                self.phased_marked.add(e)
         count_uses(self.prog)
 
     def _unrolled(self, e: Eqn, new_id) -> list:
@@ -372,8 +375,8 @@ class Lowering:
             return self.stage_memo[a]
         e = a.eqn
         s = max([self.stage(x) for x in e.ins] or [0])
-        if e.prim == "materialize":     # stored in its operand's stage, read after a barrier
-            s += 1
+        if e.prim == "materialize" or e in self.phased_marked:
+            s += 1      # stored in the stage of its operands (or inputs), read after a barrier
         elif self.computed_scatter(e):
             # the operand is copied into the buffer in its own stage, the updates go in after a
             # barrier, and the result is read after another
@@ -412,6 +415,8 @@ class Lowering:
     def bind(self, text, dtype, ctx, B) -> str:
         name = self.fresh()
         B.lines.append(f"{name} = {text}" if ctx is None else f"{name} = {text} if {ctx} else {zero(dtype)}")
+        if self._varying(text) or (ctx is not None and self._varying(ctx)):
+            self.load_vars.add(name)
         return name
 
     def S(self, a, B: Block | None = None) -> str:
@@ -470,6 +475,7 @@ class Lowering:
         if ctx is None:
             name = self.fresh("l")
             B.lines.append(f"{name} = {text}")
+            self.load_vars.add(name)        # a load is not the same on every thread, to the validator
             text = name
         B.memo[key] = text
         return text
@@ -607,6 +613,11 @@ class Lowering:
             starts[d] = ("ind", ind, pos)
         return starts, upd, "drop"
 
+    def owns(self, v) -> bool:
+        """Whether this lowering computes ``v`` (a nested loop's body reads the enclosing
+        program's values from the enclosing lowering)."""
+        return True
+
     def reachable_reductions(self, roots):
         seen, order, stack = set(), [], [r for r in roots if isinstance(r, Var)]
         while stack:
@@ -614,7 +625,7 @@ class Lowering:
             if v in seen:
                 continue
             seen.add(v)
-            if v.eqn is not None:
+            if v.eqn is not None and self.owns(v):
                 e = v.eqn
                 if not v.shape and e.ins and isinstance(e.ins[0], Var) and e.ins[0].shape and (
                         e.prim in REDUCTIONS or e.prim == "dot_general"):
@@ -864,12 +875,17 @@ class Lowering:
             if v in seen:
                 continue
             seen.add(v)
-            if v.eqn is not None:
-                if v.eqn.prim == "materialize" or self.computed_scatter(v.eqn):
+            if v.eqn is not None and self.owns(v):
+                if v.eqn.prim == "materialize" or self.computed_scatter(v.eqn) or v.eqn in self.phased_marked:
                     found.append(v)
                 stack += [x for x in v.eqn.ins if isinstance(x, Var)]
         for v in sorted(found, key=self.stage):
             e = v.eqn
+            if e in self.phased_marked:
+                if e not in self.phased:
+                    self.phased[e] = PhasedLoop(self, e)
+                    self.phased_text[e] = []
+                continue
             if e.prim == "materialize":
                 name = direct.get(v) or self.add_param(self.fresh("h"), "scratch", (tuple(v.shape), v.dtype))
                 self.scratch[v] = name
@@ -949,6 +965,8 @@ class Lowering:
         if not _trivial(text):
             name = self.fresh("s")
             B.lines.append(f"{name} = {text}")
+            if self._varying(text):
+                self.load_vars.add(name)
             text = name
         B.memo[key] = text
         return text
@@ -1081,6 +1099,14 @@ class Lowering:
         return StepPlan(source, self.name, self.params, swap, [self.carries[k] for k in sorted(self.carries)],
                         cond is not None, sequential)
 
+    def ends_with_barrier(self) -> bool:
+        """Whether the statements of :meth:`stage_lines` end with a grid reduction (a barrier)
+        after the last parallel loop."""
+        stages = ({s for s, b in self.pre.items() if b.lines} | {L.stage for L in self.loops} | set(self.post)
+                  | {p.stage for p in self.phased.values()})
+        last = max(stages, default=None)
+        return last is not None and bool(self.post.get(last)) and last not in {p.stage for p in self.phased.values()}
+
     def stage_lines(self) -> list:
         """The step's statements stage by stage (indented for the step's body): each stage's
         scalars, its parallel loops, its reductions, the barrier it ends with if any, and the
@@ -1207,6 +1233,221 @@ class Lowering:
 
     def mul_text(self, x, y, dt):
         return _arith("*", x, y, dt)
+
+
+class PhaseLowering(Lowering):
+    """The body (or the condition) of a nested loop that runs in phases, lowered as a part of
+    the enclosing step: array carries are read from their buffer A (their new values written to
+    B), scalar carries are local names (``local`` plans), and every value of the enclosing
+    program comes from the enclosing lowering (computed before the loop)."""
+
+    def __init__(self, outer: Lowering, eqns, outs, carries, plans: dict, varying=()):
+        self.outer = outer
+        self.prog = Program(list(carries), list(eqns), list(outs), [])
+        self.roles, self.out_roles = [("carry", k) for k in range(len(carries))], []
+        self.input_role = {c: ("carry", k) for k, c in enumerate(carries)}
+        self.const_names = outer.const_names
+        self.scalar_names, self.stage_memo = {}, {}
+        self.pre, self.loops, self.post = {}, [], {}
+        self.params = outer.params
+        self.carries = plans
+        self.load_vars = set(varying)
+        self.final, self.uses_t = [], False
+        self.scratch, self.syncs = {}, set()
+        self.sub_env, self.inner_vars, self.inner_blocks = {}, set(), []
+        self.nested_checked, self.phased_marked, self.phased, self.phased_text = set(), set(), {}, {}
+        self.unroll_nested()
+        self.own = set(carries)
+        for e in _all(self.prog.eqns):
+            self.own.update(e.outs)
+            if e.prim == "nested_loop":
+                self.own.update(e.params["carries"])
+        self._collect_inner(self.prog.eqns, False)
+        self.check_dtypes()
+
+    def fresh(self, prefix="a") -> str:
+        return self.outer.fresh(prefix)
+
+    def add_param(self, name, role, payload=None):
+        return self.outer.add_param(name, role, payload)
+
+    def owns(self, v) -> bool:
+        return v in self.own
+
+    def stage(self, a) -> int:
+        return super().stage(a) if isinstance(a, Var) and a in self.own else 0
+
+    def E(self, a, idx: tuple, ctx, B: Block) -> str:
+        if isinstance(a, Var) and a not in self.own and a not in self.sub_env:
+            return self.outer.E(a, idx, ctx, B)
+        return super().E(a, idx, ctx, B)
+
+    def S(self, a, B: Block | None = None) -> str:
+        if isinstance(a, Var) and a not in self.own and a not in self.sub_env:
+            return self.outer.S(a)
+        return super().S(a, B)
+
+    def scalar_input(self, a) -> str:
+        return self.carries[self.input_role[a][1]].name         # a local name
+
+    def build_phase(self) -> dict:
+        """Register the work of one iteration: the new array carries stored into their B
+        buffers, the new scalar carries computed; returns the latter's texts by carry."""
+        outs, carries = self.prog.outs, self.prog.invars
+        self.materialize(outs, {})
+        for v in self.reachable_reductions(outs):
+            self.S(v)
+        new = {}
+        for k, plan in self.carries.items():
+            vout, vin = outs[k], carries[k]
+            if plan.kind == "local":
+                new[k] = self.S(vout) if isinstance(vout, Var) else literal(vout.value, vin.dtype)
+            elif vout is vin:
+                plan.kind = "same"
+            else:
+                windows = self.identity_windows(vout, vin)
+                boxes = windows if windows is not None else [tuple((0, n) for n in vin.shape)]
+                for box in boxes:
+                    self.add_item(self.stage(vout), vin.shape, Item("store", vout, box, target=plan.next_name,
+                                                                   index=lambda ix: [i.expr for i in ix]))
+        return new
+
+    def condition(self) -> tuple:
+        """(statements, text) of the loop's condition, the same on every thread."""
+        test = self.prog.outs[0]
+        for v in self.reachable_reductions([test]):
+            self.S(v)
+        text = self.S(test) if isinstance(test, Var) else literal(test.value, BOOL)
+        self.generate_loops()
+        lines = [ln[4:] for ln in self.stage_lines()]
+        if self._varying(text):
+            text = f"lk.max(1 if {text} else 0) > 0"
+        return lines, text
+
+
+def _all(eqns):
+    for e in eqns:
+        yield e
+        if e.prim == "nested_loop":
+            yield from _all(e.params["body"] + e.params["cond"])
+
+
+class PhasedLoop:
+    """A nested loop that reads other elements of its array carries with a count known only at
+    run time (or above :data:`UNROLL_MAX`): a sequential ``for``/``while`` loop at the top of
+    the step whose every iteration runs the body's stages as parallel phases.
+
+    Each array carry has two buffers (``scratch``): A holds the carry, B takes the new value;
+    both start as the initial value (copied in the stage of the loop's inputs, then a barrier),
+    and after each iteration's phases a barrier, B copied into A, a barrier. Scalar carries are
+    local names that every thread computes alike. The loop's results are A and the local names,
+    read from the next stage on. A while loop's condition is evaluated before the loop and after
+    each iteration, made the same on every thread (a grid reduction) when it reads arrays."""
+
+    def __init__(self, outer: Lowering, e: Eqn):
+        self.outer, self.e = outer, e
+        p = e.params
+        self.stage = max([outer.stage(a) for a in e.ins] or [0])
+        self.plans = {}
+        inits = e.ins[:p["n_inits"]]
+        for k, (c, out, init) in enumerate(zip(p["carries"], e.outs, inits)):
+            if c.shape:
+                a = outer.add_param(outer.fresh("h"), "scratch", (tuple(c.shape), c.dtype))
+                b = outer.add_param(outer.fresh("h"), "scratch", (tuple(c.shape), c.dtype))
+                self.plans[k] = CarryPlan("pair", a, b)
+                outer.scratch[out] = a
+                for target in (a, b):
+                    outer.add_item(self.stage, tuple(c.shape), Item("store", init, tuple((0, n) for n in c.shape),
+                                                                     target=target, index=lambda ix: [i.expr for i in ix]))
+                outer.syncs.add(self.stage)
+            else:
+                self.plans[k] = CarryPlan("local", outer.fresh("y"))
+                outer.scalar_names[out] = self.plans[k].name
+        self.varying = self._varying_locals()
+        outer.load_vars.update(self.varying)
+
+    def _varying_locals(self) -> set:
+        """The scalar carries that may differ between threads: an initial value that does, or a
+        new value computed from one that does or from an array's element (a grid reduction's
+        result is the same everywhere)."""
+        p = self.e.params
+        inits = self.e.ins[:p["n_inits"]]
+        local = {c: self.plans[k].name for k, c in enumerate(p["carries"]) if self.plans[k].kind == "local"}
+        varying = set()
+        for k, (c, init) in enumerate(zip(p["carries"], inits)):
+            if c in local and isinstance(init, Var) and self.outer._varying(self.outer.S(init)):
+                varying.add(local[c])
+
+        def varies(a, memo):
+            if not isinstance(a, Var):
+                return False
+            if a in local:
+                return local[a] in varying
+            if a not in self._own:      # the enclosing program's: an array's element, or its scalar
+                return bool(a.shape) or self.outer._varying(self.outer.S(a))
+            if a in memo:
+                return memo[a]
+            e = a.eqn
+            if (e.prim in REDUCTIONS and e.ins[0].shape) or (e.prim == "dot_general" and not a.shape):
+                r = False
+            else:
+                r = any(isinstance(x, Var) and x.shape for x in e.ins) or any(varies(x, memo) for x in e.ins)
+            memo[a] = r
+            return r
+        self._own = set(p["carries"])
+        for q in _all(p["body"] + p["cond"]):
+            self._own.update(q.outs)
+        while True:
+            grown = False
+            for k, (c, o) in enumerate(zip(p["carries"], p["outs"])):
+                if c in local and local[c] not in varying and varies(o, {}):
+                    varying.add(local[c])
+                    grown = True
+            if not grown:
+                return varying
+
+    def text(self) -> list:
+        """The loop's statements, at the step's top level (without its indentation)."""
+        outer, p = self.outer, self.e.params
+        lines = []
+        inits = self.e.ins[:p["n_inits"]]
+        for k, init in enumerate(inits):
+            if self.plans[k].kind == "local":
+                value = outer.S(init) if isinstance(init, Var) else literal(init.value, init.dtype)
+                lines.append(f"{self.plans[k].name} = {value}")
+        body = PhaseLowering(outer, p["body"], p["outs"], p["carries"], self.plans, self.varying)
+        new = body.build_phase()
+        body.generate_loops()
+        inner = [ln[4:] for ln in body.stage_lines()]
+        pairs = [pl for pl in self.plans.values() if pl.kind == "pair"]
+        if (pairs or body.loops) and not body.ends_with_barrier():
+            inner.append("lk.sync()")   # the next iteration's phases write what this one's read
+        if pairs:
+            for pl, c in zip(self.plans.values(), p["carries"]):
+                if pl.kind != "pair":
+                    continue
+                q = [outer.fresh("q") for _ in c.shape]
+                space = f"lk.range({c.shape[0]})" if len(c.shape) == 1 else f"lk.grid({', '.join(map(str, c.shape))})"
+                inner += [f"for {', '.join(q)} in {space}:", f"    {pl.name}[{', '.join(q)}] = {pl.next_name}[{', '.join(q)}]"]
+            inner.append("lk.sync()")
+        temps = []
+        for k, text in new.items():
+            tmp = outer.fresh("v")
+            inner.append(f"{tmp} = {text}")
+            temps.append((self.plans[k].name, tmp))
+        inner += [f"{name} = {tmp}" for name, tmp in temps]
+        if p["kind"] == "scan":
+            header = [f"for {outer.fresh('j')} in range({int(p['length'])}):"]
+        else:
+            go = outer.fresh("go")
+            first, test = PhaseLowering(outer, p["cond"], [p["test"]], p["carries"], self.plans,
+                                        self.varying).condition()
+            lines += first + [f"{go} = {test}"]
+            again, test = PhaseLowering(outer, p["cond"], [p["test"]], p["carries"], self.plans,
+                                        self.varying).condition()
+            inner += again + [f"{go} = {test}"]
+            header = [f"while {go}:"]
+        return lines + header + ["    " + ln for ln in (inner or ["pass"])]
 
 
 def _trivial(text: str) -> bool:

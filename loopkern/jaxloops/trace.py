@@ -312,31 +312,31 @@ def _walk(eqns):
 
 
 def count_uses(prog: Program):
-    """Set every Var's ``uses``: the equations that read it, the program's outputs, and a nested
-    loop's results (an outer Var that a nested loop reads counts twice: as the loop's input and
-    in its body)."""
+    """Set the ``uses`` of every Var the program defines (its inputs, constants, equations'
+    results, nested loops' carries): the equations that read it, the program's outputs, and a
+    nested loop's results (an outer Var that a nested loop reads counts twice: as the loop's
+    input and in its body). Vars it reads but does not define (an enclosing program's, for the
+    body of a nested loop) keep their counts."""
     every = list(_walk(prog.eqns))
+    defined = set(prog.invars) | {v for v, _ in prog.consts}
     for e in every:
-        for a in list(e.ins) + list(e.outs):
-            if isinstance(a, Var):
-                a.uses = 0
+        defined.update(e.outs)
         if e.prim == "nested_loop":
-            for c in e.params["carries"]:
-                c.uses = 0
-    for a in list(prog.invars) + list(prog.outs):
-        if isinstance(a, Var):
-            a.uses = 0
+            defined.update(e.params["carries"])
+    for v in defined:
+        v.uses = 0
+
+    def use(a):
+        if isinstance(a, Var) and a in defined:
+            a.uses += 1
     for e in every:
         for a in e.ins:
-            if isinstance(a, Var):
-                a.uses += 1
+            use(a)
         if e.prim == "nested_loop":
             for a in e.params["outs"] + [e.params["test"]]:
-                if isinstance(a, Var):
-                    a.uses += 1
+                use(a)
     for o in prog.outs:
-        if isinstance(o, Var):
-            o.uses += 1
+        use(o)
 
 
 def clone_eqns(eqns, env: dict, new_id) -> list:

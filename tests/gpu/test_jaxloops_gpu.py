@@ -231,3 +231,38 @@ def test_unrolled_jacobi_sweeps_on_the_gpu(rng):
             v = (ref + 0.2 * (nb[:-2, 1:-1] + nb[2:, 1:-1] + nb[1:-1, :-2] + nb[1:-1, 2:])) / 1.8
         ref = v
     assert np.abs(got - ref).max() < 1e-5
+
+
+def test_phased_cg_solve_per_step_on_the_gpu(rng):
+    """Backward Euler for 1-D heat on 64K cells, each step solved by conjugate gradients to a
+    tolerance (a nested while_loop with reductions, run in phases with grid barriers), against
+    the float64 solution of the same linear systems."""
+    from jax import lax
+    n = 1 << 16
+    u0 = rng.random(n).astype(np.float32)
+    a = np.float32(0.3)
+
+    def apply(v):
+        nb = jnp.pad(v, 1)
+        return (1 + 2 * a) * v - a * (nb[:-2] + nb[2:])
+
+    def step(i, u):
+        def cg(c):
+            x, r, p, rs, k = c
+            ap = apply(p)
+            alpha = rs / jnp.dot(p, ap)
+            x = x + alpha * p
+            r = r - alpha * ap
+            rs_new = jnp.dot(r, r)
+            return x, r, r + (rs_new / rs) * p, rs_new, k + 1
+        r0 = u - apply(u)
+        return lax.while_loop(lambda c: (c[3] > np.float32(1e-8)) & (c[4] < 200), cg,
+                              (u, r0, r0, jnp.dot(r0, r0), jnp.int32(0)))[0]
+    got = np.asarray(jax.jit(lambda u: lk.fori_loop(0, 5, step, u, fallback="error"))(jnp.asarray(u0)), np.float64)
+    from scipy.linalg import solve_banded        # scipy comes with jax
+    ab = np.zeros((3, n))
+    ab[0, 1:], ab[1, :], ab[2, :-1] = -0.3, 1.6, -0.3
+    ref = u0.astype(np.float64)
+    for _ in range(5):
+        ref = solve_banded((1, 1), ab, ref)
+    assert np.abs(got - ref).max() < 1e-4
