@@ -1337,9 +1337,10 @@ class PhasedLoop:
     run time (or above :data:`UNROLL_MAX`): a sequential ``for``/``while`` loop at the top of
     the step whose every iteration runs the body's stages as parallel phases.
 
-    Each array carry has two buffers (``scratch``): A holds the carry, B takes the new value;
-    both start as the initial value (copied in the stage of the loop's inputs, then a barrier),
-    and after each iteration's phases a barrier, B copied into A, a barrier. Scalar carries are
+    Each array carry has two buffers (``scratch``), A and B, both starting as the initial value
+    (copied in the stage of the loop's inputs, then a barrier); iterations alternate between
+    reading A and writing B and the reverse, each ending with a barrier, and after an odd
+    number B is copied into A. Scalar carries are
     local names that every thread computes alike. The loop's results are A and the local names,
     read from the next stage on. A while loop's condition is evaluated before the loop and after
     each iteration, made the same on every thread (a grid reduction) when it reads arrays."""
@@ -1406,48 +1407,72 @@ class PhasedLoop:
             if not grown:
                 return varying
 
-    def text(self) -> list:
-        """The loop's statements, at the step's top level (without its indentation)."""
+    def _plans(self, flipped: bool) -> dict:
+        """Carry plans for an iteration that reads A and writes B (or, flipped, the reverse)."""
+        return {k: CarryPlan("pair", pl.next_name, pl.name) if pl.kind == "pair" and flipped else
+                CarryPlan(pl.kind, pl.name, pl.next_name) for k, pl in self.plans.items()}
+
+    def _iteration(self, flipped: bool) -> list:
+        """The statements of one iteration: the body's phases, a barrier unless they end with
+        one, the scalar carries' new values."""
         outer, p = self.outer, self.e.params
-        lines = []
-        inits = self.e.ins[:p["n_inits"]]
-        for k, init in enumerate(inits):
-            if self.plans[k].kind == "local":
-                value = outer.S(init) if isinstance(init, Var) else literal(init.value, init.dtype)
-                lines.append(f"{self.plans[k].name} = {value}")
-        body = PhaseLowering(outer, p["body"], p["outs"], p["carries"], self.plans, self.varying)
+        body = PhaseLowering(outer, p["body"], p["outs"], p["carries"], self._plans(flipped), self.varying)
         new = body.build_phase()
         body.generate_loops()
-        inner = [ln[4:] for ln in body.stage_lines()]
-        pairs = [pl for pl in self.plans.values() if pl.kind == "pair"]
-        if (pairs or body.loops) and not body.ends_with_barrier():
-            inner.append("lk.sync()")   # the next iteration's phases write what this one's read
-        if pairs:
-            for pl, c in zip(self.plans.values(), p["carries"]):
-                if pl.kind != "pair":
-                    continue
-                q = [outer.fresh("q") for _ in c.shape]
-                space = f"lk.range({c.shape[0]})" if len(c.shape) == 1 else f"lk.grid({', '.join(map(str, c.shape))})"
-                inner += [f"for {', '.join(q)} in {space}:", f"    {pl.name}[{', '.join(q)}] = {pl.next_name}[{', '.join(q)}]"]
-            inner.append("lk.sync()")
+        lines = [ln[4:] for ln in body.stage_lines()]
+        if body.loops and not body.ends_with_barrier():
+            lines.append("lk.sync()")   # what it wrote is read by the next iteration or the condition
         temps = []
         for k, text in new.items():
             tmp = outer.fresh("v")
-            inner.append(f"{tmp} = {text}")
+            lines.append(f"{tmp} = {text}")
             temps.append((self.plans[k].name, tmp))
-        inner += [f"{name} = {tmp}" for name, tmp in temps]
+        return lines + [f"{name} = {tmp}" for name, tmp in temps]
+
+    def _condition(self, go: str, flipped: bool) -> list:
+        p = self.e.params
+        lines, test = PhaseLowering(self.outer, p["cond"], [p["test"]], p["carries"], self._plans(flipped),
+                                    self.varying).condition()
+        return lines + [f"{go} = {test}"]
+
+    def _copy_back(self) -> list:
+        """B copied into A, then a barrier (after an odd number of iterations)."""
+        lines = []
+        for pl, c in zip(self.plans.values(), self.e.params["carries"]):
+            if pl.kind == "pair":
+                q = [self.outer.fresh("q") for _ in c.shape]
+                space = f"lk.range({c.shape[0]})" if len(c.shape) == 1 else f"lk.grid({', '.join(map(str, c.shape))})"
+                lines += [f"for {', '.join(q)} in {space}:", f"    {pl.name}[{', '.join(q)}] = {pl.next_name}[{', '.join(q)}]"]
+        return lines + ["lk.sync()"] if lines else []
+
+    def text(self) -> list:
+        """The loop's statements, at the step's top level (without its indentation). Iterations
+        alternate between reading A and writing B and the reverse (two copies of the body), so
+        no iteration copies; after an odd number, B is copied into A once."""
+        outer, p = self.outer, self.e.params
+        lines = []
+        for k, init in enumerate(self.e.ins[:p["n_inits"]]):
+            if self.plans[k].kind == "local":
+                value = outer.S(init) if isinstance(init, Var) else literal(init.value, init.dtype)
+                lines.append(f"{self.plans[k].name} = {value}")
+        ahead, back = self._iteration(False), self._iteration(True)
+
+        def indent(block):
+            return ["    " + ln for ln in (block or ["pass"])]
         if p["kind"] == "scan":
-            header = [f"for {outer.fresh('j')} in range({int(p['length'])}):"]
-        else:
-            go = outer.fresh("go")
-            first, test = PhaseLowering(outer, p["cond"], [p["test"]], p["carries"], self.plans,
-                                        self.varying).condition()
-            lines += first + [f"{go} = {test}"]
-            again, test = PhaseLowering(outer, p["cond"], [p["test"]], p["carries"], self.plans,
-                                        self.varying).condition()
-            inner += again + [f"{go} = {test}"]
-            header = [f"while {go}:"]
-        return lines + header + ["    " + ln for ln in (inner or ["pass"])]
+            n = int(p["length"])
+            j = outer.fresh("j")
+            loop = [f"for {j} in range({n // 2}):"] + indent(ahead + back)
+            if n % 2:
+                loop += ahead + self._copy_back()
+            return lines + loop
+        go, odd = outer.fresh("go"), outer.fresh("odd")
+        lines += self._condition(go, False) + [f"{odd} = False"]
+        second = back + self._condition(go, False) + [f"{odd} = False"]
+        loop = [f"while {go}:"] + indent(ahead + self._condition(go, True) + [f"{odd} = True", f"if {go}:"]
+                                         + indent(second))
+        copy = self._copy_back()
+        return lines + loop + ([f"if {odd}:"] + indent(copy) if copy else [])
 
 
 def _trivial(text: str) -> bool:
