@@ -110,7 +110,49 @@ got = lk.while_loop(lambda c: c[1] > 1e-10, bellman, init, fallback="error")
 ref = lax.while_loop(lambda c: c[1] > 1e-10, bellman, init)
 check("value iteration (while_loop, matvec)", got, ref, rtol=1e-12, atol=1e-12)
 
-# 5. outside the subset (a sort): the lax loop runs, with one warning naming the line
+# 5. backward Euler for 1-D heat, each step solved by conjugate gradients to a tolerance: a
+#    while_loop inside the fori_loop body, run in phases inside the one kernel
+A_IMPL = np.float32(0.3)
+
+
+def apply(v):                                      # (I - a * Laplacian), zero ends
+    nb = jnp.pad(v, 1)
+    return (1 + 2 * A_IMPL) * v - A_IMPL * (nb[:-2] + nb[2:])
+
+
+def implicit_step(i, u):
+    def cg(c):
+        x, r, p, rs, k = c
+        ap = apply(p)
+        alpha = rs / jnp.dot(p, ap)
+        x, r = x + alpha * p, r - alpha * ap
+        rs_new = jnp.dot(r, r)
+        return x, r, r + (rs_new / rs) * p, rs_new, k + 1
+    r0 = u - apply(u)
+    return lax.while_loop(lambda c: (c[3] > 1e-10) & (c[4] < 100), cg, (u, r0, r0, jnp.dot(r0, r0), 0))[0]
+
+
+h0 = jnp.asarray(rng.random(2048).astype(np.float32))
+got = jax.jit(lambda u: lk.fori_loop(0, 20, implicit_step, u, fallback="error"))(h0)
+ref = jax.jit(lambda u: lax.fori_loop(0, 20, implicit_step, u))(h0)
+check("implicit heat, CG per step (a while_loop inside the body)", got, ref, rtol=1e-4, atol=1e-5)
+
+# 6. a sparse matrix in COO form: jax.ops.segment_sum (atomic adds into a buffer, a barrier)
+NNZ = 8192
+rows = jnp.asarray(rng.integers(0, 2048, NNZ).astype(np.int32))
+cols = jnp.asarray(rng.integers(0, 2048, NNZ).astype(np.int32))
+vals = jnp.asarray(rng.uniform(-0.1, 0.1, NNZ).astype(np.float32))
+
+
+def sparse_step(i, x):
+    return 0.5 * x + jax.ops.segment_sum(vals * x[cols], rows, num_segments=2048)
+
+
+got = jax.jit(lambda x: lk.fori_loop(0, 50, sparse_step, x, fallback="error"))(h0)
+ref = jax.jit(lambda x: lax.fori_loop(0, 50, sparse_step, x))(h0)
+check("COO matrix-vector iteration (segment_sum)", got, ref, rtol=1e-4, atol=1e-6)
+
+# 7. outside the subset (a sort): the lax loop runs, with one warning naming the line
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
     got = lk.fori_loop(0, 3, lambda i, x: jnp.sort(x) * 0.5, u0)

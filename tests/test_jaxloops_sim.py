@@ -156,3 +156,20 @@ def test_phased_shifts_with_a_count_from_the_step(backend):
         for j in range(i + 1):
             ref = np.roll(ref, 1) + j
     np.testing.assert_array_equal(got, ref)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_phased_shifts_an_odd_static_number_of_times(backend):
+    """17 shifts per step (above the unrolling limit, an odd count: the last iteration's buffer
+    is copied back once)."""
+    a0 = np.arange(48, dtype=np.int32) * 5 % 23
+
+    def body(i, a):
+        return lax.fori_loop(0, 17, lambda j, v: jnp.roll(v, -1) * 2 % 1000 + j, a)
+    got, plan = run_lowered(body, a0, 3, backend)
+    assert "in range(8)" in plan.source
+    ref = a0.astype(np.int64)
+    for _ in range(3):
+        for j in range(17):
+            ref = np.roll(ref, -1) * 2 % 1000 + j
+    np.testing.assert_array_equal(got, ref)
