@@ -1,6 +1,9 @@
 """Drop-in JAX loops (issue 14): ``lk.fori_loop`` of the jnp heat body and ``lk.while_loop`` of a jnp
 Jacobi body, against the hand-written ``@megakernel`` step and against ``jax.lax``, at 4K and 64K
-elements; QuantEcon's quadratic map with ``lk.scan`` for 10M steps; and what tracing plus
+elements; QuantEcon's quadratic map with ``lk.scan`` for 10M steps; two bodies with what
+session 20 added, against ``jax.lax.fori_loop``: backward Euler for 1-D heat solved by CG to a
+tolerance in every step (a nested ``while_loop``, run in phases) and a COO matrix iteration with
+``jax.ops.segment_sum`` (atomic adds), at 4K and 64K; and what tracing plus
 compiling a new body costs, cold (empty cache, new process; the FFI shim's one-time build
 apart), from the disk cache (new process), from the in-process cache (a new closure of the same
 body), and for a second body in a process that has compiled one."""
@@ -131,8 +134,94 @@ def bench_jaxloops(b: Bench):
         if r["workload"] == "jaxloops_quadratic_map" and "us_per_step" in r:
             r["seconds_for_all_steps"] = r["us_per_step"] * total / 1e6
 
+    # -- bodies with a nested loop and a scatter (session 20): implicit heat with CG per step,
+    #    and a COO matrix iteration with segment_sum; lk.fori_loop against lax.fori_loop
+    bench_jaxloops_nested_and_scatter(b, rng)
+
     # -- trace + compile time of a new body
     bench_jaxloops_compile(b)
+
+
+IMPLICIT_A = np.float32(0.3)
+
+
+def implicit_cg_step(i, u):
+    """Backward Euler for 1-D heat (zero ends), each step solved by CG to a tolerance."""
+    import jax.numpy as jnp
+    from jax import lax
+
+    def apply(v):
+        nb = jnp.pad(v, 1)
+        return (1 + 2 * IMPLICIT_A) * v - IMPLICIT_A * (nb[:-2] + nb[2:])
+
+    def cg(c):
+        x, r, p, rs, k = c
+        ap = apply(p)
+        alpha = rs / jnp.dot(p, ap)
+        x, r = x + alpha * p, r - alpha * ap
+        rs_new = jnp.dot(r, r)
+        return x, r, r + (rs_new / rs) * p, rs_new, k + 1
+    r0 = u - apply(u)
+    return lax.while_loop(lambda c: (c[3] > np.float32(1e-8)) & (c[4] < 200), cg,
+                          (u, r0, r0, jnp.dot(r0, r0), jnp.int32(0)))[0]
+
+
+def implicit_ref(u0, steps):
+    from scipy.linalg import solve_banded
+    n = u0.shape[0]
+    ab = np.zeros((3, n))
+    ab[0, 1:], ab[1, :], ab[2, :-1] = -float(IMPLICIT_A), 1 + 2 * float(IMPLICIT_A), -float(IMPLICIT_A)
+    u = u0.astype(np.float64)
+    for _ in range(steps):
+        u = solve_banded((1, 1), ab, u)
+    return u
+
+
+def bench_jaxloops_nested_and_scatter(b: Bench, rng):
+    import jax
+    import jax.numpy as jnp
+    import loopkern as lk
+    quick = b.args.quick
+    for n in [4096, 65536]:
+        u0 = rng.random(n).astype(np.float32)
+        steps, check_steps = (5 if quick else 200), 5
+        ref = implicit_ref(u0, check_steps)
+
+        def check(res, done, ref=ref):
+            e = float(np.abs(np.asarray(res, np.float64) - ref).max())
+            return e < 1e-4, f"max |u - ref|={e:.1e} after {check_steps} steps"
+        case = Case("jaxloops_implicit_cg", n, steps, check_steps, check, dict(u0=u0))
+        b.measure(case, [
+            ("lk.fori_loop in jax.jit", lambda c: jax_impl(
+                lambda u, s: lk.fori_loop(0, s, implicit_cg_step, u, fallback="error"), [c.data["u0"]])),
+            ("jax.lax.fori_loop", lambda c: jax_impl(
+                lambda u, s: jax.lax.fori_loop(0, s, implicit_cg_step, u), [c.data["u0"]]))])
+
+    for n, nnz in [(4096, 32768), (65536, 524288)]:
+        rows = rng.integers(0, n, nnz).astype(np.int32)
+        cols = rng.integers(0, n, nnz).astype(np.int32)
+        vals = (rng.uniform(-0.5, 0.5, nnz) * n / nnz).astype(np.float32)
+        x0 = rng.random(n).astype(np.float32)
+        steps, check_steps = (20 if quick else 2000), 20
+        ref = x0.astype(np.float64)
+        for _ in range(check_steps):
+            y = np.zeros(n)
+            np.add.at(y, rows, vals.astype(np.float64) * ref[cols])
+            ref = 0.5 * ref + y + 0.1          # forced, so x stays of order one
+
+        def check(res, done, ref=ref):
+            e = float(np.abs(np.asarray(res, np.float64) - ref).max() / np.abs(ref).max())
+            return e < 1e-5, f"max |x - ref| / max |ref|={e:.1e} after {check_steps} steps"
+        r, cc, v = jnp.asarray(rows), jnp.asarray(cols), jnp.asarray(vals)
+
+        def spmv(i, x, r=r, cc=cc, v=v, n=n):
+            return np.float32(0.5) * x + jax.ops.segment_sum(v * x[cc], r, num_segments=n) + np.float32(0.1)
+        case = Case("jaxloops_coo_spmv", n, steps, check_steps, check, dict(x0=x0), bytes_per_step=12 * nnz + 8 * n)
+        b.measure(case, [
+            ("lk.fori_loop in jax.jit", lambda c, f=spmv: jax_impl(
+                lambda x, s: lk.fori_loop(0, s, f, x, fallback="error"), [c.data["x0"]])),
+            ("jax.lax.fori_loop", lambda c, f=spmv: jax_impl(
+                lambda x, s: jax.lax.fori_loop(0, s, f, x), [c.data["x0"]]))])
 
 
 COMPILE_SCRIPT = textwrap.dedent("""
