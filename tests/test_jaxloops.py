@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 import loopkern as lk
+import workloads as W
 
 jax = pytest.importorskip("jax")
 jnp = jax.numpy
@@ -53,6 +54,18 @@ def same(got, ref, exact=True, rtol=2e-6, atol=1e-6):
 
 def f32(rng, *shape, lo=0.0, hi=1.0):
     return jnp.asarray(rng.uniform(lo, hi, shape).astype(np.float32))
+
+
+def assert_falls_back(body, x0, steps, prim, error_match=None):
+    """lk.fori_loop of ``body`` raises naming ``prim`` with fallback="error", and otherwise runs
+    jax.lax.fori_loop (same result) with a warning naming it."""
+    with pytest.raises(lk.StepSyntaxError, match=error_match or prim):
+        lk.fori_loop(0, steps, body, x0, fallback="error")
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        got = lk.fori_loop(0, steps, body, x0)
+    assert any(f"'{prim}'" in str(m.message) for m in w if issubclass(m.category, lk.JaxLoopWarning))
+    same(got, lax.fori_loop(0, steps, body, x0))
 
 
 # ------------------------------------------------------------------------------ one primitive each
@@ -433,13 +446,7 @@ def test_an_unsupported_primitive_inside_a_branch_falls_back_naming_it(rng):
 
     def body(i, x):
         return lax.cond(i > 2, jnp.sort, lambda y: y * 0.5, x)
-    with pytest.raises(lk.StepSyntaxError, match="sort"):
-        lk.fori_loop(0, 4, body, x0, fallback="error")
-    with warnings.catch_warnings(record=True) as w:
-        warnings.simplefilter("always")
-        got = lk.fori_loop(0, 4, body, x0)
-    assert any("'sort'" in str(m.message) for m in w if issubclass(m.category, lk.JaxLoopWarning))
-    same(got, lax.fori_loop(0, 4, body, x0))
+    assert_falls_back(body, x0, 4, "sort")
 
 
 # ------------------------------------------------------------------------------ argmax, argmin
@@ -639,13 +646,7 @@ def test_scatter_add_without_an_atomic_add_falls_back_naming_it(rng):
 
     def small_ints(i, h):
         return h.at[(idx + i) % 8].add(jnp.int8(1))
-    with pytest.raises(lk.StepSyntaxError, match="scatter-add.*int8"):
-        lk.fori_loop(0, 3, small_ints, h0, fallback="error")
-    with warnings.catch_warnings(record=True) as w:
-        warnings.simplefilter("always")
-        got = lk.fori_loop(0, 3, small_ints, h0)
-    assert any("scatter-add" in str(m.message) for m in w if issubclass(m.category, lk.JaxLoopWarning))
-    same(got, lax.fori_loop(0, 3, small_ints, h0))
+    assert_falls_back(small_ints, h0, 3, "scatter-add", error_match="scatter-add.*int8")
     x0 = f32(rng, 8)
     with pytest.raises(lk.StepSyntaxError, match="scatter.max"):
         lk.fori_loop(0, 3, lambda i, x: x.at[idx].max(x[::-1][idx % 8] * 0.9), x0, fallback="error")
@@ -736,13 +737,7 @@ def test_nested_scans_over_xs_fall_back_naming_them(rng):
 
     def body(i, x):
         return x * 0.5 + lax.scan(lambda c, v: (c + v, c), 0.0, x)[0]
-    with pytest.raises(lk.StepSyntaxError, match="scan"):
-        lk.fori_loop(0, 3, body, x0, fallback="error")
-    with warnings.catch_warnings(record=True) as w:
-        warnings.simplefilter("always")
-        got = lk.fori_loop(0, 3, body, x0)
-    assert any("'scan'" in str(m.message) for m in w if issubclass(m.category, lk.JaxLoopWarning))
-    same(got, lax.fori_loop(0, 3, body, x0))
+    assert_falls_back(body, x0, 3, "scan")
 
 
 def test_nested_loops_with_run_time_counts_run_in_phases(rng):
@@ -787,25 +782,8 @@ def test_nested_loops_with_run_time_counts_run_in_phases(rng):
 def test_conjugate_gradients_to_a_tolerance_in_every_step(rng):
     """An implicit step solved by CG inside the body (a while_loop with reductions, scalar and
     array carries), the way a JAX user writes it, against lax."""
-    n = 40
-    u0 = f32(rng, n)
-
-    def apply(v):               # (I - 0.3 * Laplacian) with zero ends
-        nb = jnp.pad(v, 1)
-        return 1.6 * v - 0.3 * (nb[:-2] + nb[2:])
-
-    def step(i, u):
-        def cg(c):
-            x, r, p, rs, k = c
-            ap = apply(p)
-            alpha = rs / jnp.dot(p, ap)
-            x = x + alpha * p
-            r = r - alpha * ap
-            rs_new = jnp.dot(r, r)
-            return x, r, r + (rs_new / rs) * p, rs_new, k + 1
-        r0 = u - apply(u)
-        init = (u, r0, r0, jnp.dot(r0, r0), jnp.int32(0))
-        return lax.while_loop(lambda c: (c[3] > 1e-10) & (c[4] < 60), cg, init)[0]
+    u0 = f32(rng, 40)
+    step = W.implicit_heat_cg(np.float32(0.3), np.float32(1e-10), 60)
     got = lk.fori_loop(0, 4, step, u0, fallback="error")
     same(got, lax.fori_loop(0, 4, step, u0), exact=False, rtol=1e-4, atol=1e-5)
 

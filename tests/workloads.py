@@ -488,3 +488,28 @@ def back_ref(u0, steps):
         v[:-1] = 0.5 * (np.roll(u, 1)[:-1] + u[1:])
         u = v
     return u
+
+
+def implicit_heat_cg(a, tol, maxit):
+    """A jnp fori_loop body (for lk.fori_loop): backward Euler for 1-D heat with zero ends,
+    (1 + 2a) u_new - a (left + right) = u, solved by conjugate gradients until the squared
+    residual is at most ``tol`` or after ``maxit`` iterations (a nested lax.while_loop)."""
+    import jax.numpy as jnp
+    from jax import lax
+
+    def apply(v):
+        nb = jnp.pad(v, 1)
+        return (1 + 2 * a) * v - a * (nb[:-2] + nb[2:])
+
+    def step(i, u):
+        def cg(c):
+            x, r, p, rs, k = c
+            ap = apply(p)
+            alpha = rs / jnp.dot(p, ap)
+            x = x + alpha * p
+            r = r - alpha * ap
+            rs_new = jnp.dot(r, r)
+            return x, r, r + (rs_new / rs) * p, rs_new, k + 1
+        r0 = u - apply(u)
+        return lax.while_loop(lambda c: (c[3] > tol) & (c[4] < maxit), cg, (u, r0, r0, jnp.dot(r0, r0), jnp.int32(0)))[0]
+    return step

@@ -618,19 +618,21 @@ class Lowering:
         program's values from the enclosing lowering)."""
         return True
 
-    def reachable_reductions(self, roots):
-        seen, order, stack = set(), [], [r for r in roots if isinstance(r, Var)]
+    def computed_from(self, roots):
+        """Every Var this lowering computes that ``roots`` depend on (each once)."""
+        seen, stack = set(), [r for r in roots if isinstance(r, Var)]
         while stack:
             v = stack.pop()
             if v in seen:
                 continue
             seen.add(v)
             if v.eqn is not None and self.owns(v):
-                e = v.eqn
-                if not v.shape and e.ins and isinstance(e.ins[0], Var) and e.ins[0].shape and (
-                        e.prim in REDUCTIONS or e.prim == "dot_general"):
-                    order.append(v)
-                stack += [x for x in e.ins if isinstance(x, Var)]
+                yield v
+                stack += [x for x in v.eqn.ins if isinstance(x, Var)]
+
+    def reachable_reductions(self, roots):
+        order = [v for v in self.computed_from(roots) if not v.shape and v.eqn.ins and isinstance(v.eqn.ins[0], Var)
+                 and v.eqn.ins[0].shape and (v.eqn.prim in REDUCTIONS or v.eqn.prim == "dot_general")]
         return sorted(order, key=self.stage)
 
     def build(self, carry_in, carry_out, xs_in, ys_out, cond, consts) -> StepPlan:
@@ -869,16 +871,8 @@ class Lowering:
         and after another barrier later stages read the buffer. The stages are :meth:`stage`'s.
         ``direct`` maps a value that is only a new carry to that carry's second buffer, which is
         then its buffer (nothing else writes it during the step)."""
-        found, seen, stack = [], set(), [r for r in roots if isinstance(r, Var)]
-        while stack:
-            v = stack.pop()
-            if v in seen:
-                continue
-            seen.add(v)
-            if v.eqn is not None and self.owns(v):
-                if v.eqn.prim == "materialize" or self.computed_scatter(v.eqn) or v.eqn in self.phased_marked:
-                    found.append(v)
-                stack += [x for x in v.eqn.ins if isinstance(x, Var)]
+        found = [v for v in self.computed_from(roots) if v.eqn.prim == "materialize" or
+                 self.computed_scatter(v.eqn) or v.eqn in self.phased_marked]
         for v in sorted(found, key=self.stage):
             e = v.eqn
             if e in self.phased_marked:

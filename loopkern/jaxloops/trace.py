@@ -191,10 +191,7 @@ def flatten(closed) -> Program:
                         benv[v] = atom(env, a)
                     run(inner, benv, where)
                     taken.append([atom(benv, o) for o in inner.outvars])
-                for k, o in enumerate(e.outvars):
-                    nv = new_var(o.aval)
-                    if type(o).__name__ != "DropVar":
-                        env[o] = nv
+                for k, nv in enumerate(results(e, env)):
                     eq = Eqn("select_n", {}, [which] + [outs_of[k] for outs_of in taken], [nv], where)
                     nv.eqn = eq
                     sink[-1].append(eq)
@@ -202,16 +199,21 @@ def flatten(closed) -> Program:
             if nested_loop(e, env, where):
                 continue
             ins = [atom(env, a) for a in e.invars]
-            outs = []
-            for o in e.outvars:
-                nv = new_var(o.aval)
-                if type(o).__name__ != "DropVar":
-                    env[o] = nv
-                outs.append(nv)
+            outs = results(e, env)
             eq = Eqn(name, dict(e.params), ins, outs, where)
             for nv in outs:
                 nv.eqn = eq
             sink[-1].append(eq)
+
+    def results(e, env):
+        """New Vars for the results of the jaxpr equation ``e`` (``env`` maps those it names)."""
+        outs = []
+        for o in e.outvars:
+            nv = new_var(o.aval)
+            if type(o).__name__ != "DropVar":
+                env[o] = nv
+            outs.append(nv)
+        return outs
 
     def sub_program(closed, consts_in, carries):
         """Run the ClosedJaxpr ``closed`` whose first inputs are the atoms ``consts_in`` and the
@@ -259,12 +261,7 @@ def flatten(closed) -> Program:
         for a in outs + [test]:
             if isinstance(a, Var) and a not in inside and a not in captured:
                 captured.append(a)
-        res = []
-        for o in e.outvars:
-            nv = new_var(o.aval)
-            if type(o).__name__ != "DropVar":
-                env[o] = nv
-            res.append(nv)
+        res = results(e, env)
         eq = Eqn("nested_loop", {"kind": name, "length": p.get("length"), "carries": carries, "body": body,
                                  "outs": outs, "cond": cond, "test": test, "n_inits": len(inits)},
                  inits + captured, res, where)

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import loopkern as lk
+import workloads as W
 
 from .jax_gpu import jax, jnp, require_gpu_jax
 
@@ -237,27 +238,9 @@ def test_phased_cg_solve_per_step_on_the_gpu(rng):
     """Backward Euler for 1-D heat on 64K cells, each step solved by conjugate gradients to a
     tolerance (a nested while_loop with reductions, run in phases with grid barriers), against
     the float64 solution of the same linear systems."""
-    from jax import lax
     n = 1 << 16
     u0 = rng.random(n).astype(np.float32)
-    a = np.float32(0.3)
-
-    def apply(v):
-        nb = jnp.pad(v, 1)
-        return (1 + 2 * a) * v - a * (nb[:-2] + nb[2:])
-
-    def step(i, u):
-        def cg(c):
-            x, r, p, rs, k = c
-            ap = apply(p)
-            alpha = rs / jnp.dot(p, ap)
-            x = x + alpha * p
-            r = r - alpha * ap
-            rs_new = jnp.dot(r, r)
-            return x, r, r + (rs_new / rs) * p, rs_new, k + 1
-        r0 = u - apply(u)
-        return lax.while_loop(lambda c: (c[3] > np.float32(1e-8)) & (c[4] < 200), cg,
-                              (u, r0, r0, jnp.dot(r0, r0), jnp.int32(0)))[0]
+    step = W.implicit_heat_cg(np.float32(0.3), np.float32(1e-8), 200)
     got = np.asarray(jax.jit(lambda u: lk.fori_loop(0, 5, step, u, fallback="error"))(jnp.asarray(u0)), np.float64)
     from scipy.linalg import solve_banded        # scipy comes with jax
     ab = np.zeros((3, n))
