@@ -731,13 +731,29 @@ def test_nested_loops_in_while_loop_and_scan_and_under_a_condition(rng):
     same(lk.scan(scan_body, x0, ws, fallback="error"), lax.scan(scan_body, x0, ws), exact=False)
 
 
-def test_nested_scans_over_xs_fall_back_naming_them(rng):
-    """A nested scan over xs (or with ys) is outside the subset."""
+def test_nested_scans_over_xs_and_with_ys_run_unrolled(rng):
+    """A nested scan over xs (coefficients per stage, rows of a matrix, forwards and reversed)
+    with ys read afterwards runs unrolled for a static count of at most 16; a longer one falls
+    back, naming it."""
     x0 = f32(rng, 20)
+    coef = jnp.asarray(np.array([0.5, 0.25, 0.125, 1.0], np.float32))
 
-    def body(i, x):
+    def stages(i, x):
+        def stage(c, a):
+            return 0.5 * c + a * jnp.roll(c, 1), jnp.sum(c) * a
+        y, ys = lax.scan(stage, x, coef)
+        return y + 0.01 * ys[2] + 0.001 * ys[::-1][0]
+    same(lk.fori_loop(0, 3, stages, x0, fallback="error"), lax.fori_loop(0, 3, stages, x0), exact=False)
+    m = f32(rng, 5, 20)
+
+    def rows(i, x):
+        y, hist = lax.scan(lambda c, r: (c * 0.5 + r, c * r), x, m, reverse=True)
+        return y * 0.3 + hist.sum(0) * 0.1
+    same(lk.fori_loop(0, 3, rows, x0, fallback="error"), lax.fori_loop(0, 3, rows, x0), exact=False)
+
+    def long(i, x):
         return x * 0.5 + lax.scan(lambda c, v: (c + v, c), 0.0, x)[0]
-    assert_falls_back(body, x0, 3, "scan")
+    assert_falls_back(long, x0, 3, "scan (a nested loop)", error_match="scan.*at most 16")
 
 
 def test_nested_loops_with_run_time_counts_run_in_phases(rng):
@@ -847,7 +863,7 @@ def test_fallback_error_raises_a_step_syntax_error(rng):
     assert "test_jaxloops.py" in str(info.value)
     with pytest.raises(lk.StepSyntaxError, match="cumlogsumexp"):
         lk.while_loop(lambda c: c[1] < 3, lambda c: (lax.cumlogsumexp(c[0]), c[1] + 1), (x0, 0), fallback="error")
-    with pytest.raises(lk.StepSyntaxError, match="scan"):          # a nested scan over xs
+    with pytest.raises(lk.StepSyntaxError, match="scan"):          # a long nested scan over xs
         lk.fori_loop(0, 3, lambda i, x: x + lax.scan(lambda c, v: (c + v, c), 0.0, x)[0], x0, fallback="error")
     with pytest.raises(lk.ArgumentError, match="fallback"):
         lk.fori_loop(0, 4, sorting_body, x0, fallback="maybe")

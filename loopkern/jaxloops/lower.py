@@ -306,29 +306,46 @@ class Lowering:
             for pos, e in enumerate(self.prog.eqns):
                 if e.prim != "nested_loop" or e in self.phased_marked:
                     continue
-                try:
-                    self.check_nested(e)
-                    continue
-                except Unsupported:
-                    pass
+                sequences = e.params["n_xs"] or e.params["n_ys"]
+                if not sequences:
+                    try:
+                        self.check_nested(e)
+                        continue
+                    except Unsupported:
+                        pass
                 if e.params["kind"] == "scan" and e.params["length"] <= UNROLL_MAX:
                     self.prog.eqns[pos:pos + 1] = self._unrolled(e, new_id)
                     changed = True
                     break
-                self.phased_marked.add(e)
+                if not sequences:       # (a longer scan over xs or with ys: check_nested says why not)
+                    self.phased_marked.add(e)
         count_uses(self.prog)
 
     def _unrolled(self, e: Eqn, new_id) -> list:
         p = e.params
-        cur = list(e.ins[:p["n_inits"]])
-        eqns = []
-        for _ in range(int(p["length"])):
+        n, nk = int(p["length"]), p["n_inits"]
+        cur = list(e.ins[:nk])
+        xs = e.ins[nk:nk + p["n_xs"]]
+        eqns, ys = [], [None] * n
+        for it in range(n):
+            pos = n - 1 - it if p["reverse"] else it
             env = dict(zip(p["carries"], cur))
+            for xv, xa in zip(p["xs_vars"], xs):      # the iteration's slice of xs: xs[pos]
+                row = Var((1,) + tuple(xv.shape), xv.dtype, xv.weak, new_id())
+                cut = Eqn("slice", {"start_indices": (pos,) + (0,) * len(xv.shape),
+                                    "limit_indices": (pos + 1,) + tuple(xv.shape), "strides": None},
+                          [xa], [row], e.where)
+                one = Var(tuple(xv.shape), xv.dtype, xv.weak, new_id())
+                drop = Eqn("squeeze", {"dimensions": (0,)}, [row], [one], e.where)
+                row.eqn, one.eqn = cut, drop
+                eqns += [cut, drop]
+                env[xv] = one
             made = clone_eqns(p["body"], env, new_id)
             eqns += made
             fresh = {o for q in made for o in q.outs}
+            ys[pos] = [env.get(o, o) if isinstance(o, Var) else o for o in p["outs"][nk:]]
             cur = []
-            for o in p["outs"]:
+            for o in p["outs"][:nk]:
                 a = env.get(o, o) if isinstance(o, Var) else o
                 if isinstance(a, Var) and a.shape and a in fresh:
                     m = Var(a.shape, a.dtype, a.weak, new_id())
@@ -339,6 +356,10 @@ class Lowering:
                 cur.append(a)
         for out, a in zip(e.outs, cur):     # the loop's results, read where they were before
             q = Eqn("copy", {}, [a], [out], e.where)
+            out.eqn = q
+            eqns.append(q)
+        for k, out in enumerate(e.outs[nk:]):       # ys: the iterations' slices, stacked
+            q = Eqn("stack", {"axis": 0}, [ys[pos][k] for pos in range(n)], [out], e.where)
             out.eqn = q
             eqns.append(q)
         return eqns
@@ -976,6 +997,9 @@ class Lowering:
         if (e, outer_dep) in self.nested_checked:
             return
         p = e.params
+        if p["n_xs"] or p["n_ys"]:
+            self.unsupported(e, f"a nested scan over xs or with ys runs unrolled only, for a static count of at "
+                                f"most {UNROLL_MAX}")
         dep = {c for c in p["carries"] if c.shape} | set(outer_dep)
         shapes = {c.shape for c in dep}
         if len(shapes) > 1:
@@ -1255,7 +1279,7 @@ class PhaseLowering(Lowering):
         for e in _all(self.prog.eqns):
             self.own.update(e.outs)
             if e.prim == "nested_loop":
-                self.own.update(e.params["carries"])
+                self.own.update(e.params["carries"] + e.params["xs_vars"])
         self._collect_inner(self.prog.eqns, False)
         self.check_dtypes()
 

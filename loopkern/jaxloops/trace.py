@@ -227,32 +227,34 @@ def flatten(closed) -> Program:
         return sink.pop(), [atom(senv, o) for o in inner.outvars]
 
     def nested_loop(e, env, where):
-        """A ``fori_loop``/``scan`` without xs or ys, or a ``while_loop``, inside the body: one
-        ``nested_loop`` equation holding its body's (and condition's) equations, over Vars of its
-        own for the carries. Its inputs are the initial carries and then every outer Var the body
-        or condition reads (so that stages, reductions and uses see them). Anything else (a scan
-        over xs or with ys) stays as it is, and the lowering names it as unsupported."""
+        """A ``fori_loop``/``scan`` or a ``while_loop`` inside the body: one ``nested_loop``
+        equation holding its body's (and condition's) equations, over Vars of its own for the
+        carries (and, for a scan over ``xs``, for the slices of ``xs`` an iteration reads; its
+        body's results are the new carries, then the slices of ``ys`` it writes). Its inputs are
+        the initial carries, the ``xs``, then every outer Var the body or condition reads (so
+        that stages, reductions and uses see them)."""
         name = e.primitive.name
         p = e.params
         ins = [atom(env, a) for a in e.invars]
+        xs, xs_vars = [], []
         if name == "scan":
             nc, nk = p["num_consts"], p["num_carry"]
-            if len(ins) != nc + nk or len(e.outvars) != nk:
-                return False
-            consts_in, inits = ins[:nc], ins[nc:]
+            consts_in, inits, xs = ins[:nc], ins[nc:nc + nk], ins[nc + nk:]
+            inner = p["jaxpr"].jaxpr
+            xs_vars = [new_var(v.aval) for v in inner.invars[nc + nk:]]
         elif name == "while":
             cc, bc = p["cond_nconsts"], p["body_nconsts"]
             consts_in, inits = ins[:cc + bc], ins[cc + bc:]
         else:
             return False
-        carries = [new_var(v.aval) for v in e.outvars]
+        carries = [new_var(v.aval) for v in e.outvars[:len(inits)]]
         if name == "scan":
-            body, outs = sub_program(p["jaxpr"], consts_in, carries)
+            body, outs = sub_program(p["jaxpr"], consts_in, carries + xs_vars)
             cond, test = [], None
         else:
             body, outs = sub_program(p["body_jaxpr"], consts_in[cc:], carries)
             cond, (test,) = sub_program(p["cond_jaxpr"], consts_in[:cc], carries)
-        inside = set(carries) | {o for q in body + cond for o in q.outs}
+        inside = set(carries) | set(xs_vars) | {o for q in body + cond for o in q.outs}
         captured = []
         for q in body + cond:
             for a in q.ins:
@@ -263,8 +265,10 @@ def flatten(closed) -> Program:
                 captured.append(a)
         res = results(e, env)
         eq = Eqn("nested_loop", {"kind": name, "length": p.get("length"), "carries": carries, "body": body,
-                                 "outs": outs, "cond": cond, "test": test, "n_inits": len(inits)},
-                 inits + captured, res, where)
+                                 "outs": outs, "cond": cond, "test": test, "n_inits": len(inits),
+                                 "xs_vars": xs_vars, "n_xs": len(xs), "n_ys": len(res) - len(inits),
+                                 "reverse": bool(p.get("reverse", False))},
+                 inits + xs + captured, res, where)
         for nv in res:
             nv.eqn = eq
         sink[-1].append(eq)
@@ -319,7 +323,7 @@ def count_uses(prog: Program):
     for e in every:
         defined.update(e.outs)
         if e.prim == "nested_loop":
-            defined.update(e.params["carries"])
+            defined.update(e.params["carries"] + e.params["xs_vars"])
     for v in defined:
         v.uses = 0
 
@@ -346,11 +350,13 @@ def clone_eqns(eqns, env: dict, new_id) -> list:
         params = dict(e.params)
         if e.prim == "nested_loop":
             carries = [Var(c.shape, c.dtype, c.weak, new_id()) for c in params["carries"]]
+            xs_vars = [Var(c.shape, c.dtype, c.weak, new_id()) for c in params["xs_vars"]]
             sub = dict(env)
             sub.update(zip(params["carries"], carries))
+            sub.update(zip(params["xs_vars"], xs_vars))
             body = clone_eqns(params["body"], sub, new_id)
             cond = clone_eqns(params["cond"], sub, new_id)
-            params.update(carries=carries, body=body, cond=cond,
+            params.update(carries=carries, xs_vars=xs_vars, body=body, cond=cond,
                           outs=[sub.get(o, o) if isinstance(o, Var) else o for o in params["outs"]],
                           test=sub.get(params["test"], params["test"]) if isinstance(params["test"], Var)
                           else params["test"])
