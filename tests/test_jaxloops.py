@@ -445,8 +445,8 @@ def test_an_unsupported_primitive_inside_a_branch_falls_back_naming_it(rng):
     x0 = f32(rng, 20)
 
     def body(i, x):
-        return lax.cond(i > 2, jnp.sort, lambda y: y * 0.5, x)
-    assert_falls_back(body, x0, 4, "sort")
+        return lax.cond(i > 2, lambda y: jnp.linalg.solve(jnp.eye(20) + 0.1, y), lambda y: y * 0.5, x)
+    assert_falls_back(body, x0, 4, "lu")
 
 
 # ------------------------------------------------------------------------------ argmax, argmin
@@ -665,6 +665,53 @@ def test_while_condition_on_one_element_of_an_array_carry(rng):
     same(lk.while_loop(cond, step, (m0, 0), fallback="error"), lax.while_loop(cond, step, (m0, 0)), exact=False)
 
 
+def test_floor_ceil_and_round_of_special_values():
+    """floor, ceil, round (ties to even) and lax.round (ties away from zero) bit for bit, signs of
+    zeros included, on infinities, NaNs, values past 2^52 and ties, in float32 and float64:
+    math.floor gives an integer, which made floor(inf) -9.2e18 and ceil(-0.3) +0.0 before."""
+    vals = [np.inf, np.nan, -np.inf, 1e30, -2.5, 3e9, -0.3, 0.5, 1.5, 2.5, -0.5, -1.5, 0.49999997, -0.0, 0.0,
+            4.5, 8388607.5, 1e-40, -1e-40]
+    fns = [jnp.floor, jnp.ceil, jnp.round, lambda x: lax.round(x, lax.RoundingMethod.AWAY_FROM_ZERO)]
+    for dt in (np.float32, np.float64):
+        with _x64():
+            x0 = jnp.asarray(np.array(vals, dt))
+            for f in fns:
+                got = np.asarray(lk.fori_loop(0, 1, lambda i, x: f(x), x0, fallback="error"))
+                ref = np.asarray(lax.fori_loop(0, 1, lambda i, x: f(x), x0))
+                assert got.dtype == ref.dtype
+                np.testing.assert_array_equal(got, ref)
+                np.testing.assert_array_equal(np.signbit(got), np.signbit(ref))
+
+
+def test_sorts_as_jax_orders_them(rng):
+    """jnp.sort and argsort along either axis: NaNs (of either sign) last, -0.0 and 0.0 equal,
+    ties kept in place (argsort of a vector with repeats, bit for bit), integers; rows longer
+    than SORT_MAX and several keys fall back."""
+    x0 = f32(rng, 30)
+
+    def both_axes(i, x):
+        m = x.reshape(5, 6)
+        return (jnp.sort(m, axis=0) * 0.5 + jnp.sort(m, axis=1) * 0.5).reshape(30)
+    same(lk.fori_loop(0, 3, both_axes, x0, fallback="error"), lax.fori_loop(0, 3, both_axes, x0))
+    special = jnp.asarray(np.array([0.0, -0.0, np.nan, -np.nan, 1.0, -np.inf, 2.0, 0.0] * 2, np.float32))
+
+    def by_rank(i, x):                  # the order, and where each element went
+        return jnp.sort(x), jnp.argsort(x).astype(jnp.float32)
+    got = lk.fori_loop(0, 1, lambda i, c: by_rank(i, c[0]), (special, special), fallback="error")
+    ref = lax.fori_loop(0, 1, lambda i, c: by_rank(i, c[0]), (special, special))
+    same(got, ref)
+    np.testing.assert_array_equal(np.signbit(np.asarray(got[0])), np.signbit(np.asarray(ref[0])))
+    k0 = jnp.asarray(rng.integers(0, 5, 40).astype(np.int32))
+
+    def ranks(i, k):                    # repeats: argsort keeps them in place
+        return (jnp.argsort(k).astype(jnp.int32) + k * 3 + i) % 7
+    same(lk.fori_loop(0, 6, ranks, k0, fallback="error"), lax.fori_loop(0, 6, ranks, k0))
+    big = f32(rng, 5000)
+    assert_falls_back(lambda i, x: jnp.sort(x) * 0.5 + x * 0.5, big, 2, "sort", error_match="sort.*longer than 4096")
+    assert_falls_back(lambda i, x: x[jnp.lexsort((x, jnp.round(x * 4)))], x0, 2, "sort",
+                      error_match="sort.*several keys")
+
+
 # ------------------------------------------------------------------------------ nested loops
 def test_nested_fori_loop_runs_per_element(rng):
     """A fixed number of Newton iterations per element inside the body (lax.fori_loop with static
@@ -841,32 +888,32 @@ def test_nested_loops_that_read_other_elements_run_unrolled(rng):
 
 
 # ------------------------------------------------------------------------------ fallback
-def sorting_body(i, x):
-    return jnp.sort(x) * 0.5 + x[::-1] * 0.5
+def solving_body(i, x):             # a dense solve: an LU factorisation, outside the subset
+    return jnp.linalg.solve(jnp.eye(x.shape[0]) * 2.0 + 0.01, x) * 0.5 + x[::-1] * 0.5
 
 
 def test_fallback_warns_once_naming_the_primitive_and_line(rng):
     x0 = f32(rng, 20)
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
-        got = lk.fori_loop(0, 4, sorting_body, x0)
+        got = lk.fori_loop(0, 4, solving_body, x0)
     msgs = [str(m.message) for m in w if issubclass(m.category, lk.JaxLoopWarning)]
     assert len(msgs) == 1
-    assert "'sort'" in msgs[0] and "test_jaxloops.py:" in msgs[0] and "jax.lax.fori_loop" in msgs[0]
-    same(got, lax.fori_loop(0, 4, sorting_body, x0))
+    assert "'lu'" in msgs[0] and "test_jaxloops.py:" in msgs[0] and "jax.lax.fori_loop" in msgs[0]
+    same(got, lax.fori_loop(0, 4, solving_body, x0))
 
 
 def test_fallback_error_raises_a_step_syntax_error(rng):
     x0 = f32(rng, 20)
-    with pytest.raises(lk.StepSyntaxError, match="sort") as info:
-        lk.fori_loop(0, 4, sorting_body, x0, fallback="error")
+    with pytest.raises(lk.StepSyntaxError, match="'lu'") as info:
+        lk.fori_loop(0, 4, solving_body, x0, fallback="error")
     assert "test_jaxloops.py" in str(info.value)
     with pytest.raises(lk.StepSyntaxError, match="cumlogsumexp"):
         lk.while_loop(lambda c: c[1] < 3, lambda c: (lax.cumlogsumexp(c[0]), c[1] + 1), (x0, 0), fallback="error")
     with pytest.raises(lk.StepSyntaxError, match="scan"):          # a long nested scan over xs
         lk.fori_loop(0, 3, lambda i, x: x + lax.scan(lambda c, v: (c + v, c), 0.0, x)[0], x0, fallback="error")
     with pytest.raises(lk.ArgumentError, match="fallback"):
-        lk.fori_loop(0, 4, sorting_body, x0, fallback="maybe")
+        lk.fori_loop(0, 4, solving_body, x0, fallback="maybe")
     # a scatter that multiplies: not compiled (adds and stores are)
     with pytest.raises(lk.StepSyntaxError, match="scatter.mul"):
         lk.fori_loop(0, 4, lambda i, x: x.at[jnp.array([3, 1, 7])].multiply(0.5), x0, fallback="error")
@@ -876,8 +923,8 @@ def test_fallback_inside_jit_and_silent(rng):
     x0 = f32(rng, 20)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        got = jax.jit(lambda x: lk.fori_loop(0, 3, sorting_body, x, fallback="silent"))(x0)
-    same(got, jax.jit(lambda x: lax.fori_loop(0, 3, sorting_body, x))(x0))
+        got = jax.jit(lambda x: lk.fori_loop(0, 3, solving_body, x, fallback="silent"))(x0)
+    same(got, jax.jit(lambda x: lax.fori_loop(0, 3, solving_body, x))(x0))
 
 
 # ------------------------------------------------------------------------------ derivatives, vmap

@@ -173,3 +173,21 @@ def test_phased_shifts_an_odd_static_number_of_times(backend):
         for j in range(17):
             ref = np.roll(ref, -1) * 2 % 1000 + j
     np.testing.assert_array_equal(got, ref)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_sort_read_back_by_neighbours(backend):
+    """jnp.sort of integers (each element counts its row and stores itself at its rank), read at
+    shifted positions in the next phase: the read must wait for every thread's store."""
+    a0 = (np.arange(60, dtype=np.int32) * 37) % 101
+
+    def body(i, a):
+        s = jnp.sort(a)
+        return (jnp.roll(s, 7) * 3 + s + i) % 101
+    got, plan = run_lowered(body, a0, 4, backend)
+    assert "lk.sync()" in plan.source
+    ref = a0.astype(np.int64)
+    for i in range(4):
+        s = np.sort(ref)
+        ref = (np.roll(s, 7) * 3 + s + i) % 101
+    np.testing.assert_array_equal(got, ref)

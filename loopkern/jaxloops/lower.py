@@ -41,6 +41,8 @@ OK_DTYPES = FLOATS + INTS + (BOOL,)
 SCATTERS = ("scatter", "scatter-add", "scatter_add")
 #: a nested loop that is not elementwise in its array carries runs unrolled, up to this count
 UNROLL_MAX = 16
+#: the longest rows ``sort`` handles (each element counts the row's smaller ones: O(n^2) work)
+SORT_MAX = 4096
 _UNROLL_HINT = (f"(a nested loop runs per element when it updates its array carries elementwise, and unrolled "
                 f"when its count is static and at most {UNROLL_MAX})")
 
@@ -85,6 +87,58 @@ def jl_irem(a, b):
 
 def jl_sign(a):
     return a if a != a else (1 if a > 0 else (-1 if a < 0 else 0))
+
+
+def jl_whole(r, a):
+    return float(r) if r != 0 else math.copysign(0.0, a)
+
+
+def jl_floor(a):
+    if not abs(a) < 4503599627370496.0:
+        return a
+    return jl_whole(math.floor(a), a)
+
+
+def jl_ceil(a):
+    if not abs(a) < 4503599627370496.0:
+        return a
+    return jl_whole(math.ceil(a), a)
+
+
+def jl_round_even(a):
+    if not abs(a) < 4503599627370496.0:
+        return a
+    f = math.floor(a)
+    d = a - f
+    return jl_whole(f + 1 if d > 0.5 or (d == 0.5 and f % 2 != 0) else f, a)
+
+
+def jl_round_away(a):
+    if not abs(a) < 4503599627370496.0:
+        return a
+    f = math.floor(abs(a))
+    r = f + 1 if abs(a) - f >= 0.5 else f
+    return jl_whole(r if a >= 0 else -r, a)
+
+
+def jl_nan_side(a):
+    return 0 if a == a else (-1 if math.copysign(1.0, a) < 0 else 1)
+
+
+def jl_lt_to(a, b):
+    ca = jl_nan_side(a)
+    cb = jl_nan_side(b)
+    if ca != cb:
+        return ca < cb
+    if ca != 0:
+        return False
+    if a == b:
+        return math.copysign(1.0, a) < math.copysign(1.0, b)
+    return a < b
+
+
+def jl_le_to(a, b):
+    return not jl_lt_to(b, a)
 '''
 
 
@@ -206,7 +260,7 @@ class Loop:
 @dataclass(eq=False)
 class Item:
     """Work of a parallel loop: a store (``target`` params, index maker) or a reduction."""
-    kind: str               # "store" | "reduce" | "scatter" (atom: the scatter's Eqn)
+    kind: str               # "store" | "reduce" | "scatter" | "sort" (atom: the scatter's or sort's Eqn)
     atom: object            # the value
     box: tuple              # the cells it covers
     target: str = ""        # the array stored into
@@ -385,7 +439,7 @@ class Lowering:
             for o in e.outs:
                 if o.dtype not in OK_DTYPES:
                     self.unsupported(e, f"dtype {o.dtype}")
-            if e.prim not in RULES and e.prim not in REDUCTIONS + SCATTERS + ("materialize",):
+            if e.prim not in RULES and e.prim not in REDUCTIONS + SCATTERS + ("materialize", "sort"):
                 self.unsupported(e)
 
     # ---------------------------------------------------------------- stages
@@ -396,7 +450,7 @@ class Lowering:
             return self.stage_memo[a]
         e = a.eqn
         s = max([self.stage(x) for x in e.ins] or [0])
-        if e.prim == "materialize" or e in self.phased_marked:
+        if e.prim in ("materialize", "sort") or e in self.phased_marked:
             s += 1      # stored in the stage of its operands (or inputs), read after a barrier
         elif self.computed_scatter(e):
             # the operand is copied into the buffer in its own stage, the updates go in after a
@@ -892,10 +946,14 @@ class Lowering:
         and after another barrier later stages read the buffer. The stages are :meth:`stage`'s.
         ``direct`` maps a value that is only a new carry to that carry's second buffer, which is
         then its buffer (nothing else writes it during the step)."""
-        found = [v for v in self.computed_from(roots) if v.eqn.prim == "materialize" or
+        found = [v for v in self.computed_from(roots) if v.eqn.prim in ("materialize", "sort") or
                  self.computed_scatter(v.eqn) or v.eqn in self.phased_marked]
         for v in sorted(found, key=self.stage):
             e = v.eqn
+            if e.prim == "sort":
+                if v not in self.scratch:
+                    self.materialize_sort(e)
+                continue
             if e in self.phased_marked:
                 if e not in self.phased:
                     self.phased[e] = PhasedLoop(self, e)
@@ -926,6 +984,45 @@ class Lowering:
                                                    index=lambda ix: [i.expr for i in ix]))
             self.add_item(sa, tuple(upd.shape), Item("scatter", e, tuple((0, n) for n in upd.shape), target=name))
             self.syncs.update((sx, sa))
+
+    def materialize_sort(self, e: Eqn):
+        """``lax.sort`` (``jnp.sort``, ``argsort``) of rows of at most :data:`SORT_MAX` along its
+        dimension, one key: each element counts the elements of its row that sort before it
+        (JAX's order: NaNs last, ties kept in place) and stores every operand's element at that
+        position of the results' buffers, in the operands' stage; read after a barrier."""
+        p = e.params
+        if p.get("num_keys", 1) != 1:
+            self.unsupported(e, "a sort with several keys")
+        shape = tuple(e.ins[0].shape)
+        if shape[p["dimension"]] > SORT_MAX:
+            self.unsupported(e, f"a sort of rows longer than {SORT_MAX} (each element counts its row: n^2 work; "
+                                "XLA's sort is faster there)")
+        for o in e.outs:
+            self.scratch[o] = self.add_param(self.fresh("h"), "scratch", (shape, o.dtype))
+        st = max(self.stage(a) for a in e.ins)
+        self.add_item(st, shape, Item("sort", e, tuple((0, n) for n in shape)))
+        self.syncs.add(st)
+
+    def render_sort(self, it: Item, ix: tuple, B: Block):
+        e = it.atom
+        d, key = e.params["dimension"], e.ins[0]
+        m = key.shape[d]
+
+        def less(a, b):
+            if key.dtype.kind == "f":
+                return f"({a} < {b} or ({b} != {b} and {a} == {a}))"
+            return f"({a} < {b})"
+        mine = self.E(key, ix, None, B)
+        rank, k = self.fresh("rk"), self.fresh("k")
+        row = Block(B.stage, B.indent + "    ", loop=B.loop, parent=B)
+        other = self.E(key, ix[:d] + (Ix(k, 0, 0, m - 1),) + ix[d + 1:], None, row)
+        row.lines += [f"if {less(other, mine)} or ({k} < {ix[d].expr} and not {less(mine, other)}):",
+                      f"    {rank} += 1"]
+        B.lines += [f"{rank} = 0", f"for {k} in range({m}):"] + ["    " + ln for ln in row.lines]
+        for a, o in zip(e.ins, e.outs):
+            sub = [i.expr for i in ix]
+            sub[d] = rank
+            B.lines.append(f"{self.scratch[o]}[{', '.join(sub)}] = {self.E(a, ix, None, B)}")
 
     def render_scatter(self, it: Item, ix: tuple, B: Block):
         """The body of a scatter's update loop at update index ``ix``: the window's start from the
@@ -1176,6 +1273,9 @@ class Lowering:
             for it in L.items:
                 if it.kind == "scatter":
                     self.render_scatter(it, ix, L.body)
+                    continue
+                if it.kind == "sort":
+                    self.render_sort(it, ix, L.body)
                     continue
                 if it.kind == "reduce":
                     if isinstance(it.atom, tuple):   # a full dot
@@ -1588,13 +1688,23 @@ MATH1 = {"exp": "math.exp", "log": "math.log", "sin": "math.sin", "cos": "math.c
          "tanh": "math.tanh", "sqrt": "math.sqrt", "log1p": "math.log1p", "expm1": "math.expm1",
          "asin": "math.asin", "acos": "math.acos", "atan": "math.atan", "sinh": "math.sinh", "cosh": "math.cosh",
          "asinh": "math.asinh", "acosh": "math.acosh", "atanh": "math.atanh", "erf": "math.erf",
-         "erfc": "math.erfc", "floor": "math.floor", "ceil": "math.ceil", "lgamma": "math.lgamma"}
+         "erfc": "math.erfc", "floor": "jl_floor", "ceil": "jl_ceil", "lgamma": "math.lgamma"}
 
 
 @rule(*MATH1)
 def _math1(L, e, out, idx, ctx, B):
     x, = _args(L, e, idx, ctx, B)
     return cast(f"{MATH1[e.prim]}({x})", out.dtype)
+
+
+@rule("round")
+def _round(L, e, out, idx, ctx, B):
+    """``jnp.round``/``rint`` (to nearest, ties to even) and ``lax.round``'s default (ties away
+    from zero); infinities, NaNs and whole values as they are, the sign of a zero kept. (So do
+    ``floor`` and ``ceil``: ``math.floor`` gives an integer, wrong for them.)"""
+    x, = _args(L, e, idx, ctx, B)
+    even = "EVEN" in str(e.params.get("rounding_method")) or e.params.get("rounding_method") == 1
+    return cast(f"jl_round_{'even' if even else 'away'}({x})", out.dtype)
 
 
 @rule("rsqrt")
@@ -1661,6 +1771,17 @@ def _cmp(L, e, out, idx, ctx, B):
     return f"({x} {CMP[e.prim]} {y})"
 
 
+@rule("lt_to", "le_to")
+def _cmp_total(L, e, out, idx, ctx, B):
+    """Comparisons in IEEE 754's total order (``jnp.searchsorted``, ``jnp.sort``'s keys):
+    -NaN < -inf < ... < -0.0 < +0.0 < ... < inf < +NaN. NaNs of one sign compare equal (JAX
+    also orders them by payload, which no loopkern body can tell apart)."""
+    x, y = _args(L, e, idx, ctx, B)
+    if e.ins[0].dtype.kind == "f":
+        return f"jl_{e.prim}({x}, {y})"
+    return f"({x} {'<' if e.prim == 'lt_to' else '<='} {y})"
+
+
 @rule("and", "or", "xor")
 def _logic(L, e, out, idx, ctx, B):
     x, y = _args(L, e, idx, ctx, B)
@@ -1700,7 +1821,7 @@ def _convert(L, e, out, idx, ctx, B):
     return cast(x, dt)
 
 
-@rule("copy", "copy_p", "optimization_barrier", "reduce_precision_noop")
+@rule("copy", "copy_p", "optimization_barrier", "reduce_precision_noop", "stop_gradient")
 def _copy(L, e, out, idx, ctx, B):
     return L.E(e.ins[0], idx, ctx, B)
 

@@ -249,3 +249,17 @@ def test_phased_cg_solve_per_step_on_the_gpu(rng):
     for _ in range(5):
         ref = solve_banded((1, 1), ab, ref)
     assert np.abs(got - ref).max() < 1e-4
+
+
+def test_sort_and_round_on_the_gpu(rng):
+    """jnp.sort along each axis of a 64 x 4096 array and jnp.round / floor, against NumPy (the
+    same float32 values, so the orders must match exactly)."""
+    x0 = rng.normal(0.0, 10.0, (64, 4096)).astype(np.float32)
+
+    def body(i, x):
+        return jnp.sort(jnp.round(x * np.float32(0.9)), axis=1) + jnp.sort(jnp.floor(x), axis=0) * np.float32(0.01)
+    got = np.asarray(jax.jit(lambda x: lk.fori_loop(0, 2, body, x, fallback="error"))(jnp.asarray(x0)))
+    ref = x0.copy()
+    for _ in range(2):
+        ref = np.sort(np.round(ref * np.float32(0.9)), axis=1) + np.sort(np.floor(ref), axis=0) * np.float32(0.01)
+    np.testing.assert_array_equal(got, ref)
