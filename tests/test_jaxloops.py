@@ -541,6 +541,29 @@ def test_point_and_window_gathers_in_2d(rng):
     same(lk.fori_loop(0, 4, patches, m0, fallback="error"), lax.fori_loop(0, 4, patches, m0), exact=False)
 
 
+def test_batched_gathers_and_scatters(rng):
+    """jnp.take_along_axis / put_along_axis and vmapped x[j], x.at[j].add/set inside the body
+    (gathers and scatters with operand_batching_dims): along the batched dimension each element
+    reads or writes its own row."""
+    m0 = f32(rng, 6, 5)
+    idx = jnp.asarray(rng.integers(-6, 8, (6, 5)).astype(np.int32))
+
+    def along(i, m):
+        a = jnp.take_along_axis(m, (idx + i) % 5, axis=1)
+        b = jnp.take_along_axis(m, idx % 6, axis=0)
+        c = jnp.take_along_axis(m, idx, axis=1, mode="fill", fill_value=-1.0)      # some out of range
+        return a * 0.4 + b * 0.3 + c * 0.3
+    same(lk.fori_loop(0, 4, along, m0, fallback="error"), lax.fori_loop(0, 4, along, m0), exact=False)
+    cols = idx[:, :3]
+
+    def rows(i, m):
+        picked = jax.vmap(lambda r, j: r[j])(m, cols[:, 0] % 5)
+        m = jax.vmap(lambda r, j: r.at[j].add(0.5))(m, cols)                      # repeats add up
+        m = jax.vmap(lambda r, j, v: r.at[j % 5].set(v))(m, cols[:, 1], picked)
+        return jnp.put_along_axis(m, (cols + i) % 5, m[:, :3] * 0.5, axis=1, inplace=False) * 0.9
+    same(lk.fori_loop(0, 4, rows, m0, fallback="error"), lax.fori_loop(0, 4, rows, m0), exact=False)
+
+
 # ------------------------------------------------------------------------------ scatters to computed indices
 def test_segment_sum_spmv_with_duplicates_and_dropped_segments(rng):
     """A sparse matrix-vector product in COO form (jax.ops.segment_sum): repeated rows add up,

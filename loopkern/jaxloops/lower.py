@@ -828,7 +828,8 @@ class Lowering:
             return list(upd.shape)
         dn = e.params["dimension_numbers"]
         sizes = [1] * len(op.shape)
-        rest = [d for d in range(len(op.shape)) if d not in dn.inserted_window_dims]
+        batching = getattr(dn, "operand_batching_dims", ())
+        rest = [d for d in range(len(op.shape)) if d not in dn.inserted_window_dims and d not in batching]
         if len(rest) != len(dn.update_window_dims):
             self.unsupported(e, "scatter layout")
         for d, ud in zip(rest, dn.update_window_dims):
@@ -968,9 +969,6 @@ class Lowering:
                 self.syncs.add(self.stage(x))
                 continue
             x, ind, upd = e.ins
-            dn = e.params["dimension_numbers"]
-            if getattr(dn, "operand_batching_dims", ()):
-                self.unsupported(e, "a batched scatter (operand_batching_dims)")
             if ind.dtype.kind not in "iu":
                 self.unsupported(e, f"scatter indices of {ind.dtype}")
             if e.prim != "scatter" and str(v.dtype) not in ATOMIC_DTYPES:
@@ -1033,7 +1031,10 @@ class Lowering:
         dn = e.params["dimension_numbers"]
         uwd = tuple(dn.update_window_dims)
         scatter_pos = [k for k in range(len(upd.shape)) if k not in uwd]
-        rest = [d for d in range(len(x.shape)) if d not in dn.inserted_window_dims]
+        # a batched scatter (vmap): along an operand batching dimension, the update's index along
+        # the indices' matching dimension
+        batching = dict(zip(getattr(dn, "operand_batching_dims", ()), getattr(dn, "scatter_indices_batching_dims", ())))
+        rest = [d for d in range(len(x.shape)) if d not in dn.inserted_window_dims and d not in batching]
         window = {d: uwd[j] for j, d in enumerate(rest)}
         sizes = self.window_sizes(e, x, upd)
         clip = "CLIP" in str(e.params.get("mode"))
@@ -1051,6 +1052,9 @@ class Lowering:
             starts[d] = nm
         subs = []
         for d in range(len(x.shape)):
+            if d in batching:
+                subs.append(ix[scatter_pos[batching[d]]].expr)
+                continue
             w = ix[window[d]].expr if d in window else None
             st = starts.get(d)
             subs.append("0" if st is None and w is None else st if w is None else w if st is None
@@ -2059,24 +2063,28 @@ def _gather(L, e, out, idx, ctx, B):
     ``m[i, j]``, windows ``m[i, 1:3]``): per element of the result, one read at the start its
     index vector holds plus its offset in the window. XLA clamps a start so that the window fits
     (the ``promise_in_bounds`` and ``clip`` modes; JAX has already made negative indices count
-    from the end); ``fill`` gives JAX's fill value where a window does not fit. Batched gathers
-    (``operand_batching_dims``, from ``vmap``) are left to jax.lax."""
+    from the end); ``fill`` gives JAX's fill value where a window does not fit. A batched gather
+    (``jnp.take_along_axis``, ``vmap``: ``operand_batching_dims``) reads along each operand batching
+    dimension at the result's index along the indices' matching dimension."""
     x, ind = e.ins
     dn = e.params["dimension_numbers"]
     mode = str(e.params.get("mode", "")).rsplit(".", 1)[-1].lower()
     sizes = e.params["slice_sizes"]
     offset = sorted(dn.offset_dims)        # the window's dimensions of the result, in operand order
-    kept = [d for d in range(len(x.shape)) if d not in dn.collapsed_slice_dims]
+    batching = dict(zip(getattr(dn, "operand_batching_dims", ()), getattr(dn, "start_indices_batching_dims", ())))
+    kept = [d for d in range(len(x.shape)) if d not in dn.collapsed_slice_dims and d not in batching]
     batch = [d for d in range(len(out.shape)) if d not in offset]
-    if (getattr(dn, "operand_batching_dims", ()) or not ind.shape or ind.shape[-1] != len(dn.start_index_map)
+    if (not ind.shape or ind.shape[-1] != len(dn.start_index_map)
             or len(ind.shape) - 1 != len(batch) or len(offset) != len(kept)
             or mode not in ("promise_in_bounds", "clip", "fill_or_drop")):
-        L.unsupported(e, "a batched gather, or one whose indices are not one index vector per result "
-                         "element")
+        L.unsupported(e, "a gather whose indices are not one index vector per result element")
     starts = {d: f"int({L.E(ind, tuple(idx[b] for b in batch) + (const_ix(p),), ctx, B)})"
               for p, d in enumerate(dn.start_index_map)}
     sub, conds = [], []
     for d, n in enumerate(x.shape):
+        if d in batching:           # the result's index along the matching indices dimension
+            sub.append(idx[batch[batching[d]]])
+            continue
         w = idx[offset[kept.index(d)]] if d in kept else None
         if d not in starts:
             sub.append(w if w is not None else const_ix(0))
