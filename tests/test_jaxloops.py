@@ -942,6 +942,31 @@ def test_fallback_error_raises_a_step_syntax_error(rng):
         lk.fori_loop(0, 4, lambda i, x: x.at[jnp.array([3, 1, 7])].multiply(0.5), x0, fallback="error")
 
 
+def test_a_generated_step_that_does_not_validate_falls_back_or_raises(rng, monkeypatch):
+    """Should the lowering ever generate a step that loopkern's own validation rejects (a
+    loopkern bug), fallback="warn" runs the lax loop and says so; fallback="error" raises the
+    validation error itself."""
+    import dataclasses
+
+    from loopkern.jaxloops import loops
+    real = loops._lower
+
+    def broken(*args, **kw):        # a list is no restricted Python
+        plan = real(*args, **kw)
+        return dataclasses.replace(plan, source=plan.source.replace("\n", "\n    junk_ = [1, 2]\n", 1))
+    monkeypatch.setattr(loops, "_lower", broken)
+    x0 = f32(rng, 20)
+    body = lambda i, x: x * 0.5 + 0.25
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        got = lk.fori_loop(0, 3, body, x0)
+    msgs = [str(m.message) for m in w if issubclass(m.category, lk.JaxLoopWarning)]
+    assert len(msgs) == 1 and "loopkern bug" in msgs[0]
+    same(got, lax.fori_loop(0, 3, body, x0))
+    with pytest.raises(lk.StepSyntaxError, match="list"):
+        lk.fori_loop(0, 3, body, x0, fallback="error")
+
+
 def test_fallback_inside_jit_and_silent(rng):
     x0 = f32(rng, 20)
     with warnings.catch_warnings():

@@ -24,7 +24,7 @@ import warnings
 
 import numpy as np
 
-from ..errors import ArgumentError, Diagnostic, StepSyntaxError
+from ..errors import ArgumentError, Diagnostic, LoopkernError, StepSyntaxError
 from .lower import HELPERS, Lowering
 from .trace import Lit, Unsupported, flatten
 
@@ -65,7 +65,10 @@ def _kernel(plan):
         namespace = {"__name__": f"loopkern_jaxloops_{digest}"}
         exec(compile(source, filename, "exec"), namespace)
         fn = namespace[plan.name]
-        mk = MegaKernel(fn, swap=plan.swap)
+        try:
+            mk = MegaKernel(fn, swap=plan.swap)
+        except LoopkernError as exc:
+            raise GeneratedStepRejected(exc) from exc
         _kernels[key] = mk
     return mk
 
@@ -75,8 +78,22 @@ def _check_fallback(fallback):
         raise ArgumentError(f"fallback={fallback!r}: expected one of {', '.join(map(repr, _FALLBACKS))}")
 
 
+class GeneratedStepRejected(Unsupported):
+    """loopkern's own validation rejected the step it generated from a body: a loopkern bug. With
+    fallback="warn" the jax.lax loop runs (with a warning saying so); with fallback="error" the
+    validation error itself is raised."""
+
+    def __init__(self, error):
+        self.error = error
+        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        super().__init__("the generated step", "<loopkern>", f"loopkern rejected the step it generated from this body, "
+                                                            f"a loopkern bug; please report it: {first}")
+
+
 def _fallback(name, fallback, exc: Unsupported, fn=None):
     """Warn (or raise, for fallback="error") about a body outside the subset."""
+    if fallback == "error" and isinstance(exc, GeneratedStepRejected):
+        raise exc.error
     reason = f" ({exc.reason})" if exc.reason else ""
     msg = (f"lk.{name}: the body uses '{exc.prim}'{reason} at {exc.where}, which loopkern does not compile yet; "
            f"running jax.lax.{name} instead")
