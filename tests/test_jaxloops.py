@@ -541,6 +541,51 @@ def test_point_and_window_gathers_in_2d(rng):
     same(lk.fori_loop(0, 4, patches, m0, fallback="error"), lax.fori_loop(0, 4, patches, m0), exact=False)
 
 
+def _scatter_case(seed):
+    """A random scatter to computed indices and its float64 NumPy emulation of JAX's rules:
+    negative indices count from the end once, windows that do not fit are dropped."""
+    r = np.random.default_rng(seed)
+    two_d = bool(r.integers(0, 2))
+    shape = (int(r.integers(1, 9)), int(r.integers(1, 9))) if two_d else (int(r.integers(1, 41)),)
+    n = shape[0]
+    dtype = [np.int32, np.float32][int(r.integers(0, 2))]
+    op = ["add", "set"][int(r.integers(0, 2))]
+    m = int(r.integers(1, 61))
+    if op == "set":         # distinct valid positions (JAX leaves the winner of repeats open)
+        m = min(m, n)
+        idx = r.permutation(n)[:m] - n * r.integers(0, 2, m)      # some written as negative
+    else:
+        idx = r.integers(-2 * n, 2 * n, m)
+    idx = idx.astype(np.int32)
+    upd = r.integers(-9, 10, (m,) + shape[1:]).astype(dtype)
+    x0 = r.integers(-9, 10, shape).astype(dtype)
+
+    def body(i, x):
+        u = jnp.asarray(upd) + i.astype(dtype)
+        return x.at[jnp.asarray(idx)].add(u) if op == "add" else x.at[jnp.asarray(idx)].set(u)
+
+    def ref(x, steps):
+        x = x.astype(np.float64)
+        norm = np.where(idx < 0, idx + n, idx)
+        ok = (norm >= 0) & (norm < n)
+        for i in range(steps):
+            u = upd.astype(np.float64) + i
+            if op == "add":
+                np.add.at(x, norm[ok], u[ok])
+            else:
+                x[norm[ok]] = u[ok]
+        return x
+    return x0, body, ref
+
+
+@pytest.mark.parametrize("seed", range(24))
+def test_random_scatters_to_computed_indices_match_numpy(seed):
+    x0, body, ref = _scatter_case(seed)
+    got = np.asarray(lk.fori_loop(0, 3, body, jnp.asarray(x0), fallback="error"))
+    np.testing.assert_array_equal(got, ref(x0, 3).astype(x0.dtype))
+    np.testing.assert_array_equal(got, np.asarray(lax.fori_loop(0, 3, body, jnp.asarray(x0))))
+
+
 def test_batched_gathers_and_scatters(rng):
     """jnp.take_along_axis / put_along_axis and vmapped x[j], x.at[j].add/set inside the body
     (gathers and scatters with operand_batching_dims): along the batched dimension each element
