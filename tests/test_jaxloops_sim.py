@@ -23,8 +23,9 @@ def lowered(body, carry):
     return loops._kernel(plan), plan
 
 
-def run_lowered(body, carry, steps, backend):
-    """Run the lowered step ``steps`` times on NumPy arrays (loop index from 0); the new carry."""
+def run_lowered(body, carry, steps, backend, **kw):
+    """Run the lowered step ``steps`` times on NumPy arrays (loop index from 0); the new carry.
+    ``kw``: more options of the call (``scope=``)."""
     mk, plan = lowered(body, carry)
     args, first = [], None
     for name, role, k in plan.params:
@@ -40,8 +41,8 @@ def run_lowered(body, carry, steps, backend):
             args.append(np.asarray(CONSTS[k]))
         else:
             raise AssertionError(role)
-    run = mk(*args, steps=steps, backend=backend, threads=64, blocks=1)
-    assert run.steps == steps
+    run = mk(*args, steps=steps, backend=backend, threads=64, blocks=1, **kw)
+    assert run.steps == steps and run.scope == kw.get("scope", run.scope)
     return first, plan
 
 
@@ -190,4 +191,24 @@ def test_sort_read_back_by_neighbours(backend):
     for i in range(4):
         s = np.sort(ref)
         ref = (np.roll(s, 7) * 3 + s + i) % 101
+    np.testing.assert_array_equal(got, ref)
+
+
+@pytest.mark.sim
+@pytest.mark.parametrize("nested", ["unrolled", "phased"])
+def test_nested_stencil_loops_in_tile_mode(nested):
+    """The stencil analysis takes the unrolled and phased forms of a nested stencil loop for
+    stencils (every loop over one index space, constant offsets), so scope="auto" may run them in
+    tile mode on a GPU: the same exact shifts there, the scratch buffers' neighbour reads behind
+    their barriers."""
+    a0 = (np.arange(64, dtype=np.int32) * 7) % 19
+
+    def body(i, a):
+        count = 3 if nested == "unrolled" else i + 1
+        return lax.fori_loop(0, count, lambda j, v: (jnp.roll(v, 1) * 2 + jnp.roll(v, -1) + j) % 1000, a)
+    got, plan = run_lowered(body, a0, 4, "cuda", scope="tile")
+    ref = a0.astype(np.int64)
+    for i in range(4):
+        for j in range(3 if nested == "unrolled" else i + 1):
+            ref = (np.roll(ref, 1) * 2 + np.roll(ref, -1) + j) % 1000
     np.testing.assert_array_equal(got, ref)

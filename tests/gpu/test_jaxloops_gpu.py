@@ -263,3 +263,39 @@ def test_sort_and_round_on_the_gpu(rng):
     for _ in range(2):
         ref = np.sort(np.round(ref * np.float32(0.9)), axis=1) + np.sort(np.floor(ref), axis=0) * np.float32(0.01)
     np.testing.assert_array_equal(got, ref)
+
+
+@pytest.mark.parametrize("scope", ["grid", "tile"])
+@pytest.mark.parametrize("nested", ["unrolled", "phased"])
+def test_nested_stencil_loops_across_blocks_on_the_gpu(nested, scope):
+    """The unrolled and phased forms of a nested stencil loop are stencils to the analysis, so
+    scope="auto" may pick tile mode for them: exact integer shifts over 7 blocks in both scopes,
+    the scratch buffers' neighbour reads crossing tiles behind their barriers."""
+    from jax import lax
+    from loopkern.jaxloops import loops
+    n = 5000
+    a0 = ((np.arange(n) * 7) % 19).astype(np.int32)
+
+    def body(i, a):
+        count = 3 if nested == "unrolled" else i + 1
+        return lax.fori_loop(0, count, lambda j, v: (jnp.roll(v, 1) * 2 + jnp.roll(v, -1) + j) % 1000, a)
+    traced = loops._trace_body(lambda i, x: [body(i, x)], [loops._aval(a0)], lead=(jax.ShapeDtypeStruct((), np.int32),))
+    plan = loops._lower(loops.flatten(traced[0]), [("index",), ("carry", 0)], {0: 0}, {0: 1})
+    mk = loops._kernel(plan)
+    args, first = [], None
+    for _, role, k in plan.params:
+        if role in ("carry", "carry_next"):
+            args.append(a0.copy())
+            first = args[-1] if role == "carry" else first
+        elif role == "lo":
+            args.append(np.int32(0))
+        else:
+            assert role == "scratch"
+            args.append(np.zeros(*k))
+    run = mk(*args, steps=5, backend="cuda", scope=scope, blocks=7, threads=128)
+    assert run.scope == scope and run.steps == 5
+    ref = a0.astype(np.int64)
+    for i in range(5):
+        for j in range(3 if nested == "unrolled" else i + 1):
+            ref = (np.roll(ref, 1) * 2 + np.roll(ref, -1) + j) % 1000
+    np.testing.assert_array_equal(first, ref)
