@@ -212,3 +212,25 @@ def test_nested_stencil_loops_in_tile_mode(nested):
         for j in range(3 if nested == "unrolled" else i + 1):
             ref = (np.roll(ref, 1) * 2 + np.roll(ref, -1) + j) % 1000
     np.testing.assert_array_equal(got, ref)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_phased_window_update_keeps_the_cells_outside(backend):
+    """A nested loop in phases that writes only a window of its carry (v.at[2:-3].set(...)):
+    the two buffers swap roles every iteration and the cells outside the window, written by
+    no iteration, must hold the initial values in both (an odd and an even count)."""
+    a0 = (np.arange(50, dtype=np.int32) * 11) % 23
+
+    def body(i, a):
+        return lax.fori_loop(0, i + 2, lambda j, v: v.at[2:-3].set((v[1:-4] + 2 * v[3:-2] + j) % 97), a * 2 % 89)
+    got, plan = run_lowered(body, a0, 3, backend)
+    assert "while go" in plan.source
+    ref = a0.astype(np.int64)
+    for i in range(3):
+        v = ref * 2 % 89
+        for j in range(i + 2):
+            w = v.copy()
+            w[2:-3] = (v[1:-4] + 2 * v[3:-2] + j) % 97
+            v = w
+        ref = v
+    np.testing.assert_array_equal(got, ref)
