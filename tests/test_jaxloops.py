@@ -445,8 +445,8 @@ def test_an_unsupported_primitive_inside_a_branch_falls_back_naming_it(rng):
     x0 = f32(rng, 20)
 
     def body(i, x):
-        return lax.cond(i > 2, lambda y: jnp.linalg.solve(jnp.eye(20) + 0.1, y), lambda y: y * 0.5, x)
-    assert_falls_back(body, x0, 4, "lu")
+        return lax.cond(i > 2, lambda y: jnp.linalg.cholesky(jnp.outer(y, y) + jnp.eye(20))[:, 0], lambda y: y * 0.5, x)
+    assert_falls_back(body, x0, 4, "cholesky")
 
 
 # ------------------------------------------------------------------------------ argmax, argmin
@@ -751,6 +751,35 @@ def test_floor_ceil_and_round_of_special_values():
                 np.testing.assert_array_equal(np.signbit(got), np.signbit(ref))
 
 
+def test_dense_solves_of_small_matrices(rng):
+    """jnp.linalg.solve / inv and jax.scipy.linalg.solve_triangular (lu with partial pivoting,
+    triangular_solve: one thread, a barrier), with a matrix that changes every step, several
+    right-hand sides, float32 and float64; a matrix above 64 x 64 falls back naming lu."""
+    a = jnp.asarray(rng.normal(size=(7, 7)).astype(np.float32))
+    x0 = f32(rng, 7, 3)
+
+    def solves(i, x):
+        m = a + jnp.diag(2.0 + x[:, 0])                         # pivoting needed: a is not dominant
+        return jnp.linalg.solve(m, x) * 0.3 + x * 0.5 + 0.01 * jnp.linalg.inv(m)[:, :3]
+    same(lk.fori_loop(0, 4, solves, x0, fallback="error"), lax.fori_loop(0, 4, solves, x0), exact=False,
+         rtol=1e-4, atol=1e-5)
+
+    def triangular(i, x):
+        lo = jnp.tril(a) + 3.0 * jnp.eye(7)
+        return x * 0.5 + 0.1 * (jax.scipy.linalg.solve_triangular(lo, x, lower=True)
+                                + jax.scipy.linalg.solve_triangular(lo.T, x, lower=False, trans=1))
+    same(lk.fori_loop(0, 4, triangular, x0, fallback="error"), lax.fori_loop(0, 4, triangular, x0), exact=False,
+         rtol=1e-5, atol=1e-6)
+    with _x64():
+        a64, v0 = jnp.asarray(rng.normal(size=(9, 9))), jnp.asarray(rng.random(9))
+        step = lambda i, v: jnp.linalg.solve(a64 + jnp.diag(3.0 + v), v) + 0.1
+        same(lk.fori_loop(0, 5, step, v0, fallback="error"), lax.fori_loop(0, 5, step, v0), exact=False,
+             rtol=1e-10, atol=1e-12)
+    big = f32(rng, 70)
+    assert_falls_back(lambda i, v: jnp.linalg.solve(jnp.eye(70) * 2.0 + 0.01, v), big, 2, "lu",
+                      error_match="lu.*at most 64")
+
+
 def test_sorts_as_jax_orders_them(rng):
     """jnp.sort and argsort along either axis: NaNs (of either sign) last, -0.0 and 0.0 equal,
     ties kept in place (argsort of a vector with repeats, bit for bit), integers; rows longer
@@ -956,32 +985,32 @@ def test_nested_loops_that_read_other_elements_run_unrolled(rng):
 
 
 # ------------------------------------------------------------------------------ fallback
-def solving_body(i, x):             # a dense solve: an LU factorisation, outside the subset
-    return jnp.linalg.solve(jnp.eye(x.shape[0]) * 2.0 + 0.01, x) * 0.5 + x[::-1] * 0.5
+def factorising_body(i, x):         # a Cholesky factorisation, outside the subset
+    return jnp.linalg.cholesky(jnp.outer(x, x) + jnp.eye(x.shape[0]))[:, 0] * 0.5 + x[::-1] * 0.5
 
 
 def test_fallback_warns_once_naming_the_primitive_and_line(rng):
     x0 = f32(rng, 20)
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
-        got = lk.fori_loop(0, 4, solving_body, x0)
+        got = lk.fori_loop(0, 4, factorising_body, x0)
     msgs = [str(m.message) for m in w if issubclass(m.category, lk.JaxLoopWarning)]
     assert len(msgs) == 1
-    assert "'lu'" in msgs[0] and "test_jaxloops.py:" in msgs[0] and "jax.lax.fori_loop" in msgs[0]
-    same(got, lax.fori_loop(0, 4, solving_body, x0))
+    assert "'cholesky'" in msgs[0] and "test_jaxloops.py:" in msgs[0] and "jax.lax.fori_loop" in msgs[0]
+    same(got, lax.fori_loop(0, 4, factorising_body, x0))
 
 
 def test_fallback_error_raises_a_step_syntax_error(rng):
     x0 = f32(rng, 20)
-    with pytest.raises(lk.StepSyntaxError, match="'lu'") as info:
-        lk.fori_loop(0, 4, solving_body, x0, fallback="error")
+    with pytest.raises(lk.StepSyntaxError, match="'cholesky'") as info:
+        lk.fori_loop(0, 4, factorising_body, x0, fallback="error")
     assert "test_jaxloops.py" in str(info.value)
     with pytest.raises(lk.StepSyntaxError, match="cumlogsumexp"):
         lk.while_loop(lambda c: c[1] < 3, lambda c: (lax.cumlogsumexp(c[0]), c[1] + 1), (x0, 0), fallback="error")
     with pytest.raises(lk.StepSyntaxError, match="scan"):          # a long nested scan over xs
         lk.fori_loop(0, 3, lambda i, x: x + lax.scan(lambda c, v: (c + v, c), 0.0, x)[0], x0, fallback="error")
     with pytest.raises(lk.ArgumentError, match="fallback"):
-        lk.fori_loop(0, 4, solving_body, x0, fallback="maybe")
+        lk.fori_loop(0, 4, factorising_body, x0, fallback="maybe")
     # a scatter that multiplies: not compiled (adds and stores are)
     with pytest.raises(lk.StepSyntaxError, match="scatter.mul"):
         lk.fori_loop(0, 4, lambda i, x: x.at[jnp.array([3, 1, 7])].multiply(0.5), x0, fallback="error")
@@ -1016,8 +1045,8 @@ def test_fallback_inside_jit_and_silent(rng):
     x0 = f32(rng, 20)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        got = jax.jit(lambda x: lk.fori_loop(0, 3, solving_body, x, fallback="silent"))(x0)
-    same(got, jax.jit(lambda x: lax.fori_loop(0, 3, solving_body, x))(x0))
+        got = jax.jit(lambda x: lk.fori_loop(0, 3, factorising_body, x, fallback="silent"))(x0)
+    same(got, jax.jit(lambda x: lax.fori_loop(0, 3, factorising_body, x))(x0))
 
 
 # ------------------------------------------------------------------------------ derivatives, vmap

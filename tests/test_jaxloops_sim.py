@@ -15,18 +15,18 @@ BACKENDS = [pytest.param("cpu", id="cpu"), pytest.param("cuda", id="sim", marks=
 
 
 def lowered(body, carry):
-    """The MegaKernel of ``body(i, carry)`` (a single array carry) and its plan."""
+    """The MegaKernel of ``body(i, carry)`` (a single array carry), its plan and program."""
     traced = loops._trace_body(lambda i, x: [body(i, x)], [loops._aval(carry)],
                                lead=(jax.ShapeDtypeStruct((), np.int32),))
     prog = loops.flatten(traced[0])
     plan = loops._lower(prog, [("index",), ("carry", 0)], {0: 0}, {0: 1})
-    return loops._kernel(plan), plan
+    return loops._kernel(plan), plan, prog
 
 
 def run_lowered(body, carry, steps, backend, **kw):
     """Run the lowered step ``steps`` times on NumPy arrays (loop index from 0); the new carry.
     ``kw``: more options of the call (``scope=``)."""
-    mk, plan = lowered(body, carry)
+    mk, plan, prog = lowered(body, carry)
     args, first = [], None
     for name, role, k in plan.params:
         if role in ("carry", "carry_next"):
@@ -37,16 +37,14 @@ def run_lowered(body, carry, steps, backend, **kw):
         elif role == "scratch":
             shape, dtype = k
             args.append(np.full(shape, 77, dtype))       # never read before it is written
-        elif role == "const":
-            args.append(np.asarray(CONSTS[k]))
+        elif role == "const":         # an array the body closed over
+            args.append(np.asarray(prog.consts[k][1]))
         else:
             raise AssertionError(role)
     run = mk(*args, steps=steps, backend=backend, threads=64, blocks=1, **kw)
     assert run.steps == steps and run.scope == kw.get("scope", run.scope)
     return first, plan
 
-
-CONSTS = []
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -234,3 +232,21 @@ def test_phased_window_update_keeps_the_cells_outside(backend):
             v = w
         ref = v
     np.testing.assert_array_equal(got, ref)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_dense_solve_waits_for_the_factorisation(backend):
+    """jnp.linalg.solve in the body: one thread factorises and substitutes (lu, two triangular
+    solves), the others wait at the barriers before reading the result."""
+    rng = np.random.default_rng(5)
+    a = rng.normal(size=(12, 12)).astype(np.float32) + 4.0 * np.eye(12, dtype=np.float32)
+    x0 = rng.random(12).astype(np.float32)
+
+    def body(i, x):
+        return jnp.linalg.solve(jnp.asarray(a), x) + 0.5
+    got, plan = run_lowered(body, x0, 3, backend)
+    assert plan.source.count("lk.thread_id() == 0") == 3
+    x = x0.astype(np.float64)
+    for _ in range(3):
+        x = np.linalg.solve(a.astype(np.float64), x) + 0.5
+    np.testing.assert_allclose(got, x, rtol=1e-5, atol=1e-6)

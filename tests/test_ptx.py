@@ -71,8 +71,8 @@ def test_cuda_kernels_compile_to_ptx():
     lowered = {r["kernel"]: r for r in recs if r["kernel"].startswith("jaxloops:")}
     if importlib.util.find_spec("jax") is not None:
         assert sorted(lowered) == ["jaxloops:histogram", "jaxloops:nested_newton", "jaxloops:nested_while",
-                                   "jaxloops:phased", "jaxloops:segment_sum", "jaxloops:sort_round",
-                                   "jaxloops:unrolled"]
+                                   "jaxloops:phased", "jaxloops:segment_sum", "jaxloops:solve",
+                                   "jaxloops:sort_round", "jaxloops:unrolled"]
         assert lowered["jaxloops:histogram"]["atomics"] and lowered["jaxloops:segment_sum"]["atomics"]
         assert not lowered["jaxloops:nested_newton"]["atomics"]
     else:

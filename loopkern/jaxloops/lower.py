@@ -43,6 +43,9 @@ SCATTERS = ("scatter", "scatter-add", "scatter_add")
 UNROLL_MAX = 16
 #: the longest rows ``sort`` handles (each element counts the row's smaller ones: O(n^2) work)
 SORT_MAX = 4096
+#: the largest matrix ``lu`` / ``triangular_solve`` handle (one thread: O(n^3) work)
+LINALG_MAX = 64
+LINALG = ("lu", "triangular_solve")
 _UNROLL_HINT = (f"(a nested loop runs per element when it updates its array carries elementwise, and unrolled "
                 f"when its count is static and at most {UNROLL_MAX})")
 
@@ -321,6 +324,7 @@ class Lowering:
         self.inner_vars = set()     # every Var a nested loop's body or condition defines
         self.inner_blocks = []      # the blocks of the nested loop bodies being lowered
         self.nested_checked = set()
+        self.serial, self.serial_text = [], []     # (stage, eqn): one thread's work (lu, ...)
         self.phased_marked = set()  # the nested loops that run in phases
         self.phased = {}            # ... -> its PhasedLoop
         self.phased_text = {}       # ... -> its statements (generated with the parallel loops)
@@ -439,7 +443,7 @@ class Lowering:
             for o in e.outs:
                 if o.dtype not in OK_DTYPES:
                     self.unsupported(e, f"dtype {o.dtype}")
-            if e.prim not in RULES and e.prim not in REDUCTIONS + SCATTERS + ("materialize", "sort"):
+            if e.prim not in RULES and e.prim not in REDUCTIONS + SCATTERS + LINALG + ("materialize", "sort"):
                 self.unsupported(e)
 
     # ---------------------------------------------------------------- stages
@@ -450,7 +454,7 @@ class Lowering:
             return self.stage_memo[a]
         e = a.eqn
         s = max([self.stage(x) for x in e.ins] or [0])
-        if e.prim in ("materialize", "sort") or e in self.phased_marked:
+        if e.prim in ("materialize", "sort") + LINALG or e in self.phased_marked:
             s += 1      # stored in the stage of its operands (or inputs), read after a barrier
         elif self.computed_scatter(e):
             # the operand is copied into the buffer in its own stage, the updates go in after a
@@ -947,13 +951,17 @@ class Lowering:
         and after another barrier later stages read the buffer. The stages are :meth:`stage`'s.
         ``direct`` maps a value that is only a new carry to that carry's second buffer, which is
         then its buffer (nothing else writes it during the step)."""
-        found = [v for v in self.computed_from(roots) if v.eqn.prim in ("materialize", "sort") or
+        found = [v for v in self.computed_from(roots) if v.eqn.prim in ("materialize", "sort") + LINALG or
                  self.computed_scatter(v.eqn) or v.eqn in self.phased_marked]
         for v in sorted(found, key=self.stage):
             e = v.eqn
             if e.prim == "sort":
                 if v not in self.scratch:
                     self.materialize_sort(e)
+                continue
+            if e.prim in LINALG:
+                if v not in self.scratch:
+                    self.materialize_linalg(e)
                 continue
             if e in self.phased_marked:
                 if e not in self.phased:
@@ -1000,6 +1008,79 @@ class Lowering:
         st = max(self.stage(a) for a in e.ins)
         self.add_item(st, shape, Item("sort", e, tuple((0, n) for n in shape)))
         self.syncs.add(st)
+
+    def materialize_linalg(self, e: Eqn):
+        """``lu`` (partial pivoting, as LAPACK's getrf: the first largest magnitude in the column)
+        and ``triangular_solve`` (left side) of one matrix of at most :data:`LINALG_MAX`, which is
+        what ``jnp.linalg.solve`` is made of: one thread computes each into the results' buffers
+        in the inputs' stage; read after a barrier."""
+        a = e.ins[0]
+        if len(a.shape) != 2 or a.shape[0] != a.shape[1] or a.shape[0] > LINALG_MAX or a.dtype.kind != "f":
+            self.unsupported(e, f"one float matrix of at most {LINALG_MAX} x {LINALG_MAX} only")
+        if e.prim == "triangular_solve" and (not e.params.get("left_side", False) or len(e.ins[1].shape) != 2):
+            self.unsupported(e, "a solve from the left of a 2-D right-hand side only")
+        for o in e.outs:
+            self.scratch[o] = self.add_param(self.fresh("h"), "scratch", (tuple(o.shape), o.dtype))
+        st = max(self.stage(x) for x in e.ins)
+        self.serial.append((st, e))
+        self.syncs.add(st)
+
+    def render_linalg(self, e: Eqn, B: Block):
+        n = e.ins[0].shape[0]
+        i, j, k = self.fresh("r"), self.fresh("c"), self.fresh("k")
+        whole = (Ix(i, 0, 0, n - 1), Ix(j, 0, 0, n - 1))
+        if e.prim == "lu":
+            lu, piv, perm = (self.scratch[o] for o in e.outs)
+            cell = Block(B.stage, B.indent, loop=B.loop, parent=B)
+            val = self.E(e.ins[0], whole, None, cell)
+            p, best, v, t, d, f = (self.fresh(x) for x in ("p", "best", "v", "t", "d", "f"))
+            B.lines += [f"for {i} in range({n}):", f"    {perm}[{i}] = {i}", f"    for {j} in range({n}):"]
+            B.lines += ["        " + ln for ln in cell.lines] + [f"        {lu}[{i}, {j}] = {val}"]
+            B.lines += [
+                f"for {k} in range({n}):",
+                f"    {p} = {k}",
+                f"    {best} = abs({lu}[{k}, {k}])",
+                f"    for {i} in range({k} + 1, {n}):",
+                f"        {v} = abs({lu}[{i}, {k}])",
+                f"        if {v} > {best}:",
+                f"            {best} = {v}",
+                f"            {p} = {i}",
+                f"    {piv}[{k}] = {p}",
+                f"    if {p} != {k}:",
+                f"        for {j} in range({n}):",
+                f"            {t} = {lu}[{k}, {j}]",
+                f"            {lu}[{k}, {j}] = {lu}[{p}, {j}]",
+                f"            {lu}[{p}, {j}] = {t}",
+                f"        {t} = {perm}[{k}]",
+                f"        {perm}[{k}] = {perm}[{p}]",
+                f"        {perm}[{p}] = {t}",
+                f"    {d} = {lu}[{k}, {k}]",
+                f"    if {d} != 0:",
+                f"        for {i} in range({k} + 1, {n}):",
+                f"            {f} = {lu}[{i}, {k}] / {d}",
+                f"            {lu}[{i}, {k}] = {f}",
+                f"            for {j} in range({k} + 1, {n}):",
+                f"                {lu}[{i}, {j}] = {lu}[{i}, {j}] - {f} * {lu}[{k}, {j}]"]
+            return
+        a, b = e.ins
+        x = self.scratch[e.outs[0]]
+        p = e.params
+        lower, trans = bool(p.get("lower")), bool(p.get("transpose_a"))
+        forward = lower != trans
+        col, acc = self.fresh("col"), self.fresh("acc")
+        order = f"range({n})" if forward else f"range({n - 1}, -1, -1)"
+        inner = f"range({i})" if forward else f"range({i} + 1, {n})"
+        row = Block(B.stage, B.indent, loop=B.loop, parent=B)
+        rhs = self.E(b, (Ix(i, 0, 0, n - 1), Ix(col, 0, 0, b.shape[1] - 1)), None, row)
+        diag = self.E(a, (Ix(i, 0, 0, n - 1), Ix(i, 0, 0, n - 1)), None, row)
+        term = Block(B.stage, B.indent, loop=B.loop, parent=row)
+        aij = self.E(a, (Ix(j, 0, 0, n - 1), Ix(i, 0, 0, n - 1)) if trans else (Ix(i, 0, 0, n - 1), Ix(j, 0, 0, n - 1)),
+                     None, term)
+        B.lines += [f"for {col} in range({b.shape[1]}):", f"    for {i} in {order}:"]
+        B.lines += ["        " + ln for ln in row.lines] + [f"        {acc} = {rhs}", f"        for {j} in {inner}:"]
+        B.lines += ["            " + ln for ln in term.lines]
+        B.lines += [f"            {acc} = {acc} - {aij} * {x}[{j}, {col}]",
+                    f"        {x}[{i}, {col}] = {acc}" + ("" if p.get("unit_diagonal") else f" / {diag}")]
 
     def render_sort(self, it: Item, ix: tuple, B: Block):
         e = it.atom
@@ -1222,7 +1303,7 @@ class Lowering:
         """Whether the statements of :meth:`stage_lines` end with a grid reduction (a barrier)
         after the last parallel loop."""
         stages = ({s for s, b in self.pre.items() if b.lines} | {L.stage for L in self.loops} | set(self.post)
-                  | {p.stage for p in self.phased.values()})
+                  | {p.stage for p in self.phased.values()} | {st for st, _ in self.serial})
         last = max(stages, default=None)
         return last is not None and bool(self.post.get(last)) and last not in {p.stage for p in self.phased.values()}
 
@@ -1232,7 +1313,8 @@ class Lowering:
         nested loops that run in phases after it."""
         out = []
         stages = sorted(set(self.pre) | {L.stage for L in self.loops} | set(self.post) |
-                        {f[3] for f in self.final} | {p.stage for p in self.phased.values()})
+                        {f[3] for f in self.final} | {p.stage for p in self.phased.values()} |
+                        {st for st, _ in self.serial})
         synced = False      # the barrier a stage's loops end with goes before the next stage
         for s in stages:
             if synced:
@@ -1252,6 +1334,9 @@ class Lowering:
                     out.append(f"    for {', '.join(L.names)} in lk.grid({dims}):")
                 body = L.body.lines or ["pass"]
                 out += ["        " + ln for ln in body]
+            for st, lines in self.serial_text:      # one thread's work (a factorisation)
+                if st == s:
+                    out += ["    if lk.thread_id() == 0:"] + ["        " + ln for ln in lines]
             post = self.post.get(s, [])
             out += ["    " + ln for ln in post]
             synced = s in self.syncs and not post      # a grid reduction is a barrier already
@@ -1311,6 +1396,10 @@ class Lowering:
                     L.body.lines.append(store)
         for e, lines in self.phased_text.items():
             lines += self.phased[e].text()
+        for st, e in self.serial:
+            block = Block(st, "", parent=None)
+            self.render_linalg(e, block)
+            self.serial_text.append((st, block.lines))
 
     def _finals_in_order(self) -> list:
         """The final stores, the scalar carries' last. A carry is read back at the start of the
@@ -1378,6 +1467,7 @@ class PhaseLowering(Lowering):
         self.scratch, self.syncs = {}, set()
         self.sub_env, self.inner_vars, self.inner_blocks = {}, set(), []
         self.nested_checked, self.phased_marked, self.phased, self.phased_text = set(), set(), {}, {}
+        self.serial, self.serial_text = [], []
         self.unroll_nested()
         self.own = set(carries)
         for e in _all(self.prog.eqns):

@@ -198,6 +198,20 @@ def flatten(closed) -> Program:
                 continue
             if nested_loop(e, env, where):
                 continue
+            if name == "custom_linear_solve":
+                # the forward value is the solve function applied to b (the other three
+                # functions are for derivatives, which run through jax.lax anyway)
+                lens, fns = e.params["const_lengths"], e.params["jaxprs"]
+                ins = [atom(env, a) for a in e.invars]
+                start = lens.matvec + lens.vecmat
+                solve = fns.solve
+                senv = {v: _const(v, c) for v, c in zip(solve.jaxpr.constvars, solve.consts)}
+                for v, a in zip(solve.jaxpr.invars, ins[start:start + lens.solve] + ins[sum(lens):]):
+                    senv[v] = a
+                run(solve.jaxpr, senv, where)
+                for v, o in zip(e.outvars, solve.jaxpr.outvars):
+                    env[v] = atom(senv, o)
+                continue
             ins = [atom(env, a) for a in e.invars]
             outs = results(e, env)
             eq = Eqn(name, dict(e.params), ins, outs, where)

@@ -299,3 +299,18 @@ def test_nested_stencil_loops_across_blocks_on_the_gpu(nested, scope):
         for j in range(3 if nested == "unrolled" else i + 1):
             ref = (np.roll(ref, 1) * 2 + np.roll(ref, -1) + j) % 1000
     np.testing.assert_array_equal(first, ref)
+
+
+def test_dense_solve_on_the_gpu(rng):
+    """jnp.linalg.solve of a 48 x 48 matrix that changes every step (one thread factorises, the
+    grid waits), against NumPy's float64 solve."""
+    a = (rng.normal(size=(48, 48)) * 0.3).astype(np.float32)         # well conditioned with the diagonal
+    x0 = rng.random((48, 4)).astype(np.float32)
+
+    def body(i, x):
+        return jnp.linalg.solve(jnp.asarray(a) + jnp.diag(np.float32(3.0) + x[:, 0]), x) + np.float32(0.5)
+    got = np.asarray(jax.jit(lambda x: lk.fori_loop(0, 6, body, x, fallback="error"))(jnp.asarray(x0)), np.float64)
+    ref = x0.astype(np.float64)
+    for _ in range(6):
+        ref = np.linalg.solve(a.astype(np.float64) + np.diag(3.0 + ref[:, 0]), ref) + 0.5
+    assert np.abs(got - ref).max() < 1e-3 * max(1.0, np.abs(ref).max())
