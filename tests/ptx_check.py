@@ -273,7 +273,8 @@ if jax is not None:
               ("unrolled", lambda i, x: lax.fori_loop(0, 3, lambda j, y: jnp.roll(y, 1) * 0.5 + x, x),
                np.ones(8, f32)),
               ("sort_round", lambda i, x: jnp.sort(jnp.round(x * 3.0) + jnp.floor(x)) * 0.25, np.ones(8, f32)),
-              ("solve", lambda i, x: jnp.linalg.solve(jnp.eye(8) * 2.0 + 0.1 * x[:, None], x), np.ones(8, f32)),
+              ("solve", lambda i, x: jnp.linalg.solve(jnp.eye(8) * 2.0 + 0.1 * x[:, None], x)
+               + jnp.linalg.cholesky(jnp.eye(8) * 2.0 + 0.1 * jnp.outer(x, x))[:, 0], np.ones(8, f32)),
               ("phased", lambda i, x: lax.while_loop(lambda c: c[1] > 1e-3, lambda c: (
                   jnp.roll(c[0], 1) * 0.5, jnp.max(c[0]) * 0.5), (x, jnp.float32(1.0)))[0], np.ones(8, f32))]
     for label, body, c in BODIES:

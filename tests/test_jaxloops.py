@@ -445,8 +445,8 @@ def test_an_unsupported_primitive_inside_a_branch_falls_back_naming_it(rng):
     x0 = f32(rng, 20)
 
     def body(i, x):
-        return lax.cond(i > 2, lambda y: jnp.linalg.cholesky(jnp.outer(y, y) + jnp.eye(20))[:, 0], lambda y: y * 0.5, x)
-    assert_falls_back(body, x0, 4, "cholesky")
+        return lax.cond(i > 2, lambda y: jnp.linalg.eigh(jnp.outer(y, y) + jnp.eye(20))[0], lambda y: y * 0.5, x)
+    assert_falls_back(body, x0, 4, "eigh")
 
 
 # ------------------------------------------------------------------------------ argmax, argmin
@@ -780,6 +780,26 @@ def test_dense_solves_of_small_matrices(rng):
                       error_match="lu.*at most 64")
 
 
+def test_cholesky_positive_definite_or_not(rng):
+    """jnp.linalg.cholesky (lower factor, zeros above) and cho_solve of a matrix that changes
+    every step; a matrix that is not positive definite gives NaN everywhere, as in JAX."""
+    a = jnp.asarray(rng.normal(size=(6, 6)).astype(np.float32))
+    x0 = f32(rng, 6)
+
+    def spd(i, x):
+        m = a @ a.T + jnp.diag(1.0 + x)
+        return jnp.linalg.cholesky(m)[:, 2] * 0.3 + x * 0.5 + 0.1 * jax.scipy.linalg.cho_solve(
+            jax.scipy.linalg.cho_factor(m, lower=True), x)
+    same(lk.fori_loop(0, 4, spd, x0, fallback="error"), lax.fori_loop(0, 4, spd, x0), exact=False, rtol=1e-5)
+
+    def indefinite(i, x):
+        return jnp.linalg.cholesky(a + jnp.diag(x) * (i + 1.0))
+    got = lk.fori_loop(0, 1, lambda i, m: indefinite(i, m[0]), jnp.zeros((6, 6)) + x0, fallback="error")
+    ref = lax.fori_loop(0, 1, lambda i, m: indefinite(i, m[0]), jnp.zeros((6, 6)) + x0)
+    assert np.isnan(np.asarray(ref)).any()                      # the case this checks
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(ref))
+
+
 def test_sorts_as_jax_orders_them(rng):
     """jnp.sort and argsort along either axis: NaNs (of either sign) last, -0.0 and 0.0 equal,
     ties kept in place (argsort of a vector with repeats, bit for bit), integers; rows longer
@@ -985,8 +1005,8 @@ def test_nested_loops_that_read_other_elements_run_unrolled(rng):
 
 
 # ------------------------------------------------------------------------------ fallback
-def factorising_body(i, x):         # a Cholesky factorisation, outside the subset
-    return jnp.linalg.cholesky(jnp.outer(x, x) + jnp.eye(x.shape[0]))[:, 0] * 0.5 + x[::-1] * 0.5
+def factorising_body(i, x):         # eigenvalues (eigh), outside the subset
+    return jnp.linalg.eigh(jnp.outer(x, x) + jnp.eye(x.shape[0]))[0] * 0.5 + x[::-1] * 0.5
 
 
 def test_fallback_warns_once_naming_the_primitive_and_line(rng):
@@ -996,13 +1016,13 @@ def test_fallback_warns_once_naming_the_primitive_and_line(rng):
         got = lk.fori_loop(0, 4, factorising_body, x0)
     msgs = [str(m.message) for m in w if issubclass(m.category, lk.JaxLoopWarning)]
     assert len(msgs) == 1
-    assert "'cholesky'" in msgs[0] and "test_jaxloops.py:" in msgs[0] and "jax.lax.fori_loop" in msgs[0]
+    assert "'eigh'" in msgs[0] and "test_jaxloops.py:" in msgs[0] and "jax.lax.fori_loop" in msgs[0]
     same(got, lax.fori_loop(0, 4, factorising_body, x0))
 
 
 def test_fallback_error_raises_a_step_syntax_error(rng):
     x0 = f32(rng, 20)
-    with pytest.raises(lk.StepSyntaxError, match="'cholesky'") as info:
+    with pytest.raises(lk.StepSyntaxError, match="'eigh'") as info:
         lk.fori_loop(0, 4, factorising_body, x0, fallback="error")
     assert "test_jaxloops.py" in str(info.value)
     with pytest.raises(lk.StepSyntaxError, match="cumlogsumexp"):

@@ -45,7 +45,7 @@ UNROLL_MAX = 16
 SORT_MAX = 4096
 #: the largest matrix ``lu`` / ``triangular_solve`` handle (one thread: O(n^3) work)
 LINALG_MAX = 64
-LINALG = ("lu", "triangular_solve")
+LINALG = ("lu", "triangular_solve", "cholesky")
 _UNROLL_HINT = (f"(a nested loop runs per element when it updates its array carries elementwise, and unrolled "
                 f"when its count is static and at most {UNROLL_MAX})")
 
@@ -1010,10 +1010,11 @@ class Lowering:
         self.syncs.add(st)
 
     def materialize_linalg(self, e: Eqn):
-        """``lu`` (partial pivoting, as LAPACK's getrf: the first largest magnitude in the column)
-        and ``triangular_solve`` (left side) of one matrix of at most :data:`LINALG_MAX`, which is
-        what ``jnp.linalg.solve`` is made of: one thread computes each into the results' buffers
-        in the inputs' stage; read after a barrier."""
+        """``lu`` (partial pivoting, as LAPACK's getrf: the first largest magnitude in the column),
+        ``triangular_solve`` (left side) and ``cholesky`` of one matrix of at most
+        :data:`LINALG_MAX` (what ``jnp.linalg.solve``, ``inv`` and ``cholesky`` are made of): one
+        thread computes each into the results' buffers in the inputs' stage; read after a
+        barrier."""
         a = e.ins[0]
         if len(a.shape) != 2 or a.shape[0] != a.shape[1] or a.shape[0] > LINALG_MAX or a.dtype.kind != "f":
             self.unsupported(e, f"one float matrix of at most {LINALG_MAX} x {LINALG_MAX} only")
@@ -1062,6 +1063,9 @@ class Lowering:
                 f"            for {j} in range({k} + 1, {n}):",
                 f"                {lu}[{i}, {j}] = {lu}[{i}, {j}] - {f} * {lu}[{k}, {j}]"]
             return
+        if e.prim == "cholesky":
+            self.render_cholesky(e, B)
+            return
         a, b = e.ins
         x = self.scratch[e.outs[0]]
         p = e.params
@@ -1081,6 +1085,39 @@ class Lowering:
         B.lines += ["            " + ln for ln in term.lines]
         B.lines += [f"            {acc} = {acc} - {aij} * {x}[{j}, {col}]",
                     f"        {x}[{i}, {col}] = {acc}" + ("" if p.get("unit_diagonal") else f" / {diag}")]
+
+    def render_cholesky(self, e: Eqn, B: Block):
+        """The lower factor L (zeros above), column by column as LAPACK's potrf; a matrix that is
+        not positive definite (a pivot not above zero, or NaN) gives NaN everywhere, as JAX does."""
+        n = e.ins[0].shape[0]
+        out = self.scratch[e.outs[0]]
+        i, j, k = self.fresh("r"), self.fresh("c"), self.fresh("k")
+        ok, acc, d = self.fresh("ok"), self.fresh("acc"), self.fresh("d")
+        cell = Block(B.stage, B.indent, loop=B.loop, parent=B)
+        val = self.E(e.ins[0], (Ix(i, 0, 0, n - 1), Ix(j, 0, 0, n - 1)), None, cell)
+        nan = literal(np.nan, e.outs[0].dtype)
+        B.lines += [f"for {i} in range({n}):", f"    for {j} in range({n}):"]
+        B.lines += ["        " + ln for ln in cell.lines] + [f"        {out}[{i}, {j}] = {val} if {i} >= {j} else 0"]
+        B.lines += [
+            f"{ok} = True",
+            f"for {j} in range({n}):",
+            f"    {acc} = {out}[{j}, {j}]",
+            f"    for {k} in range({j}):",
+            f"        {acc} = {acc} - {out}[{j}, {k}] * {out}[{j}, {k}]",
+            f"    if not {acc} > 0:",
+            f"        {ok} = False",
+            "        break",
+            f"    {d} = math.sqrt({acc})",
+            f"    {out}[{j}, {j}] = {d}",
+            f"    for {i} in range({j} + 1, {n}):",
+            f"        {acc} = {out}[{i}, {j}]",
+            f"        for {k} in range({j}):",
+            f"            {acc} = {acc} - {out}[{i}, {k}] * {out}[{j}, {k}]",
+            f"        {out}[{i}, {j}] = {acc} / {d}",
+            f"if not {ok}:",
+            f"    for {i} in range({n}):",
+            f"        for {j} in range({n}):",
+            f"            {out}[{i}, {j}] = {nan}"]
 
     def render_sort(self, it: Item, ix: tuple, B: Block):
         e = it.atom
