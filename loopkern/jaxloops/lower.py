@@ -1029,14 +1029,10 @@ class Lowering:
     def render_linalg(self, e: Eqn, B: Block):
         n = e.ins[0].shape[0]
         i, j, k = self.fresh("r"), self.fresh("c"), self.fresh("k")
-        whole = (Ix(i, 0, 0, n - 1), Ix(j, 0, 0, n - 1))
         if e.prim == "lu":
             lu, piv, perm = (self.scratch[o] for o in e.outs)
-            cell = Block(B.stage, B.indent, loop=B.loop, parent=B)
-            val = self.E(e.ins[0], whole, None, cell)
             p, best, v, t, d, f = (self.fresh(x) for x in ("p", "best", "v", "t", "d", "f"))
-            B.lines += [f"for {i} in range({n}):", f"    {perm}[{i}] = {i}", f"    for {j} in range({n}):"]
-            B.lines += ["        " + ln for ln in cell.lines] + [f"        {lu}[{i}, {j}] = {val}"]
+            self._matrix_into(e.ins[0], B, lu, i, j, per_row=[f"{perm}[{i}] = {i}"])
             B.lines += [
                 f"for {k} in range({n}):",
                 f"    {p} = {k}",
@@ -1086,6 +1082,16 @@ class Lowering:
         B.lines += [f"            {acc} = {acc} - {aij} * {x}[{j}, {col}]",
                     f"        {x}[{i}, {col}] = {acc}" + ("" if p.get("unit_diagonal") else f" / {diag}")]
 
+    def _matrix_into(self, a, B: Block, target: str, i: str, j: str, per_row=(), lower_only=False):
+        """Statements that copy the square matrix ``a`` into the buffer ``target`` (zeros above
+        the diagonal with ``lower_only``), with ``per_row`` statements in each row's loop."""
+        n = a.shape[0]
+        cell = Block(B.stage, B.indent, loop=B.loop, parent=B)
+        val = self.E(a, (Ix(i, 0, 0, n - 1), Ix(j, 0, 0, n - 1)), None, cell)
+        B.lines += [f"for {i} in range({n}):"] + ["    " + ln for ln in per_row] + [f"    for {j} in range({n}):"]
+        B.lines += ["        " + ln for ln in cell.lines]
+        B.lines.append(f"        {target}[{i}, {j}] = {val}" + (f" if {i} >= {j} else 0" if lower_only else ""))
+
     def render_cholesky(self, e: Eqn, B: Block):
         """The lower factor L (zeros above), column by column as LAPACK's potrf; a matrix that is
         not positive definite (a pivot not above zero, or NaN) gives NaN everywhere, as JAX does."""
@@ -1093,11 +1099,8 @@ class Lowering:
         out = self.scratch[e.outs[0]]
         i, j, k = self.fresh("r"), self.fresh("c"), self.fresh("k")
         ok, acc, d = self.fresh("ok"), self.fresh("acc"), self.fresh("d")
-        cell = Block(B.stage, B.indent, loop=B.loop, parent=B)
-        val = self.E(e.ins[0], (Ix(i, 0, 0, n - 1), Ix(j, 0, 0, n - 1)), None, cell)
         nan = literal(np.nan, e.outs[0].dtype)
-        B.lines += [f"for {i} in range({n}):", f"    for {j} in range({n}):"]
-        B.lines += ["        " + ln for ln in cell.lines] + [f"        {out}[{i}, {j}] = {val} if {i} >= {j} else 0"]
+        self._matrix_into(e.ins[0], B, out, i, j, lower_only=True)
         B.lines += [
             f"{ok} = True",
             f"for {j} in range({n}):",
