@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..dsl import ATOMIC_DTYPES
-from .trace import Eqn, Lit, Program, Unsupported, Var, clone_eqns, count_uses
+from .trace import Eqn, Lit, Program, Unsupported, Var, clone_eqns, count_uses, walk_eqns
 
 FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
 INTS = tuple(np.dtype(t) for t in (np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32,
@@ -309,17 +309,24 @@ class Lowering:
         self.counter = 0
         self.input_role = {v: r for v, r in zip(prog.invars, roles)}
         self.const_names = {}
+        self.params: list = []
+        self.carries: dict[int, CarryPlan] = {}
+        self._start(prog)
+
+    def _start(self, prog: Program, load_vars=()):
+        """The state of lowering ``prog`` (an enclosing program's ``Lowering`` and a nested
+        loop's ``PhaseLowering`` alike); then its nested loops are unrolled or marked."""
+        self.prog = prog
         self.scalar_names = {}      # Var -> top-level name
         self.stage_memo = {}
         self.pre: dict[int, Block] = {}
         self.loops: list[Loop] = []
         self.post: dict[int, list] = {}
-        self.params: list = []
-        self.carries: dict[int, CarryPlan] = {}
-        self.load_vars = set()      # top-level names read from arrays (not the same on every thread)
+        self.load_vars = set(load_vars)     # top-level names read from arrays (not the same on every thread)
         self.final: list = []       # (target text, value text) single-thread stores at the end
         self.uses_t = False
         self.scratch = {}           # Var -> the buffer a scatter to computed indices is built in
+        self.syncs = set()          # stages whose loops end with a barrier (lk.sync())
         self.sub_env = {}           # a nested loop's carry Var -> its name, while its body is lowered
         self.inner_vars = set()     # every Var a nested loop's body or condition defines
         self.inner_blocks = []      # the blocks of the nested loop bodies being lowered
@@ -329,8 +336,9 @@ class Lowering:
         self.phased = {}            # ... -> its PhasedLoop
         self.phased_text = {}       # ... -> its statements (generated with the parallel loops)
         self.unroll_nested()
-        self._collect_inner(prog.eqns, False)
-        self.syncs = set()          # stages whose loops end with a barrier (lk.sync())
+        for e in walk_eqns(self.prog.eqns):
+            if e.prim == "nested_loop":
+                self.inner_vars.update(o for q in walk_eqns(e.params["body"] + e.params["cond"]) for o in q.outs)
 
     # ---------------------------------------------------------------- helpers
     def fresh(self, prefix="a") -> str:
@@ -422,24 +430,11 @@ class Lowering:
             eqns.append(q)
         return eqns
 
-    def _collect_inner(self, eqns, inside):
-        for e in eqns:
-            if inside:
-                self.inner_vars.update(e.outs)
-            if e.prim == "nested_loop":
-                self._collect_inner(e.params["body"] + e.params["cond"], True)
-
-    def _all_eqns(self, eqns):
-        for e in eqns:
-            yield e
-            if e.prim == "nested_loop":
-                yield from self._all_eqns(e.params["body"] + e.params["cond"])
-
     def check_dtypes(self):
         for v in self.prog.invars:
             if v.dtype not in OK_DTYPES:
                 raise Unsupported(f"dtype {v.dtype}", "the loop carry", "float32, float64, ints and bool only")
-        for e in self._all_eqns(self.prog.eqns):
+        for e in walk_eqns(self.prog.eqns):
             for o in e.outs:
                 if o.dtype not in OK_DTYPES:
                     self.unsupported(e, f"dtype {o.dtype}")
@@ -740,7 +735,7 @@ class Lowering:
             direct[v] = p.next_name
         self.materialize(roots, direct)
         # every whole-array reduction first (their loops must exist before loops are rendered)
-        for v in self.reachable_reductions(list(carry_out.values()) + list(ys_out.values()) + [cond]):
+        for v in self.reachable_reductions(roots):
             self.S(v)
         # the carries
         for k, plan in self.carries.items():
@@ -761,12 +756,7 @@ class Lowering:
                 continue        # built there by materialize
             if isinstance(vout, Lit):
                 val = Var(shape, vin.dtype, False, -1)   # pragma: no cover - literals are scalars
-            windows = self.identity_windows(vout, vin)
-            st = self.stage(vout)
-            boxes = windows if windows is not None else [tuple((0, n) for n in shape)]
-            for box in boxes:
-                self.add_item(st, shape, Item("store", vout, box, target=plan.next_name,
-                                              index=lambda ix: [i.expr for i in ix]))
+            self.store_carry(vout, vin, plan.next_name)
         for k, v in ys_out.items():
             name = self.y_names[k]
             if not v.shape:
@@ -780,6 +770,22 @@ class Lowering:
         if cond is not None:
             cond_text = self.S(cond) if isinstance(cond, Var) else literal(cond.value, BOOL)
         return self.render(cond_text, cond)
+
+    def store_carry(self, vout, vin, target):
+        """Store the new carry ``vout`` into ``target``: only over the windows where it differs
+        from the old carry ``vin`` (both buffers start equal), else everywhere."""
+        windows = self.identity_windows(vout, vin)
+        for box in windows if windows is not None else [tuple((0, n) for n in vin.shape)]:
+            self.add_item(self.stage(vout), vin.shape, Item("store", vout, box, target=target, index=_own_index))
+
+    def store_whole(self, stage: int, value, shape: tuple, target: str):
+        """Store every element of ``value`` into the buffer ``target`` in the loops of ``stage``."""
+        self.add_item(stage, shape, Item("store", value, tuple((0, n) for n in shape), target=target,
+                                         index=_own_index))
+
+    def new_buffer(self, shape, dtype) -> str:
+        """A ``scratch`` parameter: a buffer of ``shape`` the step writes before it reads it."""
+        return self.add_param(self.fresh("h"), "scratch", (tuple(shape), dtype))
 
     def identity_windows(self, vout, vin):
         """The static boxes outside which ``vout`` equals ``vin`` (a chain of scatters with
@@ -969,11 +975,10 @@ class Lowering:
                     self.phased_text[e] = []
                 continue
             if e.prim == "materialize":
-                name = direct.get(v) or self.add_param(self.fresh("h"), "scratch", (tuple(v.shape), v.dtype))
+                name = direct.get(v) or self.new_buffer(v.shape, v.dtype)
                 self.scratch[v] = name
                 x = e.ins[0]
-                self.add_item(self.stage(x), tuple(v.shape), Item("store", x, tuple((0, n) for n in v.shape),
-                                                                  target=name, index=lambda ix: [i.expr for i in ix]))
+                self.store_whole(self.stage(x), x, tuple(v.shape), name)
                 self.syncs.add(self.stage(x))
                 continue
             x, ind, upd = e.ins
@@ -983,11 +988,10 @@ class Lowering:
                 self.unsupported(e, f"a scatter-add to computed indices of {v.dtype} (it runs as atomic adds, "
                                     f"of {', '.join(ATOMIC_DTYPES)} only)")
             self.window_sizes(e, x, upd)        # an unsupported layout raises here
-            name = direct.get(v) or self.add_param(self.fresh("h"), "scratch", (tuple(v.shape), v.dtype))
+            name = direct.get(v) or self.new_buffer(v.shape, v.dtype)
             self.scratch[v] = name
             sx, sa = self.stage(x), self.stage(v) - 1
-            self.add_item(sx, tuple(v.shape), Item("store", x, tuple((0, n) for n in v.shape), target=name,
-                                                   index=lambda ix: [i.expr for i in ix]))
+            self.store_whole(sx, x, tuple(v.shape), name)
             self.add_item(sa, tuple(upd.shape), Item("scatter", e, tuple((0, n) for n in upd.shape), target=name))
             self.syncs.update((sx, sa))
 
@@ -1004,7 +1008,7 @@ class Lowering:
             self.unsupported(e, f"a sort of rows longer than {SORT_MAX} (each element counts its row: n^2 work; "
                                 "XLA's sort is faster there)")
         for o in e.outs:
-            self.scratch[o] = self.add_param(self.fresh("h"), "scratch", (shape, o.dtype))
+            self.scratch[o] = self.new_buffer(shape, o.dtype)
         st = max(self.stage(a) for a in e.ins)
         self.add_item(st, shape, Item("sort", e, tuple((0, n) for n in shape)))
         self.syncs.add(st)
@@ -1021,7 +1025,7 @@ class Lowering:
         if e.prim == "triangular_solve" and (not e.params.get("left_side", False) or len(e.ins[1].shape) != 2):
             self.unsupported(e, "a solve from the left of a 2-D right-hand side only")
         for o in e.outs:
-            self.scratch[o] = self.add_param(self.fresh("h"), "scratch", (tuple(o.shape), o.dtype))
+            self.scratch[o] = self.new_buffer(o.shape, o.dtype)
         st = max(self.stage(x) for x in e.ins)
         self.serial.append((st, e))
         self.syncs.add(st)
@@ -1365,13 +1369,7 @@ class Lowering:
             for L in self.loops:
                 if L.stage != s:
                     continue
-                if len(L.names) == 1:
-                    (lo, hi), = L.box
-                    out.append(f"    for {L.names[0]} in lk.range({lo}, {hi}):" if lo else
-                               f"    for {L.names[0]} in lk.range({hi}):")
-                else:
-                    dims = ", ".join(f"({lo}, {hi})" if lo else f"{hi}" for lo, hi in L.box)
-                    out.append(f"    for {', '.join(L.names)} in lk.grid({dims}):")
+                out.append("    " + _parallel_for(L.names, L.box))
                 body = L.body.lines or ["pass"]
                 out += ["        " + ln for ln in body]
             for st, lines in self.serial_text:      # one thread's work (a factorisation)
@@ -1494,27 +1492,13 @@ class PhaseLowering(Lowering):
 
     def __init__(self, outer: Lowering, eqns, outs, carries, plans: dict, varying=()):
         self.outer = outer
-        self.prog = Program(list(carries), list(eqns), list(outs), [])
         self.roles, self.out_roles = [("carry", k) for k in range(len(carries))], []
         self.input_role = {c: ("carry", k) for k, c in enumerate(carries)}
         self.const_names = outer.const_names
-        self.scalar_names, self.stage_memo = {}, {}
-        self.pre, self.loops, self.post = {}, [], {}
         self.params = outer.params
         self.carries = plans
-        self.load_vars = set(varying)
-        self.final, self.uses_t = [], False
-        self.scratch, self.syncs = {}, set()
-        self.sub_env, self.inner_vars, self.inner_blocks = {}, set(), []
-        self.nested_checked, self.phased_marked, self.phased, self.phased_text = set(), set(), {}, {}
-        self.serial, self.serial_text = [], []
-        self.unroll_nested()
-        self.own = set(carries)
-        for e in _all(self.prog.eqns):
-            self.own.update(e.outs)
-            if e.prim == "nested_loop":
-                self.own.update(e.params["carries"] + e.params["xs_vars"])
-        self._collect_inner(self.prog.eqns, False)
+        self._start(Program(list(carries), list(eqns), list(outs), []), varying)
+        self.own = set(carries) | _defined(self.prog.eqns)
         self.check_dtypes()
 
     def fresh(self, prefix="a") -> str:
@@ -1557,11 +1541,7 @@ class PhaseLowering(Lowering):
             elif vout is vin:
                 plan.kind = "same"
             else:
-                windows = self.identity_windows(vout, vin)
-                boxes = windows if windows is not None else [tuple((0, n) for n in vin.shape)]
-                for box in boxes:
-                    self.add_item(self.stage(vout), vin.shape, Item("store", vout, box, target=plan.next_name,
-                                                                   index=lambda ix: [i.expr for i in ix]))
+                self.store_carry(vout, vin, plan.next_name)
         return new
 
     def condition(self) -> tuple:
@@ -1577,11 +1557,14 @@ class PhaseLowering(Lowering):
         return lines, text
 
 
-def _all(eqns):
-    for e in eqns:
-        yield e
+def _defined(eqns) -> set:
+    """Every Var that ``eqns`` define: their results, nested loops' carries and slices of xs."""
+    out = set()
+    for e in walk_eqns(eqns):
+        out.update(e.outs)
         if e.prim == "nested_loop":
-            yield from _all(e.params["body"] + e.params["cond"])
+            out.update(e.params["carries"] + e.params["xs_vars"])
+    return out
 
 
 class PhasedLoop:
@@ -1605,13 +1588,11 @@ class PhasedLoop:
         inits = e.ins[:p["n_inits"]]
         for k, (c, out, init) in enumerate(zip(p["carries"], e.outs, inits)):
             if c.shape:
-                a = outer.add_param(outer.fresh("h"), "scratch", (tuple(c.shape), c.dtype))
-                b = outer.add_param(outer.fresh("h"), "scratch", (tuple(c.shape), c.dtype))
+                a, b = outer.new_buffer(c.shape, c.dtype), outer.new_buffer(c.shape, c.dtype)
                 self.plans[k] = CarryPlan("pair", a, b)
                 outer.scratch[out] = a
                 for target in (a, b):
-                    outer.add_item(self.stage, tuple(c.shape), Item("store", init, tuple((0, n) for n in c.shape),
-                                                                     target=target, index=lambda ix: [i.expr for i in ix]))
+                    outer.store_whole(self.stage, init, tuple(c.shape), target)
                 outer.syncs.add(self.stage)
             else:
                 self.plans[k] = CarryPlan("local", outer.fresh("y"))
@@ -1647,9 +1628,7 @@ class PhasedLoop:
                 r = any(isinstance(x, Var) and x.shape for x in e.ins) or any(varies(x, memo) for x in e.ins)
             memo[a] = r
             return r
-        self._own = set(p["carries"])
-        for q in _all(p["body"] + p["cond"]):
-            self._own.update(q.outs)
+        self._own = set(p["carries"]) | _defined(p["body"] + p["cond"])
         while True:
             grown = False
             for k, (c, o) in enumerate(zip(p["carries"], p["outs"])):
@@ -1693,8 +1672,8 @@ class PhasedLoop:
         for pl, c in zip(self.plans.values(), self.e.params["carries"]):
             if pl.kind == "pair":
                 q = [self.outer.fresh("q") for _ in c.shape]
-                space = f"lk.range({c.shape[0]})" if len(c.shape) == 1 else f"lk.grid({', '.join(map(str, c.shape))})"
-                lines += [f"for {', '.join(q)} in {space}:", f"    {pl.name}[{', '.join(q)}] = {pl.next_name}[{', '.join(q)}]"]
+                lines += [_parallel_for(q, [(0, n) for n in c.shape]),
+                          f"    {pl.name}[{', '.join(q)}] = {pl.next_name}[{', '.join(q)}]"]
         return lines + ["lk.sync()"] if lines else []
 
     def text(self) -> list:
@@ -1725,6 +1704,20 @@ class PhasedLoop:
                                          + indent(second))
         copy = self._copy_back()
         return lines + loop + ([f"if {odd}:"] + indent(copy) if copy else [])
+
+
+def _parallel_for(names, box) -> str:
+    """The header of a parallel loop over ``box`` ((lo, hi) per dimension) with index names."""
+    if len(names) == 1:
+        (lo, hi), = box
+        return f"for {names[0]} in lk.range({lo}, {hi}):" if lo else f"for {names[0]} in lk.range({hi}):"
+    dims = ", ".join(f"({lo}, {hi})" if lo else f"{hi}" for lo, hi in box)
+    return f"for {', '.join(names)} in lk.grid({dims}):"
+
+
+def _own_index(ix) -> list:
+    """The index texts of a store at the loop's own cell."""
+    return [i.expr for i in ix]
 
 
 def _trivial(text: str) -> bool:

@@ -161,17 +161,8 @@ def flatten(closed) -> Program:
             if outer is not None and (not where.line or not where.text):
                 where = outer
             if name in _CALLS and _CALLS[name] is not None and _CALLS[name] in e.params:
-                sub = e.params[_CALLS[name]]
-                inner = getattr(sub, "jaxpr", sub)
-                sub_consts = list(getattr(sub, "consts", ()))
-                senv = {}
-                for v, c in zip(inner.constvars, sub_consts):
-                    senv[v] = _const(v, c)
-                for v, a in zip(inner.invars, e.invars):
-                    senv[v] = atom(env, a)
-                run(inner, senv, where)
-                for v, o in zip(e.outvars, inner.outvars):
-                    env[v] = atom(senv, o)
+                outs = inline(e.params[_CALLS[name]], [atom(env, a) for a in e.invars], where)
+                env.update(zip(e.outvars, outs))
                 continue
             if name in ("argmax", "argmin") and len(e.params["axes"]) == 1:
                 env[e.outvars[0]] = _arg_reduction(name, atom(env, e.invars[0]), e.params["axes"][0],
@@ -185,12 +176,7 @@ def flatten(closed) -> Program:
                 which = atom(env, e.invars[0])
                 taken = []
                 for br in e.params["branches"]:
-                    inner = br.jaxpr
-                    benv = {v: _const(v, c) for v, c in zip(inner.constvars, br.consts)}
-                    for v, a in zip(inner.invars, e.invars[1:]):
-                        benv[v] = atom(env, a)
-                    run(inner, benv, where)
-                    taken.append([atom(benv, o) for o in inner.outvars])
+                    taken.append(inline(br, [atom(env, a) for a in e.invars[1:]], where))
                 for k, nv in enumerate(results(e, env)):
                     eq = Eqn("select_n", {}, [which] + [outs_of[k] for outs_of in taken], [nv], where)
                     nv.eqn = eq
@@ -201,16 +187,11 @@ def flatten(closed) -> Program:
             if name == "custom_linear_solve":
                 # the forward value is the solve function applied to b (the other three
                 # functions are for derivatives, which run through jax.lax anyway)
-                lens, fns = e.params["const_lengths"], e.params["jaxprs"]
+                lens = e.params["const_lengths"]
                 ins = [atom(env, a) for a in e.invars]
                 start = lens.matvec + lens.vecmat
-                solve = fns.solve
-                senv = {v: _const(v, c) for v, c in zip(solve.jaxpr.constvars, solve.consts)}
-                for v, a in zip(solve.jaxpr.invars, ins[start:start + lens.solve] + ins[sum(lens):]):
-                    senv[v] = a
-                run(solve.jaxpr, senv, where)
-                for v, o in zip(e.outvars, solve.jaxpr.outvars):
-                    env[v] = atom(senv, o)
+                outs = inline(e.params["jaxprs"].solve, ins[start:start + lens.solve] + ins[sum(lens):], where)
+                env.update(zip(e.outvars, outs))
                 continue
             ins = [atom(env, a) for a in e.invars]
             outs = results(e, env)
@@ -229,16 +210,21 @@ def flatten(closed) -> Program:
             outs.append(nv)
         return outs
 
+    def inline(sub, args, where=None):
+        """Run the (Closed)Jaxpr ``sub`` on the atoms ``args`` where equations go now: its
+        outputs' atoms."""
+        inner = getattr(sub, "jaxpr", sub)
+        senv = {v: _const(v, c) for v, c in zip(inner.constvars, getattr(sub, "consts", ()))}
+        senv.update(zip(inner.invars, args))
+        run(inner, senv, where)
+        return [atom(senv, o) for o in inner.outvars]
+
     def sub_program(closed, consts_in, carries):
         """Run the ClosedJaxpr ``closed`` whose first inputs are the atoms ``consts_in`` and the
-        rest the new Vars ``carries``: its equations and outputs."""
-        inner = closed.jaxpr
-        senv = {v: _const(v, c) for v, c in zip(inner.constvars, closed.consts)}
-        for v, a in zip(inner.invars, list(consts_in) + list(carries)):
-            senv[v] = a
+        rest the new Vars ``carries`` into a list of its own: its equations and outputs."""
         sink.append([])
-        run(inner, senv)
-        return sink.pop(), [atom(senv, o) for o in inner.outvars]
+        outs = inline(closed, list(consts_in) + list(carries))
+        return sink.pop(), outs
 
     def nested_loop(e, env, where):
         """A ``fori_loop``/``scan`` or a ``while_loop`` inside the body: one ``nested_loop``
@@ -318,12 +304,12 @@ def flatten(closed) -> Program:
     return prog
 
 
-def _walk(eqns):
+def walk_eqns(eqns):
     """Every equation, those of nested loops' bodies and conditions too."""
     for e in eqns:
         yield e
         if e.prim == "nested_loop":
-            yield from _walk(e.params["body"] + e.params["cond"])
+            yield from walk_eqns(e.params["body"] + e.params["cond"])
 
 
 def count_uses(prog: Program):
@@ -332,7 +318,7 @@ def count_uses(prog: Program):
     nested loop's results (an outer Var that a nested loop reads counts twice: as the loop's
     input and in its body). Vars it reads but does not define (an enclosing program's, for the
     body of a nested loop) keep their counts."""
-    every = list(_walk(prog.eqns))
+    every = list(walk_eqns(prog.eqns))
     defined = set(prog.invars) | {v for v, _ in prog.consts}
     for e in every:
         defined.update(e.outs)
