@@ -255,14 +255,8 @@ def flatten(closed) -> Program:
             body, outs = sub_program(p["body_jaxpr"], consts_in[cc:], carries)
             cond, (test,) = sub_program(p["cond_jaxpr"], consts_in[:cc], carries)
         inside = set(carries) | set(xs_vars) | {o for q in body + cond for o in q.outs}
-        captured = []
-        for q in body + cond:
-            for a in q.ins:
-                if isinstance(a, Var) and a not in inside and a not in captured:
-                    captured.append(a)
-        for a in outs + [test]:
-            if isinstance(a, Var) and a not in inside and a not in captured:
-                captured.append(a)
+        read = [a for q in body + cond for a in q.ins] + outs + [test]
+        captured = list(dict.fromkeys(a for a in read if isinstance(a, Var) and a not in inside))
         res = results(e, env)
         eq = Eqn("nested_loop", {"kind": name, "length": p.get("length"), "carries": carries, "body": body,
                                  "outs": outs, "cond": cond, "test": test, "n_inits": len(inits),
