@@ -895,6 +895,16 @@ def test_nested_loops_in_while_loop_and_scan_and_under_a_condition(rng):
     same(lk.scan(scan_body, x0, ws, fallback="error"), lax.scan(scan_body, x0, ws), exact=False)
 
 
+def test_scan_counts_in_both_forms_of_jax():
+    """A nested scan's constants and carries: JAX up to 0.10 names the counts, JAX 0.11 (on the
+    H200) gives a tree per group; an unknown form is no nested loop (lax runs it)."""
+    from loopkern.jaxloops.trace import _scan_counts
+    assert _scan_counts({"num_consts": 2, "num_carry": 3, "jaxpr": None}) == (2, 3)
+    assert _scan_counts({"ft_in": ((None,), (None, None), ()), "ft_out": ((None, None), ())}) == (1, 2)
+    assert _scan_counts({"ft_in": ((), (None,), (None,))}) == (0, 1)
+    assert _scan_counts({"ft_in": "something else"}) is None and _scan_counts({}) is None
+
+
 def test_nested_scans_over_xs_and_with_ys_run_unrolled(rng):
     """A nested scan over xs (coefficients per stage, rows of a matrix, forwards and reversed)
     with ys read afterwards runs unrolled for a static count of at most 16; a longer one falls

@@ -238,7 +238,10 @@ def flatten(closed) -> Program:
         ins = [atom(env, a) for a in e.invars]
         xs, xs_vars = [], []
         if name == "scan":
-            nc, nk = p["num_consts"], p["num_carry"]
+            counts = _scan_counts(p)
+            if counts is None:
+                return False
+            nc, nk = counts
             consts_in, inits, xs = ins[:nc], ins[nc:nc + nk], ins[nc + nk:]
             inner = p["jaxpr"].jaxpr
             xs_vars = [new_var(v.aval) for v in inner.invars[nc + nk:]]
@@ -296,6 +299,18 @@ def flatten(closed) -> Program:
     prog = Program(invars, eqns, outs, consts)
     count_uses(prog)
     return prog
+
+
+def _scan_counts(p):
+    """(constants, carries) of a ``scan`` equation's inputs: JAX up to 0.10 names the counts
+    (``num_consts``, ``num_carry``), JAX 0.11 gives a tree per group (``ft_in``: constants,
+    carries, xs, one leaf each); None for any other form."""
+    if "num_consts" in p:
+        return p["num_consts"], p["num_carry"]
+    groups = p.get("ft_in")
+    if isinstance(groups, tuple) and len(groups) == 3 and all(isinstance(g, tuple) for g in groups):
+        return len(groups[0]), len(groups[1])
+    return None
 
 
 def walk_eqns(eqns):
