@@ -904,6 +904,11 @@ def test_scan_counts_in_both_forms_of_jax():
     assert _scan_counts({"ft_in": ((), (None,), (None,))}) == (0, 1)
     assert _scan_counts({"ft_in": "something else"}) is None and _scan_counts({}) is None
 
+    class Packed:                   # JAX 0.11's FTTuple: unpack() gives the groups
+        def unpack(self):
+            return ((None,), (None, None, None), (None,))
+    assert _scan_counts({"ft_in": Packed()}) == (1, 3)
+
 
 def test_nested_scans_over_xs_and_with_ys_run_unrolled(rng):
     """A nested scan over xs (coefficients per stage, rows of a matrix, forwards and reversed)

@@ -303,13 +303,19 @@ def flatten(closed) -> Program:
 
 def _scan_counts(p):
     """(constants, carries) of a ``scan`` equation's inputs: JAX up to 0.10 names the counts
-    (``num_consts``, ``num_carry``), JAX 0.11 gives a tree per group (``ft_in``: constants,
-    carries, xs, one leaf each); None for any other form."""
+    (``num_consts``, ``num_carry``), JAX 0.11 gives a flat tree of the groups (``ft_in``, an
+    ``FTTuple`` whose ``unpack()`` is constants, carries, xs, one leaf per value); None for any
+    other form."""
     if "num_consts" in p:
         return p["num_consts"], p["num_carry"]
     groups = p.get("ft_in")
-    if isinstance(groups, tuple) and len(groups) == 3 and all(isinstance(g, tuple) for g in groups):
-        return len(groups[0]), len(groups[1])
+    if hasattr(groups, "unpack"):       # JAX's FTTuple (its len() counts the leaves)
+        groups = groups.unpack()
+    if isinstance(groups, tuple) and len(groups) == 3:
+        try:
+            return len(groups[0]), len(groups[1])
+        except TypeError:
+            return None
     return None
 
 
