@@ -24,6 +24,11 @@ from .layout import BOUNDS, DBG_FLAG, DONE, REQUEST, STEPS, TIMEOUT, TIMEOUT_NS,
 from .philox import build
 
 SIMULATOR = bool(config.ENABLE_CUDASIM)
+#: the options every generated kernel's ``cuda.jit`` gets. No link-time optimisation: Numba turns
+#: it on where nvJitLink is installed, and then runs NVVM twice for each new kernel (PTX when it
+#: builds the kernel, LTO-IR again when it links it) although a generated kernel links nothing
+#: (tests/test_ptx.py: no extern functions). The simulator's ``cuda.jit`` takes no ``lto``.
+KERNEL_OPTIONS = {} if SIMULATOR else {"lto": False}
 _OPS = ("sum", "max", "min")
 #: warps per block at most; the kernel's per-warp reduction slots are two of this many (the
 #: templates' cuda.shared.array(64, ...) must be 2 * _MAX_WARPS)
