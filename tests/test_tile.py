@@ -323,7 +323,7 @@ def test_jacobi_to_tolerance_in_tile_mode(scope, rng):
     np.testing.assert_allclose(u.copy_to_host(), ref, rtol=1e-12)
 
 
-def test_scope_auto_tries_tile_mode_for_one_dimensional_stencils_on_a_gpu():
+def test_scope_auto_tries_tile_mode_for_stencils_on_a_gpu():
     from loopkern.dispatch.config import AUTO_TILE_MIN_ELEMENTS
 
     def heat2d(t, u, v, a):
@@ -351,7 +351,24 @@ def test_scope_auto_tries_tile_mode_for_one_dimensional_stencils_on_a_gpu():
     assert not one.auto_tile(big - 1, plain, sim=False)
     assert not heat.auto_tile(big, True, sim=False)  # no bounds-checked tile kernel
     assert not heat.auto_tile(big, plain, sim=True)                       # the simulator runs one block
-    assert not lk.megakernel(heat2d, swap=[("u", "v")]).dispatcher.auto_tile(big, plain, sim=False)
+    # 2-D: several steps per exchange at any size (heat, Life); one step per exchange (a
+    # reduction every step, as Jacobi's) stays on the grid scope at every size
+    flat = lk.megakernel(heat2d, swap=[("u", "v")]).dispatcher
+    assert flat.fused_steps and flat.auto_tile(64 * 64, plain, sim=False) and flat.auto_tile(big, plain, sim=False)
+    assert not flat.auto_tile(big, True, sim=False)
+
+    def heat2d_change(t, u, v, a):
+        n = u.shape[0]
+        m = u.shape[1]
+        change = 0.0
+        for i, j in lk.grid((1, n - 1), (1, m - 1)):
+            v[i, j] = u[i, j] + a * (u[i - 1, j] + u[i + 1, j] + u[i, j - 1] + u[i, j + 1] - 4.0 * u[i, j])
+            change = max(change, abs(v[i, j] - u[i, j]))
+        return lk.max(change) > 1e-3
+
+    reduced = lk.megakernel(heat2d_change, swap=[("u", "v")]).dispatcher
+    assert not reduced.fused_steps
+    assert not reduced.auto_tile(big, plain, sim=False) and not reduced.auto_tile(16 * big, plain, sim=False)
     assert not lk.megakernel(W.logistic_step).dispatcher.auto_tile(big, plain, sim=False)   # not a stencil
 
 

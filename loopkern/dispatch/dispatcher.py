@@ -339,11 +339,13 @@ class Dispatcher:
         return step_has_warp_split(self.spec.step)
 
     def auto_tile(self, work: int, debug: bool, sim: bool) -> bool:
-        """Whether ``scope="auto"`` tries tile mode: a one-dimensional stencil, on a GPU, without
-        debug, of any size when tile mode can run several steps per halo exchange
-        (``fused_steps``: H200 heat, 16 steps per exchange, 4K 0.26 µs/step against 0.66 in
-        the block scope, 64K 0.32 against 1.51 in the grid scope), else of at least
-        ``config.AUTO_TILE_MIN_ELEMENTS`` elements."""
+        """Whether ``scope="auto"`` tries tile mode: a stencil that does not wrap around along
+        its first dimension, on a GPU, without debug, of any size when tile mode can run several
+        steps per halo exchange (``fused_steps``: H200, 2026-12-05, heat 4K 0.26 µs/step
+        against 0.61 in the block scope, 64K 0.30 against 1.47 in the grid scope; 2-D heat 512²
+        2.51 against 3.42, 1024² 3.60 against 6.91; Life 1024² 7.53 against 10.50), else a 1-D
+        one of at least ``config.AUTO_TILE_MIN_ELEMENTS`` elements (2-D steps of one step per
+        exchange stay on the grid scope: Jacobi 256², tile 4.86 against 3.78)."""
         if sim or debug:
             return False
         try:
@@ -352,7 +354,9 @@ class Dispatcher:
             return False
         # (a stencil that wraps around along its first dimension runs in tile mode when asked
         # for: not yet measured on a GPU, auto keeps the grid scope for it)
-        return st.ndim == 1 and not st.periodic[0] and (self.fused_steps or work >= AUTO_TILE_MIN_ELEMENTS)
+        if st.periodic[0]:
+            return False
+        return self.fused_steps or st.ndim == 1 and work >= AUTO_TILE_MIN_ELEMENTS
 
     def tile_stencil(self, scope: str = "tile"):
         """The step's stencil for ``scope="tile"`` or ``"cluster"`` (ArgumentError, naming

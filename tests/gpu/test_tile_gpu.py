@@ -278,6 +278,26 @@ def test_scope_auto_keeps_a_large_one_dimensional_stencil_on_chip(rng):
     assert p(*small, 0.25, steps=3, backend="cuda").scope == "grid"
 
 
+@pytest.mark.parametrize("shape", [(64, 64), (1024, 1024), (2048, 2048)])
+def test_scope_auto_keeps_a_two_dimensional_stencil_on_chip_where_it_fits(shape, rng):
+    """2-D heat runs several steps per exchange, so auto picks tile mode at any size that fits;
+    2048² float32 does not fit (both buffers: 32 MB) and runs in the grid scope. Against the
+    float64 reference (float32 arithmetic: 1e-5 relative)."""
+    from bench.heat2d import ALPHA2, heat2d_kernel, heat2d_ref
+    cuda = _cuda()
+    k = heat2d_kernel()
+    u0 = rng.random(shape).astype(np.float32)
+    u, v = cuda.to_device(u0), cuda.to_device(u0)
+    run = k(u, v, ALPHA2, steps=203, backend="cuda")
+    assert run.scope == ("grid" if shape[0] == 2048 else "tile"), run
+    assert run.steps == 203
+    np.testing.assert_allclose(u.copy_to_host(), heat2d_ref(u0, 203), rtol=1e-5, atol=1e-6)
+    # a step with a reduction runs one step per exchange: auto keeps the grid scope in 2-D
+    j = lk.megakernel(W.jacobi_step, swap=[("u", "v")])
+    a, b = cuda.to_device(u0), cuda.to_device(u0)
+    assert j(a, b, np.float32(-1.0), max_steps=3, backend="cuda").scope == "grid"
+
+
 # -- several steps per halo exchange (temporal blocking) -------------------------------------
 
 @pytest.fixture
