@@ -889,9 +889,9 @@ def _render_function(fs: FunctionSpec, home: str, backend: str, scope: str, is_s
 def _jit_options(backend: str, cache: bool) -> tuple[str, str]:
     """(device function options, kernel options) as text inside the decorator's parentheses."""
     if backend == "cuda":
-        # the runtime's kernel options: no link-time optimisation, which made Numba run NVVM a
-        # second time (for LTO-IR) on a kernel that links nothing
-        return ("", "cache=True, **_lk_rt.KERNEL_OPTIONS" if cache else "**_lk_rt.KERNEL_OPTIONS")
+        # (link-time optimisation is turned off by compile.compile_kernel, not here: the
+        # decorator form drops an lto= argument)
+        return ("", "cache=True" if cache else "")
     # nogil: the kernel runs on a worker thread while the caller's thread reports progress,
     # enforces the timeout and turns Ctrl-C into a cancellation
     return (", ".join(["cache=True"] * cache), ", ".join(["cache=True"] * cache + ["nogil=True"]))

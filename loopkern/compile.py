@@ -314,8 +314,23 @@ def compile_kernel(source: KernelSource) -> CompiledKernel:
             except Exception:
                 sys.modules.pop(name, None)
                 raise
+            if source.backend == "cuda":
+                _without_link_time_optimisation(mod._lk_kernel)
             _MODULES[source.digest] = mod
     return CompiledKernel(source, mod._lk_kernel, path)
+
+
+def _without_link_time_optimisation(dispatcher) -> None:
+    """Turn off link-time optimisation for a generated CUDA kernel. Numba turns it on where
+    nvJitLink is installed, and then runs NVVM twice for each new kernel (PTX when it builds
+    the kernel, LTO-IR again when it binds it: a third of a new body's compile time) although a
+    generated kernel links nothing (tests/test_ptx.py: no extern functions). Set on the
+    dispatcher because numba-cuda 0.30's ``@cuda.jit(...)`` decorator form does not pass an
+    ``lto=`` argument on (its wrapper forwards the other keywords only); the simulator's kernels
+    have no such option."""
+    options = getattr(dispatcher, "targetoptions", None)
+    if isinstance(options, dict) and "lto" in options:
+        options["lto"] = False
 
 
 def _safe(name: str) -> str:

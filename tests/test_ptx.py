@@ -51,6 +51,8 @@ def test_cuda_kernels_compile_to_ptx():
             assert r["ld_shared"] >= 3 and r["st_shared"] >= 1, r
         else:
             assert r["dynamic_shared"] == 0, r
+    # a generated kernel links nothing: no link-time optimisation (which runs NVVM a second time)
+    assert [r for r in recs if "lto" in r] and all(r["lto"] is False for r in recs if "lto" in r)
     assert any(r["shuffles"] for r in recs if r["kernel"] in ("jacobi", "normalize"))
     assert all(r["shuffles"] >= 5 for r in recs if r["kernel"] == "warpsplit")     # 5 xor steps per sum
     assert [(r["kernel"], r["by_ref"]) for r in recs if r["scope"] == "tile"] == [

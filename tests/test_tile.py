@@ -351,24 +351,15 @@ def test_scope_auto_tries_tile_mode_for_stencils_on_a_gpu():
     assert not one.auto_tile(big - 1, plain, sim=False)
     assert not heat.auto_tile(big, True, sim=False)  # no bounds-checked tile kernel
     assert not heat.auto_tile(big, plain, sim=True)                       # the simulator runs one block
-    # 2-D: several steps per exchange at any size (heat, Life); one step per exchange (a
-    # reduction every step, as Jacobi's) stays on the grid scope at every size
-    flat = lk.megakernel(heat2d, swap=[("u", "v")]).dispatcher
-    assert flat.fused_steps and flat.auto_tile(64 * 64, plain, sim=False) and flat.auto_tile(big, plain, sim=False)
-    assert not flat.auto_tile(big, True, sim=False)
-
-    def heat2d_change(t, u, v, a):
-        n = u.shape[0]
-        m = u.shape[1]
-        change = 0.0
-        for i, j in lk.grid((1, n - 1), (1, m - 1)):
-            v[i, j] = u[i, j] + a * (u[i - 1, j] + u[i + 1, j] + u[i, j - 1] + u[i, j + 1] - 4.0 * u[i, j])
-            change = max(change, abs(v[i, j] - u[i, j]))
-        return lk.max(change) > 1e-3
-
-    reduced = lk.megakernel(heat2d_change, swap=[("u", "v")]).dispatcher
-    assert not reduced.fused_steps
-    assert not reduced.auto_tile(big, plain, sim=False) and not reduced.auto_tile(16 * big, plain, sim=False)
+    # 2-D, wrapping around (Life) or not, a reduction every step or not: from
+    # AUTO_TILE_2D_MIN_ELEMENTS elements
+    from loopkern.dispatch.config import AUTO_TILE_2D_MIN_ELEMENTS as big2
+    from bench.life import life_kernel
+    for two_d in (lk.megakernel(heat2d, swap=[("u", "v")]), lk.megakernel(W.jacobi_step, swap=[("u", "v")]),
+                  life_kernel()):
+        d = two_d.dispatcher
+        assert d.auto_tile(big2, plain, sim=False) and not d.auto_tile(big2 - 1, plain, sim=False)
+        assert not d.auto_tile(big2, True, sim=False)
     assert not lk.megakernel(W.logistic_step).dispatcher.auto_tile(big, plain, sim=False)   # not a stencil
 
 

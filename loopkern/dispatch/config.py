@@ -41,9 +41,15 @@ LARGE_ELEMENTS_PER_THREAD = 32
 #: scope="auto" keeps a one-dimensional stencil's swap pairs on chip (scope="tile") from this
 #: many elements per array, where their tiles fit (H200 heat f32, bench/tile_probe.py and
 #: bench.py, 2026-12-03: 64K, tile 2.0 µs/step against 1.5 for the grid scope; 1M, 3.2 against
-#: 3.7; 2M, 3.5-4.3 against 5.9). Two-dimensional stencils stay on the grid scope: there tile
-#: mode measured slower (1024², 7.1-8.3 against 6.8-7.0).
+#: 3.7; 2M, 3.5-4.3 against 5.9).
 AUTO_TILE_MIN_ELEMENTS = 1 << 20
+#: scope="auto" keeps a two-dimensional stencil on chip from this many elements (tiles of whole
+#: rows, each thread a column; at these sizes one step per exchange): bench/tile_probe.py on an
+#: H100, 2026-12-05, µs/step tile against grid: heat 128² 2.62 / 2.09, 256² 2.35 / 2.65, 512²
+#: 2.60 / 3.75, 1024² 3.71 / 7.46; Life (wrapping around) 256² 2.63 / 2.38, 512² 3.75 / 4.13;
+#: on the H200 (bench.py) heat 1024² 3.60 / 6.91, Life 1024² 7.53 / 10.50, Jacobi 256² (a
+#: reduction every step) 4.86 / 3.78.
+AUTO_TILE_2D_MIN_ELEMENTS = 1 << 18
 _auto_logged = False
 _lock = threading.Lock()
 

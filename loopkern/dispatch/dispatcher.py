@@ -35,7 +35,7 @@ from ..runtime.layout import CANCEL, DBG_SIZE, HOST_SIZE, REQUEST, STEPS, STOPPE
 from ..warpsplit import WARP, step_has_warp_split
 from . import checks, driver
 from .args import ArrayArg, apply_weak_floats, classify, weak_float_type
-from .config import (AUTO_TILE_MIN_ELEMENTS, LaunchConfig, choose_backend, cuda_config, plan_staging, resolve_scope,
+from .config import (AUTO_TILE_2D_MIN_ELEMENTS, AUTO_TILE_MIN_ELEMENTS, LaunchConfig, choose_backend, cuda_config, plan_staging, resolve_scope,
                      first_tile_blocks, numba_chip, tile_config, tile_layout)
 from .kernels import KernelCache, check_types, index_bits_for
 from .plan import PlanCache, make_plan
@@ -339,24 +339,24 @@ class Dispatcher:
         return step_has_warp_split(self.spec.step)
 
     def auto_tile(self, work: int, debug: bool, sim: bool) -> bool:
-        """Whether ``scope="auto"`` tries tile mode: a stencil that does not wrap around along
-        its first dimension, on a GPU, without debug, of any size when tile mode can run several
-        steps per halo exchange (``fused_steps``: H200, 2026-12-05, heat 4K 0.26 µs/step
-        against 0.61 in the block scope, 64K 0.30 against 1.47 in the grid scope; 2-D heat 512²
-        2.51 against 3.42, 1024² 3.60 against 6.91; Life 1024² 7.53 against 10.50), else a 1-D
-        one of at least ``config.AUTO_TILE_MIN_ELEMENTS`` elements (2-D steps of one step per
-        exchange stay on the grid scope: Jacobi 256², tile 4.86 against 3.78)."""
+        """Whether ``scope="auto"`` tries tile mode: a stencil, on a GPU, without debug. A 1-D stencil of any size when tile mode
+        can run several steps per halo exchange (``fused_steps``: H200, 2026-12-05, heat 4K
+        0.26 µs/step against 0.61 in the block scope, 64K 0.30 against 1.47 in the grid scope),
+        else from ``config.AUTO_TILE_MIN_ELEMENTS`` elements; a 2-D one (wrapping around or not)
+        from ``config.AUTO_TILE_2D_MIN_ELEMENTS`` (the measurements are there)."""
         if sim or debug:
             return False
         try:
             st = self.tile_stencil()
         except ArgumentError:
             return False
-        # (a stencil that wraps around along its first dimension runs in tile mode when asked
-        # for: not yet measured on a GPU, auto keeps the grid scope for it)
+        if st.ndim == 2:
+            return work >= AUTO_TILE_2D_MIN_ELEMENTS
+        # (a 1-D stencil that wraps around along its first dimension runs in tile mode when
+        # asked for: not yet measured on a GPU, auto keeps the grid scope for it)
         if st.periodic[0]:
             return False
-        return self.fused_steps or st.ndim == 1 and work >= AUTO_TILE_MIN_ELEMENTS
+        return self.fused_steps or work >= AUTO_TILE_MIN_ELEMENTS
 
     def tile_stencil(self, scope: str = "tile"):
         """The step's stencil for ``scope="tile"`` or ``"cluster"`` (ArgumentError, naming

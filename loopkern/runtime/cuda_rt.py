@@ -24,11 +24,6 @@ from .layout import BOUNDS, DBG_FLAG, DONE, REQUEST, STEPS, TIMEOUT, TIMEOUT_NS,
 from .philox import build
 
 SIMULATOR = bool(config.ENABLE_CUDASIM)
-#: the options every generated kernel's ``cuda.jit`` gets. No link-time optimisation: Numba turns
-#: it on where nvJitLink is installed, and then runs NVVM twice for each new kernel (PTX when it
-#: builds the kernel, LTO-IR again when it links it) although a generated kernel links nothing
-#: (tests/test_ptx.py: no extern functions). The simulator's ``cuda.jit`` takes no ``lto``.
-KERNEL_OPTIONS = {} if SIMULATOR else {"lto": False}
 _OPS = ("sum", "max", "min")
 #: warps per block at most; the kernel's per-warp reduction slots are two of this many (the
 #: templates' cuda.shared.array(64, ...) must be 2 * _MAX_WARPS)
@@ -419,9 +414,24 @@ else:
                 if cuda.threadIdx.x == 0:
                     red[slot, cuda.blockIdx.x] = w
                 sync(bar)
-                acc = dtype(ident)
-                for b in range(lane, cuda.gridDim.x, 32):
-                    acc = combine(acc, dtype(red[slot, b]))
+                # each lane reads up to 8 blocks' slots at once: independent loads in flight
+                # together, one L2 round trip for up to 256 blocks where a loop of one load
+                # per 32 blocks waited for each in turn (the reduction is on every step's
+                # critical path)
+                nb = cuda.gridDim.x
+                none = dtype(ident)
+                acc = none
+                for b in range(lane, nb, 256):
+                    x0 = dtype(red[slot, b])
+                    x1 = dtype(red[slot, b + 32]) if b + 32 < nb else none
+                    x2 = dtype(red[slot, b + 64]) if b + 64 < nb else none
+                    x3 = dtype(red[slot, b + 96]) if b + 96 < nb else none
+                    x4 = dtype(red[slot, b + 128]) if b + 128 < nb else none
+                    x5 = dtype(red[slot, b + 160]) if b + 160 < nb else none
+                    x6 = dtype(red[slot, b + 192]) if b + 192 < nb else none
+                    x7 = dtype(red[slot, b + 224]) if b + 224 < nb else none
+                    acc = combine(acc, combine(combine(combine(x0, x1), combine(x2, x3)),
+                                               combine(combine(x4, x5), combine(x6, x7))))
                 w = warp_all(acc)
             return w
         return core

@@ -39,7 +39,7 @@ def _lk_step(t, u, v, alpha, _lk_tid, _lk_nt, _lk_redf, _lk_redi, _lk_st, _lk_ba
         v[_lk_np.uint64(i)] = u[_lk_np.uint64(i)]  # line 15
     return True
 
-@cuda.jit(cache=True, **_lk_rt.KERNEL_OPTIONS)
+@cuda.jit(cache=True)
 def _lk_kernel(_lk_nsteps, _lk_t0, _lk_a0, _lk_a1, _lk_a2, _lk_redf, _lk_redi, _lk_bar, _lk_seed, _lk_info, _lk_host):
     _lk_tid = cuda.threadIdx.x
     _lk_nt = cuda.blockDim.x

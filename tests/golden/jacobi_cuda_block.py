@@ -85,7 +85,7 @@ def _lk_step(t, u, v, tol, _lk_tid, _lk_nt, _lk_redf, _lk_redi, _lk_st, _lk_bar,
         err = max(err, abs(new - u[_lk_np.uint64(i), _lk_np.uint64(j)]))  # line 35
     return bool(_lk_rt.block_max(err, _lk_redf, _lk_redi, _lk_st, _lk_bar, _lk_shf, _lk_shi) > tol)  # line 36
 
-@cuda.jit(cache=True, **_lk_rt.KERNEL_OPTIONS)
+@cuda.jit(cache=True)
 def _lk_kernel(_lk_nsteps, _lk_t0, _lk_a0, _lk_a1, _lk_a2, _lk_redf, _lk_redi, _lk_bar, _lk_seed, _lk_info, _lk_host):
     _lk_tid = cuda.threadIdx.x
     _lk_nt = cuda.blockDim.x

@@ -278,24 +278,39 @@ def test_scope_auto_keeps_a_large_one_dimensional_stencil_on_chip(rng):
     assert p(*small, 0.25, steps=3, backend="cuda").scope == "grid"
 
 
-@pytest.mark.parametrize("shape", [(64, 64), (1024, 1024), (2048, 2048)])
-def test_scope_auto_keeps_a_two_dimensional_stencil_on_chip_where_it_fits(shape, rng):
-    """2-D heat runs several steps per exchange, so auto picks tile mode at any size that fits;
-    2048² float32 does not fit (both buffers: 32 MB) and runs in the grid scope. Against the
-    float64 reference (float32 arithmetic: 1e-5 relative)."""
+@pytest.mark.parametrize("shape,scope", [((64, 64), "grid"), ((1024, 1024), "tile"), ((2048, 2048), "grid")])
+def test_scope_auto_keeps_a_two_dimensional_stencil_on_chip_where_it_pays(shape, scope, rng):
+    """2-D stencils run in tile mode from config.AUTO_TILE_2D_MIN_ELEMENTS elements where their
+    tiles fit: 64² heat stays on the grid scope, 2048² float32 does not fit (both buffers, 32
+    MB) and falls back to it. Against the float64 reference (float32 arithmetic)."""
     from bench.heat2d import ALPHA2, heat2d_kernel, heat2d_ref
     cuda = _cuda()
     k = heat2d_kernel()
     u0 = rng.random(shape).astype(np.float32)
     u, v = cuda.to_device(u0), cuda.to_device(u0)
     run = k(u, v, ALPHA2, steps=203, backend="cuda")
-    assert run.scope == ("grid" if shape[0] == 2048 else "tile"), run
-    assert run.steps == 203
+    assert run.scope == scope and run.steps == 203, run
     np.testing.assert_allclose(u.copy_to_host(), heat2d_ref(u0, 203), rtol=1e-5, atol=1e-6)
-    # a step with a reduction runs one step per exchange: auto keeps the grid scope in 2-D
-    j = lk.megakernel(W.jacobi_step, swap=[("u", "v")])
-    a, b = cuda.to_device(u0), cuda.to_device(u0)
-    assert j(a, b, np.float32(-1.0), max_steps=3, backend="cuda").scope == "grid"
+
+
+def test_scope_auto_runs_life_and_jacobi_in_tile_mode(rng):
+    """A stencil that wraps around (Life) and one that reduces and stops on a condition
+    (Jacobi) at 512²: tile mode under scope="auto", against their references."""
+    from bench.life import life_kernel, life_ref
+    cuda = _cuda()
+    a0 = (rng.random((512, 512)) < 0.35).astype(np.int32)
+    a, b = cuda.to_device(a0), cuda.to_device(a0)
+    run = life_kernel()(a, b, steps=101, backend="cuda")
+    assert run.scope == "tile" and run.steps == 101, run
+    np.testing.assert_array_equal(a.copy_to_host(), life_ref(a0, 101))
+    u0 = np.zeros((512, 512))
+    u0[0, :] = 1.0
+    u, v = cuda.to_device(u0), cuda.to_device(u0)
+    k = lk.megakernel(W.jacobi_step, swap=[("u", "v")])
+    run = k(u, v, 1e-4, max_steps=2000, backend="cuda")
+    ref, ref_steps = W.jacobi_ref(u0, 1e-4, 2000)
+    assert run.scope == "tile" and run.steps == ref_steps, (run, ref_steps)
+    np.testing.assert_allclose(u.copy_to_host(), ref, rtol=0, atol=1e-12)
 
 
 # -- several steps per halo exchange (temporal blocking) -------------------------------------
