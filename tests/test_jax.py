@@ -399,7 +399,7 @@ def as_if_cuda(monkeypatch):
     monkeypatch.setattr(lk_config, "cuda_config", fake_config)
     monkeypatch.setattr(jax_bridge, "_platform", lambda mk, arrays, backend: "cuda")
     monkeypatch.setattr(cuda, "get_current_device", lambda: types.SimpleNamespace(id=0, compute_capability=(9, 0)))
-    monkeypatch.setattr(Dispatcher, "auto_tile", lambda self, work, debug, sim: False)
+    monkeypatch.setattr(Dispatcher, "auto_tile", lambda self, work, debug, sim, shapes=None: False)
     kernels = (HEAT, JACOBI, SHIFT)
     for k in kernels:
         jax_bridge.call_cache(k).clear()

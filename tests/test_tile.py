@@ -362,6 +362,21 @@ def test_scope_auto_tries_tile_mode_for_stencils_on_a_gpu():
         assert not d.auto_tile(big2, True, sim=False)
     assert not lk.megakernel(W.logistic_step).dispatcher.auto_tile(big, plain, sim=False)   # not a stencil
 
+    # a halo longer than 1/32 of the first extent (jnp.roll's wrap read as offsets of n - 1 by
+    # a drop-in loop's body): too few tiles, the grid scope
+    def far(t, u, v):
+        n = u.shape[0]
+        for i in lk.range(n):
+            v[i] = 0.5 * (u[i + 99] if i < 1 else u[i - 1])
+
+    wide = lk.megakernel(far, swap=[("u", "v")]).dispatcher
+    assert wide.fused_steps and wide.stencil.halo[0] == (1, 99)
+    assert wide.auto_tile(100, plain, sim=False)                       # shapes unknown
+    assert not wide.auto_tile(100, plain, sim=False, shapes=[(100,), (100,)])
+    assert not wide.auto_tile(99 * 32 - 1, plain, sim=False, shapes=[(99 * 32 - 1,), (99 * 32 - 1,)])
+    assert wide.auto_tile(99 * 32, plain, sim=False, shapes=[(99 * 32,), (99 * 32,)])
+    assert heat.auto_tile(100, plain, sim=False, shapes=[(100,), (100,), None])
+
 
 def test_a_cluster_kernel_uses_the_cluster_barrier_everywhere():
     # every barrier of a cluster launch, the ones inside reductions and lk.sync() included,

@@ -47,9 +47,13 @@ AUTO_TILE_MIN_ELEMENTS = 1 << 20
 #: rows, each thread a column; at these sizes one step per exchange): bench/tile_probe.py on an
 #: H100, 2026-12-05, µs/step tile against grid: heat 128² 2.62 / 2.09, 256² 2.35 / 2.65, 512²
 #: 2.60 / 3.75, 1024² 3.71 / 7.46; Life (wrapping around) 256² 2.63 / 2.38, 512² 3.75 / 4.13;
-#: on the H200 (bench.py) heat 1024² 3.60 / 6.91, Life 1024² 7.53 / 10.50, Jacobi 256² (a
-#: reduction every step) 4.86 / 3.78.
+#: Jacobi (a reduction every step) 512² 5.06 / 5.30, 1024² 6.20 / 8.47; on the H200
+#: (bench.py) heat 1024² 3.60 / 6.91, Life 1024² 7.53 / 10.50, Jacobi 256² 4.86 / 3.78.
 AUTO_TILE_2D_MIN_ELEMENTS = 1 << 18
+#: scope="auto" leaves a stencil on the grid scope when its halo along the first dimension is
+#: longer than this share of that dimension (1/32): tiles at least a halo long would then be
+#: fewer than 32 (a drop-in loop reading jnp.roll's wrap-around has a halo of n - 1)
+AUTO_TILE_HALO_SHARE = 32
 _auto_logged = False
 _lock = threading.Lock()
 

@@ -35,7 +35,7 @@ from ..runtime.layout import CANCEL, DBG_SIZE, HOST_SIZE, REQUEST, STEPS, STOPPE
 from ..warpsplit import WARP, step_has_warp_split
 from . import checks, driver
 from .args import ArrayArg, apply_weak_floats, classify, weak_float_type
-from .config import (AUTO_TILE_2D_MIN_ELEMENTS, AUTO_TILE_MIN_ELEMENTS, LaunchConfig, choose_backend, cuda_config, plan_staging, resolve_scope,
+from .config import (AUTO_TILE_2D_MIN_ELEMENTS, AUTO_TILE_HALO_SHARE, AUTO_TILE_MIN_ELEMENTS, LaunchConfig, choose_backend, cuda_config, plan_staging, resolve_scope,
                      first_tile_blocks, numba_chip, tile_config, tile_layout)
 from .kernels import KernelCache, check_types, index_bits_for
 from .plan import PlanCache, make_plan
@@ -230,7 +230,8 @@ class Dispatcher:
         scope = resolve_scope(o.scope, work, spec.parallel, spec.light_elements)
         if scope in ("tile", "cluster"):
             return self._make_tile_plan(argv, run_values, float_type, o, sim, cluster=scope == "cluster")
-        if o.scope == "auto" and scope in ("grid", "block") and self.auto_tile(work, o.debug, sim):
+        if o.scope == "auto" and scope in ("grid", "block") and self.auto_tile(
+                work, o.debug, sim, [a.shape if isinstance(a, ArrayArg) else None for a in argv]):
             try:
                 return self._make_tile_plan(argv, run_values, float_type, o, sim)
             except (LaunchError, ArgumentError) as exc:
@@ -338,18 +339,27 @@ class Dispatcher:
         the automatic grid then has a warp's worth of threads per element."""
         return step_has_warp_split(self.spec.step)
 
-    def auto_tile(self, work: int, debug: bool, sim: bool) -> bool:
+    def auto_tile(self, work: int, debug: bool, sim: bool, shapes=None) -> bool:
         """Whether ``scope="auto"`` tries tile mode: a stencil, on a GPU, without debug. A 1-D stencil of any size when tile mode
         can run several steps per halo exchange (``fused_steps``: H200, 2026-12-05, heat 4K
         0.26 µs/step against 0.61 in the block scope, 64K 0.30 against 1.47 in the grid scope),
         else from ``config.AUTO_TILE_MIN_ELEMENTS`` elements; a 2-D one (wrapping around or not)
-        from ``config.AUTO_TILE_2D_MIN_ELEMENTS`` (the measurements are there)."""
+        from ``config.AUTO_TILE_2D_MIN_ELEMENTS`` (the measurements are there).
+
+        ``shapes``: the arguments' shapes by parameter (None for a scalar), when known. A stencil
+        whose halo is wider than 1/``config.AUTO_TILE_HALO_SHARE`` of the kept arrays' first
+        extent is left on the grid scope: its tiles, each at least a halo long, would be too few
+        to use the GPU (``jnp.roll`` read by a drop-in loop's body is a halo of n - 1)."""
         if sim or debug:
             return False
         try:
             st = self.tile_stencil()
         except ArgumentError:
             return False
+        if shapes is not None:
+            rows = [shapes[i][0] for pair in self.spec.swap for i in pair if shapes[i]]
+            if rows and max(st.halo[0]) * AUTO_TILE_HALO_SHARE > min(rows):
+                return False
         if st.ndim == 2:
             return work >= AUTO_TILE_2D_MIN_ELEMENTS
         # (a 1-D stencil that wraps around along its first dimension runs in tile mode when

@@ -223,7 +223,7 @@ def _cuda_options(mk, sig, scope, threads, blocks):
                             f"use scope='tile' or 'grid'")
     if scope == "tile":
         mk.dispatcher.tile_stencil()        # a step tile mode cannot run: ArgumentError now
-    elif asked == "auto" and mk.dispatcher.auto_tile(work, False, False):
+    elif asked == "auto" and mk.dispatcher.auto_tile(work, False, False, [shape for shape, _ in sig]):
         scope = "auto-tile"
     # Not the device itself: the custom call runs on whichever device XLA gives it (every one of
     # a mesh under shard_map), and the handler loads the kernel there. But the cubin is built for
