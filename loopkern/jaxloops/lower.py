@@ -2116,10 +2116,74 @@ def _pad(L, e, out, idx, ctx, B):
     return f"({inner} if {cond} else {L.E(pv, (), ctx, B)})"
 
 
+def _loaded_name(L, v):
+    """The name of the array ``v`` is loaded from when it is one the step takes (a carry of the
+    loop, or a scratch buffer), else None."""
+    if not isinstance(v, Var) or v.eqn is not None or v in L.sub_env or hasattr(L, "outer"):
+        return None
+    if v in L.scratch:
+        return L.scratch[v]
+    role = L.input_role.get(v)
+    return L.carries[role[1]].name if role is not None and role[0] == "carry" else None
+
+
+def _rotated_from(L, v):
+    """The name of the array the step takes that ``v`` is, or is a rotation of (``jnp.roll``
+    along another axis: a concatenation of slices of one value of ``v``'s shape), else None:
+    the array whose extent the wrapped index names, since it is the one that index reads."""
+    name = _loaded_name(L, v)
+    if name is not None or not isinstance(v, Var) or v.eqn is None or v.eqn.prim != "concatenate":
+        return name
+    srcs = {x.eqn.ins[0] if isinstance(x, Var) and x.eqn is not None and x.eqn.prim == "slice" else None
+            for x in v.eqn.ins}
+    if len(srcs) != 1:
+        return None
+    w = srcs.pop()
+    return _rotated_from(L, w) if isinstance(w, Var) and w.shape == v.shape else None
+
+
+def _rolled(L, e, i, d):
+    """``jnp.roll(v, ±1, axis=d)`` of an array the step takes, read at the loop index ``i``:
+    (the array, the index of the neighbour with the wrap as a conditional expression), else
+    None. Written so that loopkern's stencil analysis sees a periodic neighbour (halo one,
+    ``stencil.py``'s ``_wrapped_neighbour``) where the two pieces' plain reads would be offsets
+    of n - 1 apart, a halo no tile holds."""
+    if len(e.ins) != 2 or i.text is not None or i.base is None or i.off != 0:
+        return None
+    first, second = e.ins
+    if not all(isinstance(x, Var) and x.eqn is not None and x.eqn.prim == "slice" for x in (first, second)):
+        return None
+    v = first.eqn.ins[0]
+    root = _rotated_from(L, v)
+    if second.eqn.ins[0] is not v or root is None:
+        return None
+    n = v.shape[d]
+    for x in (first, second):
+        p = x.eqn.params
+        if any(st != 1 for st in (p.get("strides") or ())):
+            return None
+        if any((int(a), int(b)) != (0, m) for k, (a, b, m) in
+               enumerate(zip(p["start_indices"], p["limit_indices"], v.shape)) if k != d):
+            return None
+    (a0, b0), (a1, b1) = [(int(x.eqn.params["start_indices"][d]), int(x.eqn.params["limit_indices"][d]))
+                          for x in (first, second)]
+    extent = f"{root}.shape[{d}]"
+    x = i.expr
+    if (a0, b0, a1, b1) == (n - 1, n, 0, n - 1):        # roll by +1: out[x] = v[x - 1]
+        return v, opaque(f"({x} - 1 if {x} > 0 else {extent} - 1)", 0, n - 1)
+    if (a0, b0, a1, b1) == (1, n, 0, 1):                # roll by -1: out[x] = v[x + 1]
+        return v, opaque(f"({x} + 1 if {x} < {extent} - 1 else 0)", 0, n - 1)
+    return None
+
+
 @rule("concatenate")
 def _concat(L, e, out, idx, ctx, B):
     d = e.params["dimension"]
     i = idx[d]
+    rolled = _rolled(L, e, i, d) if (i.lo, i.hi) == (0, out.shape[d] - 1) else None
+    if rolled is not None:
+        v, j = rolled
+        return L.E(v, idx[:d] + (j,) + idx[d + 1:], ctx, B)
     pieces, off = [], 0
     for x in e.ins:
         n = x.shape[d]
