@@ -10,6 +10,7 @@ jnp = jax.numpy
 lax = jax.lax
 
 from loopkern.jaxloops import loops  # noqa: E402
+from bench.life import jax_life_step, life_ref  # noqa: E402
 
 BACKENDS = [pytest.param("cpu", id="cpu"), pytest.param("cuda", id="sim", marks=pytest.mark.sim)]
 
@@ -252,19 +253,6 @@ def test_dense_solve_waits_for_the_factorisation(backend):
     np.testing.assert_allclose(got, x, rtol=1e-5, atol=1e-6)
 
 
-def _life(x):
-    """Conway's Game of Life on a torus, written as a jnp user would (jnp.roll)."""
-    s = sum(jnp.roll(jnp.roll(x, di, 0), dj, 1) for di in (-1, 0, 1) for dj in (-1, 0, 1) if di or dj)
-    return ((s == 3) | ((x == 1) & (s == 2))).astype(x.dtype)
-
-
-def _life_ref(a, steps):
-    for _ in range(steps):
-        s = sum(np.roll(np.roll(a, di, 0), dj, 1) for di in (-1, 0, 1) for dj in (-1, 0, 1) if di or dj)
-        a = ((s == 3) | ((a == 1) & (s == 2))).astype(a.dtype)
-    return a
-
-
 def test_jnp_roll_by_one_is_a_periodic_neighbour_to_the_stencil_analysis():
     """jnp.roll(x, ±1, axis) of the carry is read with its wrap as a conditional expression:
     a periodic stencil of halo one (the two pieces' plain reads were offsets n - 1 apart, a
@@ -272,7 +260,7 @@ def test_jnp_roll_by_one_is_a_periodic_neighbour_to_the_stencil_analysis():
     heat, _, _ = lowered(lambda i, x: x + 0.25 * (jnp.roll(x, 1) - 2 * x + jnp.roll(x, -1)), np.zeros(500))
     st = heat.dispatcher.stencil
     assert st.halo == ((1, 1),) and st.periodic == (True,)
-    life, _, _ = lowered(lambda i, x: _life(x), np.zeros((40, 30), np.int32))
+    life, _, _ = lowered(lambda i, x: jax_life_step(x), np.zeros((40, 30), np.int32))
     st = life.dispatcher.stencil
     assert st.halo == ((1, 1), (1, 1)) and st.periodic == (True, True)
     far, _, _ = lowered(lambda i, x: 0.5 * (jnp.roll(x, 3) + x), np.zeros(500))
@@ -292,5 +280,5 @@ def test_jnp_roll_bodies_in_tile_mode_on_the_simulator(scope, rng):
         ref = ref + 0.25 * (np.roll(ref, 1) - 2 * ref + np.roll(ref, -1))
     np.testing.assert_allclose(got, ref, rtol=1e-12)
     a0 = (rng.random((24, 20)) < 0.4).astype(np.int32)
-    got, _ = run_lowered(lambda i, x: _life(x), a0, 6, "cuda", scope=scope)
-    np.testing.assert_array_equal(got, _life_ref(a0, 6))
+    got, _ = run_lowered(lambda i, x: jax_life_step(x), a0, 6, "cuda", scope=scope)
+    np.testing.assert_array_equal(got, life_ref(a0, 6))

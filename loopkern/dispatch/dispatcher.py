@@ -35,8 +35,9 @@ from ..runtime.layout import CANCEL, DBG_SIZE, HOST_SIZE, REQUEST, STEPS, STOPPE
 from ..warpsplit import WARP, step_has_warp_split
 from . import checks, driver
 from .args import ArrayArg, apply_weak_floats, classify, weak_float_type
-from .config import (AUTO_TILE_2D_MIN_ELEMENTS, AUTO_TILE_HALO_SHARE, AUTO_TILE_MIN_ELEMENTS, LaunchConfig, choose_backend, cuda_config, plan_staging, resolve_scope,
-                     first_tile_blocks, numba_chip, tile_config, tile_layout)
+from .config import (AUTO_TILE_2D_MIN_ELEMENTS, AUTO_TILE_HALO_SHARE, AUTO_TILE_MIN_ELEMENTS, LaunchConfig,
+                     choose_backend, cuda_config, first_tile_blocks, numba_chip, plan_staging, resolve_scope,
+                     tile_config, tile_layout)
 from .kernels import KernelCache, check_types, index_bits_for
 from .plan import PlanCache, make_plan
 from .signature import LastCall, call_key
@@ -340,9 +341,10 @@ class Dispatcher:
         return step_has_warp_split(self.spec.step)
 
     def auto_tile(self, work: int, debug: bool, sim: bool, shapes=None) -> bool:
-        """Whether ``scope="auto"`` tries tile mode: a stencil, on a GPU, without debug. A 1-D stencil of any size when tile mode
-        can run several steps per halo exchange (``fused_steps``: H200, 2026-12-05, heat 4K
-        0.26 µs/step against 0.61 in the block scope, 64K 0.30 against 1.47 in the grid scope),
+        """Whether ``scope="auto"`` tries tile mode: a stencil, on a GPU, without debug. A 1-D
+        stencil of any size when tile mode can run several steps per halo exchange
+        (``fused_steps``: H200, 2026-12-05, heat 4K 0.26 µs/step against 0.61 in the block
+        scope, 64K 0.30 against 1.47 in the grid scope),
         else from ``config.AUTO_TILE_MIN_ELEMENTS`` elements; a 2-D one (wrapping around or not)
         from ``config.AUTO_TILE_2D_MIN_ELEMENTS`` (the measurements are there).
 

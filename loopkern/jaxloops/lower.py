@@ -2127,6 +2127,14 @@ def _loaded_name(L, v):
     return L.carries[role[1]].name if role is not None and role[0] == "carry" else None
 
 
+def _sliced_source(e):
+    """The one value that every input of concatenation ``e`` is a slice of, else None."""
+    srcs = {x.eqn.ins[0] if isinstance(x, Var) and x.eqn is not None and x.eqn.prim == "slice" else None
+            for x in e.ins}
+    w = srcs.pop() if len(srcs) == 1 else None
+    return w if isinstance(w, Var) else None
+
+
 def _rotated_from(L, v):
     """The name of the array the step takes that ``v`` is, or is a rotation of (``jnp.roll``
     along another axis: a concatenation of slices of one value of ``v``'s shape), else None:
@@ -2134,12 +2142,8 @@ def _rotated_from(L, v):
     name = _loaded_name(L, v)
     if name is not None or not isinstance(v, Var) or v.eqn is None or v.eqn.prim != "concatenate":
         return name
-    srcs = {x.eqn.ins[0] if isinstance(x, Var) and x.eqn is not None and x.eqn.prim == "slice" else None
-            for x in v.eqn.ins}
-    if len(srcs) != 1:
-        return None
-    w = srcs.pop()
-    return _rotated_from(L, w) if isinstance(w, Var) and w.shape == v.shape else None
+    w = _sliced_source(v.eqn)
+    return _rotated_from(L, w) if w is not None and w.shape == v.shape else None
 
 
 def _rolled(L, e, i, d):
@@ -2150,13 +2154,11 @@ def _rolled(L, e, i, d):
     of n - 1 apart, a halo no tile holds."""
     if len(e.ins) != 2 or i.text is not None or i.base is None or i.off != 0:
         return None
+    v = _sliced_source(e)
+    root = _rotated_from(L, v) if v is not None else None
+    if root is None:
+        return None
     first, second = e.ins
-    if not all(isinstance(x, Var) and x.eqn is not None and x.eqn.prim == "slice" for x in (first, second)):
-        return None
-    v = first.eqn.ins[0]
-    root = _rotated_from(L, v)
-    if second.eqn.ins[0] is not v or root is None:
-        return None
     n = v.shape[d]
     for x in (first, second):
         p = x.eqn.params

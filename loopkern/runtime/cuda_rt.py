@@ -414,24 +414,9 @@ else:
                 if cuda.threadIdx.x == 0:
                     red[slot, cuda.blockIdx.x] = w
                 sync(bar)
-                # each lane reads up to 8 blocks' slots at once: independent loads in flight
-                # together, one L2 round trip for up to 256 blocks where a loop of one load
-                # per 32 blocks waited for each in turn (the reduction is on every step's
-                # critical path)
-                nb = cuda.gridDim.x
-                none = dtype(ident)
-                acc = none
-                for b in range(lane, nb, 256):
-                    x0 = dtype(red[slot, b])
-                    x1 = dtype(red[slot, b + 32]) if b + 32 < nb else none
-                    x2 = dtype(red[slot, b + 64]) if b + 64 < nb else none
-                    x3 = dtype(red[slot, b + 96]) if b + 96 < nb else none
-                    x4 = dtype(red[slot, b + 128]) if b + 128 < nb else none
-                    x5 = dtype(red[slot, b + 160]) if b + 160 < nb else none
-                    x6 = dtype(red[slot, b + 192]) if b + 192 < nb else none
-                    x7 = dtype(red[slot, b + 224]) if b + 224 < nb else none
-                    acc = combine(acc, combine(combine(combine(x0, x1), combine(x2, x3)),
-                                               combine(combine(x4, x5), combine(x6, x7))))
+                acc = dtype(ident)
+                for b in range(lane, cuda.gridDim.x, 32):
+                    acc = combine(acc, dtype(red[slot, b]))
                 w = warp_all(acc)
             return w
         return core

@@ -319,24 +319,13 @@ def test_dense_solve_on_the_gpu(rng):
     assert np.abs(got - ref).max() < 1e-3 * max(1.0, np.abs(ref).max())
 
 
-def _life(x):
-    s = sum(jnp.roll(jnp.roll(x, di, 0), dj, 1) for di in (-1, 0, 1) for dj in (-1, 0, 1) if di or dj)
-    return ((s == 3) | ((x == 1) & (s == 2))).astype(x.dtype)
-
-
-def _life_ref(a, steps):
-    for _ in range(steps):
-        s = sum(np.roll(np.roll(a, di, 0), dj, 1) for di in (-1, 0, 1) for dj in (-1, 0, 1) if di or dj)
-        a = ((s == 3) | ((a == 1) & (s == 2))).astype(a.dtype)
-    return a
-
-
 def test_jnp_roll_bodies_in_tile_mode_on_the_gpu(rng):
     """jnp.roll by one is a periodic neighbour to the stencil analysis: a Life on a torus
     written with jnp.roll runs in tile mode under scope="auto" at 512² (the tiles' wrap-around
     rows across blocks), and 1-D heat with jnp.roll in tile mode on 7 blocks; lk.fori_loop of
     the Life body end to end. Against NumPy."""
     from jax import lax
+    from bench.life import jax_life_step, life_ref
     from loopkern.jaxloops import loops
 
     def kernel_of(body, carry):
@@ -348,13 +337,13 @@ def test_jnp_roll_bodies_in_tile_mode_on_the_gpu(rng):
 
     a0 = (rng.random((512, 512)) < 0.35).astype(np.int32)
     a = a0.copy()
-    run = kernel_of(lambda i, x: _life(x), a0)(np.int32(0), a, a0.copy(), steps=31, backend="cuda")
+    run = kernel_of(lambda i, x: jax_life_step(x), a0)(np.int32(0), a, a0.copy(), steps=31, backend="cuda")
     assert run.scope == "tile" and run.steps == 31, run
-    np.testing.assert_array_equal(a, _life_ref(a0, 31))
-    got = jax.jit(lambda x: lk.fori_loop(0, 31, lambda i, y: _life(y), x, fallback="error"))(jnp.asarray(a0))
-    np.testing.assert_array_equal(np.asarray(got), _life_ref(a0, 31))
-    np.testing.assert_array_equal(np.asarray(lax.fori_loop(0, 31, lambda i, y: _life(y), jnp.asarray(a0))),
-                                  _life_ref(a0, 31))
+    np.testing.assert_array_equal(a, life_ref(a0, 31))
+    got = jax.jit(lambda x: lk.fori_loop(0, 31, lambda i, y: jax_life_step(y), x, fallback="error"))(jnp.asarray(a0))
+    np.testing.assert_array_equal(np.asarray(got), life_ref(a0, 31))
+    np.testing.assert_array_equal(np.asarray(lax.fori_loop(0, 31, lambda i, y: jax_life_step(y), jnp.asarray(a0))),
+                                  life_ref(a0, 31))
     u0 = rng.random(5000)
     heat = kernel_of(lambda i, x: x + 0.25 * (jnp.roll(x, 1) - 2 * x + jnp.roll(x, -1)), u0)
     u = u0.copy()
