@@ -9,43 +9,10 @@ jax = pytest.importorskip("jax")
 jnp = jax.numpy
 lax = jax.lax
 
-from loopkern.jaxloops import loops  # noqa: E402
 from bench.life import jax_life_step, life_ref  # noqa: E402
+from lowered_steps import lowered, run_lowered  # noqa: E402
 
 BACKENDS = [pytest.param("cpu", id="cpu"), pytest.param("cuda", id="sim", marks=pytest.mark.sim)]
-
-
-def lowered(body, carry):
-    """The MegaKernel of ``body(i, carry)`` (a single array carry), its plan and program."""
-    traced = loops._trace_body(lambda i, x: [body(i, x)], [loops._aval(carry)],
-                               lead=(jax.ShapeDtypeStruct((), np.int32),))
-    prog = loops.flatten(traced[0])
-    plan = loops._lower(prog, [("index",), ("carry", 0)], {0: 0}, {0: 1})
-    return loops._kernel(plan), plan, prog
-
-
-def run_lowered(body, carry, steps, backend, **kw):
-    """Run the lowered step ``steps`` times on NumPy arrays (loop index from 0); the new carry.
-    ``kw``: more options of the call (``scope=``)."""
-    mk, plan, prog = lowered(body, carry)
-    args, first = [], None
-    for name, role, k in plan.params:
-        if role in ("carry", "carry_next"):
-            args.append(np.array(carry, copy=True))
-            first = args[-1] if role == "carry" else first
-        elif role == "lo":
-            args.append(np.int32(0))
-        elif role == "scratch":
-            shape, dtype = k
-            args.append(np.full(shape, 77, dtype))       # never read before it is written
-        elif role == "const":         # an array the body closed over
-            args.append(np.asarray(prog.consts[k][1]))
-        else:
-            raise AssertionError(role)
-    run = mk(*args, steps=steps, backend=backend, threads=64, blocks=1, **kw)
-    assert run.steps == steps and run.scope == kw.get("scope", run.scope)
-    return first, plan
-
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -57,7 +24,7 @@ def test_histogram_of_a_moving_cloud(backend):
     def body(i, h):
         p = jnp.arange(90, dtype=jnp.float32) * 0.37 + i.astype(jnp.float32) * 1.3
         return h.at[jnp.floor(p).astype(jnp.int32) % 15 - 2].add(1 + i % 3)
-    got, _ = run_lowered(body, h0, 7, backend)
+    got, _, _ = run_lowered(body, h0, 7, backend)
     ref = h0.astype(np.int64)
     for i in range(7):
         p = np.arange(90, dtype=np.float32) * np.float32(0.37) + np.float32(i) * np.float32(1.3)
@@ -78,7 +45,7 @@ def test_segment_sum_read_back_by_a_stencil(backend):
         seg = (jnp.arange(40) * 7) % 40
         s = jax.ops.segment_sum(x, seg, num_segments=40)
         return 0.5 * x + 0.25 * (jnp.roll(s, 1) + jnp.roll(s, -1))
-    got, plan = run_lowered(body, x0, 5, backend)
+    got, plan, _ = run_lowered(body, x0, 5, backend)
     assert "lk.atomic.add(" in plan.source and "lk.sync()" in plan.source
     x = x0.astype(np.float64)
     for _ in range(5):
@@ -100,7 +67,7 @@ def test_unrolled_jacobi_sweeps_of_an_implicit_step(backend):
             nb = jnp.pad(v, 1)
             return (u + a * (nb[:-2] + nb[2:])) / (1 + 2 * a)
         return lax.fori_loop(0, 3, sweep, u)
-    got, plan = run_lowered(body, u0, 4, backend)
+    got, plan, _ = run_lowered(body, u0, 4, backend)
     assert plan.source.count("lk.sync()") == 2
     u = u0.astype(np.float64)
     for _ in range(4):
@@ -127,7 +94,7 @@ def test_phased_jacobi_to_a_tolerance(backend):
             w = (u + a * (nb[:-2] + nb[2:])) / (1 + 2 * a)
             return w, jnp.max(jnp.abs(w - v))
         return lax.while_loop(lambda c: c[1] > 1e-6, sweep, (u, jnp.float32(1.0)))[0]
-    got, plan = run_lowered(body, u0, 3, backend)
+    got, plan, _ = run_lowered(body, u0, 3, backend)
     assert "while go" in plan.source
     u = u0.astype(np.float64)
     for _ in range(3):
@@ -149,7 +116,7 @@ def test_phased_shifts_with_a_count_from_the_step(backend):
 
     def body(i, a):
         return lax.fori_loop(0, i + 1, lambda j, v: jnp.roll(v, 1) + j, a)
-    got, plan = run_lowered(body, a0, 5, backend)
+    got, plan, _ = run_lowered(body, a0, 5, backend)
     assert "while go" in plan.source
     ref = a0.astype(np.int64)
     for i in range(5):
@@ -166,7 +133,7 @@ def test_phased_shifts_an_odd_static_number_of_times(backend):
 
     def body(i, a):
         return lax.fori_loop(0, 17, lambda j, v: jnp.roll(v, -1) * 2 % 1000 + j, a)
-    got, plan = run_lowered(body, a0, 3, backend)
+    got, plan, _ = run_lowered(body, a0, 3, backend)
     assert "in range(8)" in plan.source
     ref = a0.astype(np.int64)
     for _ in range(3):
@@ -184,7 +151,7 @@ def test_sort_read_back_by_neighbours(backend):
     def body(i, a):
         s = jnp.sort(a)
         return (jnp.roll(s, 7) * 3 + s + i) % 101
-    got, plan = run_lowered(body, a0, 4, backend)
+    got, plan, _ = run_lowered(body, a0, 4, backend)
     assert "lk.sync()" in plan.source
     ref = a0.astype(np.int64)
     for i in range(4):
@@ -205,7 +172,7 @@ def test_nested_stencil_loops_in_tile_mode(nested):
     def body(i, a):
         count = 3 if nested == "unrolled" else i + 1
         return lax.fori_loop(0, count, lambda j, v: (jnp.roll(v, 1) * 2 + jnp.roll(v, -1) + j) % 1000, a)
-    got, plan = run_lowered(body, a0, 4, "cuda", scope="tile")
+    got, plan, _ = run_lowered(body, a0, 4, "cuda", scope="tile")
     ref = a0.astype(np.int64)
     for i in range(4):
         for j in range(3 if nested == "unrolled" else i + 1):
@@ -222,7 +189,7 @@ def test_phased_window_update_keeps_the_cells_outside(backend):
 
     def body(i, a):
         return lax.fori_loop(0, i + 2, lambda j, v: v.at[2:-3].set((v[1:-4] + 2 * v[3:-2] + j) % 97), a * 2 % 89)
-    got, plan = run_lowered(body, a0, 3, backend)
+    got, plan, _ = run_lowered(body, a0, 3, backend)
     assert "while go" in plan.source
     ref = a0.astype(np.int64)
     for i in range(3):
@@ -245,7 +212,7 @@ def test_dense_solve_waits_for_the_factorisation(backend):
 
     def body(i, x):
         return jnp.linalg.solve(jnp.asarray(a), x) + 0.5
-    got, plan = run_lowered(body, x0, 3, backend)
+    got, plan, _ = run_lowered(body, x0, 3, backend)
     assert plan.source.count("lk.thread_id() == 0") == 3
     x = x0.astype(np.float64)
     for _ in range(3):
@@ -273,12 +240,12 @@ def test_jnp_roll_bodies_in_tile_mode_on_the_simulator(scope, rng):
     """Periodic jnp bodies (1-D heat with jnp.roll, Life on a torus) in tile mode (one block in
     the simulator: the wrap reads the tile's own rows) and the grid scope, against NumPy."""
     u0 = rng.random(300)
-    got, _ = run_lowered(lambda i, x: x + 0.25 * (jnp.roll(x, 1) - 2 * x + jnp.roll(x, -1)), u0, 9, "cuda",
+    got, _, _ = run_lowered(lambda i, x: x + 0.25 * (jnp.roll(x, 1) - 2 * x + jnp.roll(x, -1)), u0, 9, "cuda",
                          scope=scope)
     ref = u0.copy()
     for _ in range(9):
         ref = ref + 0.25 * (np.roll(ref, 1) - 2 * ref + np.roll(ref, -1))
     np.testing.assert_allclose(got, ref, rtol=1e-12)
     a0 = (rng.random((24, 20)) < 0.4).astype(np.int32)
-    got, _ = run_lowered(lambda i, x: jax_life_step(x), a0, 6, "cuda", scope=scope)
+    got, _, _ = run_lowered(lambda i, x: jax_life_step(x), a0, 6, "cuda", scope=scope)
     np.testing.assert_array_equal(got, life_ref(a0, 6))

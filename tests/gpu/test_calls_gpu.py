@@ -7,6 +7,7 @@ and timeout, start() handles, several threads) and check every result against a 
 NumPy reference."""
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -200,8 +201,13 @@ def test_the_watchdog_of_a_blocking_gpu_call(rng):
     x0 = np.array([0.0, rng.random()])
     x = _cuda().to_device(x0)
     k(x, 0, 10, steps=1, backend="cuda")                  # compile
+    # The spin is sized on this GPU to take about a second: a fixed count took 2 s on an H200
+    # and more than the 5 s the cancelled run is given on an H100 (2026-12-05)
+    probe = 20_000_000
+    began = time.perf_counter()
+    k(x, 0, probe, steps=1, backend="cuda")
+    spin = int(probe * min(1.0 / max(time.perf_counter() - began, 1e-3), 50.0))
     x = _cuda().to_device(x0)
-    spin = 400_000_000
     with pytest.raises(lk.HangError, match="a step takes longer than the watchdog") as info:
         k(x, 2, spin, steps=10 ** 6, backend="cuda", watchdog=0.2)
     run = info.value.run

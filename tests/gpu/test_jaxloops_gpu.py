@@ -326,29 +326,19 @@ def test_jnp_roll_bodies_in_tile_mode_on_the_gpu(rng):
     the Life body end to end. Against NumPy."""
     from jax import lax
     from bench.life import jax_life_step, life_ref
-    from loopkern.jaxloops import loops
-
-    def kernel_of(body, carry):
-        traced = loops._trace_body(lambda i, x: [body(i, x)], [loops._aval(carry)],
-                                   lead=(jax.ShapeDtypeStruct((), np.int32),))
-        plan = loops._lower(loops.flatten(traced[0]), [("index",), ("carry", 0)], {0: 0}, {0: 1})
-        assert [role for _, role, _ in plan.params] == ["lo", "carry", "carry_next"]
-        return loops._kernel(plan)
+    from lowered_steps import run_lowered
 
     a0 = (rng.random((512, 512)) < 0.35).astype(np.int32)
-    a = a0.copy()
-    run = kernel_of(lambda i, x: jax_life_step(x), a0)(np.int32(0), a, a0.copy(), steps=31, backend="cuda")
-    assert run.scope == "tile" and run.steps == 31, run
+    a, _, run = run_lowered(lambda i, x: jax_life_step(x), a0, 31, "cuda", threads=None, blocks=None)
+    assert run.scope == "tile", run
     np.testing.assert_array_equal(a, life_ref(a0, 31))
     got = jax.jit(lambda x: lk.fori_loop(0, 31, lambda i, y: jax_life_step(y), x, fallback="error"))(jnp.asarray(a0))
     np.testing.assert_array_equal(np.asarray(got), life_ref(a0, 31))
     np.testing.assert_array_equal(np.asarray(lax.fori_loop(0, 31, lambda i, y: jax_life_step(y), jnp.asarray(a0))),
                                   life_ref(a0, 31))
     u0 = rng.random(5000)
-    heat = kernel_of(lambda i, x: x + 0.25 * (jnp.roll(x, 1) - 2 * x + jnp.roll(x, -1)), u0)
-    u = u0.copy()
-    run = heat(np.int32(0), u, u0.copy(), steps=101, backend="cuda", scope="tile", blocks=7)
-    assert run.scope == "tile" and run.steps == 101, run
+    u, _, _ = run_lowered(lambda i, x: x + 0.25 * (jnp.roll(x, 1) - 2 * x + jnp.roll(x, -1)), u0, 101, "cuda",
+                          threads=None, blocks=7, scope="tile")
     ref = u0.copy()
     for _ in range(101):
         ref = ref + 0.25 * (np.roll(ref, 1) - 2 * ref + np.roll(ref, -1))
