@@ -312,8 +312,10 @@ class _Analysis:
     def _wrapped_neighbour(self, e, k, loop, a):
         """{-1} or {+1} for the periodic neighbour written as a conditional expression:
         ``x - 1 if x > 0 else E - 1`` (or ``x >= 1``; or ``E - 1 if x == 0 else x - 1``) and
-        ``x + 1 if x < E - 1 else 0`` (or ``x + 1 < E``; or ``0 if x == E - 1 else x + 1``),
-        ``E`` the extent of ``a`` along ``k``; None for anything else."""
+        ``x + 1 if x < E - 1 else 0`` (or ``x + 1 < E``; or ``0 if x == E - 1 else x + 1``);
+        {-s} or {+s} for one ``s`` away: ``x - s if x >= s else x - s + E`` and
+        ``x + s if x < E - s else x + s - E`` (the drop-in loops' ``jnp.roll(v, ±s)``), ``E``
+        the extent of ``a`` along ``k``; None for anything else."""
         def lin(node):
             got = self._linear(node, k, loop, {})
             return None if got is _WHOLE or len(got) != 1 else next(iter(got))
@@ -322,6 +324,24 @@ class _Analysis:
             t = _terms(node)
             return (t is not None and len(t) == 2 and t[0][0] == 1 and self._extent(t[0][1], a, k)
                     and t[1][0] == -1 and int_constant(t[1][1]) == 1)
+
+        def extent_less(node, c):
+            # E - c
+            t = _terms(node)
+            return (t is not None and len(t) == 2 and t[0][0] == 1 and self._extent(t[0][1], a, k)
+                    and t[1][0] == -1 and int_constant(t[1][1]) == c)
+
+        def wrapped(node, c, sign):
+            # x + c + sign * E: the loop variable once, the extent once with that sign, and
+            # literals summing to c
+            t = _terms(node)
+            if t is None:
+                return False
+            xs = [sg for sg, u in t if is_x(u)]
+            es = [sg for sg, u in t if not is_x(u) and self._extent(u, a, k)]
+            rest = [sg * int_constant(u) if int_constant(u) is not None else None for sg, u in t
+                    if not is_x(u) and not self._extent(u, a, k)]
+            return xs == [1] and es == [sign] and None not in rest and sum(rest) == c
 
         test = e.test
         if not (isinstance(test, ast.Compare) and len(test.ops) == 1):
@@ -346,6 +366,15 @@ class _Analysis:
         if lin(e.orelse) == 1 and int_constant(e.body) == 0 and isinstance(op, ast.Eq) and is_x(left) \
                 and extent_minus_one(right):
             return frozenset([1])
+        # a neighbour s > 1 away: x - s if x >= s else x - s + E, x + s if x < E - s else x + s - E
+        # (both exact for E >= s, which tile mode's tiles, each at least a halo long, ensure)
+        s = lin(e.body)
+        if s is None or s == 0 or not is_x(left):
+            return None
+        if s < 0 and isinstance(op, ast.GtE) and int_constant(right) == -s and wrapped(e.orelse, s, 1):
+            return frozenset([s])
+        if s > 0 and isinstance(op, ast.Lt) and extent_less(right, s) and wrapped(e.orelse, s, -1):
+            return frozenset([s])
         return None
 
     def _extent(self, e, a, k) -> bool:

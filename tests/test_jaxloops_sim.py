@@ -223,15 +223,21 @@ def test_dense_solve_waits_for_the_factorisation(backend):
 def test_jnp_roll_by_one_is_a_periodic_neighbour_to_the_stencil_analysis():
     """jnp.roll(x, ±1, axis) of the carry is read with its wrap as a conditional expression:
     a periodic stencil of halo one (the two pieces' plain reads were offsets n - 1 apart, a
-    halo no tile holds); a roll by more keeps the pieces."""
+    halo no tile holds); a roll by s of halo min(s, n - s), s taken modulo n."""
     heat, _, _ = lowered(lambda i, x: x + 0.25 * (jnp.roll(x, 1) - 2 * x + jnp.roll(x, -1)), np.zeros(500))
     st = heat.dispatcher.stencil
     assert st.halo == ((1, 1),) and st.periodic == (True,)
     life, _, _ = lowered(lambda i, x: jax_life_step(x), np.zeros((40, 30), np.int32))
     st = life.dispatcher.stencil
     assert st.halo == ((1, 1), (1, 1)) and st.periodic == (True, True)
-    far, _, _ = lowered(lambda i, x: 0.5 * (jnp.roll(x, 3) + x), np.zeros(500))
-    assert max(far.dispatcher.stencil.halo[0]) == 497
+    # a roll by s (modulo n) is a neighbour min(s, n - s) away, on the side it comes from
+    for shift, halo in ((3, (3, 0)), (-7, (0, 7)), (250, (250, 0)), (251, (0, 249)), (-498, (2, 0)), (1003, (3, 0))):
+        far, _, _ = lowered(lambda i, x: 0.5 * (jnp.roll(x, shift) + x), np.zeros(500))
+        st = far.dispatcher.stencil
+        assert st.halo == (halo,) and st.periodic == (True,), (shift, st)
+    both, _, _ = lowered(lambda i, x: 0.5 * (jnp.roll(x, 3, axis=0) + jnp.roll(x, -2, axis=1)), np.zeros((40, 30)))
+    st = both.dispatcher.stencil
+    assert st.halo == ((3, 0), (0, 2)) and st.periodic == (True, True), st
 
 
 @pytest.mark.sim
@@ -249,3 +255,29 @@ def test_jnp_roll_bodies_in_tile_mode_on_the_simulator(scope, rng):
     a0 = (rng.random((24, 20)) < 0.4).astype(np.int32)
     got, _, _ = run_lowered(lambda i, x: jax_life_step(x), a0, 6, "cuda", scope=scope)
     np.testing.assert_array_equal(got, life_ref(a0, 6))
+
+
+@pytest.mark.parametrize("backend,scope", [("cpu", "auto"), pytest.param("cuda", "grid", marks=pytest.mark.sim),
+                                           pytest.param("cuda", "tile", marks=pytest.mark.sim)])
+def test_jnp_roll_by_several_cells(backend, scope, rng):
+    """A wider periodic stencil written with jnp.roll by 2 and 3 cells (both directions, both
+    axes of a 2-D field, and shifts past the extent), against NumPy's roll in float64 (the
+    coefficients are exact in float32, in which JAX traces the literals)."""
+    def body(i, x):
+        return (0.375 * x + 0.125 * (jnp.roll(x, 2, axis=0) + jnp.roll(x, -3, axis=0))
+                + 0.1875 * (jnp.roll(x, 3, axis=1) + jnp.roll(x, -2 - x.shape[1], axis=1)))
+
+    a0 = rng.random((12, 9))
+    got, _, _ = run_lowered(body, a0, 5, backend, **({} if scope == "auto" else {"scope": scope}))
+    ref = a0.copy()
+    for _ in range(5):
+        ref = (0.375 * ref + 0.125 * (np.roll(ref, 2, axis=0) + np.roll(ref, -3, axis=0))
+               + 0.1875 * (np.roll(ref, 3, axis=1) + np.roll(ref, -2, axis=1)))
+    np.testing.assert_allclose(got, ref, rtol=1e-12)
+    u0 = rng.random(37)
+    got, _, _ = run_lowered(lambda i, x: 0.5 * x + 0.25 * (jnp.roll(x, 5) + jnp.roll(x, -4)), u0, 7, backend,
+                            **({} if scope == "auto" else {"scope": scope}))
+    ref = u0.copy()
+    for _ in range(7):
+        ref = 0.5 * ref + 0.25 * (np.roll(ref, 5) + np.roll(ref, -4))
+    np.testing.assert_allclose(got, ref, rtol=1e-12)

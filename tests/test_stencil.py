@@ -247,6 +247,24 @@ def wrong_wrap(t, a, b):
         b[i] = a[up]
 
 
+def wide_wrap(t, u, v):
+    n = u.shape[0]
+    for i in lk.range(n):
+        v[i] = u[i - 2 if i >= 2 else i - 2 + n] + u[i + 3 if i < n - 3 else i + 3 - n]
+
+
+def wide_wrap_off_by_one(t, u, v):
+    n = u.shape[0]
+    for i in lk.range(n):
+        v[i] = u[i - 2 if i >= 2 else i - 3 + n]     # reads i - 3 + n at i < 2: not i - 2 wrapped
+
+
+def wide_wrap_wrong_test(t, u, v):
+    n = u.shape[0]
+    for i in lk.range(n):
+        v[i] = u[i + 3 if i < n - 2 else i + 3 - n]  # i + 3 at i = n - 3: past the end
+
+
 def alias_of_a_changing_name(t, u, v):
     n = u.shape[0]
     for i in lk.range(1, n - 1):
@@ -260,7 +278,9 @@ def test_periodic_neighbours_written_as_conditional_expressions():
     assert isinstance(s, Stencil), s
     assert (s.ndim, s.halo, s.periodic, set(s.resident)) == (2, ((1, 1), (1, 1)), (True, True), {0, 1})
     assert s.offsets["a"] == {(di, dj) for di in (-1, 0, 1) for dj in (-1, 0, 1)}
-    for fn in (wrong_wrap, alias_of_a_changing_name):
+    s = stencil_of(wide_wrap, [("u", "v")])
+    assert isinstance(s, Stencil) and s.halo == ((2, 3),) and s.periodic == (True,), s
+    for fn in (wrong_wrap, alias_of_a_changing_name, wide_wrap_off_by_one, wide_wrap_wrong_test):
         r = stencil_of(fn, [(fn.__code__.co_varnames[1], fn.__code__.co_varnames[2])])
         assert isinstance(r, NotStencil) and "not its loop index plus a constant" in r.reason, (fn.__name__, r)
 

@@ -2147,11 +2147,12 @@ def _rotated_from(L, v):
 
 
 def _rolled(L, e, i, d):
-    """``jnp.roll(v, ±1, axis=d)`` of an array the step takes, read at the loop index ``i``:
-    (the array, the index of the neighbour with the wrap as a conditional expression), else
-    None. Written so that loopkern's stencil analysis sees a periodic neighbour (halo one,
-    ``stencil.py``'s ``_wrapped_neighbour``) where the two pieces' plain reads would be offsets
-    of n - 1 apart, a halo no tile holds."""
+    """``jnp.roll(v, s, axis=d)`` (any static shift) of an array the step takes, read at the
+    loop index ``i``: (the array, the index of the neighbour with the wrap as a conditional
+    expression), else None. Written so that loopkern's stencil analysis sees a periodic
+    neighbour (``stencil.py``'s ``_wrapped_neighbour``) of halo ``min(s, n - s)`` (s taken
+    modulo n), where the two pieces' plain reads would be offsets about n apart, a halo no
+    tile holds."""
     if len(e.ins) != 2 or i.text is not None or i.base is None or i.off != 0:
         return None
     v = _sliced_source(e)
@@ -2171,11 +2172,19 @@ def _rolled(L, e, i, d):
                           for x in (first, second)]
     extent = f"{root}.shape[{d}]"
     x = i.expr
-    if (a0, b0, a1, b1) == (n - 1, n, 0, n - 1):        # roll by +1: out[x] = v[x - 1]
+    # jnp.roll(v, s) is concatenate(v[n - s:], v[:n - s]): out[x] = v[(x + a) mod n] for the
+    # pieces (v[a:], v[:a]), read as the nearer of the offsets +a and a - n
+    if not (b0 == n and a1 == 0 and b1 == a0 and 0 < a0 < n):
+        return None
+    a = a0
+    if a == n - 1:                                      # roll by +1: out[x] = v[x - 1]
         return v, opaque(f"({x} - 1 if {x} > 0 else {extent} - 1)", 0, n - 1)
-    if (a0, b0, a1, b1) == (1, n, 0, 1):                # roll by -1: out[x] = v[x + 1]
+    if a == 1:                                          # roll by -1: out[x] = v[x + 1]
         return v, opaque(f"({x} + 1 if {x} < {extent} - 1 else 0)", 0, n - 1)
-    return None
+    if n - a <= a:                                      # roll by +s: out[x] = v[x - s]
+        s = n - a
+        return v, opaque(f"({x} - {s} if {x} >= {s} else {x} - {s} + {extent})", 0, n - 1)
+    return v, opaque(f"({x} + {a} if {x} < {extent} - {a} else {x} + {a} - {extent})", 0, n - 1)
 
 
 @rule("concatenate")

@@ -343,3 +343,24 @@ def test_jnp_roll_bodies_in_tile_mode_on_the_gpu(rng):
     for _ in range(101):
         ref = ref + 0.25 * (np.roll(ref, 1) - 2 * ref + np.roll(ref, -1))
     np.testing.assert_allclose(u, ref, rtol=1e-12)
+
+
+@pytest.mark.parametrize("blocks", [None, 5])
+def test_jnp_roll_by_several_cells_in_tile_mode_on_the_gpu(blocks, rng):
+    """jnp.roll by 2 and 3 rows (and columns) is a periodic stencil of halo (2, 3): tile mode
+    across blocks, each tile's far rows read across the wrap from the other end of the field,
+    against NumPy's roll in float64 (coefficients exact in float32)."""
+    from lowered_steps import run_lowered
+
+    def body(i, x):
+        return (0.375 * x + 0.125 * (jnp.roll(x, 2, axis=0) + jnp.roll(x, -3, axis=0))
+                + 0.1875 * (jnp.roll(x, 3, axis=1) + jnp.roll(x, -2, axis=1)))
+
+    a0 = rng.random((301, 67))
+    got, _, run = run_lowered(body, a0, 57, "cuda", threads=None, blocks=blocks, scope="tile")
+    assert run.scope == "tile", run
+    ref = a0.copy()
+    for _ in range(57):
+        ref = (0.375 * ref + 0.125 * (np.roll(ref, 2, axis=0) + np.roll(ref, -3, axis=0))
+               + 0.1875 * (np.roll(ref, 3, axis=1) + np.roll(ref, -2, axis=1)))
+    np.testing.assert_allclose(got, ref, rtol=1e-12)
