@@ -800,12 +800,19 @@ def _unroll_plan(body, index_names, outside):
     """For a straight-line body: (names private to one iteration, the index names included,
     and the statements with stores split from their values).
 
-    Returns None when unrolling could change the result: control flow, a value carried from one
-    iteration to the next other than by a single self-update (``acc = max(acc, x)``), or a
-    per-iteration name that is used after the loop.
+    Returns None when unrolling could change the result: control flow (but a guarded store,
+    ``if T: a[i] = x`` without ``else``), a value carried from one iteration to the next other
+    than by a single self-update (``acc = max(acc, x)``), or a per-iteration name that is used
+    after the loop.
+
+    A guarded store stays one statement, its test and value evaluated under it as written
+    (its value may read an element only the test keeps in bounds); like a plain store it moves
+    after the statements before it in the other copies, which only reorders iterations.
     """
     assigned = set()
     for st in body:
+        if _guarded_store(st):
+            continue
         if isinstance(st, ast.Assign) and len(st.targets) == 1 and isinstance(st.targets[0], (ast.Name, ast.Subscript)):
             tgt = st.targets[0]
         elif isinstance(st, ast.AugAssign) and isinstance(st.target, (ast.Name, ast.Subscript)):
@@ -818,6 +825,14 @@ def _unroll_plan(body, index_names, outside):
             assigned.add(tgt.id)
     temps, carried, uses = set(index_names), set(), {}
     for i, st in enumerate(body):
+        if _guarded_store(st):
+            store = st.body[0]
+            reads = _loaded(st.test) | _loaded(store.value) | _loaded(store.targets[0].slice)
+            for r in reads & assigned:
+                if r not in temps:
+                    carried.add(r)
+                uses.setdefault(r, set()).add(i)
+            continue
         tgt = st.targets[0] if isinstance(st, ast.Assign) else st.target
         reads = _loaded(st.value) | (_loaded(tgt.slice) | {tgt.value.id} if isinstance(tgt, ast.Subscript) else set())
         if isinstance(st, ast.AugAssign) and isinstance(tgt, ast.Name):
@@ -831,8 +846,8 @@ def _unroll_plan(body, index_names, outside):
             if tgt.id not in carried:
                 temps.add(tgt.id)
     for c in carried:
-        writes_in = {i for i, st in enumerate(body) if isinstance(st.targets[0] if isinstance(st, ast.Assign)
-                                                                 else st.target, ast.Name)
+        writes_in = {i for i, st in enumerate(body) if not _guarded_store(st)
+                     and isinstance(st.targets[0] if isinstance(st, ast.Assign) else st.target, ast.Name)
                      and (st.targets[0] if isinstance(st, ast.Assign) else st.target).id == c}
         if len(uses[c]) != 1 or uses[c] != writes_in:
             return None
@@ -840,6 +855,9 @@ def _unroll_plan(body, index_names, outside):
         return None
     split = []
     for j, st in enumerate(body):
+        if _guarded_store(st):
+            split.append(st)
+            continue
         tgt = st.targets[0] if isinstance(st, ast.Assign) else st.target
         if isinstance(tgt, ast.Subscript):
             value = st.value if isinstance(st, ast.Assign) else ast.copy_location(
@@ -854,6 +872,13 @@ def _unroll_plan(body, index_names, outside):
     for st in split:
         ast.fix_missing_locations(st)
     return temps, split
+
+
+def _guarded_store(st) -> bool:
+    """``if T: a[...] = x`` with no ``else``: one store to an array element under a test."""
+    return (isinstance(st, ast.If) and not st.orelse and len(st.body) == 1 and isinstance(st.body[0], ast.Assign)
+            and len(st.body[0].targets) == 1 and isinstance(st.body[0].targets[0], ast.Subscript)
+            and isinstance(st.body[0].targets[0].value, ast.Name))
 
 
 def _is_one(e):

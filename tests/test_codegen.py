@@ -138,9 +138,35 @@ def unroll_carried_twice(t, u, v):
 
 
 def unroll_control_flow(t, u, v):
+    # a guarded store (no else): unrolled, the store under its test in each copy
     for i in lk.range(u.shape[0]):
         if u[i] > 0.5:
             v[i] = 1.0
+
+
+def unroll_guarded_read(t, u, v):
+    # the test keeps u[i + 1] in bounds: the value is read under it, never hoisted
+    n = u.shape[0]
+    for i in lk.range(n):
+        x = u[i] * 2.0
+        if i + 1 < n and x > 0.6:
+            v[i] = u[i + 1] + x
+
+
+def unroll_if_else(t, u, v):
+    for i in lk.range(u.shape[0]):
+        if u[i] > 0.5:
+            v[i] = 1.0
+        else:
+            v[i] = 2.0
+
+
+def unroll_guarded_name(t, u, v):
+    for i in lk.range(u.shape[0]):
+        x = 0.0
+        if u[i] > 0.5:
+            x = 1.0
+        v[i] = x
 
 
 def unroll_temp_used_after(t, u, v):
@@ -174,7 +200,9 @@ def unroll_index_read_by_a_later_loop_header(t, u, v):
 
 
 @pytest.mark.parametrize("fn,unrolled", [(unroll_ok, True), (unroll_carried_twice, False),
-                                         (unroll_control_flow, False), (unroll_temp_used_after, False),
+                                         (unroll_control_flow, True), (unroll_guarded_read, True),
+                                         (unroll_if_else, False), (unroll_guarded_name, False),
+                                         (unroll_temp_used_after, False),
                                          (unroll_index_reused_by_a_later_loop, True),
                                          (unroll_index_read_after, False),
                                          (unroll_index_read_by_a_later_loop_header, False)])
@@ -243,6 +271,12 @@ def test_every_unrolling_case_computes_what_numpy_does(backend, threads, rng):
     v = v0.copy()
     lk.megakernel(unroll_control_flow)(u, v, **opts)
     np.testing.assert_array_equal(v, np.where(u > 0.5, 1.0, v0))
+    v = v0.copy()
+    lk.megakernel(unroll_guarded_read)(u, v, **opts)
+    expect = v0.copy()
+    hit = np.flatnonzero(2 * u[:-1] > 0.6)
+    expect[hit] = u[hit + 1] + 2 * u[hit]
+    np.testing.assert_array_equal(v, expect)
 
     # v[0] is written by every thread after its loop (a race between threads by design): it
     # holds one of the values a thread wrote there
