@@ -152,7 +152,21 @@ got = jax.jit(lambda x: lk.fori_loop(0, 50, sparse_step, x, fallback="error"))(h
 ref = jax.jit(lambda x: lax.fori_loop(0, 50, sparse_step, x))(h0)
 check("COO matrix-vector iteration (segment_sum)", got, ref, rtol=1e-4, atol=1e-6)
 
-# 7. outside the subset (eigenvalues, eigh): the lax loop runs, with one warning naming the
+# 7. a wider stencil on a torus, written with jnp.roll: fourth-order diffusion reads the
+#    neighbours one and two cells away along both axes (a periodic stencil of halo two)
+def diffuse4(i, u):
+    def lap4(axis):
+        return (-(jnp.roll(u, 2, axis) + jnp.roll(u, -2, axis)) + 16 * (jnp.roll(u, 1, axis) + jnp.roll(u, -1, axis))
+                - 30 * u) / 12
+    return u + np.float32(0.05) * (lap4(0) + lap4(1))
+
+
+t0 = jnp.asarray(rng.random((128, 96)).astype(np.float32))
+got = jax.jit(lambda u: lk.fori_loop(0, 100, diffuse4, u, fallback="error"))(t0)
+ref = jax.jit(lambda u: lax.fori_loop(0, 100, diffuse4, u))(t0)
+check("4th-order diffusion on a torus (jnp.roll by 1 and 2)", got, ref, rtol=1e-5)
+
+# 8. outside the subset (eigenvalues, eigh): the lax loop runs, with one warning naming the
 #    line
 def factorising(i, x):
     return (jnp.linalg.eigh(jnp.outer(x, x) + jnp.eye(64))[0] * 0.5).astype(x.dtype)
