@@ -826,17 +826,14 @@ def _unroll_plan(body, index_names, outside):
     temps, carried, uses = set(index_names), set(), {}
     for i, st in enumerate(body):
         if _guarded_store(st):
-            store = st.body[0]
-            reads = _loaded(st.test) | _loaded(store.value) | _loaded(store.targets[0].slice)
-            for r in reads & assigned:
-                if r not in temps:
-                    carried.add(r)
-                uses.setdefault(r, set()).add(i)
-            continue
-        tgt = st.targets[0] if isinstance(st, ast.Assign) else st.target
-        reads = _loaded(st.value) | (_loaded(tgt.slice) | {tgt.value.id} if isinstance(tgt, ast.Subscript) else set())
-        if isinstance(st, ast.AugAssign) and isinstance(tgt, ast.Name):
-            reads.add(tgt.id)
+            tgt = None      # (stores an element: binds no name)
+            reads = _loaded(st.test) | _loaded(st.body[0].value) | _loaded(st.body[0].targets[0].slice)
+        else:
+            tgt = st.targets[0] if isinstance(st, ast.Assign) else st.target
+            reads = _loaded(st.value) | (_loaded(tgt.slice) | {tgt.value.id} if isinstance(tgt, ast.Subscript)
+                                         else set())
+            if isinstance(st, ast.AugAssign) and isinstance(tgt, ast.Name):
+                reads.add(tgt.id)
         for r in reads & assigned:
             if r not in temps:
                 carried.add(r)

@@ -320,16 +320,23 @@ class _Analysis:
             got = self._linear(node, k, loop, {})
             return None if got is _WHOLE or len(got) != 1 else next(iter(got))
 
-        def extent_minus_one(node):
-            t = _terms(node)
-            return (t is not None and len(t) == 2 and t[0][0] == 1 and self._extent(t[0][1], a, k)
-                    and t[1][0] == -1 and int_constant(t[1][1]) == 1)
-
         def extent_less(node, c):
             # E - c
             t = _terms(node)
             return (t is not None and len(t) == 2 and t[0][0] == 1 and self._extent(t[0][1], a, k)
                     and t[1][0] == -1 and int_constant(t[1][1]) == c)
+
+        test = e.test
+        if not (isinstance(test, ast.Compare) and len(test.ops) == 1):
+            return None
+        left, op, right = test.left, test.ops[0], test.comparators[0]
+        var = [n for n, kk in loop.items() if kk == k]
+        if not var:
+            return None
+        x = var[0]
+
+        def is_x(node):
+            return isinstance(node, ast.Name) and node.id == x
 
         def wrapped(node, c, sign):
             # x + c + sign * E: the loop variable once, the extent once with that sign, and
@@ -343,28 +350,17 @@ class _Analysis:
                     if not is_x(u) and not self._extent(u, a, k)]
             return xs == [1] and es == [sign] and None not in rest and sum(rest) == c
 
-        test = e.test
-        if not (isinstance(test, ast.Compare) and len(test.ops) == 1):
-            return None
-        left, op, right = test.left, test.ops[0], test.comparators[0]
-        var = [n for n, kk in loop.items() if kk == k]
-        if not var:
-            return None
-        x = var[0]
-
-        def is_x(node):
-            return isinstance(node, ast.Name) and node.id == x
-        if lin(e.body) == -1 and extent_minus_one(e.orelse) and is_x(left) and (
+        if lin(e.body) == -1 and extent_less(e.orelse, 1) and is_x(left) and (
                 isinstance(op, ast.Gt) and int_constant(right) == 0 or isinstance(op, ast.GtE) and int_constant(right) == 1):
             return frozenset([-1])
-        if lin(e.orelse) == -1 and extent_minus_one(e.body) and is_x(left) and isinstance(op, ast.Eq) \
+        if lin(e.orelse) == -1 and extent_less(e.body, 1) and is_x(left) and isinstance(op, ast.Eq) \
                 and int_constant(right) == 0:
             return frozenset([-1])
         if lin(e.body) == 1 and int_constant(e.orelse) == 0 and isinstance(op, ast.Lt) and (
-                is_x(left) and extent_minus_one(right) or lin(left) == 1 and self._extent(right, a, k)):
+                is_x(left) and extent_less(right, 1) or lin(left) == 1 and self._extent(right, a, k)):
             return frozenset([1])
         if lin(e.orelse) == 1 and int_constant(e.body) == 0 and isinstance(op, ast.Eq) and is_x(left) \
-                and extent_minus_one(right):
+                and extent_less(right, 1):
             return frozenset([1])
         # a neighbour s > 1 away: x - s if x >= s else x - s + E, x + s if x < E - s else x + s - E
         # (both exact for E >= s, which tile mode's tiles, each at least a halo long, ensure)
