@@ -38,3 +38,34 @@ def run_lowered(body, carry, steps, backend, threads=64, blocks=1, **kw):
     run = mk(*args, steps=steps, backend=backend, threads=threads, blocks=blocks, **kw)
     assert run.steps == steps and run.scope == kw.get("scope", run.scope), run
     return first, plan, run
+
+
+# Periodic bodies written with jnp.roll as a JAX user would, and their float64 NumPy references
+# (the coefficients are exact in float32, in which JAX traces the literals)
+def roll_heat_body(i, x):
+    """1-D heat on a ring: neighbours one cell away."""
+    import jax.numpy as jnp
+    return x + 0.25 * (jnp.roll(x, 1) - 2 * x + jnp.roll(x, -1))
+
+
+def roll_heat_ref(u0, steps):
+    u = np.asarray(u0, np.float64).copy()
+    for _ in range(steps):
+        u = u + 0.25 * (np.roll(u, 1) - 2 * u + np.roll(u, -1))
+    return u
+
+
+def wide_roll_body(i, x):
+    """A 2-D torus stencil of halo (2, 3) rows and (3, 2) columns: rolls by 2 and 3 cells both
+    ways, one of them past the extent."""
+    import jax.numpy as jnp
+    return (0.375 * x + 0.125 * (jnp.roll(x, 2, axis=0) + jnp.roll(x, -3, axis=0))
+            + 0.1875 * (jnp.roll(x, 3, axis=1) + jnp.roll(x, -2 - x.shape[1], axis=1)))
+
+
+def wide_roll_ref(a0, steps):
+    a = np.asarray(a0, np.float64).copy()
+    for _ in range(steps):
+        a = (0.375 * a + 0.125 * (np.roll(a, 2, axis=0) + np.roll(a, -3, axis=0))
+             + 0.1875 * (np.roll(a, 3, axis=1) + np.roll(a, -2, axis=1)))
+    return a

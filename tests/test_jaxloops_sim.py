@@ -10,7 +10,8 @@ jnp = jax.numpy
 lax = jax.lax
 
 from bench.life import jax_life_step, life_ref  # noqa: E402
-from lowered_steps import lowered, run_lowered  # noqa: E402
+from lowered_steps import (lowered, roll_heat_body, roll_heat_ref, run_lowered, wide_roll_body,  # noqa: E402
+                           wide_roll_ref)
 
 BACKENDS = [pytest.param("cpu", id="cpu"), pytest.param("cuda", id="sim", marks=pytest.mark.sim)]
 
@@ -224,7 +225,7 @@ def test_jnp_roll_by_one_is_a_periodic_neighbour_to_the_stencil_analysis():
     """jnp.roll(x, ±1, axis) of the carry is read with its wrap as a conditional expression:
     a periodic stencil of halo one (the two pieces' plain reads were offsets n - 1 apart, a
     halo no tile holds); a roll by s of halo min(s, n - s), s taken modulo n."""
-    heat, _, _ = lowered(lambda i, x: x + 0.25 * (jnp.roll(x, 1) - 2 * x + jnp.roll(x, -1)), np.zeros(500))
+    heat, _, _ = lowered(roll_heat_body, np.zeros(500))
     st = heat.dispatcher.stencil
     assert st.halo == ((1, 1),) and st.periodic == (True,)
     life, _, _ = lowered(lambda i, x: jax_life_step(x), np.zeros((40, 30), np.int32))
@@ -246,12 +247,8 @@ def test_jnp_roll_bodies_in_tile_mode_on_the_simulator(scope, rng):
     """Periodic jnp bodies (1-D heat with jnp.roll, Life on a torus) in tile mode (one block in
     the simulator: the wrap reads the tile's own rows) and the grid scope, against NumPy."""
     u0 = rng.random(300)
-    got, _, _ = run_lowered(lambda i, x: x + 0.25 * (jnp.roll(x, 1) - 2 * x + jnp.roll(x, -1)), u0, 9, "cuda",
-                         scope=scope)
-    ref = u0.copy()
-    for _ in range(9):
-        ref = ref + 0.25 * (np.roll(ref, 1) - 2 * ref + np.roll(ref, -1))
-    np.testing.assert_allclose(got, ref, rtol=1e-12)
+    got, _, _ = run_lowered(roll_heat_body, u0, 9, "cuda", scope=scope)
+    np.testing.assert_allclose(got, roll_heat_ref(u0, 9), rtol=1e-12)
     a0 = (rng.random((24, 20)) < 0.4).astype(np.int32)
     got, _, _ = run_lowered(lambda i, x: jax_life_step(x), a0, 6, "cuda", scope=scope)
     np.testing.assert_array_equal(got, life_ref(a0, 6))
@@ -261,22 +258,14 @@ def test_jnp_roll_bodies_in_tile_mode_on_the_simulator(scope, rng):
                                            pytest.param("cuda", "tile", marks=pytest.mark.sim)])
 def test_jnp_roll_by_several_cells(backend, scope, rng):
     """A wider periodic stencil written with jnp.roll by 2 and 3 cells (both directions, both
-    axes of a 2-D field, and shifts past the extent), against NumPy's roll in float64 (the
-    coefficients are exact in float32, in which JAX traces the literals)."""
-    def body(i, x):
-        return (0.375 * x + 0.125 * (jnp.roll(x, 2, axis=0) + jnp.roll(x, -3, axis=0))
-                + 0.1875 * (jnp.roll(x, 3, axis=1) + jnp.roll(x, -2 - x.shape[1], axis=1)))
-
+    axes of a 2-D field, and shifts past the extent), against NumPy's roll in float64."""
+    opts = {} if scope == "auto" else {"scope": scope}
     a0 = rng.random((12, 9))
-    got, _, _ = run_lowered(body, a0, 5, backend, **({} if scope == "auto" else {"scope": scope}))
-    ref = a0.copy()
-    for _ in range(5):
-        ref = (0.375 * ref + 0.125 * (np.roll(ref, 2, axis=0) + np.roll(ref, -3, axis=0))
-               + 0.1875 * (np.roll(ref, 3, axis=1) + np.roll(ref, -2, axis=1)))
-    np.testing.assert_allclose(got, ref, rtol=1e-12)
+    got, _, _ = run_lowered(wide_roll_body, a0, 5, backend, **opts)
+    np.testing.assert_allclose(got, wide_roll_ref(a0, 5), rtol=1e-12)
     u0 = rng.random(37)
     got, _, _ = run_lowered(lambda i, x: 0.5 * x + 0.25 * (jnp.roll(x, 5) + jnp.roll(x, -4)), u0, 7, backend,
-                            **({} if scope == "auto" else {"scope": scope}))
+                            **opts)
     ref = u0.copy()
     for _ in range(7):
         ref = 0.5 * ref + 0.25 * (np.roll(ref, 5) + np.roll(ref, -4))

@@ -326,7 +326,7 @@ def test_jnp_roll_bodies_in_tile_mode_on_the_gpu(rng):
     the Life body end to end. Against NumPy."""
     from jax import lax
     from bench.life import jax_life_step, life_ref
-    from lowered_steps import run_lowered
+    from lowered_steps import roll_heat_body, roll_heat_ref, run_lowered
 
     a0 = (rng.random((512, 512)) < 0.35).astype(np.int32)
     a, _, run = run_lowered(lambda i, x: jax_life_step(x), a0, 31, "cuda", threads=None, blocks=None)
@@ -337,30 +337,18 @@ def test_jnp_roll_bodies_in_tile_mode_on_the_gpu(rng):
     np.testing.assert_array_equal(np.asarray(lax.fori_loop(0, 31, lambda i, y: jax_life_step(y), jnp.asarray(a0))),
                                   life_ref(a0, 31))
     u0 = rng.random(5000)
-    u, _, _ = run_lowered(lambda i, x: x + 0.25 * (jnp.roll(x, 1) - 2 * x + jnp.roll(x, -1)), u0, 101, "cuda",
-                          threads=None, blocks=7, scope="tile")
-    ref = u0.copy()
-    for _ in range(101):
-        ref = ref + 0.25 * (np.roll(ref, 1) - 2 * ref + np.roll(ref, -1))
-    np.testing.assert_allclose(u, ref, rtol=1e-12)
+    u, _, _ = run_lowered(roll_heat_body, u0, 101, "cuda", threads=None, blocks=7, scope="tile")
+    np.testing.assert_allclose(u, roll_heat_ref(u0, 101), rtol=1e-12)
 
 
 @pytest.mark.parametrize("blocks", [None, 5])
 def test_jnp_roll_by_several_cells_in_tile_mode_on_the_gpu(blocks, rng):
     """jnp.roll by 2 and 3 rows (and columns) is a periodic stencil of halo (2, 3): tile mode
     across blocks, each tile's far rows read across the wrap from the other end of the field,
-    against NumPy's roll in float64 (coefficients exact in float32)."""
-    from lowered_steps import run_lowered
-
-    def body(i, x):
-        return (0.375 * x + 0.125 * (jnp.roll(x, 2, axis=0) + jnp.roll(x, -3, axis=0))
-                + 0.1875 * (jnp.roll(x, 3, axis=1) + jnp.roll(x, -2, axis=1)))
+    against NumPy's roll in float64."""
+    from lowered_steps import run_lowered, wide_roll_body, wide_roll_ref
 
     a0 = rng.random((301, 67))
-    got, _, run = run_lowered(body, a0, 57, "cuda", threads=None, blocks=blocks, scope="tile")
+    got, _, run = run_lowered(wide_roll_body, a0, 57, "cuda", threads=None, blocks=blocks, scope="tile")
     assert run.scope == "tile", run
-    ref = a0.copy()
-    for _ in range(57):
-        ref = (0.375 * ref + 0.125 * (np.roll(ref, 2, axis=0) + np.roll(ref, -3, axis=0))
-               + 0.1875 * (np.roll(ref, 3, axis=1) + np.roll(ref, -2, axis=1)))
-    np.testing.assert_allclose(got, ref, rtol=1e-12)
+    np.testing.assert_allclose(got, wide_roll_ref(a0, 57), rtol=1e-12)
