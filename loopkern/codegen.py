@@ -122,6 +122,7 @@ class _Lines:
         self.filename = filename
         self.tag = "line " if filename == home else f"{filename}:"
         self.lines: list[str] = []
+        self.memo_slots = 0     # a step's: slots of its state array after the first (parallel_grid)
 
     def add(self, depth: int, text: str, node: ast.AST | None = None):
         if node is not None and getattr(node, "lineno", None):
@@ -392,6 +393,7 @@ class _BodyWriter:
                             index_bits, tile_arrays or frozenset(), shared_arrays, stencil)
         self.is_step = is_step
         self.loop_id = 0
+        self.memo_slots = 0
         self.temp_id = 0
 
     def body(self, stmts, depth):
@@ -656,14 +658,36 @@ class _BodyWriter:
         self.out.add(depth, f"{total} = {' * '.join(ns)}", s)
         cs = [f"{_P}g{k}_c{d}" for d in range(nd)]
         ss = [f"{_P}g{k}_s{d}" for d in range(nd)]
+        # the digits of this thread's first index and of the stride depend only on the thread
+        # and on the extents after the first: a step's kernel keeps them in its state array
+        # (_lk_st, one per thread for the whole launch) with the extents they were computed
+        # for, and divides again only when those change (the divisions, tens of dependent
+        # instructions each, were a fifth of a small 2-D step's time)
+        memo = self.is_step and self.backend == "cuda" and nd > 1
+        at = depth
+        if memo:
+            base = 1 + self.memo_slots
+            self.memo_slots += (nd - 1) + 2 * nd
+            keys = [f"{_P}st[{base + d - 1}]" for d in range(1, nd)]
+            kept = [f"{_P}st[{base + nd - 1 + i}]" for i in range(2 * nd)]
+            self.out.add(depth, f"if {' and '.join(f'{key} == {ns[d + 1]}' for d, key in enumerate(keys))}:", s)
+            for name, slot in zip(cs + ss, kept):
+                self.out.add(depth + 1, f"{name} = {slot}", s)
+            self.out.add(depth, "else:", s)
+            at = depth + 1
         for digits, x in ((cs, tid), (ss, nt)):
             rest = f"{_P}g{k}_x"
-            self.out.add(depth, f"{rest} = {x}", s)
+            self.out.add(at, f"{rest} = {x}", s)
             for d in range(nd - 1, 0, -1):
                 safe = f"max({ns[d]}, 1)"   # an empty dimension: no iteration runs, avoid / 0
-                self.out.add(depth, f"{digits[d]} = {rest} % {safe}", s)
-                self.out.add(depth, f"{rest} = {rest} // {safe}", s)
-            self.out.add(depth, f"{digits[0]} = {rest}", s)
+                self.out.add(at, f"{digits[d]} = {rest} % {safe}", s)
+                self.out.add(at, f"{rest} = {rest} // {safe}", s)
+            self.out.add(at, f"{digits[0]} = {rest}", s)
+        if memo:
+            for d, key in enumerate(keys):
+                self.out.add(at, f"{key} = {ns[d + 1]}", s)
+            for name, slot in zip(cs + ss, kept):
+                self.out.add(at, f"{slot} = {name}", s)
 
         def take(c, rn):
             lines = [f"{rn(names[d])} = {cs[d]}" if los[d] == "0" else f"{rn(names[d])} = {los[d]} + {cs[d]}"
@@ -905,6 +929,7 @@ def _render_function(fs: FunctionSpec, home: str, backend: str, scope: str, is_s
     w.body(body, 1)
     if is_step and not (body and isinstance(body[-1], ast.Return)):
         out.add(1, "return True")
+    out.memo_slots = w.memo_slots
     return out
 
 
@@ -1182,6 +1207,7 @@ def render_kernel(spec: StepSpec, backend: str, scope: str = "grid", *, cache: b
         step_args="".join(f"{k}, " for k in work), thread_index=thread_index, thread_count=thread_count,
         barrier=barrier or "pass", swap="\n".join(swap_lines) or f"{_INDENT * 2}pass",
         copy_back="\n".join(copy_lines) or f"{_INDENT}pass", control="\n".join(control_lines),
+        state=_state_lines(step_lines.memo_slots),
         debug_param=f", {_P}dbg" if debug else "", extra_args=(f", {_P}dbg, {_P}t0 + {_P}t" if debug else
                     "".join(f", {_P}{n}" for n in _TILE_CTX) if tile is not None else ""),
     )
@@ -1201,6 +1227,17 @@ def render_kernel(spec: StepSpec, backend: str, scope: str = "grid", *, cache: b
     text = template.substitute(mapping)
     line_map = _build_line_map(text, spec.filename)
     return KernelSource(text, backend, scope, spec.name, line_map, debug, tuple(sites.sites) if sites else ())
+
+
+def _state_lines(memo_slots: int) -> str:
+    """The kernel's per-thread state array (``_lk_st``): slot 0 counts the step's reductions
+    (their slot parity), the rest keep grid loops' index digits (``parallel_grid``), marked
+    unset by an extent no loop has (-1)."""
+    lines = [f"{_INDENT}{_P}st = cuda.local.array({1 + memo_slots}, _lk_np.int64)", f"{_INDENT}{_P}st[0] = 0"]
+    if memo_slots:
+        lines.append(f"{_INDENT}for {_P}si in range(1, {1 + memo_slots}):")
+        lines.append(f"{_INDENT * 2}{_P}st[{_P}si] = -1")
+    return "\n".join(lines)
 
 
 def swap_partners(spec) -> dict:

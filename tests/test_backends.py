@@ -331,6 +331,37 @@ def test_grid_continue_and_empty_dimension(backend, scope, rng):
     assert (run.steps, run.stopped) == (2, "steps")
 
 
+@pytest.mark.parametrize("backend,scope", list(cases()))
+def test_grid_loops_whose_extents_change_between_steps(backend, scope, rng):
+    """A thread's first index and stride in an n-D loop are split into digits once per extent
+    (the CUDA kernel keeps them across steps): loops of one step with different extents, and
+    a loop whose inner extent changes with t (and comes back to an earlier one), each cover
+    exactly their index space every step."""
+    @lk.megakernel
+    def sweep(t, a, b, c):
+        w = 1 + (t % 3) * 2
+        for i, j in lk.grid(a.shape[0], (1, w + 1)):
+            b[i, j] += a[i, j] * (t + 1)
+        for i, j in lk.grid((1, a.shape[0]), a.shape[1]):
+            b[i, j] += 0.5 * a[i - 1, j]
+        for i, j, k in lk.grid(c.shape[0], w, c.shape[2]):
+            c[i, j, k] += a[i, j] + k
+
+    shape = (5, 7) if small(backend) else (37, 29)
+    a = rng.random(shape)
+    b = rng.random(shape)
+    c = rng.random((3, shape[1], 4))
+    ra, rb, rc = a.copy(), b.copy(), c.copy()
+    for t in range(5):
+        w = 1 + (t % 3) * 2
+        rb[:, 1:w + 1] += ra[:, 1:w + 1] * (t + 1)
+        rb[1:, :] += 0.5 * ra[:-1, :]
+        rc[:, :w, :] += ra[:3, :w, None] + np.arange(4)[None, None, :]
+    sweep(a, b, c, steps=5, backend=backend, scope=scope)
+    np.testing.assert_allclose(b, rb, rtol=1e-13, atol=0)
+    np.testing.assert_allclose(c, rc, rtol=1e-13, atol=0)
+
+
 def two_arg_math_step(t, x, y, out):
     for i in lk.range(x.size):
         out[0, i] = math.fmod(x[i], y[i])

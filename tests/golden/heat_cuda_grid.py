@@ -44,7 +44,7 @@ def _lk_kernel(_lk_nsteps, _lk_t0, _lk_a0, _lk_a1, _lk_a2, _lk_redf, _lk_redi, _
     _lk_tid = cuda.grid(1)
     _lk_nt = cuda.gridsize(1)
 
-    _lk_st = cuda.local.array(1, _lk_np.int32)
+    _lk_st = cuda.local.array(1, _lk_np.int64)
     _lk_st[0] = 0
     # the reductions' per-warp slots (two of 32): allocated once here, so that reductions of
     # several value types in one kernel share them (see cuda_rt._make_core)

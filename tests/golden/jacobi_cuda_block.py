@@ -16,14 +16,25 @@ def _lk_step(t, u, v, tol, _lk_tid, _lk_nt, _lk_redf, _lk_redi, _lk_st, _lk_bar,
     _lk_g1_n0 = max((n - 1) - 1, 0)  # line 32
     _lk_g1_n1 = max((m - 1) - 1, 0)  # line 32
     _lk_g1_total = _lk_g1_n0 * _lk_g1_n1  # line 32
-    _lk_g1_x = _lk_tid  # line 32
-    _lk_g1_c1 = _lk_g1_x % max(_lk_g1_n1, 1)  # line 32
-    _lk_g1_x = _lk_g1_x // max(_lk_g1_n1, 1)  # line 32
-    _lk_g1_c0 = _lk_g1_x  # line 32
-    _lk_g1_x = _lk_nt  # line 32
-    _lk_g1_s1 = _lk_g1_x % max(_lk_g1_n1, 1)  # line 32
-    _lk_g1_x = _lk_g1_x // max(_lk_g1_n1, 1)  # line 32
-    _lk_g1_s0 = _lk_g1_x  # line 32
+    if _lk_st[1] == _lk_g1_n1:  # line 32
+        _lk_g1_c0 = _lk_st[2]  # line 32
+        _lk_g1_c1 = _lk_st[3]  # line 32
+        _lk_g1_s0 = _lk_st[4]  # line 32
+        _lk_g1_s1 = _lk_st[5]  # line 32
+    else:  # line 32
+        _lk_g1_x = _lk_tid  # line 32
+        _lk_g1_c1 = _lk_g1_x % max(_lk_g1_n1, 1)  # line 32
+        _lk_g1_x = _lk_g1_x // max(_lk_g1_n1, 1)  # line 32
+        _lk_g1_c0 = _lk_g1_x  # line 32
+        _lk_g1_x = _lk_nt  # line 32
+        _lk_g1_s1 = _lk_g1_x % max(_lk_g1_n1, 1)  # line 32
+        _lk_g1_x = _lk_g1_x // max(_lk_g1_n1, 1)  # line 32
+        _lk_g1_s0 = _lk_g1_x  # line 32
+        _lk_st[1] = _lk_g1_n1  # line 32
+        _lk_st[2] = _lk_g1_c0  # line 32
+        _lk_st[3] = _lk_g1_c1  # line 32
+        _lk_st[4] = _lk_g1_s0  # line 32
+        _lk_st[5] = _lk_g1_s1  # line 32
     _lk_g1 = _lk_tid  # line 32
     while _lk_g1 + 3 * _lk_nt < _lk_g1_total:  # line 32
         _lk_u1_0_i = 1 + _lk_g1_c0  # line 32
@@ -90,8 +101,10 @@ def _lk_kernel(_lk_nsteps, _lk_t0, _lk_a0, _lk_a1, _lk_a2, _lk_redf, _lk_redi, _
     _lk_tid = cuda.threadIdx.x
     _lk_nt = cuda.blockDim.x
     _lk_sd = cuda.shared.array(2, _lk_np.int64)
-    _lk_st = cuda.local.array(1, _lk_np.int32)
+    _lk_st = cuda.local.array(6, _lk_np.int64)
     _lk_st[0] = 0
+    for _lk_si in range(1, 6):
+        _lk_st[_lk_si] = -1
     # the reductions' per-warp slots (two of 32): allocated once here, so that reductions of
     # several value types in one kernel share them (see cuda_rt._make_core)
     _lk_shf = cuda.shared.array(64, _lk_np.float64)
