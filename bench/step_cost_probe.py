@@ -19,7 +19,8 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+# appended, not prepended: a PYTHONPATH naming another loopkern tree (a baseline) wins
+sys.path.append(str(Path(__file__).resolve().parent.parent))
 import loopkern as lk  # noqa: E402
 from bench.jacobi import jacobi_kernel, jacobi_problem  # noqa: E402
 from numba import cuda  # noqa: E402
