@@ -394,6 +394,7 @@ class _BodyWriter:
         self.is_step = is_step
         self.loop_id = 0
         self.memo_slots = 0
+        self.memo_loops = 0
         self.temp_id = 0
 
     def body(self, stmts, depth):
@@ -663,11 +664,14 @@ class _BodyWriter:
         # (_lk_st, one per thread for the whole launch) with the extents they were computed
         # for, and divides again only when those change (the divisions, tens of dependent
         # instructions each, were a fifth of a small 2-D step's time)
-        memo = self.is_step and self.backend == "cuda" and nd > 1
+        # (the first MEMO_LOOPS such loops of a step: each kept loop holds 3 * nd - 1 int64
+        # values per thread for the whole launch, registers once the compiler promotes them)
+        memo = self.is_step and self.backend == "cuda" and nd > 1 and self.memo_loops < MEMO_LOOPS
         at = depth
         if memo:
             base = 1 + self.memo_slots
             self.memo_slots += (nd - 1) + 2 * nd
+            self.memo_loops += 1
             keys = [f"{_P}st[{base + d - 1}]" for d in range(1, nd)]
             kept = [f"{_P}st[{base + nd - 1 + i}]" for i in range(2 * nd)]
             self.out.add(depth, f"if {' and '.join(f'{key} == {ns[d + 1]}' for d, key in enumerate(keys))}:", s)
@@ -797,6 +801,7 @@ class _BodyWriter:
 
 
 UNROLL = 4
+MEMO_LOOPS = 4      # n-D parallel loops per step whose index digits the kernel keeps (parallel_grid)
 
 
 def _rename(name: str, copy_index: int, k: int) -> str:

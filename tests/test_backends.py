@@ -362,6 +362,42 @@ def test_grid_loops_whose_extents_change_between_steps(backend, scope, rng):
     np.testing.assert_allclose(c, rc, rtol=1e-13, atol=0)
 
 
+def five_grid_loops(t, a, b):
+    for i, j in lk.grid(a.shape[0], a.shape[1]):
+        b[i, j] += a[i, j]
+    for i, j in lk.grid((1, a.shape[0]), a.shape[1]):
+        b[i, j] += 2.0 * a[i - 1, j]
+    for i, j in lk.grid(a.shape[0], (1, a.shape[1])):
+        b[i, j] += 3.0 * a[i, j - 1]
+    for i, j in lk.grid(a.shape[0] - 1, a.shape[1]):
+        b[i, j] += 4.0 * a[i + 1, j]
+    for i, j in lk.grid(a.shape[0], a.shape[1] - 1 - t % 2):
+        b[i, j] += 5.0 * a[i, j + 1]
+
+
+@pytest.mark.parametrize("backend,scope", list(cases()))
+def test_more_grid_loops_than_the_kernel_keeps_digits_for(backend, scope, rng):
+    """A step's first codegen.MEMO_LOOPS n-D loops keep their index digits across steps; the
+    ones after divide every step. Both kinds cover exactly their index space."""
+    from loopkern import codegen
+    k = lk.megakernel(five_grid_loops)
+    if backend == "cuda":
+        kept = [line for line in k.source("cuda", scope).splitlines() if line.strip().startswith("if _lk_st[")]
+        assert len(kept) == codegen.MEMO_LOOPS < 5
+    a = rng.random((4, 6) if small(backend) else (19, 23))
+    b = rng.random(a.shape)
+    ref = b.copy()
+    for t in range(3):
+        ref += a
+        ref[1:, :] += 2.0 * a[:-1, :]
+        ref[:, 1:] += 3.0 * a[:, :-1]
+        ref[:-1, :] += 4.0 * a[1:, :]
+        w = a.shape[1] - 1 - t % 2
+        ref[:, :w] += 5.0 * a[:, 1:w + 1]
+    k(a, b, steps=3, backend=backend, scope=scope)
+    np.testing.assert_allclose(b, ref, rtol=1e-13, atol=0)
+
+
 def two_arg_math_step(t, x, y, out):
     for i in lk.range(x.size):
         out[0, i] = math.fmod(x[i], y[i])
