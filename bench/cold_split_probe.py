@@ -9,7 +9,6 @@ os.environ["NUMBA_ENABLE_CUDASIM"] = "0"
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import numba.cuda.api as _api, numba.cuda.dispatcher as _disp
-import numpy as np
 from numba import cuda, types
 class _Device:
     compute_capability = (9, 0); id = 0; name = b"x"
