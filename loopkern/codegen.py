@@ -663,9 +663,9 @@ class _BodyWriter:
         # and on the extents after the first: a step's kernel keeps them in its state array
         # (_lk_st, one per thread for the whole launch) with the extents they were computed
         # for, and divides again only when those change (the divisions, tens of dependent
-        # instructions each, were a fifth of a small 2-D step's time)
-        # (the first MEMO_LOOPS such loops of a step: each kept loop holds 3 * nd - 1 int64
-        # values per thread for the whole launch, registers once the compiler promotes them)
+        # instructions each, were a sixth of Jacobi 256²'s stall samples). Only the step's first
+        # MEMO_LOOPS such loops: each holds 3 * nd - 1 int64 values per thread, registers once
+        # the compiler promotes them
         memo = self.is_step and self.backend == "cuda" and nd > 1 and self.memo_loops < MEMO_LOOPS
         at = depth
         if memo:
