@@ -270,3 +270,42 @@ def test_jnp_roll_by_several_cells(backend, scope, rng):
     for _ in range(7):
         ref = 0.5 * ref + 0.25 * (np.roll(ref, 5) + np.roll(ref, -4))
     np.testing.assert_allclose(got, ref, rtol=1e-12)
+
+
+def _edge_windows_body(i, x):
+    """Windows against every edge of a 7x9 field, each at least half of it (so their loads are
+    made whatever the window's condition, clamped into the field: lower.window_speculation)."""
+    a = x.at[1:, :].set(0.5 * (x[:-1, :] + x[1:, :]))              # reads the row above: index i - 1
+    b = a.at[:-2, 3:].set(a[2:, :-3] - 0.25 * a[:-2, 3:])         # reads i + 2, j - 3
+    c = b + 0.5 * jnp.pad(b[:-2, :-2], ((2, 0), (2, 0)), constant_values=0.25)    # i - 2, j - 2
+    return c.at[1:, 1:].add(-0.125 * x[:-1, :-1])                  # the carry itself at i - 1, j - 1
+
+
+def _edge_windows_ref(x):
+    a = x.copy()
+    a[1:, :] = 0.5 * (x[:-1, :] + x[1:, :])
+    b = a.copy()
+    b[:-2, 3:] = a[2:, :-3] - 0.25 * a[:-2, 3:]
+    p = np.full_like(b, 0.25)
+    p[2:, 2:] = b[:-2, :-2]
+    c = b + 0.5 * p
+    c[1:, 1:] += -0.125 * x[:-1, :-1]
+    return c
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_windows_at_every_edge_load_only_cells_of_the_field(backend):
+    """The loads of a window's values run for every cell, the window's condition false or not,
+    their indices clamped into the field (a stencil in x.at[1:-1].set(...) then issues its loads
+    without a branch): the cells outside each window keep their values and no load leaves the
+    field (the simulator raises on an index past the end, where an unclamped load would read
+    past the array on a GPU; a negative index wraps as in NumPy, the clamp at 0 keeps the
+    loads on the kernel's unsigned-index path). Against a float64 NumPy reference."""
+    x0 = np.random.default_rng(5).standard_normal((7, 9)).astype(np.float32)
+    got, plan, _ = run_lowered(_edge_windows_body, x0, 4, backend)
+    ref = x0.astype(np.float64)
+    for _ in range(4):
+        ref = _edge_windows_ref(ref)
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
+    # and the form this is about: the window loads made unconditionally, their indices clamped
+    assert "c0[max(i1_0 - 1, 0), max(i1_1 - 1, 0)]" in plan.source and "min(i1_0 + 2, 6)" in plan.source
