@@ -309,3 +309,67 @@ def test_windows_at_every_edge_load_only_cells_of_the_field(backend):
     np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
     # and the form this is about: the window loads made unconditionally, their indices clamped
     assert "c0[max(i1_0 - 1, 0), max(i1_1 - 1, 0)]" in plan.source and "min(i1_0 + 2, 6)" in plan.source
+
+
+def _random_window_op(rng, shape):
+    """One shape-keeping operation on a window of a field, as JAX users write them: a window set
+    or added from other windows of the same size, a static dynamic_update_slice, a constant or
+    edge pad of a window back to the field's shape, or a roll. Returns (function, description)."""
+    kind = rng.choice(["set", "add", "dus", "pad", "pad_edge", "roll"])
+    wins, srcs, srcs2 = [], [], []
+    for n in shape:
+        m = int(rng.integers(1, n))
+        lo = int(rng.integers(0, n - m + 1))
+        wins.append((lo, lo + m))
+        for out in (srcs, srcs2):
+            s = int(rng.integers(0, n - m + 1))
+            out.append(slice(s, s + m))
+    w = tuple(slice(lo, hi) for lo, hi in wins)
+    s1, s2 = tuple(srcs), tuple(srcs2)
+    c1, c2 = (round(float(c), 3) for c in rng.uniform(-0.7, 0.7, 2))
+    if kind == "set":
+        f = lambda x: x.at[w].set(c1 * x[s1] + c2 * x[s2])  # noqa: E731
+    elif kind == "add":
+        f = lambda x: x.at[w].add(c1 * x[s1] * x[s2])  # noqa: E731
+    elif kind == "dus":
+        f = lambda x: lax.dynamic_update_slice(x, c1 * x[s1] + c2, tuple(lo for lo, _ in wins))  # noqa: E731
+    elif kind.startswith("pad"):
+        cfg = tuple((lo, n - hi) for (lo, hi), n in zip(wins, shape))
+        kw = dict(constant_values=0.25) if kind == "pad" else dict(mode="edge")
+        f = lambda x: c2 * x + c1 * jnp.pad(x[s1], cfg, **kw)  # noqa: E731
+    else:
+        sh = tuple(int(rng.integers(-n, n)) for n in shape)
+        f = lambda x: c2 * x + c1 * jnp.roll(x, sh, axis=tuple(range(len(shape))))  # noqa: E731
+    return f, f"{kind} window={w} sources={s1},{s2} c={c1},{c2}"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("seed", range(12))
+def test_random_window_bodies_match_a_float64_run_of_the_body(backend, seed):
+    """Random compositions of window operations on 1-D and 2-D fields of random sizes (windows
+    from one cell to all but one, so that some are lowered with unconditional clamped loads and
+    some not), squashed by tanh each step; the lowered step against the same body run by
+    jax.lax.fori_loop in float64."""
+    rng = np.random.default_rng(1000 + seed)
+    nd = int(rng.integers(1, 3))
+    shape = tuple(int(rng.integers(2, 41 if nd == 1 else 12)) for _ in range(nd))
+    ops = [_random_window_op(rng, shape) for _ in range(int(rng.integers(1, 5)))]
+
+    def body(i, x):
+        for f, _ in ops:
+            x = f(x)
+        return jnp.tanh(x)
+    x0 = rng.standard_normal(shape).astype(np.float32)
+    steps = int(rng.integers(1, 5))
+    got, _, _ = run_lowered(body, x0, steps, backend)
+    with _x64():
+        ref = np.asarray(lax.fori_loop(0, steps, body, jnp.asarray(x0, jnp.float64)))
+    assert ref.dtype == np.float64
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5, err_msg=str([d for _, d in ops]))
+
+
+def _x64():
+    if hasattr(jax, "enable_x64"):
+        return jax.enable_x64(True)
+    from jax.experimental import enable_x64      # older JAX
+    return enable_x64()
