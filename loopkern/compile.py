@@ -316,8 +316,30 @@ def compile_kernel(source: KernelSource) -> CompiledKernel:
                 raise
             if source.backend == "cuda":
                 _without_link_time_optimisation(mod._lk_kernel)
+            else:
+                _without_loop_peeling()
             _MODULES[source.digest] = mod
     return CompiledKernel(source, mod._lk_kernel, path)
+
+
+_peeling_off = False
+
+
+def _without_loop_peeling() -> None:
+    """Turn off LLVM's loop peeling for the CPU backend's compiles (once per process).
+
+    The LLVM in llvmlite 0.50 aborts the process (an assertion in LoopPeel.cpp: "when peeling
+    the last iteration, ... can only peel a single iteration") on some loops that mix a wrapped
+    index (``i - 6 if i >= 6 else i - 6 + n``, a roll) with clamped ones (``min(i + 14, n -
+    1)``), as steps and lowered jnp bodies do (tests/test_cpu_loop_peeling.py); where LLVM is
+    built without assertions, the same peel runs unchecked. The option is LLVM's, so it holds
+    for every later Numba CPU compile of the process; CUDA kernels go through NVVM and keep
+    theirs. Peeling only moves a loop's first or last iterations out of it."""
+    global _peeling_off
+    if not _peeling_off:
+        import llvmlite.binding as llvm
+        llvm.set_option("loopkern", "-unroll-peel-max-count=0")
+        _peeling_off = True
 
 
 def _without_link_time_optimisation(dispatcher) -> None:
