@@ -20,9 +20,10 @@ and 1000 calls continued with start=.
 Every variant is checked against a float64 NumPy reference at every size before it is timed
 (heat: 100 steps, also at 16M; Jacobi: the whole run to convergence, whose step count every
 timed call must repeat); a wrong result is listed at the end and makes the exit status 1.
-Timing: one warm-up call, then the median of --reps calls, each on freshly reset inputs; GPU
-variants without their own synchronisation are timed with CUDA events, the others by
-blocking on the result. Compile time is measured in fresh processes: first call with an empty
+Timing: the variants of one size are timed in interleaved rounds (a warm-up call of each, then
+--reps rounds of one call of each), each call on freshly reset inputs, and the median is
+quoted; GPU variants without their own synchronisation are timed with CUDA events, the others
+by blocking on the result. Compile time is measured in fresh processes: first call with an empty
 cache, then first call with the cache on disk. Results go to bench-results/<device>-<date>.json,
 .md and .png.
 

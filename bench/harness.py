@@ -111,8 +111,9 @@ class Bench:
         self.results.append(row)
         print(json.dumps({k: v for k, v in row.items() if k != "runs_s"}), flush=True)
 
-    def time_calls(self, impl: Impl, steps: int):
-        """Median seconds and steps per call over --reps calls after a warm-up."""
+    def timer(self, impl: Impl, steps: int):
+        """A function that times one call of ``impl`` on freshly reset inputs: (seconds, steps
+        done). GPU variants without their own synchronisation are timed with CUDA events."""
         def once():
             impl.reset()
             if impl.sync is None and self.gpu:
@@ -132,15 +133,19 @@ class Bench:
             if impl.sync:
                 impl.sync()
             return time.perf_counter() - t0, done
-        once()
-        samples = [once() for _ in range(self.args.reps)]
-        ts = [s for s, _ in samples]
-        dones = [steps if d is None else int(d) for _, d in samples]
-        return statistics.median(ts), ts, dones
+        return once
 
     def measure(self, case: Case, variants):
+        """Check every variant against the case's reference, then time the ones that passed in
+        interleaved rounds: a warm-up call of each, then --reps rounds of one call of each.
+        Timed one variant after another, drift of the machine (the host's clock, the GPU's
+        state) between variants showed up as differences of 10-20% between variants that ran
+        the same kernel (bench/jax_path_probe.py, session 25); interleaved, each variant's
+        median comes from the same stretch of time as the others'."""
+        rows, timed = [], []
         for name, make in variants:
             row = dict(workload=case.workload, n=case.n, variant=name)
+            rows.append(row)
             try:
                 impl = make(case)
                 impl.reset()
@@ -154,23 +159,40 @@ class Bench:
                 row["check"] = detail
                 if not ok:
                     row["error"] = f"wrong result: {detail}"
-                    self.emit(row)
                     continue
-                med, ts, dones = self.time_calls(impl, case.steps)
-                done = dones[0]
-                row.update(steps=done, us_per_step=med / max(done, 1) * 1e6, call_s=med, runs_s=ts)
-                if case.converged is not None:
-                    row["converged"] = bool(case.converged(done))
-                expect = checked if case.check_steps == case.steps else case.steps
-                if any(d != expect for d in dones) or not row.get("converged", True):
-                    row["error"] = (f"wrong result: timed calls ran {sorted(set(dones))} steps, the checked "
-                                    f"run {expect}" + ("" if row.get("converged", True) else
-                                                       f" (did not converge within {case.steps})"))
-                if case.bytes_per_step:
-                    row["GBps"] = case.bytes_per_step / (med / max(done, 1)) / 1e9
-                row.update(impl.info)
+                timed.append((row, impl, self.timer(impl, case.steps), checked))
             except Exception as exc:   # one broken variant must not hide the others
                 row["error"] = f"{type(exc).__name__}: {exc}"[:400]
+        samples = {id(row): [] for row, *_ in timed}
+        for rnd in range(self.args.reps + 1):          # round 0 is the warm-up
+            for row, impl, once, _ in timed:
+                if "error" in row:
+                    continue
+                try:
+                    t, done = once()
+                except Exception as exc:
+                    row["error"] = f"{type(exc).__name__}: {exc}"[:400]
+                    continue
+                if rnd:
+                    samples[id(row)].append((t, case.steps if done is None else int(done)))
+        for row, impl, _, checked in timed:
+            if "error" in row:
+                continue
+            ts = [t for t, _ in samples[id(row)]]
+            dones = [d for _, d in samples[id(row)]]
+            med, done = statistics.median(ts), dones[0]
+            row.update(steps=done, us_per_step=med / max(done, 1) * 1e6, call_s=med, runs_s=ts)
+            if case.converged is not None:
+                row["converged"] = bool(case.converged(done))
+            expect = checked if case.check_steps == case.steps else case.steps
+            if any(d != expect for d in dones) or not row.get("converged", True):
+                row["error"] = (f"wrong result: timed calls ran {sorted(set(dones))} steps, the checked "
+                                f"run {expect}" + ("" if row.get("converged", True) else
+                                                   f" (did not converge within {case.steps})"))
+            if case.bytes_per_step:
+                row["GBps"] = case.bytes_per_step / (med / max(done, 1)) / 1e9
+            row.update(impl.info)
+        for row in rows:
             self.emit(row)
 
 
@@ -247,7 +269,8 @@ def write_outputs(results, meta, outdir: Path):
     stem = f"{meta['device']}-{meta['date']}"
     (outdir / f"{stem}.json").write_text(json.dumps(dict(meta=meta, results=results), indent=1))
     lines = [f"# loopkern bench: {meta['device']}, {meta['date']}", "",
-             f"µs per step, median of {meta['reps']} calls after a warm-up; (ratio) = variant time / "
+             f"µs per step, median of {meta['reps']} calls after a warm-up, the variants of a size timed in "
+             f"interleaved rounds; (ratio) = variant time / "
              f"loopkern[auto] time at the same size. Every variant was checked against a float64 NumPy "
              f"reference at every size first; for loops to a tolerance, the steps to convergence follow "
              f"the time.", ""]
