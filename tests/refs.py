@@ -10,6 +10,7 @@ mathematics, sharing no code with loopkern.
   float64 and in integers): every element takes its right neighbour's value plus one.
 - ``busy_ref``, ``count_ref``: the state of workloads.py's ``busy_step`` and ``count_step``
   after any number of steps, in closed form.
+- ``jax_x64``: a context in which JAX computes in float64 (references run by ``jax.lax``).
 """
 
 import math
@@ -166,3 +167,14 @@ def count_ref(c0, steps, slow_at, spin):
     for _ in range(min(max(steps - slow_at, 0) * spin, 200)):
         c[1] = c[1] * 0.5 + 1.0
     return c
+
+
+# ------------------------------------------------------------------------------ JAX in float64
+def jax_x64():
+    """A context in which JAX computes in float64 (``jax.enable_x64``; the experimental one of
+    older JAX)."""
+    import jax
+    if hasattr(jax, "enable_x64"):
+        return jax.enable_x64(True)
+    from jax.experimental import enable_x64
+    return enable_x64()

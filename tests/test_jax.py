@@ -302,16 +302,10 @@ def test_cache_key_seed_timeout_dtypes(rng, builds):
     assert len(builds) == 8
 
 
-def _x64():
-    if hasattr(jax, "enable_x64"):
-        return jax.enable_x64(True)
-    from jax.experimental import enable_x64      # older JAX
-    return enable_x64()
-
 
 def test_cache_with_x64(rng, builds):
     u0 = rng.random(129)
-    with _x64():
+    with refs.jax_x64():
         for steps in (5, 8):
             u, v = HEAT.jax(jnp.asarray(u0), jnp.asarray(u0), 0.25, steps=steps)
             assert u.dtype == jnp.float64

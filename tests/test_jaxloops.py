@@ -15,6 +15,7 @@ import pytest
 
 import loopkern as lk
 import workloads as W
+from refs import jax_x64
 
 jax = pytest.importorskip("jax")
 jnp = jax.numpy
@@ -26,12 +27,6 @@ def cpu_only():
     if jax.default_backend() != "cpu":
         pytest.skip("these tests run on JAX's CPU backend (see tests/gpu for the GPU)")
 
-
-def _x64():
-    if hasattr(jax, "enable_x64"):
-        return jax.enable_x64(True)
-    from jax.experimental import enable_x64      # older JAX
-    return enable_x64()
 
 
 def same(got, ref, exact=True, rtol=2e-6, atol=1e-6):
@@ -167,7 +162,7 @@ def test_bool_carry_and_logic(rng):
 
 
 def test_float64_and_int64_under_x64(rng):
-    with _x64():
+    with jax_x64():
         x0 = jnp.asarray(rng.random(50))
         k0 = jnp.asarray(rng.integers(-2 ** 40, 2 ** 40, 50))
 
@@ -290,7 +285,7 @@ def test_quadratic_map_scan_records_the_trajectory(rng):
     def qmap(x, _):
         y = 4.0 * x * (1.0 - x)
         return y, y
-    with _x64():
+    with jax_x64():
         x0 = jnp.float64(rng.uniform(0.1, 0.9))
         got = lk.scan(qmap, x0, None, length=500, fallback="error")
         same(got, lax.scan(qmap, x0, None, length=500))
@@ -694,7 +689,7 @@ def test_scatter_results_feed_reductions_conditions_and_ys(rng):
 
 
 def test_scatter_add_float64_and_int64_under_x64(rng):
-    with _x64():
+    with jax_x64():
         x0 = jnp.asarray(rng.uniform(0, 1, 20))
         k0 = jnp.asarray(rng.integers(0, 9, 20))
         idx = jnp.asarray(rng.integers(0, 20, 50))
@@ -741,7 +736,7 @@ def test_floor_ceil_and_round_of_special_values():
             4.5, 8388607.5, 1e-40, -1e-40]
     fns = [jnp.floor, jnp.ceil, jnp.round, lambda x: lax.round(x, lax.RoundingMethod.AWAY_FROM_ZERO)]
     for dt in (np.float32, np.float64):
-        with _x64():
+        with jax_x64():
             x0 = jnp.asarray(np.array(vals, dt))
             for f in fns:
                 got = np.asarray(lk.fori_loop(0, 1, lambda i, x: f(x), x0, fallback="error"))
@@ -770,7 +765,7 @@ def test_dense_solves_of_small_matrices(rng):
                                 + jax.scipy.linalg.solve_triangular(lo.T, x, lower=False, trans=1))
     same(lk.fori_loop(0, 4, triangular, x0, fallback="error"), lax.fori_loop(0, 4, triangular, x0), exact=False,
          rtol=1e-5, atol=1e-6)
-    with _x64():
+    with jax_x64():
         a64, v0 = jnp.asarray(rng.normal(size=(9, 9))), jnp.asarray(rng.random(9))
         step = lambda i, v: jnp.linalg.solve(a64 + jnp.diag(3.0 + v), v) + 0.1
         same(lk.fori_loop(0, 5, step, v0, fallback="error"), lax.fori_loop(0, 5, step, v0), exact=False,

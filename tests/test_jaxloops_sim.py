@@ -10,6 +10,7 @@ jnp = jax.numpy
 lax = jax.lax
 
 from bench.life import jax_life_step, life_ref  # noqa: E402
+from refs import jax_x64  # noqa: E402
 from lowered_steps import (lowered, roll_heat_body, roll_heat_ref, run_lowered, wide_roll_body,  # noqa: E402
                            wide_roll_ref)
 
@@ -362,14 +363,8 @@ def test_random_window_bodies_match_a_float64_run_of_the_body(backend, seed):
     x0 = rng.standard_normal(shape).astype(np.float32)
     steps = int(rng.integers(1, 5))
     got, _, _ = run_lowered(body, x0, steps, backend)
-    with _x64():
+    with jax_x64():
         ref = np.asarray(lax.fori_loop(0, steps, body, jnp.asarray(x0, jnp.float64)))
     assert ref.dtype == np.float64
     np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5, err_msg=str([d for _, d in ops]))
 
-
-def _x64():
-    if hasattr(jax, "enable_x64"):
-        return jax.enable_x64(True)
-    from jax.experimental import enable_x64      # older JAX
-    return enable_x64()
