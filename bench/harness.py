@@ -160,12 +160,11 @@ class Bench:
                 if not ok:
                     row["error"] = f"wrong result: {detail}"
                     continue
-                timed.append((row, impl, self.timer(impl, case.steps), checked))
+                timed.append((row, impl, self.timer(impl, case.steps), checked, []))
             except Exception as exc:   # one broken variant must not hide the others
                 row["error"] = f"{type(exc).__name__}: {exc}"[:400]
-        samples = {id(row): [] for row, *_ in timed}
         for rnd in range(self.args.reps + 1):          # round 0 is the warm-up
-            for row, impl, once, _ in timed:
+            for row, _, once, _, samples in timed:
                 if "error" in row:
                     continue
                 try:
@@ -174,12 +173,12 @@ class Bench:
                     row["error"] = f"{type(exc).__name__}: {exc}"[:400]
                     continue
                 if rnd:
-                    samples[id(row)].append((t, case.steps if done is None else int(done)))
-        for row, impl, _, checked in timed:
+                    samples.append((t, case.steps if done is None else int(done)))
+        for row, impl, _, checked, samples in timed:
             if "error" in row:
                 continue
-            ts = [t for t, _ in samples[id(row)]]
-            dones = [d for _, d in samples[id(row)]]
+            ts = [t for t, _ in samples]
+            dones = [d for _, d in samples]
             med, done = statistics.median(ts), dones[0]
             row.update(steps=done, us_per_step=med / max(done, 1) * 1e6, call_s=med, runs_s=ts)
             if case.converged is not None:

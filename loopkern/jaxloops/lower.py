@@ -550,33 +550,30 @@ class Lowering:
         if found is not None:
             return found
         role = self.input_role.get(a)
-        if a in self.scratch:
-            text = f"{self.scratch[a]}[{', '.join(i.expr for i in idx)}]"
-        elif role is None:      # a closed-over constant array
-            name = self.const_names[a]
-            text = f"{name}[{', '.join(i.expr for i in idx)}]"
-        elif role[0] == "carry":
-            text = f"{self.carries[role[1]].name}[{', '.join(i.expr for i in idx)}]"
-        elif role[0] == "x":
+        if role is not None and role[0] == "x":
             text = f"{self.x_names[role[1]]}[{', '.join([self.scan_pos()] + [i.expr for i in idx])}]"
-        else:   # pragma: no cover
-            raise AssertionError(role)
-        if ctx is not None and self.speculating and (a in self.scratch or role is None or role[0] == "carry"):
+        else:
+            if a in self.scratch:
+                array = self.scratch[a]
+            elif role is None:      # a closed-over constant array
+                array = self.const_names[a]
+            elif role[0] == "carry":
+                array = self.carries[role[1]].name
+            else:   # pragma: no cover
+                raise AssertionError(role)
+            text = f"{array}[{', '.join(i.expr for i in idx)}]"
             # inside a window (speculating): made whatever the condition, with its indices
             # clamped into the array, so that the loads of the window's cells are not behind a
             # branch (see window_speculation)
-            unguarded = self.clamped_subscript(text.split("[", 1)[0], a.shape, idx)
+            unguarded = self.clamped_subscript(array, a.shape, idx) if ctx is not None and self.speculating else None
             if unguarded is not None:
                 # the same element loaded under another condition (or none) is this load
                 plain = (a, key[1], None)
-                found = B.find(plain)
-                if found is not None:
-                    B.memo[key] = found
-                    return found
-                text, ctx = unguarded, None
-                B.memo[plain] = self.bound_load(text, B)
-                B.memo[key] = B.memo[plain]
-                return B.memo[key]
+                name = B.find(plain)
+                if name is None:
+                    name = B.memo[plain] = self.bound_load(unguarded, B)
+                B.memo[key] = name
+                return name
         if ctx is None:
             text = self.bound_load(text, B)
         B.memo[key] = text
