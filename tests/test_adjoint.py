@@ -634,8 +634,8 @@ def test_the_adjoint_step_of_a_step_in_phases_alone(backend, rng):
     args = dev[:6] + [c, dev[6]] + dev[7:]
     adj(*args, steps=1, backend=backend)
     got = [np.asarray(a.copy_to_host() if backend == "cuda" else a) for a in dev]
-    from test_jax import _x64
-    with _x64():
+    from refs import jax_x64
+    with jax_x64():
         one = lambda u, v, f, c: _smooth_then_flux_jnp(u, v, f, c, 1)   # noqa: E731
         _, vjp = jax.vjp(one, jnp.asarray(u), jnp.asarray(v), jnp.asarray(f), jnp.float64(c))
         ru, rv, rf, rc = vjp((jnp.asarray(bu), jnp.asarray(bv), jnp.asarray(bf)))
@@ -824,7 +824,7 @@ def test_accumulators_reverse_mode_cannot_follow_are_refused():
 def test_the_adjoint_step_of_a_reduction_alone(backend, rng):
     # kernel.adjoint() of clipped_mean: two lk.sum reductions, their totals formed with lk.sum
     # in the adjoint step; against jax.vjp of one jnp step in float64
-    from test_jax import _x64
+    from refs import jax_x64
     adj = lk.megakernel(clipped_mean).adjoint("x", "y", "a")
     names = list(adj.spec.param_names)
     assert names[:6] == ["x", "x_bar", "y", "y_bar", "a", "a_bar"]
@@ -837,7 +837,7 @@ def test_the_adjoint_step_of_a_reduction_alone(backend, rng):
         dev = [cuda.to_device(d) for d in dev]
     adj(*dev[:4], a, *dev[4:], steps=1, backend=backend, threads=32 if backend == "cuda" else None)
     got = [d.copy_to_host() if backend == "cuda" else d for d in dev]
-    with _x64():
+    with jax_x64():
         _, vjp = jax.vjp(lambda x, y, a: _clipped_mean_jnp(x, y, a, 1), jnp.asarray(x), jnp.asarray(y),
                          jnp.float64(a))
         rx, ry, ra = vjp((jnp.asarray(bx), jnp.asarray(by)))
@@ -930,9 +930,9 @@ def _deposit_if_jnp(w, cell, grid, c, steps):
 
 
 def test_grad_through_an_atomic_scatter_under_an_if(rng):
-    from test_jax import _x64
+    from refs import jax_x64
     k = lk.megakernel(deposit_if)
-    with _x64():
+    with jax_x64():
         n, m = 40, 7
         w0, g0, u = (jnp.asarray(rng.standard_normal(s)) for s in (n, m, n))
         cell = jnp.asarray(rng.integers(-3, m + 3, n).astype(np.int32))      # some outside the grid
@@ -1146,7 +1146,7 @@ def test_grad_and_jvp_through_lk_max_and_min(ties, rng):
 def test_the_adjoint_and_tangent_steps_of_a_max_alone(backend, rng):
     # one step of kernel.adjoint() and kernel.tangent() of peak_scaled (two threads' worth of
     # ties on the simulator's grid) against jax.vjp / jax.jvp of one jnp step in float64
-    from test_jax import _x64
+    from refs import jax_x64
     n = 24
     x = np.tile(np.array([1.0, -2.0, 2.0, 0.5]), n // 4)
     bx, dx = rng.standard_normal(n), rng.standard_normal(n)
@@ -1164,7 +1164,7 @@ def test_the_adjoint_and_tangent_steps_of_a_max_alone(backend, rng):
     tan(tdev[0], tdev[1], c, 0.5, steps=1, backend=backend, **kw)
     got = [d.copy_to_host() if backend == "cuda" else d for d in dev]
     tgot = [d.copy_to_host() if backend == "cuda" else d for d in tdev]
-    with _x64():
+    with jax_x64():
         _, vjp = jax.vjp(lambda x, c: _peak_scaled_jnp(x, c, 1), jnp.asarray(x), jnp.float64(c))
         rx, rc = vjp(jnp.asarray(bx))
         _, rt = jax.jvp(lambda x, c: _peak_scaled_jnp(x, c, 1), (jnp.asarray(x), jnp.float64(c)),
@@ -1245,7 +1245,7 @@ def adjoint_text(step, *wrt, form="scatter"):
 def test_the_adjoint_step_of_a_pointwise_update_alone(backend, rng):
     # kernel.adjoint() of nonlinear_inplace (plain updates of x_bar) on several threads
     # against jax.vjp of one jnp step in float64
-    from test_jax import _x64
+    from refs import jax_x64
     n = 40
     x, bx = rng.standard_normal(n), rng.standard_normal(n)
     adj = lk.megakernel(nonlinear_inplace).adjoint("x", "k")
@@ -1256,7 +1256,7 @@ def test_the_adjoint_step_of_a_pointwise_update_alone(backend, rng):
     adj(dev[0], dev[1], 1.3, dev[2], steps=1, start=4, backend=backend, **(dict(threads=32) if backend == "cuda"
                                                                              else {}))
     got = [d.copy_to_host() if backend == "cuda" else d for d in dev]
-    with _x64():
+    with jax_x64():
         def one(x, kk):
             y = x * kk
             z = jnp.where(y > 0.0, jnp.tanh(y), 0.5 * y)

@@ -23,7 +23,7 @@ import loopkern as lk
 jax = pytest.importorskip("jax")
 jnp = pytest.importorskip("jax.numpy")
 
-from test_jax import _x64  # noqa: E402
+from refs import jax_x64  # noqa: E402
 
 HEADER = '''import math
 import loopkern as lk
@@ -139,7 +139,7 @@ def test_grad_of_random_differentiable_steps_against_finite_differences(seed, tm
     fd = (loss_ref(u0 + h * du, a + h * da) - loss_ref(u0 - h * du, a - h * da)) / (2 * h)
     k = lk.megakernel(step, swap=[("u", "v")])
     for form in ("gather", "scatter"):
-        with _x64():
+        with jax_x64():
             def loss(u, a):
                 uu, vv = k.jax(u, u, a, q, steps=steps, adjoint_form=form)
                 return (w * uu).sum() + 0.5 * (uu ** 2).sum() + 0.25 * (vv ** 2).sum()

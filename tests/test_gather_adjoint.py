@@ -18,7 +18,7 @@ jnp = pytest.importorskip("jax.numpy")
 from test_adjoint import (_deposit_jnp, _heat2d_jnp, _heat_jnp, _jacobi_jnp, _leapfrog_jnp,  # noqa: E402
                           _smooth_then_flux_jnp, deposit, deposit_losses, heat2d, heat_if, leapfrog,
                           smooth_then_flux, upwind)
-from test_jax import _x64  # noqa: E402
+from refs import jax_x64  # noqa: E402
 
 
 def _upwind_jnp(u, c, steps):
@@ -173,7 +173,7 @@ CASES = {"heat": _case_heat, "leapfrog": _case_leapfrog, "heat2d": _case_heat2d,
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_gather_form_gradients_equal_float64_jax_grad(case, rng):
-    with _x64():
+    with jax_x64():
         ours, ref, args = CASES[case](rng)
         argnums = tuple(range(len(args)))
         want = jax.grad(ref, argnums=argnums)(*args)
@@ -253,7 +253,7 @@ def test_the_gather_form_adjoint_step_alone(backend, step, shape, one, rng):
     adj(dev[0], dev[1], dev[2], dev[3], a, dev[4], steps=1, backend=backend,
         **({"scope": "grid", "blocks": 1, "threads": 64} if backend == "cuda" else {}))
     got = [np.asarray(x.copy_to_host() if backend == "cuda" else x) for x in dev]
-    with _x64():
+    with jax_x64():
         _, vjp = jax.vjp(one, jnp.asarray(u), jnp.asarray(v), jnp.float64(a))
         # the step's output v is a new state whose adjoint is bv; u passes through as itself
         ru, rv, ra = vjp(jnp.asarray(bv))

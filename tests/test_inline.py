@@ -14,7 +14,7 @@ from loopkern.errors import StepSyntaxError
 jax = pytest.importorskip("jax")
 jnp = pytest.importorskip("jax.numpy")
 
-from test_jax import _x64  # noqa: E402
+from refs import jax_x64  # noqa: E402
 
 C = 0.3
 K = 5.0         # not the K of helper_defs: its helper is not inlined here
@@ -59,7 +59,7 @@ def _burgers_jnp(u, a, steps):
 
 def test_grad_and_jvp_through_helpers_in_expression_form(rng):
     k = lk.megakernel(burgers, swap=[("u", "v")])
-    with _x64():
+    with jax_x64():
         u0, w, du = (jnp.asarray(rng.standard_normal(37)) for _ in range(3))
 
         def ours(u, a):

@@ -14,7 +14,7 @@ from loopkern.errors import StepSyntaxError
 jax = pytest.importorskip("jax")
 jnp = pytest.importorskip("jax.numpy")
 
-from test_jax import _x64  # noqa: E402
+from refs import jax_x64  # noqa: E402
 
 
 def attract(t, x, y, w, c):
@@ -72,7 +72,7 @@ def _box_blur_jnp(u, r, a, steps):
 
 def test_grad_through_an_all_pairs_inner_loop(rng):
     k = lk.megakernel(attract, swap=[("x", "y")])
-    with _x64():
+    with jax_x64():
         x0, w, wt = (jnp.asarray(rng.standard_normal(s)) for s in (33, 17, 33))
 
         def ours(x, ww, c):
@@ -92,7 +92,7 @@ def test_grad_through_an_all_pairs_inner_loop(rng):
 @pytest.mark.parametrize("r", [1, 3])
 def test_grad_through_an_inner_loop_of_a_radius_given_as_an_argument(r, rng):
     k = lk.megakernel(box_blur, swap=[("u", "v")])
-    with _x64():
+    with jax_x64():
         u0, w = (jnp.asarray(rng.random(40)) for _ in range(2))
 
         def ours(u, a):
@@ -201,7 +201,7 @@ def _substeps_jnp(x, h, m, every, steps):
 @pytest.mark.parametrize("m", [0, 1, 5])
 def test_grad_through_a_recurrence_over_an_inner_loop_of_computed_bounds(m, rng):
     k = lk.megakernel(substeps, swap=[("x", "y")])
-    with _x64():
+    with jax_x64():
         x0, w = jnp.asarray(rng.uniform(-1, 1, 29)), jnp.asarray(rng.standard_normal(29))
 
         def ours(x, h, every):
@@ -221,7 +221,7 @@ def test_grad_through_a_recurrence_over_an_inner_loop_of_computed_bounds(m, rng)
 def test_grad_through_a_product_over_an_inner_loop(rng):
     # s *= x[i], m times: x[i] ** m, a recurrence the adjoint walks backwards
     k = lk.megakernel(product)
-    with _x64():
+    with jax_x64():
         x0 = jnp.asarray(rng.uniform(0.5, 1.5, 17))
         got = jax.grad(lambda x: k.jax(x, jnp.zeros(17), 6, steps=1)[1].sum())(x0)
         np.testing.assert_allclose(np.asarray(got), 6 * np.asarray(x0) ** 5, rtol=1e-12)

@@ -12,7 +12,7 @@ import loopkern as lk
 import test_adjoint as TA
 import workloads as W
 from gpu.jax_gpu import jax, jnp, require_gpu_jax
-from test_jax import _x64
+from refs import jax_x64
 
 pytestmark = pytest.mark.gpu
 
@@ -36,7 +36,7 @@ def _reference(fn, *args, argnums):
     """jax.grad of ``fn`` at ``args`` in float64 on the CPU (float arrays and scalars widened,
     integer arrays kept)."""
     cpu = jax.devices("cpu")[0]
-    with _x64(), jax.default_device(cpu):
+    with jax_x64(), jax.default_device(cpu):
         wide = []
         for a in args:
             a = np.asarray(a)
@@ -307,7 +307,7 @@ def test_grad_and_jvp_through_helpers_on_the_gpu(blocks, rng):
     _, t = jax.jvp(loss(lambda u, a: k.jax(u, u, a, steps=steps, blocks=blocks)[0]), (_f32(u0), a),
                    (_f32(du), np.float32(0.5)))
     cpu = jax.devices("cpu")[0]
-    with _x64(), jax.default_device(cpu):
+    with jax_x64(), jax.default_device(cpu):
         _, t_ref = jax.jvp(loss(lambda u, a: TN._burgers_jnp(u, a, steps)),
                            (jnp.asarray(u0, jnp.float64), 0.2), (jnp.asarray(du, jnp.float64), 0.5))
     assert abs(float(t) - float(t_ref)) <= 2e-3 * abs(float(t_ref))
