@@ -25,7 +25,6 @@ Nothing here imports numba or jax.
 
 from __future__ import annotations
 
-import contextlib
 import math
 from dataclasses import dataclass, field
 
@@ -156,18 +155,6 @@ class Ix:
     lo: int
     hi: int
     text: str | None = None
-    # the bounds before any narrowing to a condition's range (None: lo/hi): what the value is
-    # when that condition is false, for a load made whatever the condition (Lowering.load_input)
-    ulo: int | None = None
-    uhi: int | None = None
-
-    @property
-    def any_lo(self) -> int:
-        return self.lo if self.ulo is None else self.ulo
-
-    @property
-    def any_hi(self) -> int:
-        return self.hi if self.uhi is None else self.uhi
 
     @property
     def expr(self) -> str:
@@ -184,11 +171,10 @@ class Ix:
             return self
         if self.text is not None:
             return Ix(None, 0, self.lo + k, self.hi + k, f"({self.text}) + {k}" if k > 0 else f"({self.text}) - {-k}")
-        return Ix(self.base, self.off + k, self.lo + k, self.hi + k, None,
-                  None if self.ulo is None else self.ulo + k, None if self.uhi is None else self.uhi + k)
+        return Ix(self.base, self.off + k, self.lo + k, self.hi + k)
 
     def narrow(self, lo: int, hi: int) -> "Ix":
-        return Ix(self.base, self.off, max(self.lo, lo), min(self.hi, hi), self.text, self.any_lo, self.any_hi)
+        return Ix(self.base, self.off, max(self.lo, lo), min(self.hi, hi), self.text)
 
 
 def const_ix(k: int) -> Ix:
@@ -342,7 +328,6 @@ class Lowering:
         self.scratch = {}           # Var -> the buffer a scatter to computed indices is built in
         self.syncs = set()          # stages whose loops end with a barrier (lk.sync())
         self.sub_env = {}           # a nested loop's carry Var -> its name, while its body is lowered
-        self.speculating = 0        # > 0 while a window's values are lowered (window_speculation)
         self.inner_vars = set()     # every Var a nested loop's body or condition defines
         self.inner_blocks = []      # the blocks of the nested loop bodies being lowered
         self.nested_checked = set()
@@ -550,57 +535,24 @@ class Lowering:
         if found is not None:
             return found
         role = self.input_role.get(a)
-        if role is not None and role[0] == "x":
+        if a in self.scratch:
+            text = f"{self.scratch[a]}[{', '.join(i.expr for i in idx)}]"
+        elif role is None:      # a closed-over constant array
+            name = self.const_names[a]
+            text = f"{name}[{', '.join(i.expr for i in idx)}]"
+        elif role[0] == "carry":
+            text = f"{self.carries[role[1]].name}[{', '.join(i.expr for i in idx)}]"
+        elif role[0] == "x":
             text = f"{self.x_names[role[1]]}[{', '.join([self.scan_pos()] + [i.expr for i in idx])}]"
-        else:
-            if a in self.scratch:
-                array = self.scratch[a]
-            elif role is None:      # a closed-over constant array
-                array = self.const_names[a]
-            elif role[0] == "carry":
-                array = self.carries[role[1]].name
-            else:   # pragma: no cover
-                raise AssertionError(role)
-            text = f"{array}[{', '.join(i.expr for i in idx)}]"
-            # inside a window (speculating): made whatever the condition, with its indices
-            # clamped into the array, so that the loads of the window's cells are not behind a
-            # branch (see window_speculation)
-            unguarded = self.clamped_subscript(array, a.shape, idx) if ctx is not None and self.speculating else None
-            if unguarded is not None:
-                # the same element loaded under another condition (or none) is this load
-                plain = (a, key[1], None)
-                name = B.find(plain)
-                if name is None:
-                    name = B.memo[plain] = self.bound_load(unguarded, B)
-                B.memo[key] = name
-                return name
+        else:   # pragma: no cover
+            raise AssertionError(role)
         if ctx is None:
-            text = self.bound_load(text, B)
+            name = self.fresh("l")
+            B.lines.append(f"{name} = {text}")
+            self.load_vars.add(name)        # a load is not the same on every thread, to the validator
+            text = name
         B.memo[key] = text
         return text
-
-    def bound_load(self, text: str, B) -> str:
-        """A name for the load ``text`` made at this point of ``B``."""
-        name = self.fresh("l")
-        B.lines.append(f"{name} = {text}")
-        self.load_vars.add(name)        # a load is not the same on every thread, to the validator
-        return name
-
-    def clamped_subscript(self, array: str, shape, idx) -> str | None:
-        """``array[idx]`` with each index clamped into ``shape`` where its value may leave it when
-        the conditions the index was narrowed by are false (Ix.any_lo/any_hi); None for an
-        index of opaque text (which may itself read memory) or an empty axis."""
-        subs = []
-        for i, n in zip(idx, shape):
-            if i.text is not None or n < 1:
-                return None
-            e = i.expr
-            if i.any_lo < 0:
-                e = f"max({e}, 0)"
-            if i.any_hi > n - 1:
-                e = f"min({e}, {n - 1})"
-            subs.append(e)
-        return f"{array}[{', '.join(subs)}]"
 
     def scan_pos(self) -> str:
         self.uses_t = True
@@ -2141,27 +2093,6 @@ def _and_ctx(ctx, cond):
     return cond if ctx is None else f"{ctx} and {cond}"
 
 
-@contextlib.contextmanager
-def window_speculation(L, inside: int, whole: int):
-    """While the values of a window (``u.at[1:-1].set(...)``'s update, a pad's interior) are
-    lowered, load the input arrays' elements they read whatever the window's condition, with
-    the indices clamped into the arrays (``Lowering.load_input``), when the window is at least
-    half of the result (``inside`` of ``whole`` elements).
-
-    Why: under the condition the loads sit behind a branch, so an unrolled loop cannot issue the
-    loads of its several elements together and waits for each in turn (lk.while_loop's Jacobi
-    body took 1.23x the hand-written step's time per step in block scope). What is computed
-    from the loaded values stays under the condition, so the result is the same: a clamped
-    load reads a cell of the array and its value is not used outside the window. At most the
-    cells outside the window, half of the elements, load what they did not before."""
-    on = 2 * inside >= whole
-    L.speculating += on
-    try:
-        yield
-    finally:
-        L.speculating -= on
-
-
 @rule("pad")
 def _pad(L, e, out, idx, ctx, B):
     x, pv = e.ins
@@ -2181,8 +2112,7 @@ def _pad(L, e, out, idx, ctx, B):
     if not conds:
         return L.E(x, tuple(sub), ctx, B)
     cond = " and ".join(conds)
-    with window_speculation(L, math.prod(x.shape), math.prod(out.shape)):
-        inner = L.E(x, tuple(sub), _and_ctx(ctx, cond), B)
+    inner = L.E(x, tuple(sub), _and_ctx(ctx, cond), B)
     return f"({inner} if {cond} else {L.E(pv, (), ctx, B)})"
 
 
@@ -2397,9 +2327,7 @@ def _dus(L, e, out, idx, ctx, B):
     if not conds:
         return L.E(upd, tuple(sub), ctx, B)
     cond = " and ".join(conds)
-    with window_speculation(L, math.prod(upd.shape), math.prod(x.shape)):
-        inner = L.E(upd, tuple(sub), _and_ctx(ctx, cond), B)
-    return f"({inner} if {cond} else {L.E(x, idx, ctx, B)})"
+    return f"({L.E(upd, tuple(sub), _and_ctx(ctx, cond), B)} if {cond} else {L.E(x, idx, ctx, B)})"
 
 
 def _affine_iota(a, depth=0):
@@ -2534,10 +2462,9 @@ def _scatter(L, e, out, idx, ctx, B):
             usub[umap[d]] = j
     cond = " and ".join(dyn_ok + conds) if (dyn_ok or conds) else None
     inner_ctx = ctx if cond is None else _and_ctx(ctx, cond)
-    with window_speculation(L, math.prod(sizes), math.prod(x.shape)):
-        u = L.E(upd, tuple(usub), inner_ctx, B) if upd.shape else L.E(upd, (), inner_ctx, B)
-        if e.prim != "scatter":
-            u = _arith("+", L.E(x, idx, inner_ctx, B), u, out.dtype)
+    u = L.E(upd, tuple(usub), inner_ctx, B) if upd.shape else L.E(upd, (), inner_ctx, B)
+    if e.prim != "scatter":
+        u = _arith("+", L.E(x, idx, inner_ctx, B), u, out.dtype)
     if cond is None:
         return u
     return f"({u} if {cond} else {L.E(x, idx, ctx, B)})"
