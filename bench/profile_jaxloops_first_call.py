@@ -35,6 +35,7 @@ CHILD = textwrap.dedent("""
         print(f"{{what}}: {{time.perf_counter() - t0:.3f}} s ({label})")
         if {show}:
             pstats.Stats(prof).sort_stats("cumulative").print_stats({top})
+            pstats.Stats(prof).sort_stats("tottime").print_stats({top} // 2)
     jax.block_until_ready(u * 2)
     profiled("first call", body)
     profiled("second body", other)
