@@ -73,7 +73,14 @@ class Impl:
 
     run(steps) runs the loop (returns the steps executed, or None for exactly ``steps``);
     result() returns the state as NumPy; reset() restores the inputs (not timed); sync blocks
-    until the device is done (None: time with CUDA events); info: extra fields for the row.
+    until the device is done (None: time with CUDA events); count() (if given) returns the
+    steps the last call executed, read after its timing; info: extra fields for the row.
+
+    A JAX variant's step count is a device scalar: reading it back inside the timing cost
+    0.4-0.8 ms per call on an H100 (bench/jax_variance_probe.py, session 26; more than a whole
+    4K Jacobi loop's dispatch), a host transfer that is no part of the loop and that the
+    direct calls, whose count comes from mapped host memory, do not pay. So it is read by
+    count(), after the time is taken.
     """
 
     run: Callable
@@ -81,6 +88,7 @@ class Impl:
     reset: Callable = lambda: None
     sync: Callable | None = None
     info: dict = field(default_factory=dict)
+    count: Callable | None = None
 
 
 @dataclass
@@ -132,7 +140,8 @@ class Bench:
             done = impl.run(steps)
             if impl.sync:
                 impl.sync()
-            return time.perf_counter() - t0, done
+            t = time.perf_counter() - t0
+            return t, impl.count() if impl.count else done
         return once
 
     def measure(self, case: Case, variants):
@@ -154,6 +163,8 @@ class Bench:
                 if impl.sync:
                     impl.sync()
                 row["first_call_s"] = round(time.perf_counter() - t0, 4)
+                if impl.count:
+                    done = impl.count()
                 checked = case.check_steps if done is None else int(done)
                 ok, detail = case.check(impl.result(), checked)
                 row["check"] = detail
@@ -269,7 +280,8 @@ def write_outputs(results, meta, outdir: Path):
     (outdir / f"{stem}.json").write_text(json.dumps(dict(meta=meta, results=results), indent=1))
     lines = [f"# loopkern bench: {meta['device']}, {meta['date']}", "",
              f"µs per step, median of {meta['reps']} calls after a warm-up, the variants of a size timed in "
-             f"interleaved rounds; (ratio) = variant time / "
+             f"interleaved rounds (JAX rows: from the call to its results ready, a loop's step count read "
+             f"after the timing); (ratio) = variant time / "
              f"loopkern[auto] time at the same size. Every variant was checked against a float64 NumPy "
              f"reference at every size first; for loops to a tolerance, the steps to convergence follow "
              f"the time.", ""]

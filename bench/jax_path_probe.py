@@ -3,8 +3,9 @@ directly (Numba device arrays), through kernel.jax inside jax.jit (default grid,
 call's blocks and threads), and of the jnp body through lk.while_loop, with each one's launch
 configuration; interleaved rounds, medians of host wall time per blocking call. Each runs to
 the tolerance (as bench.py does) and, with a tolerance of 0, for the same number of steps
-(stopping at the step count instead of by the condition). The direct call's arrays are reset
-before each call (outside the timing).
+(stopping at the step count instead of by the condition), and for twice that many: the slope
+between the two is the cost of a step without the fixed cost of a call. The direct call's
+arrays are reset before each call (outside the timing).
 
     python bench/jax_path_probe.py [rounds]
 """
@@ -74,7 +75,7 @@ for side in (64, 256):
             fallback="error")), "while"),
     }
     # to the tolerance (max 20000 steps), and the same number of steps with a tolerance of 0
-    runs = [(name, tol, n) for name in variants for tol, n in ((TOL, 20000), (0.0, converged))]
+    runs = [(name, tol, n) for name in variants for tol, n in ((TOL, 20000), (0.0, converged), (0.0, 2 * converged))]
     for name, tol, n in runs:
         variants[name](tol, n)
     times = {r: [] for r in runs}
@@ -90,3 +91,8 @@ for side in (64, 256):
         med = statistics.median(ts)
         print(f"  {r[0]:14s} tol={r[1]:g} max_steps={r[2]:5d}: {done[r]:5d} steps, {med * 1e3:7.3f} ms/call, "
               f"{med / max(done[r], 1) * 1e6:6.3f} µs/step (min {min(ts) / max(done[r], 1) * 1e6:.3f})")
+    # the cost of a step without the call's fixed costs: the slope between n and 2n steps
+    for name in variants:
+        t1, t2 = (statistics.median(times[(name, 0.0, m)]) for m in (converged, 2 * converged))
+        print(f"  {name:14s} slope between {converged} and {2 * converged} steps: "
+              f"{(t2 - t1) / converged * 1e6:6.3f} µs/step, fixed {(2 * t1 - t2) * 1e3:6.3f} ms/call")

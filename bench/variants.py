@@ -63,9 +63,6 @@ def jax_impl(fn, init, result_index=0, steps_index=None):
         if steps not in cache:
             cache[steps] = jax.jit(lambda *s: fn(*s, steps))
         box["r"] = cache[steps](*state)
-        if steps_index is not None:
-            return int(box["r"][steps_index])
-        return None
 
     def sync():
         jax.block_until_ready(box["r"])
@@ -73,7 +70,8 @@ def jax_impl(fn, init, result_index=0, steps_index=None):
     def result():
         r = box["r"]
         return np.asarray(r[result_index] if isinstance(r, tuple) else r)
-    return Impl(run, result, sync=sync)
+    count = None if steps_index is None else (lambda: int(box["r"][steps_index]))
+    return Impl(run, result, sync=sync, count=count)
 
 
 def loopkern_jax_variant(make_kernel, inputs, scalars, result_index=0):
@@ -90,8 +88,9 @@ def loopkern_jax_variant(make_kernel, inputs, scalars, result_index=0):
                 kw = "max_steps" if k.spec.returns_condition else "steps"
                 cache[steps] = jax.jit(lambda *xs: k.jax(*xs, *scalars(case), **{kw: steps}))
             box["r"] = cache[steps](*state)
-            return int(box["r"][-1]) if k.spec.returns_condition else None
-        return Impl(run, lambda: np.asarray(box["r"][result_index]), sync=lambda: jax.block_until_ready(box["r"]))
+        count = (lambda: int(box["r"][-1])) if k.spec.returns_condition else None
+        return Impl(run, lambda: np.asarray(box["r"][result_index]), sync=lambda: jax.block_until_ready(box["r"]),
+                    count=count)
     return ("loopkern kernel.jax in jax.jit", make)
 
 def jax_loop_variants(step, unpack=lambda s: s):
