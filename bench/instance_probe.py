@@ -66,6 +66,7 @@ def measure(insts):
                 times[i.name].append(t / r.steps)
     for i in insts:
         ts = times[i.name]
+        i.median = statistics.median(ts)
         redf, redi, bar, stop = i.scratch()
         print(f"{i.name:28s} {statistics.median(ts) * 1e6:6.3f} µs/step (min {min(ts) * 1e6:.3f}, max "
               f"{max(ts) * 1e6:.3f})  u {where(ptr(i.u))}  v {where(ptr(i.v))}", flush=True)
@@ -75,10 +76,16 @@ def measure(insts):
 
 insts = [Instance(f"instance {j}") for j in range(count)]
 measure(insts)
-first = insts[0]
-again = Instance("instance 0, new arrays", first.k)
-print("-- instance 0's kernel with new arrays, and again with its scratch made anew", flush=True)
-measure([first, again])
-for p in first.k.dispatcher.plans.values():
-    p.slots._free.clear()
-measure([first, again])
+for i in insts:
+    print(f"{i.name}: kernel handle {[p.func for p in i.k.dispatcher.plans.values()]}", flush=True)
+# the fastest and the slowest instance again, then each with the other's arrays, then with
+# their scratch made anew
+fast, slow = sorted(insts, key=lambda i: i.median)[::len(insts) - 1]
+print(f"-- {fast.name} (fastest) and {slow.name} (slowest): again, arrays exchanged, scratch anew", flush=True)
+measure([fast, slow])
+fast.u, fast.v, slow.u, slow.v = slow.u, slow.v, fast.u, fast.v
+measure([fast, slow])
+for i in (fast, slow):
+    for p in i.k.dispatcher.plans.values():
+        p.slots._free.clear()
+measure([fast, slow])
