@@ -193,6 +193,21 @@ def test_reduction_types(backend, scope, rng):
 
 
 @pytest.mark.parametrize("backend,scope", list(cases()))
+def test_max_and_min_are_nan_when_any_threads_value_is(backend, scope, rng):
+    """lk.max and lk.min give NaN when any thread's value is NaN, wherever that thread is in
+    the order of the reduction (as np.max and np.min): a NaN in the first, a middle or the last
+    thread's share, or none (then exactly NumPy's extremes)."""
+    n = 96 if small(backend) else 3000
+    for dtype in (np.float32, np.float64):
+        x = W.nan_rows(rng, n, dtype, 64 if small(backend) else 1)
+        out = np.zeros((x.shape[0], 2), dtype)
+        lk.megakernel(W.nan_extremes_step)(x, out, steps=x.shape[0], backend=backend, scope=scope,
+                                           **({"threads": 64} if small(backend) else {}))
+        assert out[0, 0] == x[0].max() and out[0, 1] == x[0].min()
+        assert np.isnan(out[1:]).all(), out
+
+
+@pytest.mark.parametrize("backend,scope", list(cases()))
 def test_grid_3d_and_single_name_target(backend, scope, rng):
     @lk.megakernel
     def scale3(t, a, b):

@@ -309,6 +309,25 @@ def test_windows_at_every_edge_load_only_cells_of_the_field(backend):
     np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
 
 
+def _extremes_body(i, x):
+    return x.at[0].set(jnp.max(x)).at[1].set(jnp.min(x[2:]))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_max_and_min_of_a_carry_holding_a_nan_are_nan(backend):
+    """jnp.max and jnp.min are NaN when any element is (as in JAX), wherever the NaN is among
+    the threads that reduce it; without one, exactly NumPy's extremes."""
+    rng = np.random.default_rng(11)
+    for k in [None, 2, 3, 31, 32, 40, 63, 95]:
+        x0 = rng.standard_normal(96).astype(np.float32)
+        if k is not None:
+            x0[k] = np.nan
+        got, _, _ = run_lowered(_extremes_body, x0, 1, backend)
+        want = x0.copy()
+        want[0], want[1] = np.max(x0), np.min(x0[2:])
+        np.testing.assert_array_equal(got, want)
+
+
 def _random_window_op(rng, shape):
     """One shape-keeping operation on a window of a field, as JAX users write them: a window set
     or added from other windows of the same size, a static dynamic_update_slice, a constant or

@@ -513,3 +513,32 @@ def implicit_heat_cg(a, tol, maxit):
         r0 = u - apply(u)
         return lax.while_loop(lambda c: (c[3] > tol) & (c[4] < maxit), cg, (u, r0, r0, jnp.dot(r0, r0), jnp.int32(0)))[0]
     return step
+
+
+# ---------------------------------------------------------------- NaN in a reduction
+def nan_extremes_step(t, x, out):
+    # lk.max and lk.min of row t: each thread keeps a NaN of its share (v != v), and the
+    # reductions across threads, warps and blocks must then give NaN whichever thread holds it
+    n = x.shape[1]
+    hi = x[t, 0]
+    lo = x[t, 0]
+    for i in lk.range(n):
+        v = x[t, i]
+        hi = v if (v > hi or v != v) else hi
+        lo = v if (v < lo or v != v) else lo
+    a = lk.max(hi)
+    b = lk.min(lo)
+    if lk.thread_id() == 0:
+        out[t, 0] = a
+        out[t, 1] = b
+
+
+def nan_rows(rng, n, dtype, threads):
+    """Rows of ``n`` random values, each row past the first holding one NaN: in the first and the
+    last element, in the first and last thread's share (grid-stride: element k is thread k's when
+    k < threads), and at random places; the first row has none."""
+    places = [0, n - 1, min(threads, n) - 1, min(threads, n) // 2, 31, 32] + list(rng.integers(0, n, 4))
+    x = rng.standard_normal((1 + len(places), n)).astype(dtype)
+    for row, k in enumerate(places, start=1):
+        x[row, min(int(k), n - 1)] = np.nan
+    return x

@@ -319,7 +319,12 @@ def _identity(op, is_float):
 
 if SIMULATOR:
     def _combine(op, a, b):
-        return a + b if op == "sum" else (a if a >= b else b) if op == "max" else (a if a <= b else b)
+        # a NaN wins whichever side it is on, as in _max and _min below
+        if op == "sum":
+            return a + b
+        if op == "max":
+            return a if (a >= b or a != a) else b
+        return a if (a <= b or a != a) else b
 
     def _make(op, sync):
         """The reduction ``op`` across a block (``sync`` None) or across the threads that
@@ -365,13 +370,18 @@ else:
     def _add(a, b):
         return a + b
 
+    # A NaN on either side is the result (a != a only for a NaN; always false for integers), so
+    # a reduction is NaN when any thread's value is, whatever the order in which the shuffles
+    # and the partials meet, as np.max and jnp.max are: with ``a if a >= b else b`` alone a NaN
+    # was kept or dropped by its position (a lowered jnp.max of 64 values with one NaN gave
+    # NaN only when the NaN was the last value).
     @cuda.jit(device=True)
     def _max(a, b):
-        return a if a >= b else b
+        return a if (a >= b or a != a) else b
 
     @cuda.jit(device=True)
     def _min(a, b):
-        return a if a <= b else b
+        return a if (a <= b or a != a) else b
 
     _COMBINE = {"sum": _add, "max": _max, "min": _min}
 

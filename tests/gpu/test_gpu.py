@@ -335,6 +335,22 @@ def test_float32_max_and_min_equal_numpys(scope, blocks, rng):
 
 
 @pytest.mark.parametrize("scope,blocks", LAUNCHES)
+def test_max_and_min_are_nan_when_any_threads_value_is(scope, blocks, rng):
+    """A NaN in any thread's value makes lk.max and lk.min NaN (as np.max and np.min), whether
+    it meets the others in a warp's shuffles, in the block's slots or in the partials of the
+    grid; rows without one give exactly NumPy's extremes."""
+    n = 3000
+    for dtype in (np.float32, np.float64):
+        x = W.nan_rows(rng, n, dtype, 256)
+        out = np.zeros((x.shape[0], 2), dtype)
+        run = lk.megakernel(W.nan_extremes_step)(x, out, steps=x.shape[0], backend="cuda", scope=scope,
+                                                 blocks=blocks)
+        _check_launch(run, scope, blocks)
+        assert out[0, 0] == x[0].max() and out[0, 1] == x[0].min()
+        assert np.isnan(out[1:]).all(), out
+
+
+@pytest.mark.parametrize("scope,blocks", LAUNCHES)
 def test_reductions_of_float32_and_float64_in_one_kernel(scope, blocks, rng):
     n, steps = 5000, 4
     x0 = rng.random(n).astype(np.float32)

@@ -71,6 +71,37 @@ def test_jacobi_while_loop_on_the_gpu(rng):
     assert np.abs(np.asarray(x, np.float64) - r).max() < 1e-3
 
 
+@pytest.mark.parametrize("pos", [(1, 1), (254, 254), (128, 7), (3, 200)])
+def test_while_loop_stops_when_its_reduction_turns_nan_on_the_gpu(pos):
+    """A NaN appears in one cell in the fifth step; jnp.max of the change is then NaN, NaN > tol
+    is false and the loop stops there, as jax.lax.while_loop does on a GPU, wherever the cell
+    lies among the blocks of the grid (a reduction that dropped the NaN ran on). (XLA's CPU
+    backend drops NaNs in max by default, xla_cpu_enable_fast_min_max: no reference there.)"""
+    side, tol = 256, np.float32(1e-30)
+    u0 = np.random.default_rng(3).random((side, side)).astype(np.float32)
+
+    def body(c):
+        x, _, k = c
+        x = x.at[pos].set(jnp.where(k == 4, jnp.float32(jnp.nan), x[pos]))
+        new = x.at[1:-1, 1:-1].set(np.float32(0.25) * (x[:-2, 1:-1] + x[2:, 1:-1] + x[1:-1, :-2] + x[1:-1, 2:]))
+        return new, jnp.max(jnp.abs(new - x)), k + 1
+    x, err, k = lk.while_loop(lambda c: (c[1] > tol) & (c[2] < 1000), body,
+                              (jnp.asarray(u0), jnp.float32(jnp.inf), jnp.int32(0)), fallback="error")
+    # the float64 reference: five steps, the NaN set before the fifth
+    r = u0.astype(np.float64)
+    for step in range(5):
+        if step == 4:
+            r[pos] = np.nan
+        new = r.copy()
+        new[1:-1, 1:-1] = 0.25 * (r[:-2, 1:-1] + r[2:, 1:-1] + r[1:-1, :-2] + r[1:-1, 2:])
+        r = new
+    assert int(k) == 5 and np.isnan(float(err))
+    got = np.asarray(x, np.float64)
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(r))      # the NaN's interior neighbours
+    assert np.isnan(r).sum() >= 2
+    np.testing.assert_allclose(got[~np.isnan(r)], r[~np.isnan(r)], rtol=1e-5, atol=1e-6)
+
+
 def test_quadratic_map_scan_on_the_gpu():
     jax.config.update("jax_enable_x64", True)
     try:
