@@ -328,6 +328,26 @@ def test_max_and_min_of_a_carry_holding_a_nan_are_nan(backend):
         np.testing.assert_array_equal(got, want)
 
 
+def _zero_division_body(i, x):
+    # rsqrt of |x|: the simulator runs Python's math.sqrt, which raises on a negative number
+    return jnp.stack([x[0] ** -2, x[0] ** -3, jax.lax.rsqrt(jnp.abs(x[0])), jnp.sign(x[0])])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_division_by_zero_and_signed_zeros_as_ieee(backend):
+    """x ** -n and rsqrt of a zero are infinities with IEEE's signs (the CPU backend and the
+    simulator raised ZeroDivisionError: Python's division), and sign keeps a zero's sign."""
+    x = np.array([0.0, -0.0, 2.0, 0.5, -3.0, 1e-3], np.float32)
+    x0 = np.stack([x, x, x, x])
+    got, _, _ = run_lowered(_zero_division_body, x0, 1, backend)
+    v = x.astype(np.float64)
+    with np.errstate(divide="ignore"):
+        want = np.stack([v ** -2.0, v ** -3.0, 1.0 / np.sqrt(np.abs(v)), np.sign(v)])
+    want[3] = np.where(v == 0, v, want[3])                  # sign(-0.0) is -0.0 in JAX
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    np.testing.assert_array_equal(np.signbit(got), np.signbit(want))
+
+
 def _random_window_op(rng, shape):
     """One shape-keeping operation on a window of a field, as JAX users write them: a window set
     or added from other windows of the same size, a static dynamic_update_slice, a constant or

@@ -89,7 +89,7 @@ def jl_irem(a, b):
 
 
 def jl_sign(a):
-    return a if a != a else (1 if a > 0 else (-1 if a < 0 else 0))
+    return a if (a != a or a == 0) else (1 if a > 0 else -1)
 
 
 def jl_whole(r, a):
@@ -1769,8 +1769,14 @@ def _div(L, e, out, idx, ctx, B):
         b = e.ins[1]
         if isinstance(b, Lit) and float(b.value) != 0.0:
             return f"({x} / {y})"
-        return f"jl_fdiv{dt.itemsize * 8}({x}, {y})"
+        return _fdiv(x, y, dt)
     return cast(f"jl_idiv({x}, {y})", dt)
+
+
+def _fdiv(x, y, dt):
+    """``x / y`` in float type ``dt`` as IEEE division: a zero divisor gives an infinity or NaN
+    (Python's ``/``, which the CPU backend and the simulator follow, raises instead)."""
+    return f"jl_fdiv{np.dtype(dt).itemsize * 8}({x}, {y})"
 
 
 @rule("rem")
@@ -1837,8 +1843,7 @@ def _round(L, e, out, idx, ctx, B):
 @rule("rsqrt")
 def _rsqrt(L, e, out, idx, ctx, B):
     x, = _args(L, e, idx, ctx, B)
-    one = literal(1, out.dtype)
-    return cast(f"{one} / math.sqrt({x})", out.dtype)
+    return cast(_fdiv(literal(1, out.dtype), f"math.sqrt({x})", out.dtype), out.dtype)
 
 
 @rule("logistic")
@@ -1885,7 +1890,8 @@ def _ipow(L, e, out, idx, ctx, B):
             break
         base = _arith("*", base, base, out.dtype)
     if y < 0:
-        return cast(f"{literal(1, out.dtype)} / {acc}", out.dtype) if out.dtype.kind == "f" else L.unsupported(e)
+        return cast(_fdiv(literal(1, out.dtype), acc, out.dtype), out.dtype) if out.dtype.kind == "f" \
+            else L.unsupported(e)
     return acc
 
 
