@@ -938,15 +938,20 @@ def _render_function(fs: FunctionSpec, home: str, backend: str, scope: str, is_s
     return out
 
 
-def _jit_options(backend: str, cache: bool) -> tuple[str, str]:
+def _jit_options(backend: str, cache: bool, debug: bool = False) -> tuple[str, str]:
     """(device function options, kernel options) as text inside the decorator's parentheses."""
     if backend == "cuda":
         # (link-time optimisation is turned off by compile.compile_kernel, not here: the
         # decorator form drops an lto= argument)
         return ("", "cache=True" if cache else "")
+    # NumPy's error model, as Numba-CUDA compiles GPU kernels without debug: a float divided
+    # by zero is an infinity or NaN and an integer one 0, on both backends (Python's model,
+    # Numba's CPU default, raised ZeroDivisionError out of the CPU kernel where the GPU went
+    # on); debug=True keeps Python's, as the GPU's debug kernels do
+    opts = ["cache=True"] * cache + ([] if debug else ["error_model='numpy'"])
     # nogil: the kernel runs on a worker thread while the caller's thread reports progress,
     # enforces the timeout and turns Ctrl-C into a cancellation
-    return (", ".join(["cache=True"] * cache), ", ".join(["cache=True"] * cache + ["nogil=True"]))
+    return (", ".join(opts), ", ".join(opts + ["nogil=True"]))
 
 
 def render_kernel(spec: StepSpec, backend: str, scope: str = "grid", *, cache: bool = True,
@@ -1025,7 +1030,7 @@ def render_kernel(spec: StepSpec, backend: str, scope: str = "grid", *, cache: b
     elif scope == "thread" and spec.parallel:
         raise ValueError(f"scope='thread' runs one thread without barriers; step '{spec.name}' uses "
                          f"parallel loops, lk.thread_id/num_threads, lk.sync or reductions")
-    dev_opts, ker_opts = _jit_options(backend, cache)
+    dev_opts, ker_opts = _jit_options(backend, cache, debug)
     dbg_ctx = list(_DEBUG_CTX) if debug else []
     ctx_params = [f"{_P}tid", f"{_P}nt"] + ([f"{_P}redf", f"{_P}redi", f"{_P}st", f"{_P}bar", f"{_P}shf", f"{_P}shi"]
                                           if backend == "cuda"

@@ -316,6 +316,11 @@ def compile_kernel(source: KernelSource) -> CompiledKernel:
                 raise
             if source.backend == "cuda":
                 _without_link_time_optimisation(mod._lk_kernel)
+                if simulator_enabled() and hasattr(mod, "_lk_math"):
+                    # the simulator runs the kernel as Python: math as a GPU computes it
+                    # (NaN and infinities where CPython's math raises), looked up at run time
+                    from .runtime import sim_math
+                    mod._lk_math = sim_math
             else:
                 _without_loop_peeling()
             _MODULES[source.digest] = mod

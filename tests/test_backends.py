@@ -435,8 +435,8 @@ def test_two_argument_math_matches_python(backend, scope, rng):
     n = 24 if small(backend) else 400
     x, y = rng.normal(size=n) * 10, rng.normal(size=n)
     x[:3], y[:3] = [5.0, 2.5, 7.5], [2.0, 1.0, 5.0]          # remainder's ties go to the even quotient
-    if backend == "cpu":    # the simulator runs Python's math, which raises where C returns nan
-        x[3:6], y[3:6] = [math.inf, 3.0, -0.0], [1.0, 0.0, math.inf]
+    # C returns NaN where Python's math raises (the simulator's math does too: runtime/sim_math.py)
+    x[3:6], y[3:6] = [math.inf, 3.0, -0.0], [1.0, 0.0, math.inf]
     out = np.zeros((5, n))
     lk.megakernel(two_arg_math_step)(x, y, out, steps=1, backend=backend, scope=scope)
     for row, f in enumerate((math.fmod, math.remainder, math.copysign, math.hypot, math.atan2)):
@@ -445,3 +445,21 @@ def test_two_argument_math_matches_python(backend, scope, rng):
             np.testing.assert_allclose(out[row], ref, rtol=1e-15, atol=0, err_msg=f.__name__)
         else:
             np.testing.assert_array_equal(out[row], ref, err_msg=f.__name__)
+
+
+def test_division_by_zero_follows_numpy_on_the_cpu_backend(rng):
+    """A step's float division by zero is an infinity or NaN, an integer one 0, as NumPy and
+    the GPU's kernels (NumPy's error model, Numba-CUDA's without debug) give; the CPU backend
+    raised ZeroDivisionError out of the kernel before session 26. (The simulator runs Python's
+    operators, which raise.)"""
+    x = np.array([0.0, -0.0, 2.0, -3.5, 1e-300])
+    k = rng.integers(-9, 10, x.size).astype(np.int64)
+    out, iout = np.zeros((3, x.size)), np.ones((2, x.size), np.int64)
+    lk.megakernel(W.zero_division_step)(x, k, out, iout, steps=1, backend="cpu")
+    with np.errstate(all="ignore"):
+        want = np.stack([1.0 / x, x / x, -x / (x * 0.0)])
+        iwant = np.stack([k // (k - k), k % (k - k)])
+    np.testing.assert_array_equal(out, want)
+    np.testing.assert_array_equal(np.signbit(out[~np.isnan(want)]), np.signbit(want[~np.isnan(want)]))
+    np.testing.assert_array_equal(iout, iwant)
+

@@ -542,3 +542,15 @@ def nan_rows(rng, n, dtype, threads):
     for row, k in enumerate(places, start=1):
         x[row, min(int(k), n - 1)] = np.nan
     return x
+
+
+# ---------------------------------------------------------------- division by zero
+def zero_division_step(t, x, k, out, iout):
+    # float division by zero (inf, -inf, NaN) and integer division and remainder by zero
+    for i in lk.range(x.size):
+        out[0, i] = 1.0 / x[i]
+        out[1, i] = x[i] / x[i]
+        out[2, i] = -x[i] / (x[i] * 0.0)
+        iout[0, i] = k[i] // (k[i] - k[i])
+        iout[1, i] = k[i] % (k[i] - k[i])
+

@@ -8,7 +8,7 @@ from loopkern.runtime import cpu_rt as _lk_rt
 
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, error_model='numpy')
 def _lk_step(t, u, v, alpha, _lk_tid, _lk_nt, _lk_seed):
     n = u.shape[0]  # line 11
     for i in range(1, n - 1):  # line 12
@@ -17,7 +17,7 @@ def _lk_step(t, u, v, alpha, _lk_tid, _lk_nt, _lk_seed):
         v[_lk_np.uint64(i)] = u[_lk_np.uint64(i)]  # line 15
     return True
 
-@numba.njit(cache=True, nogil=True)
+@numba.njit(cache=True, error_model='numpy', nogil=True)
 def _lk_kernel(_lk_nsteps, _lk_t0, _lk_a0, _lk_a1, _lk_a2, _lk_seed, _lk_host):
     _lk_tid = 0
     _lk_nt = 1

@@ -6,18 +6,18 @@ import numpy as _lk_np
 import numba
 from loopkern.runtime import cpu_rt as _lk_rt
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, error_model='numpy')
 def _lk_fn_damp(value, factor, _lk_tid, _lk_nt):  # line 147
     if value > 1.0:  # line 148
         return value * factor  # line 149
     return value  # line 150
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, error_model='numpy')
 def _lk_fn_laplacian(u, i, _lk_tid, _lk_nt):  # line 153
     return u[i - 1] - 2.0 * u[i] + u[i + 1]  # line 154
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, error_model='numpy')
 def _lk_step(t, u, v, alpha, _lk_tid, _lk_nt, _lk_seed):
     n = u.shape[0]  # line 158
     for i in range(1, n - 1):  # line 159
@@ -26,7 +26,7 @@ def _lk_step(t, u, v, alpha, _lk_tid, _lk_nt, _lk_seed):
         v[_lk_np.uint64(i)] = u[_lk_np.uint64(i)]  # line 162
     return True
 
-@numba.njit(cache=True, nogil=True)
+@numba.njit(cache=True, error_model='numpy', nogil=True)
 def _lk_kernel(_lk_nsteps, _lk_t0, _lk_a0, _lk_a1, _lk_a2, _lk_seed, _lk_host):
     _lk_tid = 0
     _lk_nt = 1

@@ -8,7 +8,7 @@ from loopkern.runtime import cpu_rt as _lk_rt
 
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, error_model='numpy')
 def _lk_step(t, u, v, tol, _lk_tid, _lk_nt, _lk_seed):
     n = u.shape[0]  # line 29
     m = u.shape[1]  # line 30
@@ -20,7 +20,7 @@ def _lk_step(t, u, v, tol, _lk_tid, _lk_nt, _lk_seed):
             err = max(err, abs(new - u[_lk_np.uint64(i), _lk_np.uint64(j)]))  # line 35
     return bool(_lk_rt.reduce_max(err) > tol)  # line 36
 
-@numba.njit(cache=True, nogil=True)
+@numba.njit(cache=True, error_model='numpy', nogil=True)
 def _lk_kernel(_lk_nsteps, _lk_t0, _lk_a0, _lk_a1, _lk_a2, _lk_seed, _lk_host):
     _lk_tid = 0
     _lk_nt = 1

@@ -360,3 +360,20 @@ def test_reductions_of_float32_and_float64_in_one_kernel(scope, blocks, rng):
     want_x, want_out = W.mixed_reductions_ref(x0, steps)
     np.testing.assert_array_equal(x, want_x)
     np.testing.assert_allclose(out, want_out, rtol=1e-6)
+
+
+@pytest.mark.parametrize("scope,blocks", LAUNCHES)
+def test_division_by_zero_follows_numpy(scope, blocks, rng):
+    """A float divided by zero is an infinity or NaN and an integer one 0, as NumPy gives and
+    as the CPU backend does (tests/test_backends.py)."""
+    x = np.array([0.0, -0.0, 2.0, -3.5, 1e-300])
+    k = rng.integers(-9, 10, x.size).astype(np.int64)
+    out, iout = np.zeros((3, x.size)), np.ones((2, x.size), np.int64)
+    run = lk.megakernel(W.zero_division_step)(x, k, out, iout, steps=1, backend="cuda", scope=scope, blocks=blocks)
+    _check_launch(run, scope, blocks)
+    with np.errstate(all="ignore"):
+        want = np.stack([1.0 / x, x / x, -x / (x * 0.0)])
+        iwant = np.stack([k // (k - k), k % (k - k)])
+    np.testing.assert_array_equal(out, want)
+    np.testing.assert_array_equal(iout, iwant)
+
