@@ -348,6 +348,41 @@ def test_division_by_zero_and_signed_zeros_as_ieee(backend):
     np.testing.assert_array_equal(np.signbit(got), np.signbit(want))
 
 
+def _int_division_body(i, x):
+    return jnp.stack([jax.lax.div(x[0], x[1]), jax.lax.rem(x[0], x[1]), x[0] // x[1], x[0] % x[1]])
+
+
+def _wrap32(v):
+    return (v + 2 ** 31) % 2 ** 32 - 2 ** 31
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_integer_division_and_remainder_at_every_edge(backend):
+    """lax.div / lax.rem (truncated, as XLA: x / 0 = -1, x rem 0 = x, MIN / -1 = MIN) and
+    jnp's floor division and mod built on them, for every pair of int32 edge values (zero, +-1,
+    MIN, MAX: abs(MIN) stays negative, which the lowering once divided by), against Python's
+    exact integers wrapped to int32."""
+    edge = [0, 1, -1, 2, -2, 7, -7, 31, -32, 2 ** 31 - 1, -2 ** 31, 2 ** 31 - 2, -2 ** 31 + 1]
+    a = np.repeat(np.array(edge, np.int32), len(edge))
+    b = np.tile(np.array(edge, np.int32), len(edge))
+    x0 = np.stack([a, b, a, b])
+    got, _, _ = run_lowered(_int_division_body, x0, 1, backend)
+    want = np.zeros_like(x0)
+    for k, (p, q) in enumerate(zip(a.tolist(), b.tolist())):
+        if q == 0:
+            div, rem = -1, p
+        else:
+            div = abs(p) // abs(q) * (1 if (p < 0) == (q < 0) else -1)
+            rem = p - div * q
+        fdiv = div - 1 if q != 0 and rem != 0 and (rem < 0) != (q < 0) else div
+        fmod = rem + q if q != 0 and rem != 0 and (rem < 0) != (q < 0) else rem
+        want[:, k] = [_wrap32(div), _wrap32(rem), _wrap32(fdiv), _wrap32(fmod)]
+    np.testing.assert_array_equal(got[:2], want[:2])
+    # jnp's floor forms of a zero divisor are JAX's own arithmetic on the -1 and x above
+    nz = b != 0
+    np.testing.assert_array_equal(got[2:, nz], want[2:, nz])
+
+
 def _random_window_op(rng, shape):
     """One shape-keeping operation on a window of a field, as JAX users write them: a window set
     or added from other windows of the same size, a static dynamic_update_slice, a constant or

@@ -75,17 +75,25 @@ def jl_fdiv64(a, b):
 
 
 def jl_idiv(a, b):
+    # XLA's integer division: truncated, x / 0 = -1, MIN / -1 = MIN (the negation wraps in the
+    # cast); the floor division below never meets 0 or -1, so nothing overflows, and nothing
+    # takes abs() of MIN (which stays negative)
     if b == 0:
         return -1
-    q = abs(a) // abs(b)
-    return q if (a >= 0) == (b > 0) else -q
+    if b == -1:
+        return -a
+    q = a // b
+    return q + 1 if q * b != a and (a < 0) != (b < 0) else q
 
 
 def jl_irem(a, b):
+    # XLA's remainder: the sign of the dividend, x rem 0 = x, MIN rem -1 = 0
     if b == 0:
         return a
-    r = abs(a) % abs(b)
-    return r if a >= 0 else -r
+    if b == -1 or b == 1:
+        return a - a
+    r = a % b
+    return r - b if r != 0 and (r < 0) != (a < 0) else r
 
 
 def jl_sign(a):
