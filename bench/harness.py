@@ -121,28 +121,8 @@ class Bench:
 
     def timer(self, impl: Impl, steps: int):
         """A function that times one call of ``impl`` on freshly reset inputs: (seconds, steps
-        done). GPU variants without their own synchronisation are timed with CUDA events."""
-        def once():
-            impl.reset()
-            if impl.sync is None and self.gpu:
-                from numba import cuda
-                cuda.synchronize()
-                e0, e1 = cuda.event(), cuda.event()
-                e0.record()
-                done = impl.run(steps)
-                e1.record()
-                e1.synchronize()
-                return cuda.event_elapsed_time(e0, e1) / 1e3, done
-            if self.gpu:
-                from numba import cuda
-                cuda.synchronize()
-            t0 = time.perf_counter()
-            done = impl.run(steps)
-            if impl.sync:
-                impl.sync()
-            t = time.perf_counter() - t0
-            return t, impl.count() if impl.count else done
-        return once
+        done); see :func:`time_call`."""
+        return lambda: time_call(impl, steps, self.gpu)
 
     def measure(self, case: Case, variants):
         """Check every variant against the case's reference, then time the ones that passed in
@@ -204,6 +184,31 @@ class Bench:
             row.update(impl.info)
         for row in rows:
             self.emit(row)
+
+
+def time_call(impl: Impl, steps: int, gpu: bool):
+    """Time one call of ``impl`` on freshly reset inputs: (seconds, steps done). GPU variants
+    without their own synchronisation are timed with CUDA events; the others by the host's
+    clock up to their ``sync``, the step count read after (``Impl.count``)."""
+    impl.reset()
+    if impl.sync is None and gpu:
+        from numba import cuda
+        cuda.synchronize()
+        e0, e1 = cuda.event(), cuda.event()
+        e0.record()
+        done = impl.run(steps)
+        e1.record()
+        e1.synchronize()
+        return cuda.event_elapsed_time(e0, e1) / 1e3, done
+    if gpu:
+        from numba import cuda
+        cuda.synchronize()
+    t0 = time.perf_counter()
+    done = impl.run(steps)
+    if impl.sync:
+        impl.sync()
+    t = time.perf_counter() - t0
+    return t, impl.count() if impl.count else done
 
 
 def on_device(gpu, host):

@@ -24,7 +24,7 @@ from numba import cuda  # noqa: E402
 import loopkern as lk  # noqa: E402
 from bench.jacobi import JACOBI_TOL, jacobi_kernel, jacobi_problem  # noqa: E402
 from bench.jaxloops import jacobi_body, jacobi_loop  # noqa: E402
-from bench.harness import Impl  # noqa: E402
+from bench.harness import Impl, time_call  # noqa: E402
 from bench.variants import jax_impl, loopkern_impl, loopkern_jax_variant  # noqa: E402
 
 rounds = int(sys.argv[1]) if len(sys.argv) > 1 else 9
@@ -46,16 +46,7 @@ def wall(impl):
 
 
 def events(impl):
-    def once():
-        impl.reset()
-        cuda.synchronize()
-        e0, e1 = cuda.event(), cuda.event()
-        e0.record()
-        done = impl.run(MAX)
-        e1.record()
-        e1.synchronize()
-        return cuda.event_elapsed_time(e0, e1) / 1e3, done
-    return once
+    return lambda: time_call(impl, MAX, True)       # as bench.py times it
 
 
 def closed_over(make_call, u0):
