@@ -9,6 +9,7 @@ jax = pytest.importorskip("jax")
 jnp = jax.numpy
 lax = jax.lax
 
+import loopkern as lk  # noqa: E402
 from bench.life import jax_life_step, life_ref  # noqa: E402
 from refs import jax_x64  # noqa: E402
 from lowered_steps import (lowered, roll_heat_body, roll_heat_ref, run_lowered, wide_roll_body,  # noqa: E402
@@ -381,6 +382,48 @@ def test_integer_division_and_remainder_at_every_edge(backend):
     # jnp's floor forms of a zero divisor are JAX's own arithmetic on the -1 and x above
     nz = b != 0
     np.testing.assert_array_equal(got[2:, nz], want[2:, nz])
+
+
+SHIFTS = {"shl": jax.lax.shift_left, "sra": jax.lax.shift_right_arithmetic, "srl": jax.lax.shift_right_logical}
+
+
+def _shift_ref(kind, x, s, dtype):
+    """XLA's shift of the N-bit integer x by s, with Python's integers: a count outside
+    [0, N) gives 0 (the top bit in every bit for an arithmetic right shift)."""
+    bits = np.dtype(dtype).itemsize * 8
+    u = x % (1 << bits)                                     # the bits of x
+    signed = u - (1 << bits) if u >> (bits - 1) else u      # ... read as a signed number
+    if kind == "sra":
+        r = signed >> (s if 0 <= s < bits else bits - 1)
+    elif not 0 <= s < bits:
+        r = 0
+    else:
+        r = u << s if kind == "shl" else u >> s
+    return np.array(r % (1 << bits), np.uint64).astype(np.dtype(f"u{bits // 8}")).view(dtype)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [np.int32, np.uint32, np.int8, np.uint8, np.int16])
+def test_bit_shifts_at_every_count(backend, dtype):
+    """lax.shift_left / shift_right_arithmetic / shift_right_logical for counts inside and
+    outside [0, N) (negative ones too) and values with the top bit set, against XLA's
+    definition computed with Python's integers."""
+    info = np.iinfo(dtype)
+    vals = np.array([0, 1, -1, 5, info.max, info.min, -3], np.int64).astype(dtype)
+    counts = [-1, 0, 1, 3, 7, 8, 15, 16, 31, 32, 33, 100]
+    a = np.repeat(vals, len(counts))
+    s = np.tile(np.array(counts, np.int64), len(vals)).astype(dtype)
+    for kind, f in SHIFTS.items():
+        got, _, _ = run_lowered(lambda i, x, f=f: x.at[0].set(f(x[0], x[1])), np.stack([a, s]), 1, backend)
+        want = [_shift_ref(kind, int(p), int(q), dtype) for p, q in zip(a, s)]
+        np.testing.assert_array_equal(got[0], np.array(want, dtype), err_msg=kind)
+
+
+def test_64_bit_logical_shift_runs_the_lax_loop():
+    with jax_x64():
+        x = jnp.arange(4, dtype=jnp.int64) - 2
+        with pytest.raises(lk.StepSyntaxError, match="shift_right_logical"):
+            lk.fori_loop(0, 2, lambda i, v: jax.lax.shift_right_logical(v, jnp.int64(1)), x, fallback="error")
 
 
 def _random_window_op(rng, shape):

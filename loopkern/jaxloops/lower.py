@@ -1932,6 +1932,31 @@ def _logic(L, e, out, idx, ctx, B):
     return cast(f"{x} {op} {y}", out.dtype)
 
 
+@rule("shift_left", "shift_right_arithmetic", "shift_right_logical")
+def _shift(L, e, out, idx, ctx, B):
+    """Bit shifts as XLA defines them for an N-bit integer: a shift by N or more (a negative
+    count counts as more) gives 0, or for an arithmetic right shift the top bit in every bit.
+    The shift runs on the value widened to int64 (a left shift wraps when it is cast back); a
+    logical right shift of a 64-bit value or any shift of uint64 would need unsigned 64-bit
+    arithmetic, which Numba types as float when it meets int64, so those run the jax.lax loop."""
+    x, s = _args(L, e, idx, ctx, B)
+    dt = np.dtype(out.dtype)
+    bits = dt.itemsize * 8
+    if dt == np.dtype(np.uint64) or (e.prim == "shift_right_logical" and bits == 64):
+        L.unsupported(e, "a logical or unsigned shift of 64-bit integers")
+    inside = f"0 <= {s} < {bits}"
+    v = f"np.int64({x})"
+    if e.prim == "shift_left":
+        return cast(f"({v} << {s} if {inside} else 0)", dt)
+    if e.prim == "shift_right_arithmetic":
+        if dt.kind == "u":      # shifted as the signed value of its bits: XLA fills with the top bit
+            v = f"({v} - {1 << bits} if {v} >= {1 << (bits - 1)} else {v})"
+        return cast(f"({v} >> ({s} if {inside} else {bits - 1}))", dt)
+    if dt.kind != "u":
+        v = f"({v} & {(1 << bits) - 1})"
+    return cast(f"({v} >> {s} if {inside} else 0)", dt)
+
+
 @rule("not")
 def _not(L, e, out, idx, ctx, B):
     x, = _args(L, e, idx, ctx, B)
