@@ -384,6 +384,20 @@ def test_integer_division_and_remainder_at_every_edge(backend):
     np.testing.assert_array_equal(got[2:, nz], want[2:, nz])
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_cbrt_and_exp2_against_numpy(backend):
+    """jnp.cbrt and jnp.exp2 (per element, to rounding) with infinities, NaN, signed zeros and
+    an overflow, against NumPy in float64."""
+    x = np.array([-27.0, -8.0, -0.0, 0.0, 0.001, 2.0, 1000.0, 200.0, -200.0, np.inf, -np.inf, np.nan],
+                 np.float32)
+    got, _, _ = run_lowered(lambda i, v: jnp.stack([jnp.cbrt(v[0]), jnp.exp2(v[1])]), np.stack([x, x]), 1, backend)
+    v = x.astype(np.float64)
+    with np.errstate(over="ignore"):
+        want = np.stack([np.cbrt(v), np.exp2(v)]).astype(np.float32)
+    np.testing.assert_allclose(got, want, rtol=3e-7, atol=0)
+    np.testing.assert_array_equal(np.signbit(got[~np.isnan(want)]), np.signbit(want[~np.isnan(want)]))
+
+
 SHIFTS = {"shl": jax.lax.shift_left, "sra": jax.lax.shift_right_arithmetic, "srl": jax.lax.shift_right_logical}
 
 

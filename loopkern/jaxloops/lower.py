@@ -136,6 +136,14 @@ def jl_nan_side(a):
     return 0 if a == a else (-1 if math.copysign(1.0, a) < 0 else 1)
 
 
+def jl_cbrt(a):
+    return math.copysign(abs(a) ** (1.0 / 3.0), a)
+
+
+def jl_exp2(a):
+    return 2.0 ** a
+
+
 def jl_lt_to(a, b):
     ca = jl_nan_side(a)
     cb = jl_nan_side(b)
@@ -1829,7 +1837,8 @@ MATH1 = {"exp": "math.exp", "log": "math.log", "sin": "math.sin", "cos": "math.c
          "tanh": "math.tanh", "sqrt": "math.sqrt", "log1p": "math.log1p", "expm1": "math.expm1",
          "asin": "math.asin", "acos": "math.acos", "atan": "math.atan", "sinh": "math.sinh", "cosh": "math.cosh",
          "asinh": "math.asinh", "acosh": "math.acosh", "atanh": "math.atanh", "erf": "math.erf",
-         "erfc": "math.erfc", "floor": "jl_floor", "ceil": "jl_ceil", "lgamma": "math.lgamma"}
+         "erfc": "math.erfc", "floor": "jl_floor", "ceil": "jl_ceil", "lgamma": "math.lgamma",
+         "cbrt": "jl_cbrt", "exp2": "jl_exp2"}
 
 
 @rule(*MATH1)
