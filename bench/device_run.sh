@@ -1,7 +1,7 @@
 #!/bin/sh
 # One batch on the GPU machine (through the device tool): the GPU tests, then bench.py parts,
 # each part's JSON and log under $OUT (merge them here with `python bench.py --merge ...`).
-#   sh bench/device_run.sh [tests] [ncu:N:SCOPE] [PART:WORKLOADS[:FLAG+FLAG...] ...]
+#   sh bench/device_run.sh [tests|tests-a|tests-b] [ncu:N:SCOPE] [PART:WORKLOADS[:FLAG+FLAG...] ...]
 # e.g.  sh bench/device_run.sh tests heat:heat,control:--sweep+--no-cmdbuf quad:quadratic
 # .whl/ (not in git; carried along) holds wheels the machine's Python lacks (see DEVICE.md).
 # The GPU tests run with LOOPKERN_REQUIRE_GPU=1 (a skipped GPU test fails: this machine has a GPU);
@@ -23,17 +23,26 @@ export XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv > "$OUT/nvidia-smi.txt" 2>&1
 for part in "$@"; do
     start=$(date -u +%H:%M:%S)
-    if [ "$part" = tests ]; then
-        # tests that need two or more GPUs are left out on a machine with one
+    case $part in tests|tests-a|tests-b)
+        # tests that need two or more GPUs are left out on a machine with one; all of tests/gpu
+        # takes longer than one device call (10 minutes), so tests-a (the JAX, drop-in loop and
+        # tile files, ~5 min on an H200) and tests-b (the rest, ~7.5 min) split it
         marks=gpu
         [ "$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')" -lt 2 ] && marks="gpu and not multi_gpu"
-        LOOPKERN_REQUIRE_GPU=1 python3 -m pytest -m "$marks" -q -rfEs tests/gpu -p no:warnings -s \
-            > "$OUT/gpu-tests.log" 2>&1
+        heavy="tests/gpu/test_jaxloops_gpu.py tests/gpu/test_jax_gpu.py tests/gpu/test_tile_gpu.py"
+        case $part in
+            tests) files=tests/gpu;;
+            tests-a) files=$heavy;;
+            *) files="tests/gpu $(for f in $heavy; do printf -- '--ignore=%s ' "$f"; done)";;
+        esac
+        # shellcheck disable=SC2086
+        LOOPKERN_REQUIRE_GPU=1 python3 -m pytest -m "$marks" -q -rfEs $files -p no:warnings -s \
+            > "$OUT/gpu-$part.log" 2>&1
         rc=$?; [ $rc -ne 0 ] && status=1
-        echo "tests: rc=$rc $start-$(date -u +%H:%M:%S)" | tee -a "$OUT/parts.txt"
-        tail -3 "$OUT/gpu-tests.log"
-        continue
-    fi
+        echo "$part: rc=$rc $start-$(date -u +%H:%M:%S)" | tee -a "$OUT/parts.txt"
+        tail -3 "$OUT/gpu-$part.log"
+        continue;;
+    esac
     case $part in ncu:*)
         # ncu:N:SCOPE profiles loopkern's heat kernel and the C++ one at N elements
         n=$(echo "$part" | cut -d: -f2); scope=$(echo "$part" | cut -d: -f3)
