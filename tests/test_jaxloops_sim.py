@@ -2,6 +2,8 @@
 simulator (many threads, so a missing barrier between a scatter's copy, its atomic adds and its
 readers shows) and on the CPU backend, each against a float64 NumPy reference of the loop."""
 
+import math
+
 import numpy as np
 import pytest
 
@@ -395,6 +397,44 @@ def test_cbrt_and_exp2_against_numpy(backend):
     with np.errstate(over="ignore"):
         want = np.stack([np.cbrt(v), np.exp2(v)]).astype(np.float32)
     np.testing.assert_allclose(got, want, rtol=3e-7, atol=0)
+    np.testing.assert_array_equal(np.signbit(got[~np.isnan(want)]), np.signbit(want[~np.isnan(want)]))
+
+
+def _ieee_max(a, b):
+    """IEEE 754-2019 maximum (XLA's max): a NaN wins, +0 is above -0."""
+    if a != a or b != b:
+        return np.nan
+    if a == b == 0:
+        return a if math.copysign(1.0, a) > 0 else b
+    return max(a, b)
+
+
+def _ieee_min(a, b):
+    if a != a or b != b:
+        return np.nan
+    if a == b == 0:
+        return a if math.copysign(1.0, a) < 0 else b
+    return min(a, b)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_maximum_minimum_clip_and_axis_extremes_with_signed_zeros(backend):
+    """jnp.maximum / minimum / clip per element and max / min along an axis are IEEE's maximum
+    and minimum, as XLA's: a NaN wins and +0 is above -0, in either order."""
+    v = [0.0, -0.0, np.nan, 1.0, -1.0, np.inf, -np.inf]
+    a = np.repeat(np.array(v, np.float32), len(v))
+    b = np.tile(np.array(v, np.float32), len(v))
+    x0 = np.stack([a, b, a, b])
+
+    def body(i, x):
+        pair = x[:2].reshape(2, -1)
+        return jnp.stack([jnp.maximum(x[0], x[1]), jnp.minimum(x[0], x[1]),
+                          jnp.max(pair, axis=0), jnp.clip(x[0], -0.0, 0.0)])
+    got, _, _ = run_lowered(body, x0, 1, backend)
+    want = np.array([[_ieee_max(p, q) for p, q in zip(a, b)], [_ieee_min(p, q) for p, q in zip(a, b)],
+                     [_ieee_max(p, q) for p, q in zip(a, b)], [_ieee_min(_ieee_max(p, -0.0), 0.0) for p in a]],
+                    np.float32)
+    np.testing.assert_array_equal(got, want)
     np.testing.assert_array_equal(np.signbit(got[~np.isnan(want)]), np.signbit(want[~np.isnan(want)]))
 
 

@@ -58,6 +58,22 @@ def jl_fmin(a, b):
     return a if (a < b or a != a) else b
 
 
+def jl_fmaximum(a, b):
+    if a > b or a != a:
+        return a
+    if b > a or b != b:
+        return b
+    return a if (a != 0 or math.copysign(1.0, a) > 0) else b
+
+
+def jl_fminimum(a, b):
+    if a < b or a != a:
+        return a
+    if b < a or b != b:
+        return b
+    return a if (a != 0 or math.copysign(1.0, a) < 0) else b
+
+
 def jl_fdiv32(a, b):
     if b != 0:
         return a / b
@@ -1809,7 +1825,8 @@ def _maxmin(L, e, out, idx, ctx, B):
     x, y = _args(L, e, idx, ctx, B)
     dt = out.dtype
     if dt.kind == "f":
-        return f"jl_f{e.prim}({x}, {y})"
+        # IEEE 754's maximum and minimum, as XLA's: a NaN wins, and +0 is above -0
+        return f"jl_f{e.prim}imum({x}, {y})"
     if dt == BOOL:
         return f"({x} or {y})" if e.prim == "max" else f"({x} and {y})"
     return cast(f"{e.prim}({x}, {y})", dt)
@@ -2023,7 +2040,7 @@ def _select(L, e, out, idx, ctx, B):
 def _clamp(L, e, out, idx, ctx, B):
     lo, x, hi = _args(L, e, idx, ctx, B)
     if out.dtype.kind == "f":
-        return f"jl_fmin(jl_fmax({x}, {lo}), {hi})"
+        return f"jl_fminimum(jl_fmaximum({x}, {lo}), {hi})"
     return cast(f"min(max({x}, {lo}), {hi})", out.dtype)
 
 
@@ -2529,7 +2546,8 @@ def _start_and_update(op, dt):
                 lambda acc, v: f"{acc} = {_arith('+' if op == 'sum' else '*', acc, v, dt)}")
     if op in ("max", "min"):
         if dt.kind == "f":
-            return literal(-np.inf if op == "max" else np.inf, dt), lambda acc, v: f"{acc} = jl_f{op}({acc}, {v})"
+            # a reduction along an axis runs here whole, so it takes +0 above -0 as XLA does
+            return literal(-np.inf if op == "max" else np.inf, dt), lambda acc, v: f"{acc} = jl_f{op}imum({acc}, {v})"
         start = (literal(np.iinfo(dt).min if op == "max" else np.iinfo(dt).max, dt) if dt.kind in "iu"
                  else "False" if op == "max" else "True")
         return start, lambda acc, v: f"{acc} = {cast(f'{op}({acc}, {v})', dt)}"
