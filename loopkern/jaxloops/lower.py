@@ -152,6 +152,23 @@ def jl_nan_side(a):
     return 0 if a == a else (-1 if math.copysign(1.0, a) < 0 else 1)
 
 
+def jl_shl(a, s, n):
+    return np.int64(a) << s if 0 <= s < n else np.int64(0)
+
+
+def jl_sra(a, s, n):
+    return np.int64(a) >> (s if 0 <= s < n else n - 1)
+
+
+def jl_sra_unsigned(a, s, n):
+    v = np.int64(a)
+    return jl_sra(v - (1 << n) if v >= (1 << (n - 1)) else v, s, n)
+
+
+def jl_srl(a, s, n):
+    return (np.int64(a) & ((1 << n) - 1)) >> s if 0 <= s < n else np.int64(0)
+
+
 def jl_cbrt(a):
     return math.copysign(abs(a) ** (1.0 / 3.0), a)
 
@@ -1961,26 +1978,20 @@ def _logic(L, e, out, idx, ctx, B):
 @rule("shift_left", "shift_right_arithmetic", "shift_right_logical")
 def _shift(L, e, out, idx, ctx, B):
     """Bit shifts as XLA defines them for an N-bit integer: a shift by N or more (a negative
-    count counts as more) gives 0, or for an arithmetic right shift the top bit in every bit.
-    The shift runs on the value widened to int64 (a left shift wraps when it is cast back); a
-    logical right shift of a 64-bit value or any shift of uint64 would need unsigned 64-bit
-    arithmetic, which Numba types as float when it meets int64, so those run the jax.lax loop."""
+    count counts as more) gives 0, or for an arithmetic right shift the top bit in every bit;
+    an unsigned value's arithmetic shift is that of the signed value of its bits (jl_shl,
+    jl_sra, jl_sra_unsigned, jl_srl). The shift runs on the value widened to int64 (a left
+    shift wraps when it is cast back); a logical right shift of a 64-bit value or any shift of
+    uint64 would need unsigned 64-bit arithmetic, which Numba types as float when it meets
+    int64, so those run the jax.lax loop."""
     x, s = _args(L, e, idx, ctx, B)
     dt = np.dtype(out.dtype)
     bits = dt.itemsize * 8
     if dt == np.dtype(np.uint64) or (e.prim == "shift_right_logical" and bits == 64):
         L.unsupported(e, "a logical or unsigned shift of 64-bit integers")
-    inside = f"0 <= {s} < {bits}"
-    v = f"np.int64({x})"
-    if e.prim == "shift_left":
-        return cast(f"({v} << {s} if {inside} else 0)", dt)
-    if e.prim == "shift_right_arithmetic":
-        if dt.kind == "u":      # shifted as the signed value of its bits: XLA fills with the top bit
-            v = f"({v} - {1 << bits} if {v} >= {1 << (bits - 1)} else {v})"
-        return cast(f"({v} >> ({s} if {inside} else {bits - 1}))", dt)
-    if dt.kind != "u":
-        v = f"({v} & {(1 << bits) - 1})"
-    return cast(f"({v} >> {s} if {inside} else 0)", dt)
+    fn = {"shift_left": "jl_shl", "shift_right_logical": "jl_srl",
+          "shift_right_arithmetic": "jl_sra_unsigned" if dt.kind == "u" else "jl_sra"}[e.prim]
+    return cast(f"{fn}({x}, {s}, {bits})", dt)
 
 
 @rule("not")
