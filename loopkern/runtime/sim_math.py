@@ -45,9 +45,10 @@ _OVERFLOW = {
     "ldexp": lambda x, i: _math.copysign(_INF, x),
     "pow": _pow_special,
 }
-_WRAPPED = ("sqrt", "exp", "expm1", "log", "log2", "log10", "log1p", "sin", "cos", "tan", "asin", "acos",
-            "acosh", "atanh", "sinh", "cosh", "pow", "fmod", "remainder", "lgamma", "gamma", "ldexp", "hypot",
-            "exp2", "cbrt", "erf", "erfc", "atan", "atan2", "asinh", "tanh", "copysign")
+# the functions that can raise (hypot, atan2, erf, tanh and the like return their IEEE result
+# in CPython already)
+_WRAPPED = ("sqrt", "exp", "expm1", "exp2", "log", "log2", "log10", "log1p", "sin", "cos", "tan", "asin",
+            "acos", "acosh", "atanh", "sinh", "cosh", "pow", "fmod", "remainder", "lgamma", "gamma", "ldexp")
 
 
 def _ieee(name):
