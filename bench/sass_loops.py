@@ -4,6 +4,12 @@ disassembled by ``cuobjdump``; each backward branch is reported with the instruc
 loop it closes (and how many of them are shared/global loads and stores).
 
     python bench/sass_loops.py heat2d|jacobi|life|heat tile|grid [depth]
+    python bench/sass_loops.py jacobi|jacobi_lowered block|grid
+
+``jacobi_lowered`` is the Jacobi body of bench.py's jaxloops workload as ``lk.while_loop``
+lowers it, in kernel.jax's form (step count, start and scalars by reference); ``block`` is
+block scope with the swap pair staged in shared memory (how 64x64 runs), ``grid`` with 32-bit
+indices (256x256). ``jacobi`` in these modes is the hand-written step in the same form.
 
 ``ptxas`` and ``cuobjdump`` are taken from $PTXAS and $CUOBJDUMP, else from PATH (CUDA 12.8+
 or 13: ``pip download nvidia-cuda-cuobjdump`` has a cuobjdump). A PTX version newer than the
@@ -20,6 +26,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+import numpy as np
+
 os.environ["NUMBA_ENABLE_CUDASIM"] = "0"
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -32,12 +40,30 @@ class _StandIn:
     name = b"stand-in sm_90"
 
 
+def _jacobi_lowered():
+    """The MegaKernel that ``lk.while_loop`` builds for bench.py's jaxloops Jacobi body."""
+    import jax.numpy as jnp
+
+    from bench.jaxloops import jacobi_body
+    from loopkern.jaxloops import loops
+    made = []
+    build = loops._kernel
+    loops._kernel = lambda plan: made.append(build(plan)) or made[-1]
+    try:
+        tol, steps = np.float32(1e-5), 100
+        loops.while_loop(lambda c: (c[1] > tol) & (c[2] < steps), jacobi_body,
+                         (jnp.zeros((64, 64), jnp.float32), jnp.float32(jnp.inf), jnp.int32(0)), fallback="error")
+    finally:
+        loops._kernel = build
+    return made[-1]
+
+
 def kernel_ptx(which: str, mode: str, depth: int) -> tuple[str, str]:
     """(generated Python source, PTX) of bench kernel ``which`` in ``mode`` (grid: with 32-bit
-    indices, as the dispatcher picks for these sizes; tile: ``depth`` steps per exchange)."""
+    indices, as the dispatcher picks for these sizes; tile: ``depth`` steps per exchange;
+    block: the swap pair staged in shared memory, kernel.jax's form)."""
     import numba.cuda.api as api
     import numba.cuda.dispatcher as disp
-    import numpy as np
     from numba import cuda, typeof, types
     api.get_current_device = disp.get_current_device = lambda: _StandIn()
 
@@ -45,6 +71,28 @@ def kernel_ptx(which: str, mode: str, depth: int) -> tuple[str, str]:
     from loopkern.compile import compile_kernel
     from loopkern.stencil import find_stencil
     f32 = np.zeros((4, 4), np.float32)
+    scratch = (types.float64[:, ::1], types.int64[:, ::1], types.uint32[::1])
+    if which in ("jacobi_lowered",) or mode == "block":
+        if which == "jacobi":
+            from bench.jacobi import jacobi_kernel
+            k, args = jacobi_kernel(), [f32, f32, np.float32(0.1)]
+        elif which == "jacobi_lowered":
+            # carries: the field (a swap pair), the error (a 1-element pair), the step counter
+            k, args = _jacobi_lowered(), [f32, f32, np.zeros(1, np.float32), np.zeros(1, np.float32),
+                                          np.int32(0), np.int32(0)]
+        else:
+            raise SystemExit(f"mode {mode!r} is for jacobi and jacobi_lowered")
+        if mode not in ("block", "grid"):
+            raise SystemExit("jacobi_lowered: mode block or grid")
+        refs = frozenset(i for i, a in enumerate(args) if not isinstance(a, np.ndarray))
+        staged = (0, 1) if mode == "block" else ()
+        src = codegen.render_kernel(k.spec, "cuda", mode, cache=False, by_ref=refs, staged=staged,
+                                    index_bits=None if staged else 32)
+        params = [typeof(a) if isinstance(a, np.ndarray) else types.Array(typeof(a), 1, "C") for a in args]
+        sig = (types.int64[::1], types.int64[::1], *params, *scratch, types.uint32[::1], types.int64[::1],
+               types.int64[::1])
+        ptx, _ = cuda.compile_ptx(compile_kernel(src).dispatcher.py_func, sig, cc=(9, 0))
+        return src.text, ptx
     if which == "heat2d":
         from bench.heat2d import heat2d_kernel as make
         args, float_type = [f32, f32, np.float32(0.1)], "float32"
@@ -58,12 +106,11 @@ def kernel_ptx(which: str, mode: str, depth: int) -> tuple[str, str]:
         from bench.heat import heat_kernel as make
         args, float_type = [np.zeros(4, np.float32)] * 2 + [np.float32(0.1)], "float32"
     else:
-        raise SystemExit(f"unknown kernel {which!r}: heat2d, jacobi, life or heat")
+        raise SystemExit(f"unknown kernel {which!r}: heat2d, jacobi, jacobi_lowered, life or heat")
     k = make()
     tile = find_stencil(k.spec) if mode == "tile" else None
     src = codegen.render_kernel(k.spec, "cuda", "grid", cache=False, tile=tile, float_type=float_type,
                                 index_bits=None if tile is not None else 32, depth=depth)
-    scratch = (types.float64[:, ::1], types.int64[:, ::1], types.uint32[::1])
     sig = (types.int64, types.int64, *[typeof(a) for a in args], *scratch, types.uint64, types.int64[::1],
            types.int64[::1])
     if tile is not None and depth > 1:
