@@ -153,6 +153,31 @@ def test_integer_bodies_match_lax_bitwise(name, body, exact, rng):
     same(got, lax.fori_loop(0, 6, body, c0))
 
 
+def test_size_one_operands_are_stretched_as_jax_does(rng):
+    """JAX's binary primitives stretch a size-1 operand themselves (``c[:1] + c`` is
+    ``add f32[1] f32[6]``, no broadcast_in_dim): each element reads that operand's only one
+    (read at the full index before, it gave c + c and read past the end of a (1,) array)."""
+    m0 = f32(rng, 5, 6, lo=-1.0, hi=1.0)
+    row = f32(rng, 1, 6, lo=-1.0, hi=1.0)
+    bodies = [
+        lambda i, c: c[:1] + 0.5 * c,
+        lambda i, c: c * c[-1:] * 0.9,
+        lambda i, c: c - 0.25 * c[:, :1] + c[2:3, :],
+        lambda i, c: c + row,
+        lambda i, c: lax.dynamic_slice(c, (i % 5, 0), (1, 6)) * 0.5 + c,
+        lambda i, c: jnp.cumsum(c, axis=1)[:, -1:] * 0.1 + c,
+    ]
+    for body in bodies:
+        same(lk.fori_loop(0, 3, body, m0, fallback="error"), lax.fori_loop(0, 3, body, m0), exact=False)
+    # a (1,) carry beside a (6,) one, and scan's xs of shape (n, 1)
+    pair = (f32(rng, 1), f32(rng, 6))
+    body2 = lambda i, c: (c[0] * 0.5, c[1] + c[0])
+    same(lk.fori_loop(0, 4, body2, pair, fallback="error"), lax.fori_loop(0, 4, body2, pair), exact=False)
+    xs = f32(rng, 7, 1)
+    f = lambda c, x: (c + x, c * x)
+    same(lk.scan(f, pair[1], xs, fallback="error"), lax.scan(f, pair[1], xs), exact=False)
+
+
 def test_bool_carry_and_logic(rng):
     b0 = jnp.asarray(rng.random(31) > 0.5)
 
