@@ -151,8 +151,9 @@ class RunHandle:
         self._last_steps = -1
         self._last_change = time.monotonic()
         self._tick_lock = threading.Lock()
+        self._callback_error = None        # what the progress callback raised (the run was cancelled)
         if reporter is not None:
-            reporter.update(0)
+            self._report(0)
 
     def monitor(self):
         """Keep the progress report and a host-side deadline going without a ``wait()`` call."""
@@ -206,7 +207,7 @@ class RunHandle:
             BoundsError: a ``debug=True`` run indexed an array out of bounds.
         """
         try:
-            return self._wait(timeout)
+            run = self._wait(timeout)
         except KeyboardInterrupt as exc:
             self.cancel()
             run = self._wait(None, watchdog=False)
@@ -215,6 +216,16 @@ class RunHandle:
                 exc.add_note(f"loopkern: {self.name} was cancelled after {run.steps} steps; the arrays hold the "
                              f"state after those steps")
             raise
+        failed, self._callback_error = self._callback_error, None
+        if failed is not None:
+            # the callback's exception, raised once the run it cancelled has stopped (the
+            # arrays then hold the state after run.steps steps, NumPy inputs copied back)
+            failed.loopkern_run = run
+            if hasattr(failed, "add_note"):
+                failed.add_note(f"loopkern: the progress callback raised, so {self.name} was cancelled; it stopped "
+                                f"after {run.steps} steps and the arrays hold the state after those steps")
+            raise failed
+        return run
 
     def _wait(self, timeout, watchdog=True) -> Run:
         start = time.monotonic()
@@ -242,7 +253,7 @@ class RunHandle:
         steps = int(self._host[STEPS])
         with self._tick_lock:
             if self._reporter is not None:
-                self._reporter.update(max(steps, 0))
+                self._report(max(steps, 0))
             if self._deadline is not None and now >= self._deadline and self._host[REQUEST] == 0:
                 self._host[REQUEST] = TIMEOUT
             changed = steps != self._last_steps
@@ -253,6 +264,17 @@ class RunHandle:
                 and now - self._last_change > self._watchdog:
             self._stalled(steps, now - self._last_change)
         return now
+
+    def _report(self, steps):
+        """Report progress; a callback that raises cancels the run (no further reports) and its
+        exception is raised by ``wait()`` once the kernel has stopped, so that nothing is left
+        running (and writing the arrays) behind the exception."""
+        try:
+            self._reporter.update(steps)
+        except Exception as exc:
+            self._reporter = None
+            self._callback_error = exc
+            self.cancel()
 
     def _stalled(self, steps, idle):
         """The watchdog fired: cancel, give the kernel a grace period, then report."""

@@ -62,6 +62,29 @@ def test_progress_callback_is_monotone_and_reaches_the_total(backend, rng):
     _check_heat_state(u, u0, steps, 0.2)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_progress_callback_that_raises_cancels_the_run_before_its_exception(backend, rng):
+    """The callback's exception comes out of the call once the run it cancelled has stopped:
+    nothing goes on writing the arrays behind it, and they hold the state after run.steps."""
+    n = SIZE[backend]
+    u0 = rng.random(n)
+    u, v = u0.copy(), u0.copy()
+
+    def fails(done, total):
+        if done > 0:
+            raise RuntimeError("stop from the callback")
+    with pytest.raises(RuntimeError, match="stop from the callback") as info:
+        _heat()(u, v, 0.2, steps=10 ** 9, backend=backend, threads=THREADS[backend], progress=fails)
+    run = info.value.loopkern_run
+    assert run.stopped == "cancelled" and 0 < run.steps < 10 ** 9
+    after = u.copy(), v.copy()
+    time.sleep(0.2)
+    np.testing.assert_array_equal(u, after[0])
+    np.testing.assert_array_equal(v, after[1])
+    _check_heat_state(u, u0, run.steps, 0.2)
+    _check_heat_state(v, u0, run.steps - 1, 0.2)
+
+
 def test_progress_of_a_while_loop_has_no_total(rng):
     k = lk.megakernel(W.jacobi_step, swap=[("u", "v")])
     u0 = np.zeros((24, 24))
