@@ -178,6 +178,36 @@ def test_size_one_operands_are_stretched_as_jax_does(rng):
     same(lk.scan(f, pair[1], xs, fallback="error"), lax.scan(f, pair[1], xs), exact=False)
 
 
+def test_loop_index_type_and_trip_count_are_lax_s(rng):
+    """The body's index is typed as jax.lax.fori_loop types it (concrete bounds of any integer
+    type: a weakly typed default int; traced ones: their common type), so integer promotion in
+    the body is lax's; traced narrow or unsigned bounds count without wrapping around; an
+    unsigned counter carry counts down modulo its range; bounds lax rejects are rejected."""
+    c0 = f32(rng, 8)
+    a8 = jnp.asarray(rng.integers(-128, 128, 8).astype(np.int8))
+    bodies = [lambda i, c: c + (a8 * i).astype(jnp.float32),          # int8 * weak index: int8
+              lambda i, c: c + (i * 100).astype(jnp.float32)]
+    for body in bodies:
+        for lo, hi in [(0, 7), (jnp.int8(0), jnp.int8(5)), (np.int16(2), np.int16(6))]:
+            same(lk.fori_loop(lo, hi, body, c0, fallback="error"), lax.fori_loop(lo, hi, body, c0))
+    same(lk.fori_loop(0, 3, lambda i, c: c * 3 + i, 1, fallback="error"), lax.fori_loop(0, 3, lambda i, c: c * 3 + i, 1))
+    for lo, hi in [(np.uint8(9), np.uint8(2)), (np.int8(-100), np.int8(100)), (np.uint32(9), np.uint32(2)),
+                   (np.int32(-5), np.int32(4)), (np.uint16(3), np.uint16(60000))]:
+        def f(loop, lo, hi):
+            return loop(lo, hi, lambda i, c: c + 1.0, c0, **({"fallback": "error"} if loop is lk.fori_loop else {}))
+        same(jax.jit(lambda a, b: f(lk.fori_loop, a, b))(lo, hi), jax.jit(lambda a, b: f(lax.fori_loop, a, b))(lo, hi))
+        if np.dtype(hi.dtype).kind == "i":        # (lax refuses a Python int beside an unsigned bound)
+            same(jax.jit(lambda b: f(lk.fori_loop, 0, b))(hi), jax.jit(lambda b: f(lax.fori_loop, 0, b))(hi))
+    for k0 in (jnp.uint32(10), jnp.uint8(1), jnp.uint16(0)):
+        same(lk.fori_loop(0, 3, lambda i, k: k - 1, k0, fallback="error"), lax.fori_loop(0, 3, lambda i, k: k - 1, k0))
+    wl = (lambda c: c[1] < 5, lambda c: (c[0] - 2, c[1] + 1, c[2] * 0.5), (jnp.uint8(3), 0, c0))
+    same(lk.while_loop(*wl, fallback="error"), lax.while_loop(*wl))
+    with pytest.raises(TypeError):
+        jax.jit(lambda a, b: lax.fori_loop(a, b, lambda i, c: c + 1.0, c0))(jnp.int16(1), jnp.int32(5))
+    with pytest.raises(TypeError):
+        jax.jit(lambda a, b: lk.fori_loop(a, b, lambda i, c: c + 1.0, c0))(jnp.int16(1), jnp.int32(5))
+
+
 def test_bool_carry_and_logic(rng):
     b0 = jnp.asarray(rng.random(31) > 0.5)
 

@@ -218,7 +218,8 @@ def _counted(plan, leaves, new, n):
     for k, p in enumerate(plan.carries):
         if p.kind == "count":
             x = jnp.asarray(leaves[k])
-            out[k] = x + jnp.asarray(p.step, x.dtype) * jnp.asarray(n).astype(x.dtype)
+            # (the increment in the carry's type, modulo its range: -1 of a uint32 is 2**32 - 1)
+            out[k] = x + jnp.asarray(np.asarray(p.step, np.int64).astype(x.dtype)) * jnp.asarray(n).astype(x.dtype)
     return out
 
 
@@ -309,12 +310,10 @@ def fori_loop(lower, upper, body_fun, init_val, *, unroll=None, fallback="warn")
         return lax.fori_loop(lo, hi, body_fun, init)
     if lo_c is not None and hi_c is not None and hi_c <= lo_c:
         return lax_loop(lower, upper, init_val)
-    try:
-        idx_dtype = np.dtype(jnp.result_type(lower, upper))
-    except Exception:
-        return lax_loop(lower, upper, init_val)
-    if idx_dtype.kind not in "iu":
-        return lax_loop(lower, upper, init_val)
+    index = _index_type(lower, upper, lo_c is not None and hi_c is not None)
+    if index is None:
+        return lax_loop(lower, upper, init_val)      # lax says what is wrong with the bounds
+    idx_dtype = np.dtype(index.dtype)
     avals = [_aval(x) for x in leaves]
     if _any_size_zero(avals):
         return lax_loop(lower, upper, init_val)
@@ -325,7 +324,7 @@ def fori_loop(lower, upper, body_fun, init_val, *, unroll=None, fallback="warn")
         if out_tree != tree:
             raise _TreeMismatch()
         return out_leaves
-    traced = _trace_body(step, avals, lead=(jax.ShapeDtypeStruct((), idx_dtype),))
+    traced = _trace_body(step, avals, lead=(index,))
     if traced is None:
         return lax_loop(lower, upper, init_val)          # lax says what is wrong
     closed, avals = traced
@@ -341,8 +340,7 @@ def fori_loop(lower, upper, body_fun, init_val, *, unroll=None, fallback="warn")
     consts = _const_args(prog)
 
     def run(consts, leaves, lo, hi):
-        nsteps = jnp.maximum(jnp.asarray(hi) - jnp.asarray(lo), 0).astype(idx_dtype) if (
-            lo_c is None or hi_c is None) else max(hi_c - lo_c, 0)
+        nsteps = _trip_count(lo, hi, idx_dtype) if lo_c is None or hi_c is None else max(hi_c - lo_c, 0)
         new, _, _ = _launch(plan, mk, leaves, consts, steps=nsteps, lo=jnp.asarray(lo, idx_dtype) if lo_c is None
                             else np.asarray(lo_c, idx_dtype)[()])
         return _counted(plan, leaves, new, nsteps)
@@ -357,6 +355,52 @@ def fori_loop(lower, upper, body_fun, init_val, *, unroll=None, fallback="warn")
                                 lower if lo_c is None else lo_c, upper if hi_c is None else hi_c)
     out = [_as_type(o, a) for o, a in zip(out, avals)]
     return jax.tree_util.tree_unflatten(tree, out)
+
+
+def _weak(x) -> bool:
+    import jax
+    return bool(getattr(jax.typeof(x), "weak_type", False))
+
+
+def _index_type(lower, upper, concrete: bool):
+    """The aval of the loop index that ``jax.lax.fori_loop`` gives its body, or None where lax
+    rejects the bounds. Concrete bounds (of any integer type) make lax scan with a Python int
+    index: a weakly typed int of the default width. Otherwise the bounds' common type (equal
+    types, or a weakly typed signed bound taking the other's), weak when ``lower`` is and
+    needs no conversion."""
+    import jax
+    import jax.numpy as jnp
+    from jax import lax
+    if concrete:
+        return jax.ShapeDtypeStruct((), jnp.asarray(0).dtype, weak_type=True)
+    try:
+        ld, ud = np.dtype(lax.dtype(lower)), np.dtype(lax.dtype(upper))
+    except Exception:
+        return None
+    if ld == ud:
+        dtype = ld
+    elif ld.kind == "i" and ud.kind == "i" and _weak(lower) != _weak(upper):
+        dtype = ud if _weak(lower) else ld
+    else:
+        return None
+    if dtype.kind not in "iu":
+        return None
+    return jax.ShapeDtypeStruct((), dtype, weak_type=_weak(lower) and ld == dtype)
+
+
+def _trip_count(lo, hi, dtype):
+    """``max(hi - lo, 0)`` for traced bounds of ``dtype``, without the wrap-around of the
+    subtraction in that type (lax's loop counts from ``lo`` while below ``hi``): narrow types
+    subtract in int32, 32- and 64-bit ones take the difference's bits as unsigned (exact
+    whenever ``hi > lo``)."""
+    import jax.numpy as jnp
+    from jax import lax
+    lo, hi = jnp.asarray(lo).astype(dtype), jnp.asarray(hi).astype(dtype)
+    if dtype.itemsize < 4:
+        diff = hi.astype(jnp.int32) - lo.astype(jnp.int32)
+    else:
+        diff = lax.bitcast_convert_type(hi - lo, np.dtype(f"uint{8 * dtype.itemsize}"))
+    return jnp.where(hi > lo, diff, jnp.zeros((), diff.dtype))
 
 
 class _TreeMismatch(Exception):
