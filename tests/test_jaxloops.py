@@ -232,6 +232,27 @@ def test_float64_and_int64_under_x64(rng):
         same(got[1], ref[1])                                           # int64 wraps the same
 
 
+def test_unsigned_division_and_remainder_as_xla(rng):
+    """Unsigned // and %, lax.div/rem: x // 0 has every bit set and x % 0 is x (XLA); uint64
+    quotients beyond 2**53 exact (the quotient went through a float64 before)."""
+    def body(i, c):
+        a, b = c[0], c[1]
+        return jnp.stack([a // b, a % b, lax.div(a, b) ^ lax.rem(b, a), b])
+
+    def check(dtype):
+        info = np.iinfo(dtype)
+        a = rng.integers(0, int(info.max), 40, dtype=np.uint64, endpoint=True).astype(dtype)
+        b = rng.integers(0, 9, 40).astype(dtype)
+        b[::5] = 0
+        b[1::7] = info.max
+        c0 = jnp.asarray(np.stack([a, b, a, b]))
+        same(lk.fori_loop(0, 1, body, c0, fallback="error"), lax.fori_loop(0, 1, body, c0))
+    for dtype in (np.uint8, np.uint16, np.uint32):
+        check(dtype)
+    with jax_x64():
+        check(np.uint64)
+
+
 # ------------------------------------------------------------------------------ real bodies
 def heat1d_body(alpha):
     def body(i, u):

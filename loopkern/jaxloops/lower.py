@@ -102,6 +102,12 @@ def jl_idiv(a, b):
     return q + 1 if q * b != a and (a < 0) != (b < 0) else q
 
 
+def jl_udiv(a, b, ones):
+    # XLA's unsigned division: x / 0 has every bit set (``ones``, of the operands' type, so that
+    # the two returns unify to that type: a literal -1 made Numba return a float)
+    return ones if b == 0 else a // b
+
+
 def jl_irem(a, b):
     # XLA's remainder: the sign of the dividend, x rem 0 = x, MIN rem -1 = 0
     if b == 0:
@@ -1824,6 +1830,8 @@ def _div(L, e, out, idx, ctx, B):
         if isinstance(b, Lit) and float(b.value) != 0.0:
             return f"({x} / {y})"
         return _fdiv(x, y, dt)
+    if dt.kind == "u":
+        return cast(f"jl_udiv({x}, {y}, {literal(np.iinfo(dt).max, dt)})", dt)
     return cast(f"jl_idiv({x}, {y})", dt)
 
 
