@@ -95,8 +95,11 @@ def _fallback(name, fallback, exc: Unsupported, fn=None):
     if fallback == "error" and isinstance(exc, GeneratedStepRejected):
         raise exc.error
     reason = f" ({exc.reason})" if exc.reason else ""
-    msg = (f"lk.{name}: the body uses '{exc.prim}'{reason} at {exc.where}, which loopkern does not compile yet; "
-           f"running jax.lax.{name} instead")
+    w = exc.where
+    # (columns counted from 1, as in the StepSyntaxError that fallback="error" raises)
+    where = f"{w.file}:{w.line}:{w.col + 1} ({w.function})" if getattr(w, "line", 0) else str(w)
+    msg = (f"lk.{name}: '{exc.prim}'{reason} at {where} is outside what loopkern compiles yet (in the body "
+           f"or the condition); running jax.lax.{name} instead")
     if fallback == "error":
         w = exc.where
         file, line, col = getattr(w, "file", "<unknown>"), getattr(w, "line", 0), getattr(w, "col", 0)
@@ -247,7 +250,7 @@ def _promote_weak(init_avals, out_avals):
 
 
 def _same_types(init_avals, out_avals):
-    return all(tuple(a.shape) == tuple(o.shape) and np.dtype(a.dtype) == np.dtype(o.dtype)
+    return all(tuple(a.shape) == tuple(o.shape) and a.dtype == o.dtype
                for a, o in zip(init_avals, out_avals))
 
 
@@ -328,10 +331,10 @@ def fori_loop(lower, upper, body_fun, init_val, *, unroll=None, fallback="warn")
     if traced is None:
         return lax_loop(lower, upper, init_val)          # lax says what is wrong
     closed, avals = traced
-    prog = flatten(closed)
     n = len(leaves)
     roles = [("index",)] + [("carry", k) for k in range(n)]
     try:
+        prog = flatten(closed)
         plan = _lower(prog, roles, {k: k for k in range(n)}, {k: k + 1 for k in range(n)})
         mk = _kernel(plan)
     except Unsupported as exc:
@@ -484,10 +487,10 @@ def while_loop(cond_fun, body_fun, init_val, *, max_steps=DEFAULT_CHUNK, fallbac
     if c_aval.shape != () or np.dtype(c_aval.dtype) != np.bool_:
         return lax_loop()
     cond_closed = jax.make_jaxpr(cond_only)(*avals)
-    prog = flatten(closed)
     n = len(leaves)
     roles = [("carry", k) for k in range(n)]
     try:
+        prog = flatten(closed)
         plan = _lower(prog, roles, {k: k for k in range(n)}, {k: k for k in range(n)}, cond_atom=prog.outs[-1])
         mk = _kernel(plan)
     except Unsupported as exc:
@@ -591,10 +594,10 @@ def scan(f, init, xs=None, length=None, reverse=False, unroll=1, _split_transpos
     y_avals = closed.out_avals[nc:]
     if _any_size_zero(y_avals):
         return lax_loop()
-    prog = flatten(closed)
     nx = len(x_leaves)
     roles = [("carry", k) for k in range(nc)] + [("x", k) for k in range(nx)]
     try:
+        prog = flatten(closed)
         plan = _lower(prog, roles, {k: k for k in range(nc)}, {k: k for k in range(nc)},
                       ys_idx=[(k, nc + k) for k in range(len(y_avals))], xs_idx=[(k, nc + k) for k in range(nx)],
                       length=n_steps, reverse=reverse)

@@ -140,10 +140,14 @@ def flatten(closed) -> Program:
     """The :class:`Program` of a ``ClosedJaxpr``, calls inlined."""
     counter = [0]
 
-    def new_var(aval):
+    def new_var(aval, where=None):
+        try:
+            dtype = np.dtype(aval.dtype)
+        except TypeError:       # a PRNG key (key<fry>) or another of JAX's extended types
+            raise Unsupported(f"values of type {aval.dtype}", where if where is not None else "the loop's carry",
+                              "loopkern compiles numbers and arrays of numbers: a PRNG key is neither") from None
         counter[0] += 1
-        return Var(tuple(int(d) for d in aval.shape), np.dtype(aval.dtype), bool(getattr(aval, "weak_type", False)),
-                   counter[0])
+        return Var(tuple(int(d) for d in aval.shape), dtype, bool(getattr(aval, "weak_type", False)), counter[0])
 
     eqns: list = []
     consts: list = []
@@ -200,11 +204,11 @@ def flatten(closed) -> Program:
                 nv.eqn = eq
             sink[-1].append(eq)
 
-    def results(e, env):
+    def results(e, env, where=None):
         """New Vars for the results of the jaxpr equation ``e`` (``env`` maps those it names)."""
         outs = []
         for o in e.outvars:
-            nv = new_var(o.aval)
+            nv = new_var(o.aval, where if where is not None else _where(e))
             if type(o).__name__ != "DropVar":
                 env[o] = nv
             outs.append(nv)
