@@ -1269,6 +1269,17 @@ class _Uniformity:
             if marker_of(s.iter) in _PARALLEL_LOOPS:
                 if reason is not None:
                     self.nested_parallel(s, reason)
+                else:
+                    for a in s.iter.args:
+                        if self.varying(a, state):
+                            what = f"lk.{marker_of(s.iter)}()"
+                            self.error(a, f"this {what} bound ('{self.text(a)}') differs between threads: each "
+                                          f"thread takes its share of the range it sees, so some indices would be "
+                                          f"visited twice and others never",
+                                       "use bounds that are the same on every thread (array shapes, scalar "
+                                       "arguments, the step index, reduction results: for a bound read from an "
+                                       "array, `n = lk.max(a[0])` first)")
+                            break
                 own = _Why(f"is inside the parallel loop at line {s.lineno}, where threads run different "
                            f"numbers of iterations",
                            "move it after the loop (the loop is each thread's share of the work)", "parallel")

@@ -266,3 +266,14 @@ def bad_atomics(t, h, u):
     for i in lk.range(u.shape[0]):
         lk.atomic.add(h, i)  # ERR: takes 3 arguments (array, index, value), got 2
         lk.atomic.max(u[i], 0, 1.0)  # ERR: the first argument of lk.atomic.max() must be an array
+
+
+def range_bound_differs_between_threads(t, a, c):
+    m = a.shape[0] - lk.thread_id()
+    for j in lk.range(m):  # ERR: differs between threads
+        lk.atomic.add(c, j, 1)
+
+
+def grid_bound_read_from_an_array(t, a, n):
+    for i, j in lk.grid(a.shape[0], (1, n[0])):  # ERR: bound ('(1, n[0])') differs between threads
+        a[i, j] = 0.0
