@@ -498,7 +498,12 @@ class _BodyWriter:
             (args[0], args[1], args[2] if len(args) == 3 else ast.Constant(1))
         target = _src(s.target)
         if self.backend == "cpu":
-            rng = f"{_src(lo)}, {_src(hi)}" + ("" if _is_one(st) else f", {_src(st)}")
+            if isinstance(st, ast.Constant) or _is_one(st):
+                rng = f"{_src(lo)}, {_src(hi)}" + ("" if _is_one(st) else f", {_src(st)}")
+            else:
+                # a zero step runs nothing, as on the GPU (Python's range would raise mid-run)
+                st_t = self._bind(depth, f"{_P}r{k}_st", st, s)
+                rng = f"{_src(lo)}, {_src(hi)} if {st_t} != 0 else {_src(lo)}, {st_t} if {st_t} != 0 else 1"
             self.out.add(depth, f"for {target} in range({rng}):", s)
             self.body(s.body, depth + 1)
             return

@@ -324,6 +324,15 @@ class _Normalizer(ast.NodeTransformer):
             self.error(it, f"{kind}() takes no keyword arguments", "pass start, stop, step positionally")
         if kind in ("range", "lk.range") and not 1 <= n_args <= 3:
             self.error(it, f"{kind}() takes 1 to 3 arguments; got {n_args}", "write range(stop) or range(start, stop[, step])")
+        if kind in ("range", "lk.range") and n_args == 3:
+            st = it.args[2]
+            if isinstance(st, ast.UnaryOp) and isinstance(st.op, (ast.USub, ast.UAdd)):
+                st = st.operand
+            if isinstance(st, ast.Constant) and not isinstance(st.value, bool) and st.value == 0:
+                self.error(it.args[2], f"{kind}() step must not be zero", "use a positive or negative step")
+        for a in it.args if kind in ("range", "lk.range") else []:
+            if isinstance(a, ast.Constant) and not (isinstance(a.value, int) and not isinstance(a.value, bool)):
+                self.error(a, f"{kind}() takes integers; got {a.value!r}", "use an int (e.g. int(x) of a float)")
         if kind == "lk.grid":
             if n_args == 0:
                 self.error(it, "lk.grid() needs at least one dimension", "write lk.grid(n) or lk.grid(n, (1, m - 1))")

@@ -277,3 +277,13 @@ def range_bound_differs_between_threads(t, a, c):
 def grid_bound_read_from_an_array(t, a, n):
     for i, j in lk.grid(a.shape[0], (1, n[0])):  # ERR: bound ('(1, n[0])') differs between threads
         a[i, j] = 0.0
+
+
+def range_step_of_zero(t, u):
+    for i in lk.range(0, u.shape[0], 0):  # ERR: step must not be zero
+        u[i] = 0.0
+
+
+def range_of_a_float(t, u):
+    for i in lk.range(5.5):  # ERR: takes integers
+        u[i] = 0.0

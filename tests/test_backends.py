@@ -240,6 +240,25 @@ def test_lk_range_negative_step_and_strides(backend, scope, rng):
 
 
 @pytest.mark.parametrize("backend,scope", list(cases()))
+def test_lk_range_with_a_step_argument_of_zero_runs_nothing(backend, scope, rng):
+    """A zero step from an argument runs no iteration on every backend (a grid-stride loop
+    with it would never end; the CPU backend's range() raised mid-run); other steps from an
+    argument visit Python's range."""
+    @lk.megakernel
+    def mark(t, a, s):
+        for i in lk.range(a.shape[0] - 1, -1, s):
+            a[i] += 1.0
+
+    for step in (0, -3, -1):
+        a = rng.random(17)
+        expect = a.copy()
+        expect[list(range(16, -1, step)) if step else []] += 1.0
+        run = mark(a, step, steps=1, backend=backend, scope=scope)
+        assert run.steps == 1
+        np.testing.assert_array_equal(a, expect)
+
+
+@pytest.mark.parametrize("backend,scope", list(cases()))
 def test_step_index_and_early_uniform_return(backend, scope, rng):
     @lk.megakernel
     def count(t, log, stop_at):

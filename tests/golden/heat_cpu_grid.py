@@ -13,7 +13,8 @@ def _lk_step(t, u, v, alpha, _lk_tid, _lk_nt, _lk_seed):
     n = u.shape[0]  # line 11
     for i in range(1, n - 1):  # line 12
         v[_lk_np.uint64(i)] = u[_lk_np.uint64(i)] + alpha * (u[_lk_np.uint64(i - 1)] - 2.0 * u[_lk_np.uint64(i)] + u[_lk_np.uint64(i + 1)])  # line 13
-    for i in range(0, n, n - 1):  # line 14
+    _lk_r2_st = n - 1  # line 14
+    for i in range(0, n if _lk_r2_st != 0 else 0, _lk_r2_st if _lk_r2_st != 0 else 1):  # line 14
         v[_lk_np.uint64(i)] = u[_lk_np.uint64(i)]  # line 15
     return True
 

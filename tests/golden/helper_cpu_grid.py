@@ -22,7 +22,8 @@ def _lk_step(t, u, v, alpha, _lk_tid, _lk_nt, _lk_seed):
     n = u.shape[0]  # line 158
     for i in range(1, n - 1):  # line 159
         v[_lk_np.uint64(i)] = _lk_fn_damp(u[_lk_np.uint64(i)] + alpha * _lk_fn_laplacian(u, i, _lk_tid, _lk_nt), 0.5, _lk_tid, _lk_nt)  # line 160
-    for i in range(0, n, n - 1):  # line 161
+    _lk_r2_st = n - 1  # line 161
+    for i in range(0, n if _lk_r2_st != 0 else 0, _lk_r2_st if _lk_r2_st != 0 else 1):  # line 161
         v[_lk_np.uint64(i)] = u[_lk_np.uint64(i)]  # line 162
     return True
 
