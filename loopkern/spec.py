@@ -61,6 +61,10 @@ class ParamSpec:
             included).
         atomic: the step (or a helper) updates it with ``lk.atomic.add/max/min``: its dtype
             must be one of :data:`loopkern.dsl.ATOMIC_DTYPES`.
+        max_ndim: the fewest indices an element access of the step (or of a helper, through
+            its own deepest use) gives it, 0 if none: an array of more dimensions would make
+            that access a row (a store fills it, a load is no number).
+        max_ndim_line: the line of that access.
     """
 
     name: str
@@ -69,6 +73,8 @@ class ParamSpec:
     min_ndim_line: int = 0
     written: bool = False
     atomic: bool = False
+    max_ndim: int = 0
+    max_ndim_line: int = 0
 
 
 @dataclass(frozen=True)

@@ -191,6 +191,7 @@ class _Normalizer(ast.NodeTransformer):
         self.params = [a.arg for a in parsed.tree.args.args]
         self.array_uses: dict[str, ast.AST] = {}
         self.arity: dict[str, tuple[int, int]] = {}   # param -> (most indices used, line)
+        self.fewest: dict[str, tuple[int, int]] = {}  # param -> (fewest indices used, line)
         self.written: set[str] = set()
         self.atomic: set[str] = set()                 # params updated with lk.atomic.*
         self.param_stores: list[ast.Name] = []        # the step's parameters assigned to
@@ -554,6 +555,8 @@ class _Normalizer(ast.NodeTransformer):
             k = arity if arity is not None else (len(idx.elts) if isinstance(idx, ast.Tuple) else 1)
             if k > self.arity.get(name, (0, 0))[0]:
                 self.arity[name] = (k, node.lineno)
+            if k < self.fewest.get(name, (k + 1, 0))[0]:
+                self.fewest[name] = (k, node.lineno)
 
     def _index(self, idx):
         if isinstance(idx, ast.Tuple):
@@ -1430,7 +1433,7 @@ def validate_step(fn, swap=()) -> StepSpec:
     return StepSpec(
         name=parsed.name, filename=parsed.filename, lineno=parsed.tree.lineno, index_param=index_param,
         params=tuple(ParamSpec(p, k, norm.arity.get(p, (0, 0))[0], norm.arity.get(p, (0, 0))[1], p in norm.written,
-                               p in norm.atomic)
+                               p in norm.atomic, *norm.fewest.get(p, (0, 0)))
                      for p, k in zip(params, kinds)), step=step,
         helpers=tuple(ctx.helpers.values()), returns_condition=bool(with_value), swap=tuple(swap_idx),
         uses_barrier=uses_barrier, parallel=parallel)

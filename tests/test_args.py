@@ -255,6 +255,28 @@ def test_too_few_dimensions_is_named(rng, backend):
         k(rng.random(6), np.zeros((2, 3)), steps=1, backend=backend)
 
 
+def one_index_step(t, u, v):
+    for i in lk.range(u.shape[0]):
+        v[i] = u[i] + 1.0
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_too_many_dimensions_is_named_before_anything_is_written(rng, backend):
+    """An array with more dimensions than an element access gives it would make that access a
+    row (a store filled whole rows, silently)."""
+    k = lk.megakernel(one_index_step)
+    u1, v1 = rng.random(3), np.zeros(3)
+    for u, v, name in ((rng.random((3, 2)), np.zeros(3), "u"), (u1, np.zeros((3, 2)), "v")):
+        before = v.copy()
+        with pytest.raises(lk.ArgumentError, match=rf"argument '{name}': the step indexes it with 1 index .*got a 2-D"):
+            k(u, v, steps=1, backend=backend)
+        np.testing.assert_array_equal(v, before)
+    k(u1, v1, steps=1, backend=backend)
+    np.testing.assert_array_equal(v1, u1 + 1.0)
+    with pytest.raises(lk.ArgumentError, match=r"argument 'g': the step indexes it with 2 indices .*got a 3-D"):
+        lk.megakernel(two_d_step)(rng.random((2, 2, 2)), np.zeros((2, 2)), steps=1, backend=backend)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_read_only_array_that_the_step_writes(rng, backend):
     k = lk.megakernel(two_d_step)

@@ -16,10 +16,15 @@ SCOPES = ("auto", "grid", "block", "thread", "tile", "cluster")
 
 
 def check_array_use(p, shape, filename):
-    """ArgumentError if an array has fewer dimensions than the step indexes it with."""
+    """ArgumentError if an array has fewer dimensions than the step indexes it with, or more
+    than an element access of the step gives it (that access would be a row, not a number)."""
     if len(shape) < p.min_ndim:
         raise ArgumentError(f"argument '{p.name}': the step indexes it with {p.min_ndim} indices "
                             f"({filename}:{p.min_ndim_line}), got a {len(shape)}-D array of shape {tuple(shape)}")
+    if p.max_ndim and len(shape) > p.max_ndim:
+        raise ArgumentError(f"argument '{p.name}': the step indexes it with {p.max_ndim} "
+                            f"ind{'ex' if p.max_ndim == 1 else 'ices'} ({filename}:{p.max_ndim_line}), an element of "
+                            f"a {p.max_ndim}-D array, got a {len(shape)}-D array of shape {tuple(shape)}")
 
 
 def check_kind(p, is_array: bool, got: str):
