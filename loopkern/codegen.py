@@ -131,6 +131,11 @@ class _Lines:
             self.lines.append(f"{_INDENT * depth}{text}")
 
 
+#: the float constants of ``math`` (and NumPy's of the same names, which the front end reads
+#: from ``math``)
+_FLOAT_CONSTANTS = frozenset({"pi", "e", "tau", "inf", "nan"})
+
+
 class _Lower(ast.NodeTransformer):
     """Replace in-step API markers in expressions with backend code."""
 
@@ -171,6 +176,16 @@ class _Lower(ast.NodeTransformer):
     def visit_Constant(self, node):
         if self.float_type and isinstance(node.value, float):
             # a Python float takes the arrays' precision (NumPy 2 and JAX weak typing)
+            func = ast.Attribute(value=ast.Name(id="_lk_np", ctx=ast.Load()), attr=self.float_type, ctx=ast.Load())
+            return ast.copy_location(ast.Call(func=func, args=[node], keywords=[]), node)
+        return node
+
+    def visit_Attribute(self, node):
+        self.generic_visit(node)
+        if (self.float_type and isinstance(node.value, ast.Name) and node.value.id == f"{_P}math"
+                and node.attr in _FLOAT_CONSTANTS):
+            # math.pi (np.pi, math.e, ...) is a Python float too: the arrays' precision, as a
+            # literal (NumPy 2); in float64 it made float32 expressions round differently
             func = ast.Attribute(value=ast.Name(id="_lk_np", ctx=ast.Load()), attr=self.float_type, ctx=ast.Load())
             return ast.copy_location(ast.Call(func=func, args=[node], keywords=[]), node)
         return node

@@ -1,6 +1,8 @@
 """Python floats take the arrays' precision (NumPy 2 and JAX): float32 arrays stay float32
 arithmetic, on every backend, as NumPy computes it."""
 
+import math
+
 import numpy as np
 import pytest
 
@@ -21,6 +23,25 @@ def test_float32_arrays_compute_in_float32_like_numpy(backend, rng):
     np.testing.assert_array_equal(y, expect)
     promoted = (x.astype(np.float64) * 0.1 + 0.3 * x.astype(np.float64)).astype(np.float32)
     assert not np.array_equal(promoted, expect)  # the test can tell the two apart
+
+
+def constants_step(t, u, v):
+    for i in lk.range(u.shape[0]):
+        v[i] = (u[i] * math.pi + np.pi) * u[i] - math.e * math.tau
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_math_and_numpy_constants_are_python_floats_too(backend, rng):
+    """math.pi, np.pi, math.e, math.tau take the arrays' precision as a literal does (they were
+    float64 on the CPU backend, so float32 expressions rounded differently from NumPy's)."""
+    x = rng.random(300).astype(np.float32)
+    y = np.zeros_like(x)
+    lk.megakernel(constants_step)(x, y, steps=1, backend=backend)
+    expect = (x * math.pi + np.pi) * x - math.e * math.tau
+    assert expect.dtype == np.float32
+    np.testing.assert_array_equal(y, expect)
+    promoted = ((x.astype(np.float64) * math.pi + np.pi) * x - math.e * math.tau).astype(np.float32)
+    assert not np.array_equal(promoted, expect)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
