@@ -457,6 +457,27 @@ def test_pytree_carry_weak_types_and_passthrough(rng):
     same(lk.fori_loop(0, 5, body, init, fallback="error"), lax.fori_loop(0, 5, body, init))
 
 
+def test_a_weak_carry_stays_weak_inside_the_body_as_in_lax(rng):
+    """lax traces the body once with the init's avals: a weakly typed carry (a Python number)
+    stays weak inside the body even where the body returns it strongly typed, so int8 * carry
+    is int8 (wrapping); the loop returns the body output's weak types. (loopkern retraced with
+    a strong carry: int32 arithmetic, other values and dtypes.)"""
+    d8 = jnp.asarray(rng.integers(-128, 128, 6).astype(np.int8))
+    z = jnp.zeros(6, jnp.float32)
+    body = lambda i, c: (c[0] + jnp.int32(5), c[1] + (d8 * c[0]).astype(jnp.float32))
+    same(lk.fori_loop(0, 10, body, (1, z), fallback="error"), lax.fori_loop(0, 10, body, (1, z)))
+    wl = (lambda c: c[0] < 40, lambda c: body(0, c), (1, z))
+    same(lk.while_loop(*wl, fallback="error"), lax.while_loop(*wl))
+    x32, x8 = jnp.arange(10, dtype=jnp.int32), jnp.asarray(rng.integers(-128, 128, 10).astype(np.int8))
+    f = lambda c, x: (c + x[0], c * x[1])
+    same(lk.scan(f, 0, (x32, x8), fallback="error"), lax.scan(f, 0, (x32, x8)))
+    f2 = lambda c, x: (c + x, c)
+    xs = f32(rng, 3)
+    same(lk.scan(f2, 0.0, xs, fallback="error"), lax.scan(f2, 0.0, xs))
+    weak_out = lambda i, c: jnp.where(c > 0.5, 1.0, 0.5) * c
+    same(lk.fori_loop(0, 4, weak_out, z + 1, fallback="error"), lax.fori_loop(0, 4, weak_out, z + 1))
+
+
 def test_closure_over_arrays_and_traced_values(rng):
     w = f32(rng, 24)
     x0 = f32(rng, 24)

@@ -135,6 +135,9 @@ def _as_type(x, aval):
             x = _convert_element_type(x, aval.dtype, weak_type=True)
         except Exception:   # pragma: no cover - a JAX without it: strong type
             pass
+    elif not getattr(aval, "weak_type", False) and getattr(x, "weak_type", False):
+        from jax import lax
+        x = lax.convert_element_type(x, aval.dtype)
     return x
 
 
@@ -235,40 +238,25 @@ def _lower(prog, roles, out_roles, carry_idx, cond_atom=None, ys_idx=(), xs_idx=
     return L.build(carry_in, carry_out, xs_in, ys_out, cond_atom, prog.consts)
 
 
-def _promote_weak(init_avals, out_avals):
-    """lax's rule: a weakly typed init whose body output is strongly typed becomes strong."""
-    import jax
-    changed = False
-    res = []
-    for a, o in zip(init_avals, out_avals):
-        if a.weak_type and not getattr(o, "weak_type", False) and a.dtype == o.dtype:
-            res.append(jax.ShapeDtypeStruct(a.shape, a.dtype))
-            changed = True
-        else:
-            res.append(a)
-    return res, changed
-
-
 def _same_types(init_avals, out_avals):
     return all(tuple(a.shape) == tuple(o.shape) and a.dtype == o.dtype
                for a, o in zip(init_avals, out_avals))
 
 
 def _trace_body(step, avals, lead=(), tail=()):
-    """The closed jaxpr of ``step(*lead, *carry, *tail)`` and the carry's avals, or None when lax
-    should run the loop (and say what is wrong): the body changes the carry's pytree, shapes or
-    dtypes. As lax does, a weakly typed carry whose body output is strongly typed becomes strong
-    (and the body is traced again with it)."""
+    """(the closed jaxpr of ``step(*lead, *carry, *tail)``, the carry's avals, the carry's avals
+    as the body returns them), or None when lax should run the loop (and say what is wrong):
+    the body changes the carry's pytree, shapes or dtypes. As in lax, a weakly typed carry
+    stays weak inside the body when its output is strongly typed (lax compares the two with
+    ``core.typematch``, which ignores weak types, and traces once), and the loop returns the
+    output's weak types."""
     import jax
     try:
         closed = jax.make_jaxpr(step)(*lead, *avals, *tail)
         out_avals = closed.out_avals[:len(avals)]
         if not _same_types(avals, out_avals):
             return None
-        promoted, changed = _promote_weak(avals, out_avals)
-        if changed:
-            closed = jax.make_jaxpr(step)(*lead, *promoted, *tail)
-        return closed, promoted
+        return closed, avals, out_avals
     except _TreeMismatch:
         return None
 
@@ -330,7 +318,7 @@ def fori_loop(lower, upper, body_fun, init_val, *, unroll=None, fallback="warn")
     traced = _trace_body(step, avals, lead=(index,))
     if traced is None:
         return lax_loop(lower, upper, init_val)          # lax says what is wrong
-    closed, avals = traced
+    closed, avals, out_avals = traced
     n = len(leaves)
     roles = [("index",)] + [("carry", k) for k in range(n)]
     try:
@@ -356,7 +344,7 @@ def fori_loop(lower, upper, body_fun, init_val, *, unroll=None, fallback="warn")
     out = _with_lax_derivatives(run, lax_run, consts, [jnp.asarray(x) if not isinstance(x, jax.Array) else x
                                                        for x in leaves],
                                 lower if lo_c is None else lo_c, upper if hi_c is None else hi_c)
-    out = [_as_type(o, a) for o, a in zip(out, avals)]
+    out = [_as_type(o, a) for o, a in zip(out, out_avals)]
     return jax.tree_util.tree_unflatten(tree, out)
 
 
@@ -482,7 +470,7 @@ def while_loop(cond_fun, body_fun, init_val, *, max_steps=DEFAULT_CHUNK, fallbac
     traced = _trace_body(step, avals)
     if traced is None:
         return lax_loop()
-    closed, avals = traced
+    closed, avals, out_avals = traced
     c_aval = closed.out_avals[-1]
     if c_aval.shape != () or np.dtype(c_aval.dtype) != np.bool_:
         return lax_loop()
@@ -523,7 +511,7 @@ def while_loop(cond_fun, body_fun, init_val, *, max_steps=DEFAULT_CHUNK, fallbac
 
     out = _with_lax_derivatives(run, lax_run, consts + cconsts,
                                 [jnp.asarray(x) if not isinstance(x, jax.Array) else x for x in leaves])
-    out = [_as_type(o, a) for o, a in zip(out, avals)]
+    out = [_as_type(o, a) for o, a in zip(out, out_avals)]
     return jax.tree_util.tree_unflatten(tree, out)
 
 
@@ -589,7 +577,7 @@ def scan(f, init, xs=None, length=None, reverse=False, unroll=1, _split_transpos
     traced = _trace_body(step, avals, tail=x_avals)
     if traced is None:
         return lax_loop()
-    closed, avals = traced
+    closed, avals, out_avals = traced
     nc = len(leaves)
     y_avals = closed.out_avals[nc:]
     if _any_size_zero(y_avals):
@@ -623,7 +611,7 @@ def scan(f, init, xs=None, length=None, reverse=False, unroll=1, _split_transpos
 
     out = _with_lax_derivatives(run, lax_run, consts, [jnp.asarray(x) if not isinstance(x, jax.Array) else x
                                                        for x in leaves], [jnp.asarray(x) for x in x_leaves])
-    carry = [_as_type(o, a) for o, a in zip(out[:nc], avals)]
+    carry = [_as_type(o, a) for o, a in zip(out[:nc], out_avals)]
     ys = [_as_type(o, jax.ShapeDtypeStruct((n_steps,) + tuple(a.shape), a.dtype,
                                            weak_type=getattr(a, "weak_type", False)))
           for o, a in zip(out[nc:], y_avals)]
