@@ -278,6 +278,16 @@ def test_too_many_dimensions_is_named_before_anything_is_written(rng, backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_an_array_in_the_other_byte_order_is_named(rng, backend):
+    k = lk.megakernel(one_index_step)
+    u = rng.random(3).astype(">f8" if np.little_endian else "<f8")
+    v = np.zeros(3)
+    with pytest.raises(lk.ArgumentError, match=r"argument 'u': array has dtype .f8, in the other byte order"):
+        k(u, v, steps=1, backend=backend)
+    np.testing.assert_array_equal(v, 0.0)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_read_only_array_that_the_step_writes(rng, backend):
     k = lk.megakernel(two_d_step)
     out = np.zeros((3, 3))

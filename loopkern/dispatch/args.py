@@ -57,6 +57,9 @@ def check_dtype(name: str, dtype: np.dtype, what: str = "array"):
     if dtype.kind not in _OK_KINDS or (dtype.kind == "f" and dtype.itemsize not in (4, 8)):
         raise ArgumentError(f"argument '{name}': {what} has dtype {dtype}; expected bool, an integer type, "
                             f"float32 or float64")
+    if not dtype.isnative:
+        raise ArgumentError(f"argument '{name}': {what} has dtype {dtype.str}, in the other byte order than this "
+                            f"machine's; pass {name}.astype({name}.dtype.newbyteorder('='))")
 
 
 def classify(name: str, value):
