@@ -192,6 +192,7 @@ class _Normalizer(ast.NodeTransformer):
         self.array_uses: dict[str, ast.AST] = {}
         self.arity: dict[str, tuple[int, int]] = {}   # param -> (most indices used, line)
         self.fewest: dict[str, tuple[int, int]] = {}  # param -> (fewest indices used, line)
+        self.grid_tuples: dict[str, int] = {}         # an lk.grid's single target name -> its dimensions
         self.written: set[str] = set()
         self.atomic: set[str] = set()                 # params updated with lk.atomic.*
         self.param_stores: list[ast.Name] = []        # the step's parameters assigned to
@@ -335,6 +336,8 @@ class _Normalizer(ast.NodeTransformer):
             if isinstance(a, ast.Constant) and not (isinstance(a.value, int) and not isinstance(a.value, bool)):
                 self.error(a, f"{kind}() takes integers; got {a.value!r}", "use an int (e.g. int(x) of a float)")
         if kind == "lk.grid":
+            if isinstance(node.target, ast.Name) and n_args > 1:
+                self.grid_tuples[node.target.id] = n_args      # one name for the index tuple
             if n_args == 0:
                 self.error(it, "lk.grid() needs at least one dimension", "write lk.grid(n) or lk.grid(n, (1, m - 1))")
             for a in it.args:
@@ -552,7 +555,8 @@ class _Normalizer(ast.NodeTransformer):
 
     def _indexed(self, name, idx, node, arity=None):
         if name in self.params:
-            k = arity if arity is not None else (len(idx.elts) if isinstance(idx, ast.Tuple) else 1)
+            k = arity if arity is not None else (len(idx.elts) if isinstance(idx, ast.Tuple) else
+                                                 self.grid_tuples.get(idx.id, 1) if isinstance(idx, ast.Name) else 1)
             if k > self.arity.get(name, (0, 0))[0]:
                 self.arity[name] = (k, node.lineno)
             if k < self.fewest.get(name, (k + 1, 0))[0]:
