@@ -179,6 +179,32 @@ def _assigned_names(fn: ast.FunctionDef) -> set[str]:
     return names
 
 
+def _floaty(e, float_locals) -> bool:
+    """Whether ``e`` is a float by its syntax alone: a float literal, a true division, a call
+    of ``float`` or of a ``math`` function (other than ``floor``/``ceil``/``trunc``), or
+    arithmetic on such a value or on a local assigned one. Loads, shapes, arguments and
+    ``int(...)`` are not (their types are not known here)."""
+    if isinstance(e, ast.Constant):
+        return isinstance(e.value, float)
+    if isinstance(e, ast.Name):
+        return e.id in float_locals
+    if isinstance(e, ast.BinOp):
+        return isinstance(e.op, ast.Div) or _floaty(e.left, float_locals) or _floaty(e.right, float_locals)
+    if isinstance(e, ast.UnaryOp):
+        return _floaty(e.operand, float_locals)
+    if isinstance(e, ast.IfExp):
+        return _floaty(e.body, float_locals) or _floaty(e.orelse, float_locals)
+    if isinstance(e, ast.Call):
+        f = e.func
+        if isinstance(f, ast.Name):
+            return f.id == "float" or (f.id in ("min", "max", "abs") and any(_floaty(a, float_locals)
+                                                                             for a in e.args))
+        if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id == "math":
+            return f.attr not in ("floor", "ceil", "trunc", "isnan", "isinf", "isfinite", "comb", "perm",
+                                  "factorial", "gcd", "lcm", "isqrt")
+    return False
+
+
 class _Normalizer(ast.NodeTransformer):
     """Allow-list check and rewrite of one function body (see module docstring)."""
 
@@ -193,6 +219,7 @@ class _Normalizer(ast.NodeTransformer):
         self.arity: dict[str, tuple[int, int]] = {}   # param -> (most indices used, line)
         self.fewest: dict[str, tuple[int, int]] = {}  # param -> (fewest indices used, line)
         self.grid_tuples: dict[str, int] = {}         # an lk.grid's single target name -> its dimensions
+        self.float_locals: set[str] = set()            # locals assigned a float expression (see _floaty)
         self.written: set[str] = set()
         self.atomic: set[str] = set()                 # params updated with lk.atomic.*
         self.param_stores: list[ast.Name] = []        # the step's parameters assigned to
@@ -279,6 +306,8 @@ class _Normalizer(ast.NodeTransformer):
         return self.reject(target, "this cannot be assigned to in step code", "assign to a name or an array element")
 
     def visit_Assign(self, node):
+        if _floaty(node.value, self.float_locals):
+            self.float_locals.update(t.id for t in node.targets if isinstance(t, ast.Name))
         node.targets = [self._check_store(t) for t in node.targets]
         node.value = self.visit(node.value)
         return node
@@ -332,9 +361,13 @@ class _Normalizer(ast.NodeTransformer):
                 st = st.operand
             if isinstance(st, ast.Constant) and not isinstance(st.value, bool) and st.value == 0:
                 self.error(it.args[2], f"{kind}() step must not be zero", "use a positive or negative step")
-        for a in it.args if kind in ("range", "lk.range") else []:
-            if isinstance(a, ast.Constant) and not (isinstance(a.value, int) and not isinstance(a.value, bool)):
-                self.error(a, f"{kind}() takes integers; got {a.value!r}", "use an int (e.g. int(x) of a float)")
+        bounds = [] if kind not in ("range", "lk.range", "lk.grid") else [
+            e for a in it.args for e in (a.elts if isinstance(a, ast.Tuple) else [a])]
+        for a in bounds:
+            if _floaty(a, self.float_locals):
+                self.error(a, f"{kind}() takes integers; '{ast.unparse(a)}' is a float (Python's range() "
+                              f"raises; a GPU loop would run to the next integer above it)",
+                           "use an int: '//' instead of '/', or int(...)")
         if kind == "lk.grid":
             if isinstance(node.target, ast.Name) and n_args > 1:
                 self.grid_tuples[node.target.id] = n_args      # one name for the index tuple

@@ -285,5 +285,13 @@ def range_step_of_zero(t, u):
 
 
 def range_of_a_float(t, u):
-    for i in lk.range(5.5):  # ERR: takes integers
+    for i in lk.range(5.5):  # ERR: '5.5' is a float
+        u[i] = 0.0
+
+
+def range_of_a_true_division(t, u):
+    half = u.shape[0] / 2
+    for i in lk.range(half):  # ERR: 'half' is a float
+        u[i] = 0.0
+    for i, j in lk.grid(u.shape[0] // 2, (1, u.shape[0] / 3)):  # ERR: 'u.shape[0] / 3' is a float
         u[i] = 0.0
