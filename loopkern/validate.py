@@ -179,6 +179,22 @@ def _assigned_names(fn: ast.FunctionDef) -> set[str]:
     return names
 
 
+def _defined_later(filename, name) -> bool:
+    """Whether module ``filename`` defines ``name`` at its top level (a function, class or
+    assignment), read from its source."""
+    try:
+        with open(filename, encoding="utf-8") as f:
+            tree = ast.parse(f.read())
+    except (OSError, SyntaxError, ValueError):
+        return False
+    for st in tree.body:
+        if isinstance(st, (ast.FunctionDef, ast.ClassDef)) and st.name == name:
+            return True
+        if isinstance(st, ast.Assign) and any(isinstance(t, ast.Name) and t.id == name for t in st.targets):
+            return True
+    return False
+
+
 def _floaty(e, float_locals) -> bool:
     """Whether ``e`` is a float by its syntax alone: a float literal, a true division, a call
     of ``float`` or of a ``math`` function (other than ``floor``/``ceil``/``trunc``), or
@@ -495,7 +511,7 @@ class _Normalizer(ast.NodeTransformer):
         found, value = self.parsed.lookup(node.id)
         if not found:
             return self.reject(node, f"name '{node.id}' is not defined",
-                               "define it before the step, or pass it as an argument")
+                               self._define_hint(node.id, "it", "define it before the step, or pass it as an argument"))
         const = _constant_node(value, node)
         if const is not None:
             return const
@@ -539,7 +555,17 @@ class _Normalizer(ast.NodeTransformer):
         fix = _IMPORTS.get(root)
         hint = (f"add `{fix}` at the top of {os.path.basename(self.parsed.filename)}" if fix else
                 "import or define it at module level, or pass the value as an argument of the step")
+        if not fix:
+            hint = self._define_hint(root, "it", hint)
         return self.reject(node, f"name '{root}' is not defined in {where}", hint)
+
+    def _define_hint(self, name, what, otherwise=None):
+        """What to do about an undefined ``name``: its module defines it further down (the step
+        is checked when the decorator runs, before that line), or ``otherwise``."""
+        if _defined_later(self.parsed.filename, name):
+            return (f"'{name}' is defined further down {os.path.basename(self.parsed.filename)}, after the step: "
+                    f"the step is checked when @lk.megakernel runs, so define (or import) {what} above the step")
+        return otherwise or f"define {what} at module level, above the step"
 
     def _resolve_callee(self, func):
         ok, value = self._resolve_path(func)
@@ -624,7 +650,7 @@ class _Normalizer(ast.NodeTransformer):
             if isinstance(node.func, ast.Attribute):
                 return self.reject(node, f"method calls such as '{label}(...)' are not supported in step code",
                                    "use the allowed builtins, math.*, lk.* or a helper function")
-            return self.reject(node, f"name '{label}' is not defined", "define the function at module level")
+            return self.reject(node, f"name '{label}' is not defined", self._define_hint(label, "the function"))
         if isinstance(target, dsl.Intrinsic):
             return self._intrinsic_call(node, target, label)
         if target is print:

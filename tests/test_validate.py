@@ -490,3 +490,23 @@ def test_numpy_used_without_import_names_the_import(tmp_path, monkeypatch):
     assert [(d.message, d.hint) for d in info.value.diagnostics] == \
         [("name 'np' is not defined in the step's module",
           "add `import numpy as np` at the top of no_numpy_step.py")] * 2
+
+
+def test_a_helper_defined_below_the_step_is_named_as_such(tmp_path, monkeypatch):
+    """At decoration time a helper defined further down the module does not exist yet: the
+    hint says so (it said "define the function at module level", which it already was)."""
+    mod = tmp_path / "later_helper_mod.py"
+    mod.write_text("import loopkern as lk\n\n"
+                   "@lk.megakernel\n"
+                   "def k(t, u):\n"
+                   "    for i in lk.range(u.shape[0]):\n"
+                   "        u[i] = helper(u[i]) + SCALE\n\n\n"
+                   "def helper(x):\n"
+                   "    return x * 2.0\n\n\n"
+                   "SCALE = 0.5\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(lk.StepSyntaxError) as info:
+        import later_helper_mod  # noqa: F401
+    hints = {d.hint for d in info.value.diagnostics}
+    assert any("'helper' is defined further down later_helper_mod.py, after the step" in h for h in hints), hints
+    assert any("'SCALE' is defined further down" in h for h in hints), hints
