@@ -383,3 +383,34 @@ def test_jnp_roll_by_several_cells_in_tile_mode_on_the_gpu(blocks, rng):
     got, _, run = run_lowered(wide_roll_body, a0, 57, "cuda", threads=None, blocks=blocks, scope="tile")
     assert run.scope == "tile", run
     np.testing.assert_allclose(got, wide_roll_ref(a0, 57), rtol=1e-12)
+
+
+def test_session27_lowering_fixes_on_the_gpu(rng):
+    """Session 27's drop-in fixes on the GPU (written without one, not yet run there), against
+    NumPy: a size-1 operand stretched by the primitive (c[:, :1]), unsigned division by zero
+    (all ones), the index's lax typing (int8 * i wraps in int8), and traced uint8 bounds
+    9 -> 2 (no step)."""
+    m0 = rng.uniform(-1, 1, (5, 4099)).astype(np.float32)
+    got = np.asarray(jax.jit(lambda c: lk.fori_loop(0, 3, lambda i, c: c - np.float32(0.25) * c[:, :1], c,
+                                                    fallback="error"))(jnp.asarray(m0)))
+    ref = m0.astype(np.float64)
+    for _ in range(3):
+        ref = ref - 0.25 * ref[:, :1]
+    assert np.abs(got - ref).max() < 1e-5
+    a = rng.integers(0, 2 ** 32, 4099, dtype=np.uint64).astype(np.uint32)
+    b = rng.integers(0, 5, 4099).astype(np.uint32)
+    got = np.asarray(lk.fori_loop(0, 1, lambda i, c: jnp.stack([c[0] // c[1], c[0] % c[1], c[1]]),
+                                  jnp.asarray(np.stack([a, b, b])), fallback="error"))
+    with np.errstate(divide="ignore"):
+        q = np.where(b == 0, np.uint32(2 ** 32 - 1), a // np.maximum(b, 1))
+        r = np.where(b == 0, a, a % np.maximum(b, 1))
+    np.testing.assert_array_equal(got[0], q)
+    np.testing.assert_array_equal(got[1], r)
+    d8 = rng.integers(-128, 128, 4099).astype(np.int8)
+    got = np.asarray(lk.fori_loop(0, 7, lambda i, c: c + (jnp.asarray(d8) * i).astype(jnp.float32),
+                                  jnp.zeros(4099, jnp.float32), fallback="error"))
+    expect = sum((d8 * np.int8(i)).astype(np.float32) for i in range(7))
+    np.testing.assert_array_equal(got, expect)
+    got = jax.jit(lambda lo, hi: lk.fori_loop(lo, hi, lambda i, c: c + 1.0, jnp.zeros(4099, jnp.float32),
+                                              fallback="error"))(np.uint8(9), np.uint8(2))
+    np.testing.assert_array_equal(np.asarray(got), 0.0)
