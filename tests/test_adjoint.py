@@ -11,6 +11,7 @@ import pytest
 
 import loopkern as lk
 import workloads as W
+from refs import jax_x64
 from loopkern.errors import LoopkernError, StepSyntaxError
 
 jax = pytest.importorskip("jax")
@@ -72,6 +73,42 @@ def test_grad_of_heat_equals_jax_grad_of_the_jnp_loop(steps, rng):
         ru, ra = jax.grad(ref, argnums=(0, 1))(u0, a)
         np.testing.assert_allclose(np.asarray(gu), np.asarray(ru), rtol=1e-4, atol=1e-5)
         np.testing.assert_allclose(float(ga), float(ra), rtol=1e-4, atol=1e-4)
+
+
+def test_grad_through_jit_checkpoint_scan_and_cond_around_the_call(rng):
+    """A Python-int step count stays known when JAX traces the call again: jax.grad of a loss
+    that is jitted, checkpointed, or calls kernel.jax inside lax.scan or lax.cond equals the jnp
+    loop's (it raised "needs the step count known at trace time"); steps=0 is the identity."""
+    k = lk.megakernel(nonlinear_inplace)
+    x0, w = rng.uniform(-1, 1, 30), rng.standard_normal(30)
+    with jax_x64():
+        x0, w = jnp.asarray(x0), jnp.asarray(w)
+        assert x0.dtype == jnp.float64
+
+        def variants(step):
+            return [lambda x: (step(x) * w).sum(),
+                    jax.jit(lambda x: (step(x) * w).sum()),
+                    jax.checkpoint(lambda x: (step(x) * w).sum()),
+                    lambda x: (jax.lax.scan(lambda c, _: (step(c), None), x, None, length=3)[0] * w).sum(),
+                    lambda x: (jax.lax.cond(x[0] < 5.0, step, lambda y: y, x) * w).sum()]
+        for steps in (7, 0):
+            got = variants(lambda x: k.jax(x, 0.8, steps=steps)[0])
+            ref = variants(lambda x: _nonlinear_jnp(x, 0.8, steps))
+            for g, r in zip(got, ref):
+                np.testing.assert_allclose(np.asarray(jax.grad(g)(x0)), np.asarray(jax.grad(r)(x0)), rtol=1e-10,
+                                           atol=1e-12)
+
+
+def test_second_derivatives_as_hessian_and_a_clear_error_otherwise(rng):
+    k = lk.megakernel(nonlinear_inplace)
+    x0 = rng.uniform(-1, 1, 6)
+    with jax_x64():
+        x0 = jnp.asarray(x0)
+        h = jax.hessian(lambda x: (k.jax(x, 0.8, steps=3)[0] ** 2).sum())(x0)
+        r = jax.hessian(lambda x: (_nonlinear_jnp(x, 0.8, 3) ** 2).sum())(x0)
+        np.testing.assert_allclose(np.asarray(h), np.asarray(r), rtol=1e-9, atol=1e-11)
+        with pytest.raises(LoopkernError, match="differentiating a forward-mode derivative again"):
+            jax.grad(lambda x: jax.jvp(lambda y: k.jax(y, 0.8, steps=3)[0], (x,), (x,))[1].sum())(x0)
 
 
 def test_only_what_has_a_tangent_is_differentiated(rng):

@@ -161,7 +161,17 @@ BAD_CALLS = [
     (lambda u: HEAT.jax(u, u, 0.25 + 1j, steps=1), "complex numbers"),
     (lambda u: HEAT.jax(u, u, 0.25, steps=1, seed=-1), "seed"),
     (lambda u: HEAT.jax(u, u, 0.25, steps=1, timeout=0), "timeout=0"),
+    (lambda u: HEAT.jax(u, u, 0.25, steps=1, backend="xyz"), "backend='xyz': expected one of"),
+    (lambda u: HEAT.jax(u, u, 0.25, steps=1, scope="bogus"), "scope='bogus': expected one of"),
+    (lambda u: HEAT.jax(u, u, 0.25, steps=2 ** 63), "steps=9223372036854775808: more than JAX's"),
 ]
+
+
+def test_a_concrete_negative_step_count_array_is_rejected():
+    # (a traced one runs no step: its value is not known before the kernel runs)
+    u = jnp.zeros(8, jnp.float32)
+    with pytest.raises(lk.ArgumentError, match="steps=-3: must be >= 0"):
+        HEAT.jax(u, u, 0.25, steps=jnp.asarray(-3))
 
 
 @pytest.mark.parametrize("call,fragment", BAD_CALLS)

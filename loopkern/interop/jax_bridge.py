@@ -94,12 +94,18 @@ def _number(v):
 def _step_count(label, value):
     """``steps``/``max_steps``/``start``: an int >= 0 or a 0-d integer JAX array; returns
     (the value, its JAX dtype); the call makes it a 1-element array."""
+    import jax
     import jax.numpy as jnp
     if isinstance(value, bool) or not (isinstance(value, numbers.Integral) or (
             _is_jax_array(value) and value.ndim == 0 and jnp.issubdtype(value.dtype, jnp.integer))):
         raise ArgumentError(f"{label}={value!r}: expected an int or a 0-d integer JAX array")
     if isinstance(value, numbers.Integral) and value < 0:
         raise ArgumentError(f"{label}={value}: must be >= 0")
+    if _is_jax_array(value) and not isinstance(value, jax.core.Tracer) and int(value) < 0:
+        raise ArgumentError(f"{label}={int(value)}: must be >= 0")
+    if isinstance(value, numbers.Integral) and value > _INT_BOUNDS[_canonical(_I64)][1]:
+        raise ArgumentError(f"{label}={value}: more than JAX's {_canonical(_I64)} holds (jax_enable_x64 is off); "
+                            f"split the run into calls with start=, or enable x64")
     return _number(value)
 
 
@@ -291,6 +297,11 @@ def jax_call(mk, args, kwargs, *, steps=None, max_steps=None, start=0, backend=N
     import jax
 
     seed = checks.check_seed(seed)
+    if backend is not None:
+        checks.check_choice("backend", backend, checks.BACKENDS)
+    if scope is not None:
+        # (cluster scope is refused later, with its reason, on a GPU)
+        checks.check_choice("scope", scope, checks.SCOPES)
     checkpoint_every = checks.check_count("checkpoint_every", checkpoint_every, minimum=1)
     adjoint_form = checks.check_choice("adjoint_form", adjoint_form, ADJOINT_FORMS)
     timeout = checks.check_seconds("timeout", timeout)
@@ -336,13 +347,17 @@ def _build(mk, key) -> JaxCall:
     else:
         core, config = _cpu_core(mk, sig, seed, timeout), None
 
-    @jax.custom_jvp
-    def call(*xs):
+    # ``static_n``: the step count when the caller gave a number (None when traced), kept out of
+    # the operands: an operand that is a constant here arrives traced when JAX traces the call
+    # again (jax.jit, jax.checkpoint, lax.scan and lax.cond around it), where reverse mode
+    # needs the count known
+    @functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
+    def call(static_n, *xs):
         outs = core(*xs)
         return tuple(outs[:na]) + ((outs[-1],) if with_count else ())
 
-    def _tangent_rule(primals, tangents):
-        return _jvp(mk, key, primals, tangents, arr_set, with_count, call)
+    def _tangent_rule(static_n, primals, tangents):
+        return _jvp(mk, key, primals, tangents, arr_set, with_count, call, static_n)
     # symbolic zeros: the tangents of constants arrive as SymbolicZero, so _jvp differentiates
     # only the parameters that have a tangent
     call.defjvp(_tangent_rule, symbolic_zeros=True)
@@ -364,12 +379,13 @@ def _build(mk, key) -> JaxCall:
     def fn(nsteps, t0, *vals):
         n_buf = as_buffer(nsteps, n_dtype)
         bufs = [v if i in arr_set else as_buffer(v, dtypes[i]) for i, v in enumerate(vals)]
-        return call(n_buf, as_buffer(t0, t0_dtype), *bufs)
+        static_n = int(nsteps) if isinstance(nsteps, numbers.Integral) else None
+        return call(static_n, n_buf, as_buffer(t0, t0_dtype), *bufs)
 
     return JaxCall(key, fn, config)
 
 
-def _jvp(mk, key, primals, tangents, arr_set, with_count, call):
+def _jvp(mk, key, primals, tangents, arr_set, with_count, call, static_n=None):
     """The forward-mode rule of a kernel.jax call: the tangents from one run of the tangent
     kernel (``MegaKernel.tangent`` with respect to every float parameter), the primal outputs
     from ``call``. A step that returns a condition runs the same number of steps in both (its
@@ -400,7 +416,7 @@ def _jvp(mk, key, primals, tangents, arr_set, with_count, call):
         shape, dt = sig[i]
         return jnp.zeros(shape, dt) if np.dtype(dt).kind == "f" else np.zeros(shape, jax.dtypes.float0)
     if not active:
-        return call(*primals), tuple(zero_tangent(i) for i in sorted(arr_set)) + (
+        return call(static_n, *primals), tuple(zero_tangent(i) for i in sorted(arr_set)) + (
             (np.zeros((), jax.dtypes.float0),) if with_count else ())
     tk = mk.tangent(*[params[i] for i in active])
 
@@ -422,9 +438,10 @@ def _jvp(mk, key, primals, tangents, arr_set, with_count, call):
     options = dict(backend=platform, scope="auto" if scope == "auto-tile" else scope, threads=threads, blocks=blocks,
                    seed=seed)
 
-    nsteps = None if isinstance(n_buf, jax.core.Tracer) else int(np.asarray(n_buf).reshape(())[()])
+    nsteps = static_n if static_n is not None else (
+        None if isinstance(n_buf, jax.core.Tracer) else int(np.asarray(n_buf).reshape(())[()]))
     primal_out, checkpoints = _checkpointed_primal(mk, params, active, arr_set, sig, returns_condition, nsteps,
-                                                   every, form, call, primals)
+                                                   every, form, call, primals, static_n)
     n_args = len(args)
 
     def run(n, t0, *a):
@@ -467,7 +484,8 @@ def _state_arrays(mk, arr_set) -> list:
     return [i for i in sorted(arr_set) if mk.spec.params[i].written or i in swapped]
 
 
-def _checkpointed_primal(mk, params, active, arr_set, sig, returns_condition, nsteps, every, form, call, primals):
+def _checkpointed_primal(mk, params, active, arr_set, sig, returns_condition, nsteps, every, form, call, primals,
+                         static_n=None):
     """(the primal outputs, the checkpoints of the reverse sweep) for the forward-mode rule.
 
     When reverse mode may follow and its sweep will recompute states (the adjoint step reads
@@ -480,7 +498,7 @@ def _checkpointed_primal(mk, params, active, arr_set, sig, returns_condition, ns
     checkpoints."""
     import jax.numpy as jnp
     if nsteps is None or returns_condition or not active:
-        return call(*primals), []
+        return call(static_n, *primals), []
     state = _state_arrays(mk, arr_set)
     try:
         recorded = _segment_kernels(mk, [params[i] for i in active], [params[i] for i in state],
@@ -489,16 +507,16 @@ def _checkpointed_primal(mk, params, active, arr_set, sig, returns_condition, ns
         recorded = []       # reverse mode will raise its error if it is asked for
     k, lengths = _segments(nsteps, every)
     if not recorded or len(lengths) < 2:
-        return call(*primals), []
+        return call(static_n, *primals), []
     n_buf, t0_buf, *bufs = primals
-    n_dtype = np.asarray(n_buf).dtype           # (known: nsteps is)
+    n_dtype = np.dtype(n_buf.dtype)             # (its value is nsteps; the buffer may be traced)
     t0 = jnp.asarray(t0_buf)
     arrays = sorted(arr_set)
     cur, checkpoints = list(bufs), []
     for s, length in enumerate(lengths):
         if s:
             checkpoints += [cur[i] for i in state]
-        out = call(np.array([length], n_dtype), t0 + s * k, *cur)
+        out = call(length, np.array([length], n_dtype), t0 + s * k, *cur)
         for slot, i in enumerate(arrays):
             cur[i] = out[slot]
     return out, checkpoints
@@ -602,6 +620,9 @@ def _reverse_sweep(ctx, name, cts, n, t0, args) -> list:
     sbars = {i: jnp.zeros((1,), ctx.sig[i][1]) for i in ctx.active if i not in ctx.arr_set}
     swap = [(a, b) for a, b in mk.spec.swap if a in bars and b in bars]
     opts = ctx.options
+    if nsteps == 0:         # no step ran: every output is its input, and the scalars did nothing
+        return [x for i in range(nparams) for x in
+                ([None] + ([bars[i] if i in ctx.arr_set else sbars[i].reshape(())] if i in ctx.active else []))]
     k = _segments(nsteps, ctx.checkpoint_every)[0]
     if not state:           # nothing to record: one segment, one launch of the adjoint sweep
         k = max(1, nsteps)
@@ -709,6 +730,14 @@ def _tangent_primitive():
         # no cotangent for the primal run's checkpoints (the last operands)
         return [None, None] + _reverse_sweep(reverse, name, cts, n, t0, args) + [None] * reverse.n_checkpoints
     ad.primitive_transposes[p] = transpose
+
+    def second_order(primals, tangents, fn, name, reverse):
+        # differentiating a tangent run again: reverse over forward (grad of a jvp, jacrev of
+        # jacfwd) and, through the transpose's own tangent runs, reverse over reverse
+        raise LoopkernError(f"kernel.jax: megakernel '{name}': differentiating a forward-mode derivative again "
+                            f"(jax.jvp or jacfwd under grad, jacrev or another jacfwd) is not supported; second "
+                            f"derivatives work as jax.hessian (forward over reverse)")
+    ad.primitive_jvps[p] = second_order
     _TANGENT_P.append(p)
     return p
 
