@@ -65,3 +65,20 @@ def test_codegen_gives_literals_the_float_type():
     text = codegen.render_kernel(spec, "cuda", "grid", float_type="float32").text
     assert "_lk_np.float32(0.1)" in text
     assert "_lk_np.float32(0.1)" not in codegen.render_kernel(spec, "cuda", "grid").text
+
+
+def test_kernel_jax_gives_python_floats_the_arrays_precision_with_x64_on(rng):
+    """As a direct call does: with x64 on, JAX makes a Python float float64, which made
+    kernel.jax compute float32 arrays' expressions in float64 (last-bit differences)."""
+    jax = pytest.importorskip("jax")
+    from refs import jax_x64
+    x = rng.random(300).astype(np.float32)
+    expect = x * 0.1 + 0.3 * x
+    k = lk.megakernel(W.scale_step)
+    with jax_x64():
+        jnp = jax.numpy
+        for scalar in (0.3, jnp.asarray(0.3)):
+            _, y = k.jax(jnp.asarray(x), jnp.zeros(300, jnp.float32), scalar, steps=1, backend="cpu")
+            np.testing.assert_array_equal(np.asarray(y), expect)
+        y = jax.jit(lambda a, s: k.jax(a, jnp.zeros(300, jnp.float32), s, steps=1)[1])(jnp.asarray(x), 0.3)
+        np.testing.assert_array_equal(np.asarray(y), expect)

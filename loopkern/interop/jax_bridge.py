@@ -113,6 +113,7 @@ def _prepare(mk, args, kwargs, steps, max_steps):
     """Check the call. Returns (arrays: index -> JAX array, the values in parameter order,
     the parameters' signature: (shape, dtype) per array, (None, dtype) per number, the step
     count and its dtype)."""
+    import jax
     import jax.numpy as jnp
 
     spec = mk.spec
@@ -125,7 +126,7 @@ def _prepare(mk, args, kwargs, steps, max_steps):
         args = [bound[p.name] for p in spec.params]
     check_array_use, check_atomic_dtype, check_kind, check_swap_pair = (
         checks.check_array_use, checks.check_atomic_dtype, checks.check_kind, checks.check_swap_pair)
-    arrays, values, sig = {}, [], []
+    arrays, values, sig, weak_scalars = {}, [], [], []
     for i, p in enumerate(spec.params):
         v = args[i]
         if _is_jax_array(v) and v.ndim > 0:
@@ -147,10 +148,20 @@ def _prepare(mk, args, kwargs, steps, max_steps):
                 raise ArgumentError(f"argument '{p.name}': complex numbers are not supported yet")
             if not (isinstance(v, (numbers.Real, np.generic)) or _is_jax_array(v)):
                 raise ArgumentError(f"argument '{p.name}': expected a JAX array or a number, got {type(v).__name__}")
+            weak = type(v) is float or (_is_jax_array(v) and bool(getattr(jax.typeof(v), "weak_type", False))
+                                        and jnp.issubdtype(v.dtype, jnp.floating))
             v, dtype = _number(v)
             check_dtype(p.name, dtype, "scalar")
+            if weak:
+                weak_scalars.append(i)
             sig.append((None, dtype))
         values.append(v)
+    # a Python float (or a weakly typed JAX float) takes the float arrays' precision, as in a
+    # direct call (dispatch/args.apply_weak_floats): with x64 on it would be float64 here
+    if weak_float_type(d for shape, d in sig if shape is not None) == "float32":
+        for i in weak_scalars:
+            values[i] = np.float32(values[i]) if type(values[i]) is float else jnp.asarray(values[i], jnp.float32)
+            sig[i] = (None, np.dtype(np.float32))
     for a, b in spec.swap:
         x, y = arrays.get(a), arrays.get(b)
         names = (spec.params[a].name, spec.params[b].name)
