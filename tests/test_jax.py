@@ -3,6 +3,8 @@ steps, while-loop step counts, against lax.fori_loop / lax.while_loop and NumPy.
 
 import os
 
+import math
+
 import numpy as np
 import pytest
 
@@ -165,6 +167,34 @@ BAD_CALLS = [
     (lambda u: HEAT.jax(u, u, 0.25, steps=1, scope="bogus"), "scope='bogus': expected one of"),
     (lambda u: HEAT.jax(u, u, 0.25, steps=2 ** 63), "steps=9223372036854775808: more than JAX's"),
 ]
+
+
+def log_base_step(t, u, v):
+    for i in lk.range(u.shape[0]):
+        v[i] = math.log(u[i], 3.0)      # two-argument log: Numba's CPU target has none
+
+
+def test_a_compile_error_under_kernel_jax_is_the_loopkern_error():
+    """On JAX's CPU backend the kernel is compiled while JAX traces the call: its compile error
+    is lk.CompileError, as from a direct call (it came out of XLA's callback as an INTERNAL
+    JaxRuntimeError with the message inside)."""
+    k = lk.megakernel(log_base_step)
+    u = jnp.linspace(1.0, 2.0, 8)
+    with pytest.raises(lk.CompileError):
+        k(np.asarray(u), np.zeros(8, np.float32), steps=1, backend="cpu")
+    with pytest.raises(lk.CompileError):
+        k.jax(u, jnp.zeros(8), steps=1)
+    with pytest.raises(lk.CompileError):
+        jax.jit(lambda x: k.jax(x, jnp.zeros(8), steps=1))(u)
+
+
+def test_a_returned_step_count_beyond_int32_is_refused_before_running():
+    from refs import jax_x64
+    with jax_x64():     # (without x64 such a count is refused as more than JAX's int32 holds)
+        u = jnp.zeros((4, 4), jnp.float32)
+        with pytest.raises(lk.ArgumentError, match=r"max_steps=2147483648: the call returns the steps it ran as an "
+                                                   r"int32"):
+            JACOBI.jax(u, u, np.float32(1e-3), max_steps=2 ** 31)
 
 
 def test_a_concrete_negative_step_count_array_is_rejected():

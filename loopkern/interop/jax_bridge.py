@@ -317,6 +317,11 @@ def jax_call(mk, args, kwargs, *, steps=None, max_steps=None, start=0, backend=N
     adjoint_form = checks.check_choice("adjoint_form", adjoint_form, ADJOINT_FORMS)
     timeout = checks.check_seconds("timeout", timeout)
     arrays, values, sig, (nsteps, n_dtype) = _prepare(mk, args, kwargs, steps, max_steps)
+    if (mk.spec.returns_condition or timeout is not None) and isinstance(nsteps, numbers.Integral) \
+            and nsteps >= 2 ** 31:
+        label = "steps" if steps is not None else "max_steps"
+        raise ArgumentError(f"{label}={nsteps}: the call returns the steps it ran as an int32, which holds at most "
+                            f"2**31 - 1; split the run into calls with start=")
     t0, t0_dtype = _step_count("start", start)
     platform = _platform(mk, arrays, backend)
     if platform == "cuda":
@@ -762,6 +767,11 @@ def _cpu_core(mk, sig, seed, timeout):
     shapes = [jax.ShapeDtypeStruct(sig[i][0], sig[i][1]) for i in arr_idx]
     shapes.append(jax.ShapeDtypeStruct((), jnp.int32))
     shapes = tuple(shapes)
+    # compiled now, while JAX traces the call: a compile error is then the loopkern error it is,
+    # not a failure buried inside the callback when XLA runs it (a run of no step, on arrays of
+    # the parameters' types: compiling depends on types, not sizes)
+    mk(*[np.zeros((1,) * len(shape), dt) if shape is not None else np.dtype(dt).type(0) for shape, dt in sig],
+       steps=0, backend="cpu", seed=seed)
 
     def host(n, t0, *vals):
         call_args = []
@@ -771,7 +781,9 @@ def _cpu_core(mk, sig, seed, timeout):
         t0 = int(np.asarray(t0).reshape(()))
         n = int(np.asarray(n).reshape(())) if t0 >= 0 else 0
         run = mk(*call_args, steps=max(n, 0), start=max(t0, 0), backend="cpu", seed=seed, timeout=timeout)
-        return tuple(call_args[i] for i in arr_idx) + (np.int32(run.steps),)
+        # (kernel.jax refuses a count beyond int32 where the call returns it; where it does
+        # not, the value is not used)
+        return tuple(call_args[i] for i in arr_idx) + (np.int32(min(run.steps, 2 ** 31 - 1)),)
 
     def core(n, t0, *vals):
         return jax.pure_callback(host, shapes, n, t0, *vals, vmap_method="sequential")
