@@ -178,6 +178,23 @@ def test_size_one_operands_are_stretched_as_jax_does(rng):
     same(lk.scan(f, pair[1], xs, fallback="error"), lax.scan(f, pair[1], xs), exact=False)
 
 
+def test_an_edge_cell_concatenated_keeps_the_body_a_stencil():
+    """v[:1] in a concatenation is read at the loop's index (known to be 0 there), not at a
+    literal 0: the lowered body stays a stencil, so tile mode can run it (the size-1 rule
+    above made it c0[0] and tile mode refused the body on the GPU)."""
+    from loopkern.jaxloops import loops
+    from loopkern.stencil import Stencil, find_stencil
+    a0 = np.zeros(64, np.int32)
+
+    def body(i, v):
+        return (jnp.concatenate([v[:1], v[:-1]]) * 2 + jnp.concatenate([v[1:], v[-1:]]) + i) % 1000
+    traced = loops._trace_body(lambda i, x: [body(i, x)], [loops._aval(a0)], lead=(jax.ShapeDtypeStruct((), np.int32),))
+    plan = loops._lower(loops.flatten(traced[0]), [("index",), ("carry", 0)], {0: 0}, {0: 1})
+    assert isinstance(find_stencil(loops._kernel(plan).spec), Stencil)
+    x0 = jnp.asarray(((np.arange(64) * 7) % 19).astype(np.int32))
+    same(lk.fori_loop(0, 5, body, x0, fallback="error"), lax.fori_loop(0, 5, body, x0))
+
+
 def test_loop_index_type_and_trip_count_are_lax_s(rng):
     """The body's index is typed as jax.lax.fori_loop types it (concrete bounds of any integer
     type: a weakly typed default int; traced ones: their common type), so integer promotion in

@@ -528,11 +528,13 @@ class Lowering:
             return self.sub_env[a]
         if not a.shape:
             return self.S(a, B)
-        if len(idx) == len(a.shape) and any(n == 1 and i.expr != "0" for n, i in zip(a.shape, idx)):
+        if len(idx) == len(a.shape) and any(n == 1 and (i.lo, i.hi) != (0, 0) for n, i in zip(a.shape, idx)):
             # an extent of 1 is read at index 0 whatever the index: JAX's binary primitives
             # stretch a size-1 operand themselves (``c[:1] + c`` is ``add f32[1] f32[6]``, no
-            # broadcast_in_dim), and 0 is the only index that such a dimension has
-            idx = tuple(const_ix(0) if n == 1 else i for n, i in zip(a.shape, idx))
+            # broadcast_in_dim), and 0 is the only index that such a dimension has. An index
+            # already known to be 0 stays as it is (``v[:1]`` in a concatenation, read at the
+            # loop's index there: the stencil analysis sees the loop index plus a constant)
+            idx = tuple(const_ix(0) if n == 1 and (i.lo, i.hi) != (0, 0) else i for n, i in zip(a.shape, idx))
         if a.eqn is None or a in self.scratch:
             return self.load_input(a, idx, ctx, B)
         key = (a, tuple(i.expr for i in idx), ctx)
