@@ -99,9 +99,8 @@ def _step_count(label, value):
     if isinstance(value, bool) or not (isinstance(value, numbers.Integral) or (
             _is_jax_array(value) and value.ndim == 0 and jnp.issubdtype(value.dtype, jnp.integer))):
         raise ArgumentError(f"{label}={value!r}: expected an int or a 0-d integer JAX array")
-    if isinstance(value, numbers.Integral) and value < 0:
-        raise ArgumentError(f"{label}={value}: must be >= 0")
-    if _is_jax_array(value) and not isinstance(value, jax.core.Tracer) and int(value) < 0:
+    # (a traced count's value is not known here: a negative one runs no step)
+    if not isinstance(value, jax.core.Tracer) and int(value) < 0:
         raise ArgumentError(f"{label}={int(value)}: must be >= 0")
     if isinstance(value, numbers.Integral) and value > _INT_BOUNDS[_canonical(_I64)][1]:
         raise ArgumentError(f"{label}={value}: more than JAX's {_canonical(_I64)} holds (jax_enable_x64 is off); "

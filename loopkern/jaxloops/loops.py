@@ -95,24 +95,20 @@ def _fallback(name, fallback, exc: Unsupported, fn=None):
     if fallback == "error" and isinstance(exc, GeneratedStepRejected):
         raise exc.error
     reason = f" ({exc.reason})" if exc.reason else ""
-    w = exc.where
-    # (columns counted from 1, as in the StepSyntaxError that fallback="error" raises)
-    where = f"{w.file}:{w.line}:{w.col + 1} ({w.function})" if getattr(w, "line", 0) else str(w)
-    msg = (f"lk.{name}: '{exc.prim}'{reason} at {where} is outside what loopkern compiles yet (in the body "
-           f"or the condition); running jax.lax.{name} instead")
+    w = exc.where           # a Where, or a string where there is no source line
+    file, line, col = getattr(w, "file", "<unknown>"), getattr(w, "line", 0), getattr(w, "col", 0)
     if fallback == "error":
-        w = exc.where
-        file, line, col = getattr(w, "file", "<unknown>"), getattr(w, "line", 0), getattr(w, "col", 0)
-        text = ""
-        if line:
-            text = linecache.getline(file, line)
+        text = linecache.getline(file, line) if line else ""
         step = getattr(fn, "__name__", name)
         raise StepSyntaxError([Diagnostic(file, line, col + 1, step,
                                           f"lk.{name}: '{exc.prim}'{reason} is outside the subset that loopkern "
                                           f"compiles", f"use jax.lax.{name}, or fallback='warn' to run it "
                                           f"automatically", text)]) from None
     if fallback == "warn":
-        warnings.warn(msg, JaxLoopWarning, stacklevel=3)
+        # (columns counted from 1, as in the StepSyntaxError above)
+        where = f"{file}:{line}:{col + 1} ({w.function})" if line else str(w)
+        warnings.warn(f"lk.{name}: '{exc.prim}'{reason} at {where} is outside what loopkern compiles yet (in the "
+                      f"body or the condition); running jax.lax.{name} instead", JaxLoopWarning, stacklevel=3)
 
 
 def _aval(x):

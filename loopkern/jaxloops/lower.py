@@ -528,7 +528,7 @@ class Lowering:
             return self.sub_env[a]
         if not a.shape:
             return self.S(a, B)
-        if len(idx) == len(a.shape) and any(n == 1 and (i.lo, i.hi) != (0, 0) for n, i in zip(a.shape, idx)):
+        if len(idx) == len(a.shape):
             # an extent of 1 is read at index 0 whatever the index: JAX's binary primitives
             # stretch a size-1 operand themselves (``c[:1] + c`` is ``add f32[1] f32[6]``, no
             # broadcast_in_dim), and 0 is the only index that such a dimension has. An index
