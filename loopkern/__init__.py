@@ -17,7 +17,7 @@ __version__ = "0.1.0"
 
 from .dsl import atomic, grid, max, min, num_threads, range, sum, sync, thread_id
 from .errors import (ArgumentError, BackendError, BoundsError, CompileError, HangError, LaunchError,
-                     LoopkernError, StepSyntaxError)
+                     LoopkernError, StepError, StepSyntaxError)
 from .runs import Run, RunHandle
 from .api import MegaKernel, megakernel
 from . import random
@@ -26,7 +26,7 @@ __all__ = [
     "megakernel", "MegaKernel", "Run", "RunHandle",
     "range", "grid", "sync", "sum", "max", "min", "thread_id", "num_threads", "random", "atomic",
     "LoopkernError", "StepSyntaxError", "CompileError", "ArgumentError", "LaunchError", "BackendError",
-    "BoundsError", "HangError",
+    "BoundsError", "HangError", "StepError",
 ]
 
 _JAX_LOOPS = ("fori_loop", "while_loop", "scan", "JaxLoopWarning")

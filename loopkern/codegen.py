@@ -310,8 +310,24 @@ class _Lower(ast.NodeTransformer):
             return ast.copy_location(ast.Expr(_rt_call("sstore", [tgt.value, tgt.slice, node.value], node)), node)
         return node
 
+    def _cpu_power(self) -> bool:
+        """``**`` goes through ``cpu_rt.power`` (Numba's CPU ``0.0 ** -n`` raises where the GPU
+        gives an infinity); a debug kernel keeps Python's error model, so it keeps ``**``."""
+        return self.backend == "cpu" and self.sites is None
+
+    def visit_BinOp(self, node):
+        self.generic_visit(node)
+        if isinstance(node.op, ast.Pow) and self._cpu_power():
+            return _rt_call("power", [node.left, node.right], node)
+        return node
+
     def visit_AugAssign(self, node):
         tgt = node.target
+        if isinstance(node.op, ast.Pow) and isinstance(tgt, ast.Name) and self._cpu_power():
+            value = ast.copy_location(ast.BinOp(left=ast.Name(id=tgt.id, ctx=ast.Load()), op=node.op,
+                                                right=node.value), node)
+            assign = ast.copy_location(ast.Assign(targets=[ast.Name(id=tgt.id, ctx=ast.Store())], value=value), node)
+            return self.visit_Assign(ast.fix_missing_locations(assign))
         # a[i] += x becomes store(a, i, load(a, i) + x), which evaluates the index twice: only
         # for an index without calls (but the non-negative marks)
         if (isinstance(tgt, ast.Subscript) and self.sites is None and self._own_access(tgt)

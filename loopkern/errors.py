@@ -68,6 +68,25 @@ class BoundsError(LoopkernError, IndexError):
     made (a load read element 0, a store was skipped) and the run stopped soon after."""
 
 
+class StepError(LoopkernError):
+    """The step raised an exception while the kernel ran (CPU backend: e.g. a ``debug=True``
+    kernel, which keeps Python's error model, dividing by zero). The run stopped there.
+
+    Attributes:
+        run: the :class:`~loopkern.Run` of the steps completed before the failing one
+            (``stopped == "error"``): each swap pair's first array holds the state after
+            ``run.steps`` steps; arrays the step writes in place may hold part of the failing
+            step. None where the count is unknown (a kernel compiled with ``control=False``).
+        loopkern_run: the same Run (the attribute Ctrl-C and a raising progress callback set).
+
+    The step's own exception is the ``__cause__``.
+    """
+
+    def __init__(self, message, run=None):
+        super().__init__(message)
+        self.run = self.loopkern_run = run
+
+
 class BackendError(LoopkernError):
     """The requested backend is not usable on this machine."""
 

@@ -133,7 +133,7 @@ class RunHandle:
     """
 
     def __init__(self, *, name, host, waiter, backend, plan, reporter=None, deadline=None,
-                 on_finish=None, watchdog=None, describe_error=None, start=0):
+                 on_finish=None, watchdog=None, describe_error=None, start=0, on_error=None):
         self.name = name
         self._host = host                  # a NumPy view of the control block
         self._waiter = waiter
@@ -142,6 +142,8 @@ class RunHandle:
         self._reporter = reporter
         self._deadline = deadline          # host-side deadline (CPU backend), monotonic seconds
         self._on_finish = on_finish        # copy back, release buffers: once, after the kernel
+        # (CPU) an exception from inside a step -> the StepError to raise (None: not one)
+        self._on_error = on_error
         self._describe_error = describe_error
         self._start = start
         self._watchdog = watchdog
@@ -294,6 +296,10 @@ class RunHandle:
             self._waiter.finish()
         except Exception as exc:
             self._close()
+            failed = self._on_error(exc) if self._on_error is not None else None
+            if failed is not None:
+                self._error = failed
+                raise failed from exc
             if isinstance(exc, LaunchError) or not type(exc).__module__.startswith("numba"):
                 raise
             raise LaunchError(f"{self.name}: the kernel failed while running: {exc}") from exc

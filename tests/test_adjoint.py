@@ -99,7 +99,7 @@ def test_grad_through_jit_checkpoint_scan_and_cond_around_the_call(rng):
                                            atol=1e-12)
 
 
-def test_second_derivatives_as_hessian_and_a_clear_error_otherwise(rng):
+def test_second_derivatives_as_hessian_forward_over_forward_and_a_clear_error_otherwise(rng):
     k = lk.megakernel(nonlinear_inplace)
     x0 = rng.uniform(-1, 1, 6)
     with jax_x64():
@@ -107,8 +107,41 @@ def test_second_derivatives_as_hessian_and_a_clear_error_otherwise(rng):
         h = jax.hessian(lambda x: (k.jax(x, 0.8, steps=3)[0] ** 2).sum())(x0)
         r = jax.hessian(lambda x: (_nonlinear_jnp(x, 0.8, 3) ** 2).sum())(x0)
         np.testing.assert_allclose(np.asarray(h), np.asarray(r), rtol=1e-9, atol=1e-11)
-        with pytest.raises(LoopkernError, match="differentiating a forward-mode derivative again"):
-            jax.grad(lambda x: jax.jvp(lambda y: k.jax(y, 0.8, steps=3)[0], (x,), (x,))[1].sum())(x0)
+        f = lambda x: k.jax(x, 0.8, steps=3)[0]         # noqa: E731
+        g = lambda x: _nonlinear_jnp(x, 0.8, 3)         # noqa: E731
+        # forward over forward (since session 28: jax.jvp of a jvp raised)
+        for d in (lambda h: jax.jacfwd(jax.jacfwd(h)),
+                  lambda h: lambda x: jax.jvp(lambda y: jax.jvp(h, (y,), (x,))[1], (x,), (x * 0.5,))[1]):
+            np.testing.assert_allclose(np.asarray(d(f)(x0)), np.asarray(d(g)(x0)), rtol=1e-9, atol=1e-11)
+        # reverse over forward and reverse over reverse: a clear error (raw JAX ValueErrors and a
+        # StepSyntaxError about a generated step before session 28)
+        for d, what in ((lambda h: jax.grad(lambda x: jax.jvp(h, (x,), (x,))[1].sum()), "over a forward-mode"),
+                        (lambda h: jax.jacrev(jax.jacfwd(h)), "over a forward-mode"),
+                        (lambda h: jax.grad(lambda x: (jax.grad(lambda y: (h(y) ** 2).sum())(x) ** 2).sum()),
+                         "reverse mode over reverse mode"),
+                        (lambda h: jax.jacrev(jax.jacrev(h)), "reverse mode over reverse mode")):
+            with pytest.raises(LoopkernError, match=what):
+                d(f)(x0)
+
+
+def test_grad_through_vmap_of_the_call(rng):
+    """jax.grad of a function that vmaps kernel.jax (over either axis, nested, some operands
+    unbatched) equals the jnp loop's: the batched tangent run's transpose is the unbatched
+    reverse sweep, vmapped (before session 28 it raised JAX's 'Pure callbacks do not support
+    transpose')."""
+    k = lk.megakernel(nonlinear_inplace)
+    xs = rng.uniform(-1, 1, (3, 7))
+    c = rng.uniform(0.5, 0.9, (2, 3))
+    with jax_x64():
+        xs, c = jnp.asarray(xs), jnp.asarray(c)
+        ours = [lambda s: jax.vmap(lambda x: k.jax(x * s, 0.8, steps=4)[0])(xs).sum(),
+                lambda s: jax.vmap(lambda x: k.jax(x, s, steps=4)[0], in_axes=1)(xs).sum(),
+                lambda s: jax.vmap(jax.vmap(lambda a: k.jax(xs[0] * s, a, steps=3)[0].sum()))(c * s).sum()]
+        refs = [lambda s: jax.vmap(lambda x: _nonlinear_jnp(x * s, 0.8, 4))(xs).sum(),
+                lambda s: jax.vmap(lambda x: _nonlinear_jnp(x, s, 4), in_axes=1)(xs).sum(),
+                lambda s: jax.vmap(jax.vmap(lambda a: _nonlinear_jnp(xs[0] * s, a, 3).sum()))(c * s).sum()]
+        for o, r in zip(ours, refs):
+            np.testing.assert_allclose(float(jax.grad(o)(0.7)), float(jax.grad(r)(0.7)), rtol=1e-9)
 
 
 def test_only_what_has_a_tangent_is_differentiated(rng):

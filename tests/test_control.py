@@ -328,3 +328,30 @@ def test_the_no_poll_baseline_runs_every_step_without_polling(backend, rng):
     run = k(c, slow_at, 2, steps=500, backend=backend, _control=False)
     assert (run.steps, run.stopped) == (500, "steps")
     np.testing.assert_array_equal(c, refs.count_ref(c0, 500, slow_at, 2))
+
+
+@pytest.mark.parametrize("how", ["call", "start"])
+@pytest.mark.parametrize("bad_at", [0, 3, 4])
+def test_a_step_that_raises_stops_the_run_with_the_state_of_the_steps_before(how, bad_at, rng):
+    """A debug=True CPU kernel keeps Python's error model: a division by zero at step bad_at
+    raises lk.StepError (the ZeroDivisionError its cause) with the Run of the steps completed
+    before it, the swap pair in the rename rule's order (odd counts too), and the slot back
+    for the next call. Before session 28 the ZeroDivisionError came out raw with the second
+    buffer holding the newest state."""
+    k = lk.megakernel(W.failing_step, swap=[("u", "v")])
+    x = rng.normal(size=5)
+    u, v, w = x.copy(), x.copy(), np.zeros(5)
+    with pytest.raises(lk.StepError, match=rf"ZeroDivisionError.*at step t={bad_at + 2}.*after {bad_at} complete") as ei:
+        if how == "call":
+            k(u, v, w, bad_at + 2, steps=10, start=2, backend="cpu", debug=True)
+        else:
+            k.start(u, v, w, bad_at + 2, steps=10, start=2, backend="cpu", debug=True).wait()
+    assert isinstance(ei.value.__cause__, ZeroDivisionError)
+    assert ei.value.run is ei.value.loopkern_run
+    assert (ei.value.run.steps, ei.value.run.stopped, ei.value.run.start) == (bad_at, "error", 2)
+    np.testing.assert_allclose(u, x + bad_at, rtol=1e-15)
+    # w is written in place: the failing step had updated elements 0 and 1 before it raised
+    np.testing.assert_array_equal(w, [bad_at + 1, bad_at + 1] + [bad_at] * 3)
+    u, v, w = x.copy(), x.copy(), np.zeros(5)
+    run = k(u, v, w, -1, steps=3, backend="cpu", debug=True)
+    assert run.steps == 3 and np.allclose(u, x + 3)

@@ -554,3 +554,22 @@ def zero_division_step(t, x, k, out, iout):
         iout[0, i] = k[i] // (k[i] - k[i])
         iout[1, i] = k[i] % (k[i] - k[i])
 
+
+
+def int_power_step(t, x, k, out):
+    # a float to an integer power, zero bases included (0.0 ** -n is an infinity, as NumPy gives)
+    for i in lk.range(x.size):
+        y = x[i]
+        y **= k[i]
+        out[0, i] = y
+        out[1, i] = x[i] ** (k[i] - 1)
+        out[2, i] = x[i] ** 2
+
+
+def failing_step(t, u, v, w, bad_at):
+    # divides by zero at step bad_at (element 2): Python's error model (debug=True) raises there
+    n = u.shape[0]
+    for i in lk.range(n):
+        e = 0.0 if (t == bad_at and i == 2) else 1.0
+        v[i] = u[i] + 1.0 / e
+        w[i] += 1.0

@@ -27,9 +27,9 @@ import math
 import numpy as np
 
 from ..compile import simulator_enabled
-from ..errors import ArgumentError, BoundsError, HangError, LaunchError
+from ..errors import ArgumentError, BoundsError, HangError, LaunchError, LoopkernError, StepError
 from ..progress import check_progress
-from ..runs import (Run, RunHandle, EventWaiter, ThreadWaiter, _Stalled, note_cancelled, run_inline,
+from ..runs import (SLICE_START, Run, RunHandle, EventWaiter, ThreadWaiter, _Stalled, note_cancelled, run_inline,
                     slow_step_message, wait_cuda)
 from ..runtime.layout import CANCEL, DBG_SIZE, HOST_SIZE, REQUEST, STEPS, STOPPED, WHY
 from ..warpsplit import WARP, step_has_warp_split
@@ -489,7 +489,40 @@ class Dispatcher:
         except _Stalled as st:
             run = self._finish_run(plan, slot, *st.result, o)
             raise HangError(slow_step_message(self.spec.name, st.idle, o.watchdog, st.steps, run), run=run) from None
+        except Exception as exc:
+            # (the kernel was called in slices: the ones before the failing one completed)
+            failed = self._step_failed(plan, slot, values, exc, o, int(slot.view[SLICE_START]) - o.start)
+            if failed is None:
+                raise
+            raise failed from exc
         return self._finish_run(plan, slot, steps, why, o)
+
+    def _step_failed(self, plan, slot, values, exc, o, before):
+        """A CPU kernel raised ``exc``: give the slot back and return the :class:`StepError`
+        to raise, with the arrays in the rename rule's order (None: not an exception from
+        inside a step, e.g. one from Numba before the kernel ran)."""
+        done = int(slot.view[STEPS])       # steps this call of the kernel completed (polled)
+        plan.slots.give(slot)
+        if done < 0 or isinstance(exc, LoopkernError) or type(exc).__module__.startswith("numba"):
+            return None
+        if done % 2 == 1:
+            # the kernel renames a swap pair's arrays after every step and exchanges their
+            # contents when its call ends; the exception skipped that exchange
+            for a, b in self.spec.swap:
+                x, y = values[a], values[b]
+                newest = np.array(y, copy=True)
+                y[...] = x
+                x[...] = newest
+        steps = before + done
+        c = plan.config
+        run = Run._make(steps, "error", plan.backend, c.scope, c.blocks, c.threads, o.start, c.depth)
+        t = o.start + steps
+        hint = ("a debug=True kernel keeps Python's error model (a zero divisor raises); without debug=True the "
+                "CPU backend computes what the GPU does" if plan.debug else "")
+        return StepError(f"{self.spec.name}: the step raised {type(exc).__name__} ({exc}) at step t={t}; the run "
+                         f"stopped there after {steps} complete steps. The first array of each swap pair holds the "
+                         f"state after those steps; arrays the step writes in place may hold part of step t={t}"
+                         + (f". Note: {hint}" if hint else ""), run)
 
     def _run_cuda(self, plan, values, ptrs, o: Options) -> Run:
         # no event: the done flag proves the run complete (cuda_rt.finish); wait_cuda asks the
@@ -527,7 +560,7 @@ class Dispatcher:
             raise
         return slot
 
-    def _handle(self, plan, slot, values, o, waiter, reporter, deadline=None) -> RunHandle:
+    def _handle(self, plan, slot, values, o, waiter, reporter, deadline=None, on_error=None) -> RunHandle:
         """The RunHandle of a run started on ``slot``: when it finishes, NumPy inputs are copied
         back (CUDA) and the slot goes back to the plan."""
         def on_finish():
@@ -537,7 +570,7 @@ class Dispatcher:
                 plan.slots.give(slot)
         return RunHandle(name=self.spec.name, host=slot.view, waiter=waiter, backend=plan.backend, plan=plan.config,
                          deadline=deadline, on_finish=on_finish, reporter=reporter, watchdog=o.watchdog,
-                         start=o.start,
+                         start=o.start, on_error=on_error,
                          describe_error=(lambda steps: plan.bounds_error(slot, steps, o.start))
                          if plan.debug else None)
 
@@ -552,7 +585,8 @@ class Dispatcher:
         args = plan.kernel_args(values, slot, o.nsteps, o.start, o.seed)
         entry = plan.kernel
         return self._handle(plan, slot, values, o, ThreadWaiter(lambda: entry(*args)), reporter,
-                            deadline=time.monotonic() + o.timeout if o.timeout is not None else None)
+                            deadline=time.monotonic() + o.timeout if o.timeout is not None else None,
+                            on_error=lambda exc: self._step_failed(plan, slot, values, exc, o, 0))
 
     def _launch_simulator(self, plan, values, o, reporter=None) -> RunHandle:
         """Numba's CUDA simulator: the launch runs the kernel in Python, on a worker thread."""

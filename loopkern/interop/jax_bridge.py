@@ -576,6 +576,8 @@ def _segment_kernels(mk, active_names, state, ndims, form="gather"):
         for k, stacks in zip(kernels, (rec_stacks, seg_stacks)):
             names = k.spec.param_names
             k.__dict__["_stacked_params"] = frozenset(names.index(v) for v in stacks.values())
+            # (reverse mode over these is reverse over reverse: refused by _reverse_sweep)
+            k.__dict__["_adjoint_of"] = mk.__dict__.get("_adjoint_of", mk.spec.name)
         cache[key] = kernels + (scratch, recorded)
     return cache[key]
 
@@ -598,6 +600,10 @@ def _reverse_sweep(ctx, name, cts, n, t0, args) -> list:
     from jax.interpreters import ad
 
     mk = ctx.mk
+    if "_adjoint_of" in mk.__dict__:
+        raise LoopkernError(f"kernel.jax: megakernel '{mk.__dict__['_adjoint_of']}': reverse mode over reverse "
+                            f"mode (jax.grad of jax.grad, jacrev of jacrev) is not supported; second derivatives "
+                            f"work as jax.hessian or jax.jacfwd(jax.jacrev(f)) (forward over reverse)")
     nsteps = ctx.nsteps
     if nsteps is None:
         which = "max_steps" if ctx.returns_condition else "the step count"
@@ -723,6 +729,7 @@ def _tangent_primitive():
     if _TANGENT_P:
         return _TANGENT_P[0]
     import jax
+    import jax.numpy as jnp
     from jax.extend.core import Primitive
     from jax.interpreters import ad, batching, mlir
 
@@ -737,24 +744,152 @@ def _tangent_primitive():
     mlir.register_lowering(p, mlir.lower_fun(lambda *a, fn, name, reverse: list(fn(*a)), multiple_results=True))
 
     def batch(args, dims, fn, name, reverse):
-        outs = jax.vmap(lambda *a: list(fn(*a)), in_axes=dims)(*args)
+        # still this primitive (of the vmapped run), so that differentiating it again meets
+        # the rules below, not the kernel's raw callback
+        dims = tuple(dims)
+
+        def batched(*a):
+            return list(jax.vmap(lambda *x: list(fn(*x)), in_axes=dims)(*a))
+        outs = p.bind(*args, fn=batched, name=name, reverse=_Batched(fn, reverse, dims))
         return outs, [0] * len(outs)
     batching.primitive_batchers[p] = batch
 
-    def transpose(cts, n, t0, *args, fn, name, reverse):
+    def transpose(cts, *args, fn, name, reverse):
+        if isinstance(reverse, _Batched):
+            return _transpose_batched(p, cts, args, name, reverse)
+        n, t0, args = args[0], args[1], args[2:]
         # no cotangent for the primal run's checkpoints (the last operands)
         return [None, None] + _reverse_sweep(reverse, name, cts, n, t0, args) + [None] * reverse.n_checkpoints
     ad.primitive_transposes[p] = transpose
 
     def second_order(primals, tangents, fn, name, reverse):
-        # differentiating a tangent run again: reverse over forward (grad of a jvp, jacrev of
-        # jacfwd) and, through the transpose's own tangent runs, reverse over reverse
-        raise LoopkernError(f"kernel.jax: megakernel '{name}': differentiating a forward-mode derivative again "
-                            f"(jax.jvp or jacfwd under grad, jacrev or another jacfwd) is not supported; second "
-                            f"derivatives work as jax.hessian (forward over reverse)")
+        # forward over forward (jvp of a jvp, jacfwd of jacfwd): the tangent run's own tangent,
+        # through its tangent kernel (fn's kernel.jax), as a primitive of its own whose
+        # transpose refuses reverse mode over it
+        outs = p.bind(*primals, fn=fn, name=name, reverse=reverse)
+        which = tuple(k for k, (x, t) in enumerate(zip(primals, tangents))
+                      if type(t) is not ad.Zero and jnp.issubdtype(jnp.result_type(x), jnp.inexact))
+        if not which:
+            return outs, [ad.Zero(o.aval.to_tangent_aval()) for o in outs]
+        inexact = tuple(k for k, o in enumerate(outs) if jnp.issubdtype(o.dtype, jnp.inexact))
+        lin = _forward_tangent_primitive().bind(*primals, *[tangents[k] for k in which], fn=fn, name=name,
+                                                which=which, inexact=inexact)
+        t_outs = [ad.Zero(o.aval.to_tangent_aval()) for o in outs]
+        for k, t in zip(inexact, lin):
+            t_outs[k] = t
+        return outs, t_outs
     ad.primitive_jvps[p] = second_order
     _TANGENT_P.append(p)
     return p
+
+
+class _Batched:
+    """The ``reverse`` of a vmapped tangent run: the unbatched run's function and reverse
+    context, and each operand's batch dimension (None: not batched)."""
+
+    def __init__(self, fn, inner, dims):
+        self.fn, self.inner, self.dims = fn, inner, dims
+
+
+def _transpose_batched(p, cts, args, name, b: _Batched):
+    """The transpose of a vmapped tangent run (reverse mode over ``jax.vmap`` of a call): the
+    unbatched run's transpose, vmapped over the batch; a tangent operand without a batch
+    dimension gets the sum of its cotangents over the batch."""
+    import jax
+    import jax.numpy as jnp
+    from jax.interpreters import ad
+
+    lin = [k for k, a in enumerate(args) if ad.is_undefined_primal(a)]
+    known = [k for k in range(len(args)) if k not in lin]
+
+    def unbatched_aval(k):
+        a, d = args[k], b.dims[k]
+        shape, dtype = (a.aval.shape, a.aval.dtype) if ad.is_undefined_primal(a) else (np.shape(a), jnp.result_type(a))
+        return jax.ShapeDtypeStruct(shape if d is None else shape[:d] + shape[d + 1:], dtype)
+    lin_avals = [unbatched_aval(k) for k in lin]
+    outs = jax.eval_shape(lambda *a: list(b.fn(*a)), *[unbatched_aval(k) for k in range(len(args))])
+    size = _batch_size(args, b.dims)
+    cts = [jnp.zeros((size,) + tuple(o.shape), o.dtype) if type(c) is ad.Zero else c for c, o in zip(cts, outs)]
+
+    def one(known_vals, ct_vals):
+        def linear(*tans):
+            full, it_k, it_t = [], iter(known_vals), iter(tans)
+            for k in range(len(args)):
+                full.append(next(it_t) if k in lin else next(it_k))
+            return list(p.bind(*full, fn=b.fn, name=name, reverse=b.inner))
+        return jax.linear_transpose(linear, *lin_avals)(list(ct_vals))
+    res = jax.vmap(one, in_axes=([b.dims[k] for k in known], 0))([args[k] for k in known], cts)
+    result = [None] * len(args)
+    for k, r in zip(lin, res):
+        d = b.dims[k]
+        result[k] = r.sum(0) if d is None else jnp.moveaxis(r, 0, d)
+    return result
+
+
+def _batch_size(args, dims) -> int:
+    from jax.interpreters import ad
+    for a, d in zip(args, dims):
+        if d is not None:
+            return (a.aval.shape if ad.is_undefined_primal(a) else np.shape(a))[d]
+    raise AssertionError("a batched tangent run without a batched operand")
+
+
+def _reverse_over_forward(name) -> str:
+    return (f"kernel.jax: megakernel '{name}': reverse mode (jax.grad, jax.vjp, jacrev) over a forward-mode "
+            f"derivative (jax.jvp, jacfwd) is not supported; second derivatives work as jax.hessian or "
+            f"jax.jacfwd(jax.jacrev(f)) (forward over reverse), and forward over forward (jacfwd of jacfwd) works")
+
+
+_FORWARD_P: list = []
+
+
+def _forward_tangent_primitive():
+    """``loopkern_tangent_jvp``: the tangent of a tangent run (forward over forward), evaluated
+    as ``jax.jvp`` of the run's function (its tangent kernel's own tangent kernel). Linear in
+    its tangent operands; its transpose (reverse over forward) and its own derivatives
+    (third order) are refused with a LoopkernError."""
+    if _FORWARD_P:
+        return _FORWARD_P[0]
+    import jax
+    import jax.numpy as jnp
+    from jax.extend.core import Primitive
+    from jax.interpreters import ad, batching, mlir
+
+    q = Primitive("loopkern_tangent_jvp")
+    q.multiple_results = True
+
+    def evaluate(*a, fn, name, which, inexact):
+        primals = a[:len(a) - len(which)]
+        seeds = dict(zip(which, a[len(primals):]))
+        tangents = [seeds[k] if k in seeds else
+                    (jnp.zeros_like(x) if jnp.issubdtype(jnp.result_type(x), jnp.inexact)
+                     else np.zeros(np.shape(x), jax.dtypes.float0)) for k, x in enumerate(primals)]
+        _, t_out = jax.jvp(lambda *x: list(fn(*x)), list(primals), tangents)
+        return [t_out[k] for k in inexact]
+    q.def_impl(evaluate)
+
+    def abstract(*avals, fn, name, which, inexact):
+        outs = jax.eval_shape(lambda *x: evaluate(*x, fn=fn, name=name, which=which, inexact=inexact),
+                              *[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals])
+        return [jax.core.ShapedArray(o.shape, o.dtype) for o in outs]
+    q.def_abstract_eval(abstract)
+    mlir.register_lowering(q, mlir.lower_fun(evaluate, multiple_results=True))
+
+    def batch(args, dims, fn, name, which, inexact):
+        outs = jax.vmap(lambda *a: evaluate(*a, fn=fn, name=name, which=which, inexact=inexact), in_axes=dims)(*args)
+        return outs, [0] * len(outs)
+    batching.primitive_batchers[q] = batch
+
+    def transpose(cts, *args, fn, name, which, inexact):
+        raise LoopkernError(_reverse_over_forward(name))
+    ad.primitive_transposes[q] = transpose
+
+    def third_order(primals, tangents, fn, name, which, inexact):
+        raise LoopkernError(f"kernel.jax: megakernel '{name}': derivatives of third order (a forward-mode "
+                            f"derivative of a second one) are not supported")
+    ad.primitive_jvps[q] = third_order
+    _FORWARD_P.append(q)
+    return q
 
 
 def _cpu_core(mk, sig, seed, timeout):

@@ -1,6 +1,8 @@
 """CPU-backend runtime: one thread covers the whole grid, so a reduction is its own value and an
 ``lk.atomic`` update a plain read-modify-write."""
 
+import math
+
 import numba
 import numpy as np
 from numba import types
@@ -127,3 +129,24 @@ _ATOMIC = _atomics.build_numba(overload, "cpu", lambda op: f"_rmw_{op}(a, idx, w
 atomic_add, atomic_max, atomic_min = _ATOMIC["atomic_add"], _ATOMIC["atomic_max"], _ATOMIC["atomic_min"]
 atomic_add_checked, atomic_max_checked, atomic_min_checked = (
     _ATOMIC["atomic_add_checked"], _ATOMIC["atomic_max_checked"], _ATOMIC["atomic_min_checked"])
+
+
+# -- x ** n: a float to a negative integer power of zero is an infinity, as on the GPU ---------
+def power(x, n):
+    """``x ** n`` as the GPU computes it (the CPU template's ``**`` outside ``debug=True``)."""
+    return x ** n
+
+
+@overload(power)
+def _power_impl(x, n):
+    if isinstance(x, types.Float) and isinstance(n, types.Integer) and n.signed:
+        # Numba's float ** int raises ZeroDivisionError for 0.0 ** -n whatever the error model;
+        # IEEE pow (the GPU, NumPy) gives +-inf: -inf for -0.0 to an odd power
+        inf = np.dtype(str(x)).type(np.inf)
+
+        def impl(x, n):
+            if x == 0 and n < 0:
+                return -inf if (n & 1) != 0 and math.copysign(1.0, x) < 0 else inf
+            return x ** n
+        return impl
+    return lambda x, n: x ** n
