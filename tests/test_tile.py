@@ -300,6 +300,53 @@ def test_scope_tile_says_why_it_cannot_run(rng):
         no_swap(x, y, 0.1, steps=1, backend="cuda", scope="tile")
 
 
+def two_pair_step(t, a, b, c, d):
+    n = a.shape[0]
+    for i in lk.range(1, n - 1):
+        b[i] = 0.5 * (a[i - 1] + a[i + 1])
+        d[i] = c[i] + a[i]
+
+
+def aliased_read_step(t, u, v, w, out):
+    n = u.shape[0]
+    for i in lk.range(1, n - 1):
+        v[i] = 0.5 * (u[i - 1] + u[i + 1])
+        out[i] = w[i]
+
+
+@pytest.mark.parametrize("scope", ["tile", "cluster"])
+def test_an_argument_sharing_memory_with_an_array_kept_on_chip_is_refused(scope, rng):
+    """w is the caller's u: tile mode keeps u's values on chip, so w read its stale copy in
+    memory and the run gave other values than the grid scope, silently, before session 28.
+    Now an ArgumentError before anything is written (scope='auto' then keeps the grid
+    scope); two swap pairs sharing memory likewise."""
+    from numba import cuda
+    k = lk.megakernel(aliased_read_step, swap=[("u", "v")])
+    u0 = rng.random(16)
+    u, v, out = cuda.to_device(u0), cuda.to_device(u0), cuda.to_device(np.zeros(16))
+    with pytest.raises(lk.ArgumentError, match=f"scope='{scope}': argument 'w' shares memory with 'u'"):
+        k(u, v, u, out, steps=2, backend="cuda", scope=scope)
+    np.testing.assert_array_equal(u.copy_to_host(), u0)
+    np.testing.assert_array_equal(out.copy_to_host(), 0.0)
+    half = cuda.to_device(u0)
+    with pytest.raises(lk.ArgumentError, match="argument 'w' shares memory with 'v'"):
+        k(u, half, half[4:12], out, steps=2, backend="cuda", scope=scope)
+    two = lk.megakernel(two_pair_step, swap=[("a", "b"), ("c", "d")])
+    x, y, z = (cuda.to_device(rng.random(16)) for _ in range(3))
+    with pytest.raises(lk.ArgumentError, match="argument 'd' shares memory with 'a'"):
+        two(x, y, z, x, steps=1, backend="cuda", scope=scope)
+    # the grid scope reads the buffer itself (the reference: w is u's buffer, read each step)
+    ref_u, ref_v, ref_out = u0.copy(), u0.copy(), np.zeros(16)
+    cur, nxt = ref_u, ref_v
+    for _ in range(3):
+        nxt[1:-1] = 0.5 * (cur[:-2] + cur[2:])
+        ref_out[1:-1] = ref_u[1:-1]
+        cur, nxt = nxt, cur
+    u, v, out = cuda.to_device(u0), cuda.to_device(u0), cuda.to_device(np.zeros(16))
+    k(u, v, u, out, steps=3, backend="cuda", scope="grid")
+    np.testing.assert_allclose(out.copy_to_host(), ref_out, rtol=1e-15)
+
+
 @pytest.mark.parametrize("scope", ["tile", "cluster"])
 def test_jacobi_to_tolerance_in_tile_mode(scope, rng):
     # a reduction in the step and a condition as its last statement; the tile's grid barrier

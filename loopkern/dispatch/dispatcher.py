@@ -295,6 +295,15 @@ class Dispatcher:
         resident = sorted(i for pair in spec.swap for i in pair)
         arrays = [argv[i] for i in resident]
         first = arrays[0]
+        from .args import overlaps
+        for i in resident:
+            for j, b in enumerate(argv):
+                if j != i and isinstance(b, ArrayArg) and (j > i or j not in resident) and overlaps(argv[i], b):
+                    # the step would reach that memory through b while the run keeps its
+                    # values on chip: b's reads would be stale, its writes lost
+                    raise ArgumentError(f"scope='{name}': argument '{b.name}' shares memory with '{argv[i].name}', "
+                                        f"which this scope keeps on chip for the whole run; pass a separate array, "
+                                        f"or use scope='grid' or 'block'")
         for a in arrays:
             if len(a.shape) != st.ndim or a.shape != first.shape or a.dtype != first.dtype:
                 raise ArgumentError(f"scope='{name}': the arrays kept on chip must all be {st.ndim}-D of one shape and "
