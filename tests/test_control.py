@@ -295,6 +295,20 @@ def test_bad_run_control_arguments(kwargs, match, rng):
     np.testing.assert_array_equal(u, u0)
 
 
+@pytest.mark.parametrize("count", [2 ** 63, 2 ** 64 - 1, 2 ** 64, 10 ** 30])
+def test_a_step_count_beyond_int64_is_an_argument_error(count, rng):
+    # (a raw OverflowError from the kernel's entry before session 28; sys.maxsize runs)
+    u0 = rng.random(20)
+    u, v = u0.copy(), u0.copy()
+    with pytest.raises(lk.ArgumentError, match=rf"steps={count}: must be at most {2 ** 63 - 1}"):
+        _heat()(u, v, 0.2, steps=count, backend="cpu")
+    with pytest.raises(lk.ArgumentError, match=rf"steps={count}: must be at most"):
+        _heat().start(u, v, 0.2, steps=count, backend="cpu")
+    np.testing.assert_array_equal(u, u0)
+    run = _heat()(u, v, 0.2, steps=sys.maxsize, backend="cpu", timeout=0.05)
+    assert run.stopped == "timeout" and run.steps > 0
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_a_one_thread_step_stops_exactly_where_it_says(backend, rng):
     # no parallel construct: scope "auto" runs one thread, which polls every few steps

@@ -166,6 +166,8 @@ BAD_CALLS = [
     (lambda u: HEAT.jax(u, u, 0.25, steps=1, backend="xyz"), "backend='xyz': expected one of"),
     (lambda u: HEAT.jax(u, u, 0.25, steps=1, scope="bogus"), "scope='bogus': expected one of"),
     (lambda u: HEAT.jax(u, u, 0.25, steps=2 ** 63), "steps=9223372036854775808: more than JAX's"),
+    # (a raw OverflowError naming no argument before session 28)
+    (lambda u: HEAT.jax(u, u, 2 ** 64 - 1, steps=1), "argument 'alpha': the integer 18446744073709551615 does not fit"),
 ]
 
 

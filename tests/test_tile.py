@@ -347,6 +347,25 @@ def test_an_argument_sharing_memory_with_an_array_kept_on_chip_is_refused(scope,
     np.testing.assert_allclose(out.copy_to_host(), ref_out, rtol=1e-15)
 
 
+@pytest.mark.parametrize("shape", [(5, 0), (0, 0), (0, 5), (0,)])
+def test_empty_arrays_in_tile_mode_run_no_element(shape, rng):
+    # (a (5, 0) or (0, 0) field raised a raw ValueError from inside the kernel before session 28)
+    from numba import cuda
+
+    def heat2(t, u, v, a):
+        n = u.shape[0]
+        m = u.shape[1]
+        for i, j in lk.grid((1, n - 1), (1, m - 1)):
+            v[i, j] = u[i, j] + a * (u[i - 1, j] + u[i + 1, j] + u[i, j - 1] + u[i, j + 1] - 4.0 * u[i, j])
+    k = lk.megakernel(heat2 if len(shape) == 2 else W.heat_step, swap=[("u", "v")])
+    u, v = cuda.to_device(np.ones(shape)), cuda.to_device(np.ones(shape))
+    run = k(u, v, 0.2, steps=3, backend="cuda", scope="tile")
+    assert run.steps == 3 and u.copy_to_host().shape == shape
+    helper = lk.megakernel(W.helper_step, swap=[("u", "v")])
+    with pytest.raises(lk.ArgumentError, match="is not a stencil"):
+        helper(cuda.to_device(np.ones(0)), cuda.to_device(np.ones(0)), 0.1, steps=1, backend="cuda", scope="tile")
+
+
 @pytest.mark.parametrize("scope", ["tile", "cluster"])
 def test_jacobi_to_tolerance_in_tile_mode(scope, rng):
     # a reduction in the step and a condition as its last statement; the tile's grid barrier

@@ -120,11 +120,14 @@ def check_choice(name, value, allowed):
     return value
 
 
-def check_count(name, value, allow_none=True, minimum=0):
+def check_count(name, value, allow_none=True, minimum=0, maximum=None):
     if value is None and allow_none:
         return None
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise ArgumentError(f"{name}={value!r}: expected an integer")
     if int(value) < minimum:
         raise ArgumentError(f"{name}={value!r}: must be >= {minimum}")
+    if maximum is not None and int(value) > maximum:
+        raise ArgumentError(f"{name}={value!r}: must be at most {maximum} (the kernel counts steps in int64; "
+                            f"sys.maxsize runs until a condition, a timeout or a cancel stops it)")
     return int(value)

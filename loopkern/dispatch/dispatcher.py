@@ -137,7 +137,7 @@ class Dispatcher:
         """The call's options, checked (ArgumentError naming the option otherwise). The common
         values pass plain type tests; the launch options are checked once per combination."""
         o = Options()
-        if max_steps is None and type(steps) is int and steps >= 0:
+        if max_steps is None and type(steps) is int and 0 <= steps < 2 ** 63:
             o.label, o.nsteps = "steps", steps
         else:
             if steps is not None and max_steps is not None:
@@ -146,7 +146,8 @@ class Dispatcher:
                 raise ArgumentError(f"{self.spec.name}(): pass steps=N (or max_steps=N for a step that returns a "
                                     f"condition)")
             o.label = "steps" if steps is not None else "max_steps"
-            o.nsteps = checks.check_count(o.label, steps if steps is not None else max_steps, allow_none=False)
+            o.nsteps = checks.check_count(o.label, steps if steps is not None else max_steps, allow_none=False,
+                                          maximum=2 ** 63 - 1)
         o.start = start if type(start) is int and 0 <= start < 2 ** 62 else checks.check_start(start)
         o.seed = seed if type(seed) is int and 0 <= seed < 2 ** 64 else checks.check_seed(seed)
         o.progress = progress if progress is False else check_progress(progress)
@@ -229,6 +230,12 @@ class Dispatcher:
         work = max([a.size for a in argv if isinstance(a, ArrayArg)] or [1])
         checks.check_thread_scope(spec, o.scope)
         scope = resolve_scope(o.scope, work, spec.parallel, spec.light_elements)
+        if scope in ("tile", "cluster") and any(isinstance(argv[i], ArrayArg) and argv[i].size == 0
+                                                for pair in spec.swap for i in pair):
+            # nothing to keep on chip (a tile of no cells): the grid scope runs the steps,
+            # once the step is known to be one tile mode covers
+            self.tile_stencil(scope)
+            scope = "grid"
         if scope in ("tile", "cluster"):
             return self._make_tile_plan(argv, run_values, float_type, o, sim, cluster=scope == "cluster")
         if o.scope == "auto" and scope in ("grid", "block") and self.auto_tile(

@@ -149,7 +149,12 @@ def _prepare(mk, args, kwargs, steps, max_steps):
                 raise ArgumentError(f"argument '{p.name}': expected a JAX array or a number, got {type(v).__name__}")
             weak = type(v) is float or (_is_jax_array(v) and bool(getattr(jax.typeof(v), "weak_type", False))
                                         and jnp.issubdtype(v.dtype, jnp.floating))
-            v, dtype = _number(v)
+            try:
+                v, dtype = _number(v)
+            except OverflowError as exc:
+                # (jnp.asarray's own error names no argument)
+                raise ArgumentError(f"argument '{p.name}': the integer {v} does not fit in JAX's default integer "
+                                    f"type ({exc}); pass a JAX array of the dtype you mean, or enable x64") from None
             check_dtype(p.name, dtype, "scalar")
             if weak:
                 weak_scalars.append(i)
