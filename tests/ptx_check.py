@@ -57,6 +57,8 @@ CASES = [
     ("warpsplit_int", WS.counts, [], [np.zeros(8, i64), np.zeros((2, 2), i64), 0, 1], ("grid",)),
     ("warpsplit_f32", WS.backwards, [], [np.zeros(8, f32), np.zeros(2, f32)], ("grid",)),
     ("mixed_reductions", W.mixed_reductions_step, [], [np.zeros(8, f32), np.zeros((3, 4))], ("grid", "block")),
+    ("uint64_extremes", W.uint64_extremes_step, [], [np.zeros(8, np.uint64), np.zeros(2, np.uint64)],
+     ("grid", "block")),
     # lk.atomic: integer add (a histogram); float add, max and min, 2-D and negative indices, values
     # cast to the array's dtype, the old value used
     ("histogram", W.histogram_step, [], [np.zeros(8, f32), np.zeros(4, i32), f32(0.0), f32(0.25)], ("grid", "block")),

@@ -466,6 +466,25 @@ def test_two_argument_math_matches_python(backend, scope, rng):
             np.testing.assert_array_equal(out[row], ref, err_msg=f.__name__)
 
 
+@pytest.mark.parametrize("backend,scope", list(cases()))
+def test_max_and_min_of_uint64_order_values_from_2_63_on(backend, scope, rng):
+    """lk.max/lk.min of uint64 return uint64 and order values of 2**63 and more above the rest
+    (before session 28 the CPU backend returned them as negative int64, the simulator raised
+    OverflowError and the GPU compared them as signed)."""
+    n = 24 if small(backend) else 500
+    for case in range(4):
+        a = rng.integers(0, 2 ** 62, n, dtype=np.uint64)
+        if case >= 1:
+            a[rng.integers(0, n, 3)] = np.uint64(2 ** 63) + rng.integers(0, 2 ** 62, 3, dtype=np.uint64)
+        if case == 2:
+            a[:] = np.uint64(2 ** 64 - 1) - a % np.uint64(1000)
+        if case == 3:
+            a[rng.integers(0, n)] = 0
+        out = np.zeros(2, np.uint64)
+        lk.megakernel(W.uint64_extremes_step)(a, out, steps=1, backend=backend, scope=scope)
+        assert out.tolist() == [int(a.max()), int(a.min())], case
+
+
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_a_float_to_an_integer_power_follows_numpy_on_the_cpu_backend(dtype, rng):
     """x ** n with x a float and n a signed integer: 0.0 ** -n is an infinity (-inf for -0.0 to

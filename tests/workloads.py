@@ -573,3 +573,17 @@ def failing_step(t, u, v, w, bad_at):
         e = 0.0 if (t == bad_at and i == 2) else 1.0
         v[i] = u[i] + 1.0 / e
         w[i] += 1.0
+
+
+def uint64_extremes_step(t, a, out):
+    # lk.max / lk.min of uint64 values, 2**63 and above included
+    hi = a[0]
+    lo = a[0]
+    for i in lk.range(a.shape[0]):
+        hi = max(hi, a[i])
+        lo = min(lo, a[i])
+    top = lk.max(hi)
+    bottom = lk.min(lo)
+    if lk.thread_id() == 0:
+        out[0] = top
+        out[1] = bottom

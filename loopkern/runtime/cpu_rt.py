@@ -26,7 +26,21 @@ def _reduce_value_impl(x):
     return None
 
 
-reduce_sum = reduce_max = reduce_min = _reduce_value
+def _reduce_extreme(x):
+    """``lk.max``/``lk.min`` over one thread: as ``_reduce_value``, but a uint64 stays uint64
+    (as int64, values from 2**63 on would be negative and order below the others)."""
+    return x
+
+
+@overload(_reduce_extreme)
+def _reduce_extreme_impl(x):
+    if isinstance(x, types.Integer) and not x.signed and x.bitwidth == 64:
+        return lambda x: x
+    return _reduce_value_impl(x)
+
+
+reduce_sum = _reduce_value
+reduce_max = reduce_min = _reduce_extreme
 
 _, random_uniform, random_normal = build(numba.njit)
 

@@ -250,7 +250,7 @@ if SIMULATOR:
             tot = cast(tot + cast(buf[first + w]))
         return tot
 else:
-    from numba import float64, int64, types
+    from numba import float64, int64, types, uint64
     from numba.cuda.extending import overload
 
     def group_put(v, k, shf, shi):
@@ -337,6 +337,15 @@ if SIMULATOR:
         def reduce(x, redf, redi, st, bar, shf, shi):
             # the kernel's per-warp slots are for the GPU's warp shuffles; here one slot per thread
             is_float = isinstance(x, (float, np.floating))
+            unsigned = isinstance(x, np.uint64)
+            if unsigned:
+                # in the int64 slots: a sum wraps (its result is int64); max and min compare
+                # the values with the top bit flipped, which orders uint64 as int64
+                x = int(x)
+                if op != "sum":
+                    x -= 2 ** 63
+                elif x >= 2 ** 63:
+                    x -= 2 ** 64
             slot = st[0] & 1
             st[0] += 1
             tid, n = cuda.threadIdx.x, cuda.blockDim.x
@@ -360,10 +369,12 @@ if SIMULATOR:
                     acc = _combine(op, acc, red[slot, b])
             if is_float:
                 return type(x)(acc) if isinstance(x, np.floating) else float(acc)
+            if unsigned and op != "sum":
+                return np.uint64(int(acc) + 2 ** 63)
             return np.int64(acc)
         return reduce
 else:
-    from numba import float64, int64, types
+    from numba import float64, int64, types, uint64
     from numba.cuda.extending import overload
 
     @cuda.jit(device=True)
@@ -453,6 +464,13 @@ else:
 
                 def impl(x, redf, redi, st, bar, shf, shi):
                     return out(core_f(float64(x), redf, st, bar, shf))
+                return impl
+            if isinstance(x, types.Integer) and not x.signed and x.bitwidth == 64 and op != "sum":
+                # uint64 with the top bit flipped orders as int64: reduced so, flipped back
+                top = uint64(1 << 63)
+
+                def impl(x, redf, redi, st, bar, shf, shi):
+                    return uint64(core_i(int64(x ^ top), redi, st, bar, shi)) ^ top
                 return impl
             if isinstance(x, (types.Integer, types.Boolean)):
                 def impl(x, redf, redi, st, bar, shf, shi):
