@@ -779,6 +779,28 @@ def test_scatter_windows_points_and_clip_mode(rng):
     same(lk.fori_loop(0, 5, listed, x0, fallback="error"), lax.fori_loop(0, 5, listed, x0), exact=False)
 
 
+def test_clip_mode_set_of_a_carry_at_the_loop_index_moves_the_window_in(rng):
+    """x.at[i].set(v, mode="clip") (and rows, points, windows) as a carry's only update, the
+    index past either end: the write lands on the nearest position, as in lax (before session
+    28 the in-place store dropped it, silently)."""
+    x0 = jnp.asarray(rng.integers(-5, 5, 5).astype(np.int32))
+    m0 = f32(rng, 4, 6)
+    row = f32(rng, 6)
+    bodies = [(lambda i, c: c.at[i].set(i, mode="clip"), x0, (0, 8)),
+              (lambda i, c: c.at[i - 6].set(i * 3, mode="clip"), x0, (0, 4)),
+              (lambda i, c: c.at[i, :].set(row * i, mode="clip"), m0, (0, 7)),
+              (lambda i, c: c.at[i, 2 * i].set(1.5 * i, mode="clip"), m0, (0, 7)),
+              (lambda i, c: c.at[i, 1:4].set(row[:3] + i, mode="clip"), m0, (2, 9))]
+    for body, init, (lo, hi) in bodies:
+        same(lk.fori_loop(lo, hi, body, init, fallback="error"), lax.fori_loop(lo, hi, body, init))
+
+    def counter(i, c):
+        k, x = c
+        return k + 2, x.at[k].set(i, mode="clip")
+    init = (jnp.int32(1), x0)
+    same(lk.fori_loop(0, 6, counter, init, fallback="error"), lax.fori_loop(0, 6, counter, init))
+
+
 def test_scatter_results_feed_reductions_conditions_and_ys(rng):
     """A scatter that reads a reduction, a second scatter that reads the first, a reduction of
     the result, a while_loop condition on it, and scan outputs built from it."""
@@ -1171,6 +1193,62 @@ def test_prng_keys_fall_back_and_the_warning_names_the_error_s_place(rng):
         if body is drawn:
             place = re.search(r"(test_jaxloops\.py:\d+:\d+)", str(info.value)).group(1)
             assert place in msgs[0], (place, msgs[0])
+
+
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16])
+def test_a_closed_over_half_precision_array_falls_back_naming_its_use(dtype, rng):
+    # (an ArgumentError about a generated parameter 'g0' came out of the call before session 28,
+    # with fallback="warn" too)
+    h = jnp.asarray(rng.random(6)).astype(dtype)
+    x0 = f32(rng, 6)
+
+    def body(i, c):
+        return c * 0.5 + h.astype(jnp.float32)
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        got = lk.fori_loop(0, 3, body, x0)
+    msgs = [str(m.message) for m in w if issubclass(m.category, lk.JaxLoopWarning)]
+    assert len(msgs) == 1 and f"closes over of dtype {jnp.dtype(dtype)}" in msgs[0] and "test_jaxloops.py:" in msgs[0]
+    same(got, lax.fori_loop(0, 3, body, x0))
+    with pytest.raises(lk.StepSyntaxError, match="closes over of dtype"):
+        lk.fori_loop(0, 3, body, x0, fallback="error")
+
+
+def test_lk_loops_nested_in_an_lk_loop_body_lower_as_nested_loops(rng):
+    """An lk loop inside an lk loop's body is a lax loop there, which the outer lowering
+    compiles as a nested loop (before session 28 the inner became a kernel call, so the outer
+    always fell back naming 'pure_callback' in loopkern's own file, and an unsupported inner
+    body warned three times per call)."""
+    x0 = jnp.asarray(rng.integers(0, 9, 6).astype(np.int32))
+    v0 = f32(rng, 5)
+
+    def fori_in(i, c):
+        return lk.fori_loop(0, 2, lambda j, d: d * 2 + j - i, c)
+
+    def while_in(i, c):
+        return lk.while_loop(lambda d: d[1] < 3, lambda d: (d[0] * 0.5 + 1.0, d[1] + 1), (c, 0))[0]
+
+    def scan_in(c, x):
+        c2, ys = lk.scan(lambda a, b: (a * 0.9 + b, a.sum()), c, jnp.stack([x, x * 2.0]))
+        return c2, ys
+    same(lk.fori_loop(0, 3, fori_in, x0, fallback="error"),
+         lax.fori_loop(0, 3, lambda i, c: lax.fori_loop(0, 2, lambda j, d: d * 2 + j - i, c), x0))
+    same(lk.fori_loop(0, 3, while_in, v0, fallback="error"),
+         lax.fori_loop(0, 3, lambda i, c: lax.while_loop(lambda d: d[1] < 3, lambda d: (d[0] * 0.5 + 1.0, d[1] + 1),
+                                                          (c, 0))[0], v0), exact=False)
+    xs = f32(rng, 4, 5)
+    same(lk.scan(scan_in, v0, xs, fallback="error"),
+         lax.scan(lambda c, x: lax.scan(lambda a, b: (a * 0.9 + b, a.sum()), c, jnp.stack([x, x * 2.0])), v0, xs),
+         exact=False)
+
+    def bad_in(i, c):
+        return lk.fori_loop(0, 2, lambda j, d: lax.clz(d) + j, c)
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        got = lk.fori_loop(0, 3, bad_in, x0)
+    msgs = [str(m.message) for m in w if issubclass(m.category, lk.JaxLoopWarning)]
+    assert len(msgs) == 1 and "'clz'" in msgs[0] and "test_jaxloops.py:" in msgs[0], msgs
+    same(got, lax.fori_loop(0, 3, lambda i, c: lax.fori_loop(0, 2, lambda j, d: lax.clz(d) + j, c), x0))
 
 
 def test_fallback_error_raises_a_step_syntax_error(rng):

@@ -41,6 +41,23 @@ class JaxLoopWarning(UserWarning):
 
 _kernels: dict = {}
 _lock = threading.Lock()
+# how deep this thread is inside the tracing of an lk loop's body (or its lax fallback): an lk
+# loop called there is a plain lax loop, which the enclosing loop lowers as a nested loop (or
+# its fallback runs), instead of a kernel call of its own (lowered, it would reach the outer
+# body as a callback it cannot compile, and warn again each time its body is traced)
+_body = threading.local()
+
+
+class _AsLax:
+    def __enter__(self):
+        _body.depth = getattr(_body, "depth", 0) + 1
+
+    def __exit__(self, *exc):
+        _body.depth -= 1
+
+
+def _in_body() -> bool:
+    return getattr(_body, "depth", 0) > 0
 _last_source = ""       # the step source of the latest loop (for tests and debugging)
 
 
@@ -248,7 +265,8 @@ def _trace_body(step, avals, lead=(), tail=()):
     output's weak types."""
     import jax
     try:
-        closed = jax.make_jaxpr(step)(*lead, *avals, *tail)
+        with _AsLax():
+            closed = jax.make_jaxpr(step)(*lead, *avals, *tail)
         out_avals = closed.out_avals[:len(avals)]
         if not _same_types(avals, out_avals):
             return None
@@ -290,11 +308,14 @@ def fori_loop(lower, upper, body_fun, init_val, *, unroll=None, fallback="warn")
     from jax import lax
 
     _check_fallback(fallback)
+    if _in_body():
+        return lax.fori_loop(lower, upper, body_fun, init_val)
     leaves, tree = jax.tree_util.tree_flatten(init_val)
     lo_c, hi_c = _concrete_int(lower), _concrete_int(upper)
 
     def lax_loop(lo, hi, init):
-        return lax.fori_loop(lo, hi, body_fun, init)
+        with _AsLax():
+            return lax.fori_loop(lo, hi, body_fun, init)
     if lo_c is not None and hi_c is not None and hi_c <= lo_c:
         return lax_loop(lower, upper, init_val)
     index = _index_type(lower, upper, lo_c is not None and hi_c is not None)
@@ -445,10 +466,13 @@ def while_loop(cond_fun, body_fun, init_val, *, max_steps=DEFAULT_CHUNK, fallbac
     if isinstance(max_steps, bool) or not isinstance(max_steps, (int, np.integer)) or not 1 <= max_steps < 2 ** 31:
         raise ArgumentError(f"max_steps={max_steps!r}: expected an int from 1 to 2**31 - 1 (steps per launch)")
     max_steps = int(max_steps)
+    if _in_body():
+        return lax.while_loop(cond_fun, body_fun, init_val)
     leaves, tree = jax.tree_util.tree_flatten(init_val)
 
     def lax_loop():
-        return lax.while_loop(cond_fun, body_fun, init_val)
+        with _AsLax():
+            return lax.while_loop(cond_fun, body_fun, init_val)
     avals = [_aval(x) for x in leaves]
     if _any_size_zero(avals):
         return lax_loop()
@@ -470,7 +494,8 @@ def while_loop(cond_fun, body_fun, init_val, *, max_steps=DEFAULT_CHUNK, fallbac
     c_aval = closed.out_avals[-1]
     if c_aval.shape != () or np.dtype(c_aval.dtype) != np.bool_:
         return lax_loop()
-    cond_closed = jax.make_jaxpr(cond_only)(*avals)
+    with _AsLax():
+        cond_closed = jax.make_jaxpr(cond_only)(*avals)
     n = len(leaves)
     roles = [("carry", k) for k in range(n)]
     try:
@@ -543,7 +568,10 @@ def scan(f, init, xs=None, length=None, reverse=False, unroll=1, _split_transpos
     _check_fallback(fallback)
 
     def lax_loop():
-        return lax.scan(f, init, xs, length=length, reverse=reverse, unroll=unroll)
+        with _AsLax():
+            return lax.scan(f, init, xs, length=length, reverse=reverse, unroll=unroll)
+    if _in_body():
+        return lax_loop()
     leaves, tree = jax.tree_util.tree_flatten(init)
     x_leaves, x_tree = jax.tree_util.tree_flatten(xs)
     lengths = {int(np.shape(x)[0]) for x in x_leaves if np.ndim(x) >= 1}

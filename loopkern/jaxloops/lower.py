@@ -488,7 +488,14 @@ class Lowering:
     def check_dtypes(self):
         for v in self.prog.invars:
             if v.dtype not in OK_DTYPES:
-                raise Unsupported(f"dtype {v.dtype}", "the loop carry", "float32, float64, ints and bool only")
+                raise Unsupported(f"dtype {v.dtype}", "the loop's carry (or scan's xs)",
+                                  "float32, float64, ints and bool only")
+        closed_over = {v for v, _ in self.prog.consts if v.dtype not in OK_DTYPES}
+        for e in walk_eqns(self.prog.eqns) if closed_over else ():
+            # an array the body closes over (a kernel parameter): named where it is used
+            for x in e.ins:
+                if x in closed_over:
+                    self.unsupported(e, f"an array it closes over of dtype {x.dtype}")
         for e in walk_eqns(self.prog.eqns):
             for o in e.outs:
                 if o.dtype not in OK_DTYPES:
@@ -742,12 +749,13 @@ class Lowering:
         op, ind, upd = e.ins
         if getattr(dn, "operand_batching_dims", ()) or ind.shape != (len(dn.scatter_dims_to_operand_dims),):
             return None
-        if e.params.get("update_jaxpr") is not None and e.prim == "scatter":
-            pass
         starts = [None] * len(op.shape)
         for pos, d in enumerate(dn.scatter_dims_to_operand_dims):
             starts[d] = ("ind", ind, pos)
-        return starts, upd, "drop"
+        # mode=clip moves the window into the operand, as dynamic_update_slice does; the other
+        # modes drop a window that does not fit (before session 28 clip was dropped too, in the
+        # in-place store of a carry: silently other values than lax)
+        return starts, upd, "clamp" if "CLIP" in str(e.params.get("mode")) else "drop"
 
     def owns(self, v) -> bool:
         """Whether this lowering computes ``v`` (a nested loop's body reads the enclosing
