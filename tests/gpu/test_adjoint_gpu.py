@@ -311,3 +311,28 @@ def test_grad_and_jvp_through_helpers_on_the_gpu(blocks, rng):
         _, t_ref = jax.jvp(loss(lambda u, a: TN._burgers_jnp(u, a, steps)),
                            (jnp.asarray(u0, jnp.float64), 0.2), (jnp.asarray(du, jnp.float64), 0.5))
     assert abs(float(t) - float(t_ref)) <= 2e-3 * abs(float(t_ref))
+
+
+def test_grad_through_vmap_and_forward_over_forward_on_the_gpu(rng):
+    """jax.grad of a vmapped call (the batched tangent run transposed by the vmapped reverse
+    sweep) and jacfwd of jacfwd (the tangent kernel's own tangent kernel), on the GPU, against
+    the jnp loop's in float64 on the CPU (session 28)."""
+    k = lk.megakernel(TA.nonlinear_inplace)
+    xs = _draw(rng, (3, 64), uniform=True)
+
+    def ours(s):
+        return jax.vmap(lambda x: k.jax(x * s, np.float32(0.8), steps=5)[0])(jnp.asarray(xs)).sum()
+
+    def ref(s):
+        return jax.vmap(lambda x: TA._nonlinear_jnp(x * s, 0.8, 5))(jnp.asarray(xs.astype(np.float64))).sum()
+    got = jax.grad(ours)(np.float32(0.7))
+    cpu = jax.devices("cpu")[0]
+    with jax_x64(), jax.default_device(cpu):
+        want = jax.grad(ref)(0.7)
+    _close([got], [want])
+    x0 = xs[0, :6]
+    h = jax.jacfwd(jax.jacfwd(lambda x: k.jax(x, np.float32(0.8), steps=3)[0]))(jnp.asarray(x0))
+    _on_gpu(h)
+    with jax_x64(), jax.default_device(cpu):
+        r = jax.jacfwd(jax.jacfwd(lambda x: TA._nonlinear_jnp(x, 0.8, 3)))(jnp.asarray(x0.astype(np.float64)))
+    _close([h], [r])

@@ -377,3 +377,39 @@ def test_division_by_zero_follows_numpy(scope, blocks, rng):
     np.testing.assert_array_equal(out, want)
     np.testing.assert_array_equal(iout, iwant)
 
+
+
+@pytest.mark.parametrize("scope,blocks", LAUNCHES)
+def test_max_and_min_of_uint64_on_the_gpu(scope, blocks, rng):
+    """lk.max/lk.min of uint64 order values of 2**63 and more as unsigned (the GPU's int64
+    reduction compared them as signed before session 28) and return uint64."""
+    n = 20000
+    for case in range(3):
+        a = rng.integers(0, 2 ** 62, n, dtype=np.uint64)
+        a[rng.integers(0, n, 5)] = np.uint64(2 ** 63) + rng.integers(0, 2 ** 62, 5, dtype=np.uint64)
+        if case == 1:
+            a[:] = np.uint64(2 ** 64 - 1) - a % np.uint64(10 ** 6)
+        if case == 2:
+            a[rng.integers(0, n)] = 0
+        out = np.zeros(2, np.uint64)
+        run = lk.megakernel(W.uint64_extremes_step)(a, out, steps=1, backend="cuda", scope=scope, blocks=blocks)
+        _check_launch(run, scope, blocks)
+        assert out.tolist() == [int(a.max()), int(a.min())], case
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_a_float_to_an_integer_power_on_the_gpu(dtype, rng):
+    """0.0 ** -n is an infinity on the GPU (-inf for -0.0 to an odd power), as NumPy gives: the
+    CPU backend's cpu_rt.power (session 28) follows it."""
+    x = np.array([0.0, -0.0, 0.0, -0.0, 2.0, -3.0, 0.5, 0.0], dtype)
+    x = np.concatenate([x, rng.normal(size=8).astype(dtype)])
+    k = np.array([-1, -1, -2, -2, -3, 3, 0, 0] + list(rng.integers(-4, 5, 8)), np.int64)
+    out = np.zeros((3, x.size), dtype)
+    lk.megakernel(W.int_power_step)(x, k, out, steps=1, backend="cuda")
+    with np.errstate(all="ignore"):
+        x64 = x.astype(np.float64)
+        want = np.stack([x64 ** k, x64 ** (k - 1), x64 ** 2])
+    np.testing.assert_allclose(out, want, rtol=2e-6 if dtype == np.float32 else 1e-15)
+    inf = np.isinf(want)
+    np.testing.assert_array_equal(np.isinf(out), inf)
+    np.testing.assert_array_equal(np.signbit(out[inf]), np.signbit(want[inf]))
