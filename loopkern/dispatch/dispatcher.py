@@ -279,7 +279,8 @@ class Dispatcher:
         return make_plan(spec, "cuda", argv, compiled, kernel, config, debug=False, staged=(),
                          simulator=sim), run_values
 
-    def fit_tiles(self, argv, threads, blocks, sim: bool, build, cluster: bool = False, chip=None):
+    def fit_tiles(self, argv, threads, blocks, sim: bool, build, cluster: bool = False, chip=None,
+                  check_overlap: bool = True):
         """Tile mode's kernel and grid for the arguments ``argv``: the step must be a 1-D or 2-D
         stencil whose swap pairs' arrays (kept on chip) share one shape and dtype (ArgumentError
         otherwise).
@@ -289,7 +290,9 @@ class Dispatcher:
         array last) and returns (what the caller keeps, the kernel for the occupancy query). When
         the block count chosen for a depth cannot be co-resident, the depth halves, down to one.
         ``chip``: the device's :class:`~loopkern.dispatch.config.Chip` (Numba's current device's
-        when not given).
+        when not given). ``check_overlap=False`` leaves out the test that no other argument
+        shares memory with an array kept on chip (``kernel.jax``: its arguments stand for
+        separate buffers and carry no addresses).
 
         Returns:
             (what ``build`` returned to keep, the LaunchConfig).
@@ -303,7 +306,7 @@ class Dispatcher:
         arrays = [argv[i] for i in resident]
         first = arrays[0]
         from .args import overlaps
-        for i in resident:
+        for i in resident if check_overlap else ():
             for j, b in enumerate(argv):
                 if j != i and isinstance(b, ArrayArg) and (j > i or j not in resident) and overlaps(argv[i], b):
                     # the step would reach that memory through b while the run keeps its
