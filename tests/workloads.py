@@ -566,6 +566,23 @@ def int_power_step(t, x, k, out):
         out[2, i] = x[i] ** 2
 
 
+def check_int_power(kernel, backend, dtype, rng):
+    """Run int_power_step's kernel on zero bases (both signs) and random ones with negative,
+    zero and positive exponents; compare with float64 NumPy, infinities and their signs exactly."""
+    x = np.array([0.0, -0.0, 0.0, -0.0, 2.0, -3.0, 0.5, 0.0], dtype)
+    x = np.concatenate([x, rng.normal(size=8).astype(dtype)])
+    k = np.array([-1, -1, -2, -2, -3, 3, 0, 0] + list(rng.integers(-4, 5, 8)), np.int64)
+    out = np.zeros((3, x.size), dtype)
+    kernel(x, k, out, steps=1, backend=backend)
+    with np.errstate(all="ignore"):
+        x64 = x.astype(np.float64)
+        want = np.stack([x64 ** k, x64 ** (k - 1), x64 ** 2])
+    np.testing.assert_allclose(out, want, rtol=2e-6 if dtype == np.float32 else 1e-15)
+    inf = np.isinf(want)
+    np.testing.assert_array_equal(np.isinf(out), inf)
+    np.testing.assert_array_equal(np.signbit(out[inf]), np.signbit(want[inf]))
+
+
 def failing_step(t, u, v, w, bad_at):
     # divides by zero at step bad_at (element 2): Python's error model (debug=True) raises there
     n = u.shape[0]
