@@ -144,6 +144,16 @@ def overlaps(a: ArrayArg, b: ArrayArg) -> bool:
     return alo < bhi and blo < ahi
 
 
+def first_overlap(argv, kept) -> tuple[int, int] | None:
+    """(i, j): the first array argument ``argv[j]`` that shares memory with a kept one
+    ``argv[i]`` (``i`` in ``kept``, the arrays a scope keeps in a copy of its own), or None."""
+    for i in kept:
+        for j, b in enumerate(argv):
+            if j != i and isinstance(b, ArrayArg) and overlaps(argv[i], b):
+                return i, j
+    return None
+
+
 def weak_float_type(dtypes) -> str | None:
     """``"float32"`` when every floating-point dtype among the array arguments' ``dtypes`` is
     float32 (and there is one).

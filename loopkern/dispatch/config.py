@@ -135,7 +135,7 @@ def plan_staging(spec, argv, check_overlap: bool = True) -> tuple[tuple, int]:
     for arrays known to be separate buffers (``kernel.jax``: every array the kernel writes is
     a result buffer of its own).
     """
-    from .args import ArrayArg, overlaps
+    from .args import ArrayArg, first_overlap
     arrays = {i: a for i, a in enumerate(argv) if isinstance(a, ArrayArg)}
     if not arrays:
         return (), 0
@@ -155,10 +155,8 @@ def plan_staging(spec, argv, check_overlap: bool = True) -> tuple[tuple, int]:
             continue
         chosen += group
         total += need
-    for i in chosen if check_overlap else ():
-        for j, b in arrays.items():
-            if j != i and overlaps(arrays[i], b):
-                return (), 0
+    if check_overlap and first_overlap(argv, chosen) is not None:
+        return (), 0
     return tuple(sorted(chosen)), total
 
 

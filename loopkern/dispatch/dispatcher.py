@@ -34,7 +34,7 @@ from ..runs import (SLICE_START, Run, RunHandle, EventWaiter, ThreadWaiter, _Sta
 from ..runtime.layout import CANCEL, DBG_SIZE, HOST_SIZE, REQUEST, STEPS, STOPPED, WHY
 from ..warpsplit import WARP, step_has_warp_split
 from . import checks, driver
-from .args import ArrayArg, apply_weak_floats, classify, weak_float_type
+from .args import ArrayArg, apply_weak_floats, classify, first_overlap, weak_float_type
 from .config import (AUTO_TILE_2D_MIN_ELEMENTS, AUTO_TILE_HALO_SHARE, AUTO_TILE_MIN_ELEMENTS, LaunchConfig,
                      choose_backend, cuda_config, first_tile_blocks, numba_chip, plan_staging, resolve_scope,
                      tile_config, tile_layout)
@@ -305,15 +305,14 @@ class Dispatcher:
         resident = sorted(i for pair in spec.swap for i in pair)
         arrays = [argv[i] for i in resident]
         first = arrays[0]
-        from .args import overlaps
-        for i in resident if check_overlap else ():
-            for j, b in enumerate(argv):
-                if j != i and isinstance(b, ArrayArg) and (j > i or j not in resident) and overlaps(argv[i], b):
-                    # the step would reach that memory through b while the run keeps its
-                    # values on chip: b's reads would be stale, its writes lost
-                    raise ArgumentError(f"scope='{name}': argument '{b.name}' shares memory with '{argv[i].name}', "
-                                        f"which this scope keeps on chip for the whole run; pass a separate array, "
-                                        f"or use scope='grid' or 'block'")
+        shared = first_overlap(argv, resident) if check_overlap else None
+        if shared is not None:
+            # the step would reach that memory through the other argument while the run keeps
+            # its values on chip: that argument's reads would be stale, its writes lost
+            i, j = shared
+            raise ArgumentError(f"scope='{name}': argument '{argv[j].name}' shares memory with '{argv[i].name}', "
+                                f"which this scope keeps on chip for the whole run; pass a separate array, "
+                                f"or use scope='grid' or 'block'")
         for a in arrays:
             if len(a.shape) != st.ndim or a.shape != first.shape or a.dtype != first.dtype:
                 raise ArgumentError(f"scope='{name}': the arrays kept on chip must all be {st.ndim}-D of one shape and "

@@ -807,13 +807,15 @@ def _transpose_batched(p, cts, args, name, b: _Batched):
     lin = [k for k, a in enumerate(args) if ad.is_undefined_primal(a)]
     known = [k for k in range(len(args)) if k not in lin]
 
+    def shape_dtype(a):
+        return (a.aval.shape, a.aval.dtype) if ad.is_undefined_primal(a) else (np.shape(a), jnp.result_type(a))
+
     def unbatched_aval(k):
-        a, d = args[k], b.dims[k]
-        shape, dtype = (a.aval.shape, a.aval.dtype) if ad.is_undefined_primal(a) else (np.shape(a), jnp.result_type(a))
+        (shape, dtype), d = shape_dtype(args[k]), b.dims[k]
         return jax.ShapeDtypeStruct(shape if d is None else shape[:d] + shape[d + 1:], dtype)
     lin_avals = [unbatched_aval(k) for k in lin]
     outs = jax.eval_shape(lambda *a: list(b.fn(*a)), *[unbatched_aval(k) for k in range(len(args))])
-    size = _batch_size(args, b.dims)
+    size = next(shape_dtype(a)[0][d] for a, d in zip(args, b.dims) if d is not None)
     cts = [jnp.zeros((size,) + tuple(o.shape), o.dtype) if type(c) is ad.Zero else c for c, o in zip(cts, outs)]
 
     def one(known_vals, ct_vals):
@@ -829,14 +831,6 @@ def _transpose_batched(p, cts, args, name, b: _Batched):
         d = b.dims[k]
         result[k] = r.sum(0) if d is None else jnp.moveaxis(r, 0, d)
     return result
-
-
-def _batch_size(args, dims) -> int:
-    from jax.interpreters import ad
-    for a, d in zip(args, dims):
-        if d is not None:
-            return (a.aval.shape if ad.is_undefined_primal(a) else np.shape(a))[d]
-    raise AssertionError("a batched tangent run without a batched operand")
 
 
 def _reverse_over_forward(name) -> str:

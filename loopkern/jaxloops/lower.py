@@ -490,13 +490,12 @@ class Lowering:
             if v.dtype not in OK_DTYPES:
                 raise Unsupported(f"dtype {v.dtype}", "the loop's carry (or scan's xs)",
                                   "float32, float64, ints and bool only")
+        # an array the body closes over (a kernel parameter) is named where it is used
         closed_over = {v for v, _ in self.prog.consts if v.dtype not in OK_DTYPES}
-        for e in walk_eqns(self.prog.eqns) if closed_over else ():
-            # an array the body closes over (a kernel parameter): named where it is used
-            for x in e.ins:
+        for e in walk_eqns(self.prog.eqns):
+            for x in e.ins if closed_over else ():
                 if x in closed_over:
                     self.unsupported(e, f"an array it closes over of dtype {x.dtype}")
-        for e in walk_eqns(self.prog.eqns):
             for o in e.outs:
                 if o.dtype not in OK_DTYPES:
                     self.unsupported(e, f"dtype {o.dtype}")
