@@ -786,6 +786,8 @@ static XLA_FFI_Error* fake_error_create(XLA_FFI_Error_Create_Args* a) {
 /* the stream XLA hands the handler (device d's is 0x5157 + 0x1000 d), and the kernel called */
 static uintptr_t the_stream = 0x5157;
 static int64_t the_kernel, the_shared = 0;
+/* where XLA put the result aliased to u: NULL, u's own buffer (the alias kept) */
+static int32_t* the_u_result = NULL;
 static XLA_FFI_Error* fake_stream_get(XLA_FFI_Stream_Get_Args* a) { a->stream = (void*)the_stream; return NULL; }
 
 /* a kernel with parameters nsteps, t0, u (2-D), alpha, redf, redi, bar, seed, info, host: it
@@ -835,7 +837,7 @@ static int run(int64_t timeout_ns, int64_t count, int64_t coop, const int64_t* l
   for (int i = 0; i < 5; ++i) { argp[i] = &args[i]; argt[i] = XLA_FFI_ArgType_BUFFER; }
   /* results: u, redf, redi, info (bytes), control (17 words), count */
   static uint8_t redf[80], redi[80], info[16];
-  a = &rets[0]; *a = args[2];
+  a = &rets[0]; *a = args[2]; if (the_u_result) a->data = the_u_result;
   a = &rets[1]; a->dtype = XLA_FFI_DataType_U8; a->data = redf; a->rank = 2; a->dims = dr;
   a = &rets[2]; a->dtype = XLA_FFI_DataType_U8; a->data = redi; a->rank = 2; a->dims = dr;
   a = &rets[3]; a->dtype = XLA_FFI_DataType_U8; a->data = info; a->rank = 1; a->dims = &dinfo;
@@ -846,16 +848,18 @@ static int run(int64_t timeout_ns, int64_t count, int64_t coop, const int64_t* l
   for (int i = 0; i < nrets; ++i) { retp[i] = &rets[i]; rett[i] = XLA_FFI_RetType_BUFFER; }
 
   int64_t kernel = the_kernel, blocks = 5, threads = 64, control = 4, tslot = 4, sslot = 0;
-  XLA_FFI_Scalar s[11]; XLA_FFI_Array lay = {XLA_FFI_DataType_S64, nlayout, (void*)layout};
+  XLA_FFI_Scalar s[12]; XLA_FFI_Array lay = {XLA_FFI_DataType_S64, nlayout, (void*)layout};
+  static const int64_t alias_pairs[2] = {2, 0};     /* input 2 (u) is result 0 */
+  XLA_FFI_Array ali = {XLA_FFI_DataType_S64, 2, (void*)alias_pairs};
   const char* names[] = {"blocks", "control", "cooperative", "count", "kernel", "layout", "shared", "steps_slot",
-                         "threads", "timeout_ns", "timeout_slot"};
+                         "threads", "timeout_ns", "timeout_slot", "aliases"};
   int64_t* vals[] = {&blocks, &control, &coop, &count, &kernel, NULL, &the_shared, &sslot, &threads, &timeout_ns,
-                     &tslot};
-  XLA_FFI_ByteSpan spans[11], *spanp[11]; XLA_FFI_AttrType types[11]; void* attrs[11];
-  for (int i = 0; i < 11; ++i) {
+                     &tslot, NULL};
+  XLA_FFI_ByteSpan spans[12], *spanp[12]; XLA_FFI_AttrType types[12]; void* attrs[12];
+  for (int i = 0; i < 12; ++i) {
     spans[i].ptr = names[i]; spans[i].len = strlen(names[i]); spanp[i] = &spans[i];
     if (vals[i]) { s[i].dtype = XLA_FFI_DataType_S64; s[i].value = vals[i]; types[i] = XLA_FFI_AttrType_SCALAR; attrs[i] = &s[i]; }
-    else { types[i] = XLA_FFI_AttrType_ARRAY; attrs[i] = &lay; }
+    else { types[i] = XLA_FFI_AttrType_ARRAY; attrs[i] = i == 11 ? (void*)&ali : (void*)&lay; }
   }
   static XLA_FFI_Api api;
   api.XLA_FFI_Error_Create = fake_error_create;
@@ -866,7 +870,7 @@ static int run(int64_t timeout_ns, int64_t count, int64_t coop, const int64_t* l
   cf.stage = XLA_FFI_ExecutionStage_EXECUTE;
   cf.args.size = 5; cf.args.types = argt; cf.args.args = argp;
   cf.rets.size = nrets; cf.rets.types = rett; cf.rets.rets = retp;
-  cf.attrs.size = 11; cf.attrs.types = types; cf.attrs.names = spanp; cf.attrs.attrs = attrs;
+  cf.attrs.size = 12; cf.attrs.types = types; cf.attrs.names = spanp; cf.attrs.attrs = attrs;
   fake_log[0] = 0; fake_loads[0] = 0; last_error[0] = 0;
   memset(ctl_out, 0xAB, 17 * 4);    /* what XLA's allocator left there */
   *cnt_out = -5;
@@ -923,6 +927,17 @@ int main(void) {
   for (int w = 0; w < 17; ++w)
     if (w != 0 && w != 1 && w != 6 && w != 8)
       CHECK(ctl[w] == 0, "control word %d = %#x after the call", w, ctl[w]);
+
+  /* XLA placed u's result apart from its input (an alias it did not keep): the input is copied
+     into the result before the launch, and the kernel runs on the result holding u's values */
+  int32_t u_apart[24];
+  for (int i = 0; i < 24; ++i) { u[i] = 100 + i; u_apart[i] = -1; }
+  the_u_result = u_apart;
+  CHECK(run(0, 5, 1, layout, 50, ctl, &cnt, u) == 0, "call failed: %s", last_error);
+  CHECK(!strncmp(fake_log, "copy(96,0x5157);memset(", 23), "driver calls: %s", fake_log);
+  CHECK(seen[2].data == (char*)u_apart && u_apart[0] == 100 && u_apart[23] == 123, "u apart: the kernel saw %p",
+        (void*)seen[2].data);
+  the_u_result = NULL;
 
   /* a timeout over 2^32 ns: both words */
   CHECK(run(10000000000LL, 5, 1, layout, 50, ctl, &cnt, u) == 0, "call failed: %s", last_error);

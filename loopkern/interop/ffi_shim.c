@@ -614,6 +614,32 @@ XLA_FFI_Error* lk_launch(XLA_FFI_CallFrame* cf) {
 
   /* the control block (and the barrier counter after it) to zero, then the timeout's nonzero
      words (little-endian: the low word first); the kernel writes the other slots */
+  /* the arrays are read from the results, which input_output_aliases makes the inputs' buffers;
+     a result that XLA placed elsewhere (nothing guarantees it inside every fusion or loop) gets
+     its input's contents first, so the kernel never runs on an uninitialised result */
+  XLA_FFI_Array* a_alias = (XLA_FFI_Array*)lk_attr(cf, "aliases", XLA_FFI_AttrType_ARRAY);
+  if (!a_alias || a_alias->dtype != XLA_FFI_DataType_S64 || a_alias->size % 2)
+    return lk_error(api, "loopkern: the custom call's attribute 'aliases' is malformed");
+  for (size_t k = 0; k < a_alias->size / 2; ++k) {
+    int64_t ai = ((const int64_t*)a_alias->data)[2 * k], ri = ((const int64_t*)a_alias->data)[2 * k + 1];
+    if (ai < 0) continue;  /* (-1, -1): a call without arrays */
+    XLA_FFI_Buffer* in = ai >= 0 && ai < cf->args.size && cf->args.types[ai] == XLA_FFI_ArgType_BUFFER
+                             ? (XLA_FFI_Buffer*)cf->args.args[ai] : NULL;
+    XLA_FFI_Buffer* out = lk_result(cf, ri);
+    if (!in || !out || lk_bytes(in) != lk_bytes(out))
+      return lk_error(api, "loopkern: 'aliases' names an input and a result that do not match");
+    if (in->data != out->data && lk_bytes(in) > 0) {
+      if (getenv("LOOPKERN_FFI_TRACE"))
+        fprintf(stderr, "loopkern: input %lld and result %lld are separate buffers: copied\n", (long long)ai,
+                (long long)ri);
+      r = p_cuMemcpyDtoDAsync((CUdeviceptr)(uintptr_t)out->data, (CUdeviceptr)(uintptr_t)in->data,
+                              (size_t)lk_bytes(in), stream);
+      if (r) {
+        lk_cuda_error("copying an input to its result", r, err, sizeof err);
+        return lk_error(api, err);
+      }
+    }
+  }
   CUdeviceptr ctl_ptr = (CUdeviceptr)(uintptr_t)ctl->data;
   r = p_cuMemsetD32Async(ctl_ptr, 0, (size_t)(ctl_bytes / 4), stream);
   for (int w = 0; !r && w < 2; ++w) {

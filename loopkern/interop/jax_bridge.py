@@ -1100,7 +1100,8 @@ def _cuda_core(mk, sig, n_dtype, t0_dtype, scope, threads, blocks, seed, timeout
                  cooperative=np.int64(1 if plan.scope in ("grid", "tile") else 0), layout=np.array(layout, np.int64),
                  control=np.int64(ctl), timeout_ns=np.int64(int(timeout * 1e9) if timeout is not None else 0),
                  timeout_slot=np.int64(TIMEOUT_NS), count=np.int64(count if with_count else -1),
-                 steps_slot=np.int64(STEPS), shared=np.int64(plan.shared))
+                 steps_slot=np.int64(STEPS), shared=np.int64(plan.shared),
+                 aliases=np.array([x for kv in sorted(aliases.items()) for x in kv] or [-1, -1], np.int64))
 
     def core(nsteps_buf, t0_buf, *vals):
         outs = call(nsteps_buf, t0_buf, *vals, seed_words, **attrs)
