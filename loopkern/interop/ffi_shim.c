@@ -35,6 +35,14 @@
  * After the launch, if "count" names a result (an int32 scalar; -1: none), the low 32 bits
  * of the int64 slot "steps_slot" (the steps done) are copied into it (cuMemcpyDtoDAsync).
  *
+ * The kernel reads and writes the arrays in their results, which the attribute "aliases" (pairs
+ * of input, result) names as aliases of their inputs. XLA does not always hand the handler one
+ * buffer for both: inside JAX's sequential vmap (a loop over the batch), XLA's GPU backend wraps
+ * the custom call in a dynamic-slice fusion that passes a slice of the batch as the input and a
+ * separate buffer as the result (seen on an H100, session 29). So before the launch each result
+ * that is not its input's buffer gets the input's bytes (cuMemcpyDtoDAsync); with
+ * LOOPKERN_FFI_TRACE set, the handler says so on stderr.
+ *
  * Why memsets and not one cuMemcpyHtoDAsync of a host array: the driver API documents that
  * an async copy from pageable memory "might be synchronous with respect to host" and that
  * "if pageable memory must first be staged to pinned memory, the driver may synchronize

@@ -104,6 +104,34 @@ def test_vmap_and_pipeline(rng):
         assert rel_err(out[k], 2 * W.heat_ref(np.sin(batch[k].astype(np.float64)), 5, 0.25)) < 1e-5
 
 
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_vmap_over_rows_passed_straight_in(jit, rng):
+    """The rows of a batch passed to the call as they are (no XLA op of their own before it):
+    XLA runs JAX's sequential vmap as a loop whose custom call reads a slice of the batch in
+    place and writes its result into a slice of another buffer (a dynamic-slice fusion), so the
+    aliased result the kernel works in is not the input's buffer. Before 2485d48 the kernel ran
+    on what that buffer held (a jax.grad through vmap came out 0.0 on an H100); the FFI handler
+    now copies the input there first. Each row against a float64 NumPy reference, with both
+    arrays of the swap pair distinct per row and one unbatched array argument."""
+    batch = rng.random((4, 2048)).astype(np.float32)
+    other = rng.random((4, 2048)).astype(np.float32)
+
+    def rows(u, v):
+        return jax.vmap(lambda a, b: HEAT.jax(a, b, np.float32(0.25), steps=7))(u, v)
+    f = jax.jit(rows) if jit else rows
+    for attempt in range(3):        # buffers XLA reuses from earlier calls hold earlier values
+        scale = np.float32(attempt + 1)
+        u, v = f(jnp.asarray(batch * scale), jnp.asarray(other * scale))
+        for k in range(4):
+            ref_u = W.heat_ref(batch[k].astype(np.float64) * scale, 7, 0.25)
+            assert rel_err(u[k], ref_u) < 1e-5, (attempt, k)
+    shared = jnp.asarray(other[0])          # one array for every row (in_axes None)
+    g = jax.vmap(lambda a: HEAT.jax(a, shared, np.float32(0.25), steps=6)[0])
+    out = (jax.jit(g) if jit else g)(jnp.asarray(batch))
+    for k in range(4):
+        assert rel_err(out[k], W.heat_ref(batch[k].astype(np.float64), 6, 0.25)) < 1e-5
+
 def test_race_with_xla_ops_before_and_after(rng):
     """An XLA op writes the input right before the megakernel and another reads its output
     right after, on the same stream, many times with large arrays: every result is checked."""
