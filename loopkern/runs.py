@@ -21,6 +21,7 @@ from __future__ import annotations
 import sys
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 
 from .errors import BoundsError, HangError, LaunchError
@@ -124,6 +125,20 @@ class ThreadWaiter:
             raise self.error
 
 
+# runs started with kernel.start() that still hold their arrays: until wait() has finished them
+# (NumPy inputs are copied back then). Weakly held: a handle dropped without wait() lets go.
+_HOLDING: "weakref.WeakSet[RunHandle]" = weakref.WeakSet()
+_HOLDING_LOCK = threading.Lock()
+
+
+def holding_runs() -> list:
+    """The runs started with ``kernel.start()`` that hold arrays now (see ``RunHandle.hold``)."""
+    if not _HOLDING:
+        return []
+    with _HOLDING_LOCK:
+        return list(_HOLDING)
+
+
 class RunHandle:
     """A run started by ``kernel.start(...)``.
 
@@ -154,8 +169,17 @@ class RunHandle:
         self._last_change = time.monotonic()
         self._tick_lock = threading.Lock()
         self._callback_error = None        # what the progress callback raised (the run was cancelled)
+        self.held = ()                     # the array arguments this run holds (hold())
         if reporter is not None:
             self._report(0)
+
+    def hold(self, arrays):
+        """Mark ``arrays`` (the run's array arguments, as classified) as this run's until it is
+        finished: a call or start that would use their memory meanwhile is refused."""
+        self.held = tuple(arrays)
+        if self.held:
+            with _HOLDING_LOCK:
+                _HOLDING.add(self)
 
     def monitor(self):
         """Keep the progress report and a host-side deadline going without a ``wait()`` call."""
@@ -320,6 +344,8 @@ class RunHandle:
         return self._result
 
     def _close(self, steps=None):
+        with _HOLDING_LOCK:
+            _HOLDING.discard(self)
         with self._tick_lock:
             if self._reporter is not None:
                 if steps is not None:

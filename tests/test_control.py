@@ -157,6 +157,36 @@ def test_wait_with_a_timeout_raises_while_it_runs(rng):
     _check_heat_state(u, u0, run.steps, 0.2)
 
 
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_call_on_memory_a_started_run_holds_is_refused_until_it_is_waited_for(backend, rng):
+    """Two runs on the same memory would race silently (session 29): a call or a start whose
+    array shares memory with one a kernel.start() run holds is an ArgumentError, raised before
+    anything runs, naming both arguments; once wait() has finished the run, the memory is free.
+    Other arrays stay usable meanwhile."""
+    n = SIZE[backend]
+    u0 = rng.random(n)
+    u, v = u0.copy(), u0.copy()
+    k = _heat()
+    h = k.start(u, v, 0.2, steps=10 ** 9, backend=backend, threads=THREADS[backend])
+    _wait_for(lambda: h.steps_done >= 2)
+    a, b = u0.copy(), u0.copy()
+    with pytest.raises(lk.ArgumentError, match=r"argument 'u' shares memory with argument 'u' of a run of "
+                                               r"'heat_step' started with kernel.start\(\)"):
+        k(u, b, 0.2, steps=3, backend=backend, threads=THREADS[backend])
+    with pytest.raises(lk.ArgumentError, match=r"argument 'u' shares memory with argument 'v'"):
+        k.start(v[1:], b[1:], 0.2, steps=3, backend=backend, threads=THREADS[backend])
+    np.testing.assert_array_equal(b, u0)         # refused before anything ran
+    if backend == "cpu":        # (Numba's simulator cannot run two kernels at once)
+        k(a, b, 0.2, steps=5, backend=backend)      # other memory: runs meanwhile
+        _check_heat_state(a, u0, 5, 0.2)
+    h.cancel()
+    run = h.wait()
+    _check_heat_state(u, u0, run.steps, 0.2)
+    run2 = k(u, v, 0.2, steps=4, start=run.steps, backend=backend, threads=THREADS[backend])
+    assert run2.steps == 4
+    _check_heat_state(u, u0, run.steps + 4, 0.2)
+
 def test_ctrl_c_cancels_the_kernel_and_reraises(rng):
     u0 = rng.random(2000)
     u, v = u0.copy(), u0.copy()

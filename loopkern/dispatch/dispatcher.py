@@ -29,12 +29,13 @@ import numpy as np
 from ..compile import simulator_enabled
 from ..errors import ArgumentError, BoundsError, HangError, LaunchError, LoopkernError, StepError
 from ..progress import check_progress
-from ..runs import (SLICE_START, Run, RunHandle, EventWaiter, ThreadWaiter, _Stalled, note_cancelled, run_inline,
+from ..runs import (SLICE_START, Run, RunHandle, EventWaiter, ThreadWaiter, _Stalled, holding_runs, note_cancelled,
+                    run_inline,
                     slow_step_message, wait_cuda)
 from ..runtime.layout import CANCEL, DBG_SIZE, HOST_SIZE, REQUEST, STEPS, STOPPED, WHY
 from ..warpsplit import WARP, step_has_warp_split
 from . import checks, driver
-from .args import ArrayArg, apply_weak_floats, classify, first_overlap, weak_float_type
+from .args import ArrayArg, apply_weak_floats, classify, first_overlap, overlaps, weak_float_type
 from .config import (AUTO_TILE_2D_MIN_ELEMENTS, AUTO_TILE_HALO_SHARE, AUTO_TILE_MIN_ELEMENTS, LaunchConfig,
                      choose_backend, cuda_config, first_tile_blocks, numba_chip, plan_staging, resolve_scope,
                      tile_config, tile_layout)
@@ -126,7 +127,6 @@ class Dispatcher:
             checks.check_swap_pair((a.name, b.name), a.shape, a.dtype, b.shape, b.dtype)
             if a.where != b.where:
                 raise ArgumentError(f"{pair}: one array is on the GPU and the other on the host")
-            from .args import overlaps
             if a.value is b.value or overlaps(a, b):
                 raise ArgumentError(f"{pair}: the two arrays share memory; pass two separate buffers")
         return out
@@ -187,6 +187,7 @@ class Dispatcher:
         """(the plan for this call, the values to run it with, the GPU arrays' pointers). A cached
         plan if the signature matches one seen before and the values pass its per-call checks;
         else the full path (whose plan is cached when its values pass the same checks)."""
+        self.refuse_held(values)
         try:
             sig = call_key(values)
         except TypeError:         # an unhashable attribute somewhere: no cheap key
@@ -421,7 +422,7 @@ class Dispatcher:
                   and type(start) is int and 0 <= start < _START_LIMIT and type(seed) is int
                   and 0 <= seed < _SEED_LIMIT and (watchdog is None or type(watchdog) is float and watchdog > 0)
                   and (timeout is None or type(timeout) is float and timeout > 0)
-                  and not kwargs and len(args) == self.nparams)
+                  and not kwargs and len(args) == self.nparams and not holding_runs())
         if common:
             opts = (backend, scope, threads, blocks, debug, control)
             last = self._last
@@ -463,8 +464,27 @@ class Dispatcher:
         """A run started in the background (see ``MegaKernel.start``)."""
         return self._start(self.values(args, kwargs), self.options(**opts), monitor)
 
+    def refuse_held(self, values):
+        """ArgumentError if an array argument shares memory with one that a run started with
+        ``kernel.start()`` still holds (the two runs would race on it, silently)."""
+        held = holding_runs()
+        if not held:
+            return
+        for p, v in zip(self.spec.params, values):
+            a = classify(p.name, v)
+            if not isinstance(a, ArrayArg):
+                continue
+            for handle in held:
+                for h in handle.held:
+                    if overlaps(a, h):
+                        raise ArgumentError(
+                            f"argument '{a.name}' shares memory with argument '{h.name}' of a run of '{handle.name}' "
+                            f"started with kernel.start() that has not been waited for: the two runs would race on "
+                            f"it. Call wait() on that run's handle first (cancel() and wait() to stop it early)")
+
     def _start(self, values, o: Options, monitor) -> RunHandle:
         from ..progress import make_reporter
+        given = values
         plan, values, ptrs = self.plan(values, o)
         reporter = make_reporter(o.progress, None if self.spec.returns_condition else o.nsteps, self.spec.name)
         if plan.backend == "cpu":
@@ -473,6 +493,7 @@ class Dispatcher:
             handle = self._launch_simulator(plan, values, o, reporter)
         else:
             handle = self._start_cuda(plan, values, ptrs, o, reporter)
+        handle.hold([a for a in (classify(p.name, v) for p, v in zip(self.spec.params, given)) if isinstance(a, ArrayArg)])
         if monitor:
             handle.monitor()
         return handle
