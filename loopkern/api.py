@@ -13,6 +13,7 @@ from . import codegen
 from .dispatch import Dispatcher
 from .dispatch.checks import BACKENDS, SCOPES, check_choice, check_count, check_thread_scope
 from .errors import ArgumentError
+from .frontend import parse_step
 from .runs import Run, RunHandle
 from .validate import validate_step
 
@@ -30,7 +31,10 @@ class MegaKernel:
     """
 
     def __init__(self, fn, *, swap=(), backend="auto", scope="auto", threads=None, blocks=None):
-        self.spec = validate_step(fn, swap)
+        #: the step as parsed when the decorator ran (its free names read then, see
+        #: ParsedFunction.read): what the derived kernels (tangent, adjoint) are generated from
+        self.parsed = parse_step(fn)
+        self.spec = validate_step(self.parsed, swap)
         self.fn = fn
         defaults = dict(backend=check_choice("backend", backend, BACKENDS),
                         scope=check_choice("scope", scope, SCOPES),
@@ -122,7 +126,6 @@ class MegaKernel:
         """The megakernel of a step generated from this one (``build(parsed step, parameter
         names)`` -> (parsed step, swap pairs)), with this kernel's defaults; cached per
         ``kind`` and ``wrt``. ArgumentError unless ``wrt`` names parameters of the step."""
-        from .frontend import parse_step
         cache = self.__dict__.setdefault("_derived_kernels", {})
         key = (kind, tuple(wrt))
         if key not in cache:
@@ -130,7 +133,7 @@ class MegaKernel:
             if not wrt or any(w not in params for w in wrt):
                 raise ArgumentError(f"{self.spec.name}.{kind}(): expected names of the step's parameters, got "
                                     f"{list(wrt)}; the parameters are {params}")
-            parsed, swap = build(parse_step(self.fn), params)
+            parsed, swap = build(self.parsed, params)
             d = self.dispatcher.defaults
             cache[key] = MegaKernel(parsed, swap=swap, backend=d["backend"], scope=d["scope"], threads=d["threads"],
                                     blocks=d["blocks"])

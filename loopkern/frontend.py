@@ -44,16 +44,26 @@ class ParsedFunction:
     #: draws: each draw names its site in the user's step as a third argument (see
     #: validate's ``_random_call``), so that it draws the same numbers there
     explicit_sites: bool = field(default=False, repr=False, compare=False)
+    #: the free names resolved so far and their values: a name is read once, so the steps
+    #: generated from this one later (tangent, adjoint: they share this dict) see the values
+    #: the decorator saw, not a global or helper reassigned since
+    read: dict = field(default_factory=dict, repr=False, compare=False)
 
     def lookup(self, name: str):
-        """Resolve a free name the way Python would; returns (found, value)."""
+        """Resolve a free name the way Python would (the first time; the same value after);
+        returns (found, value)."""
+        if name in self.read:
+            return True, self.read[name]
         if name in self.closure:
-            return True, self.closure[name]
-        if name in self.globals:
-            return True, self.globals[name]
-        if hasattr(builtins, name):
-            return True, getattr(builtins, name)
-        return False, None
+            value = self.closure[name]
+        elif name in self.globals:
+            value = self.globals[name]
+        elif hasattr(builtins, name):
+            value = getattr(builtins, name)
+        else:
+            return False, None
+        self.read[name] = value
+        return True, value
 
     def source_line(self, line: int) -> str:
         return self.lines[line - 1] if 0 < line <= len(self.lines) else ""

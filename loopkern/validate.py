@@ -627,6 +627,106 @@ class _Normalizer(ast.NodeTransformer):
             return idx
         return self._scalar(idx)
 
+    def check_array_names(self):
+        """Reject an assignment that gives an array parameter another name (``g = h``,
+        ``src = a if t % 2 == 0 else b``, ``a, b = b, a``): which arrays a step writes, stages,
+        keeps on chip or races on is worked out from the parameters' own names, so a store
+        through the new name would go unseen (block and tile scope silently dropped it)."""
+        subscripted = {n.value.id for n in ast.walk(self.parsed.tree)
+                       if isinstance(n, ast.Subscript) and isinstance(n.value, ast.Name)}
+
+        def leaves(e):
+            if isinstance(e, ast.Name):
+                return [e.id]
+            if isinstance(e, ast.IfExp):
+                return leaves(e.body) + leaves(e.orelse)
+            if isinstance(e, (ast.Tuple, ast.List)):
+                return [x for el in e.elts for x in leaves(el)]
+            return []
+        for node in ast.walk(self.parsed.tree):
+            if isinstance(node, ast.Assign):
+                targets, value = node.targets, node.value
+            elif isinstance(node, ast.AnnAssign) and node.value is not None:
+                targets, value = [node.target], node.value
+            else:
+                continue
+            # (a parameter assigned to is an error of its own)
+            named = {t.id for tgt in targets for t in ast.walk(tgt) if isinstance(t, ast.Name)} - set(self.params)
+            for leaf in leaves(value) if named else ():
+                if leaf in self.params and (leaf in self.array_uses or named & subscripted):
+                    self.error(node, f"array '{leaf}' cannot be given another name in step code: the step's "
+                                     f"writes, staging and races are worked out from the arrays' own names, so a "
+                                     f"store through another name would go unseen",
+                               f"index '{leaf}' directly; for two arrays that exchange roles every step, pass "
+                               f"swap=[('a', 'b')] to lk.megakernel")
+                    break
+
+    def check_definite_assignment(self):
+        """Reject a read of a local that some path reaches without assigning it (assigned only
+        under an ``if``, or only inside a loop that may run no iteration, or read before its
+        assignment in a loop body): Python raises UnboundLocalError there, while a compiled
+        kernel would read whatever the variable last held (another element's value, on the CPU)."""
+        local = _assigned_names(self.parsed.tree) - set(self.params)
+        reported = set()
+
+        def reads(node, defined):
+            for n in ast.walk(node):
+                if (isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load) and n.id in local
+                        and n.id not in defined and n.id not in reported):
+                    reported.add(n.id)
+                    self.error(n, f"local '{n.id}' may be read before it is assigned: some path reaches this "
+                                  f"line without assigning it (Python would raise UnboundLocalError; a kernel "
+                                  f"would read a leftover value)",
+                               f"assign '{n.id}' on every path first, e.g. '{n.id} = 0.0' before the 'if' or "
+                               f"the loop that assigns it")
+
+        def stored(target):
+            return {n.id for n in ast.walk(target) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+
+        def block(stmts, defined):
+            # the names assigned on every path through 'stmts', or None if none falls through
+            d = set(defined)
+            for st in stmts:
+                d = statement(st, d)
+                if d is None:
+                    return None
+            return d
+
+        def statement(st, d):
+            if isinstance(st, (ast.Assign, ast.AnnAssign)):
+                if st.value is not None:
+                    reads(st.value, d)
+                targets = st.targets if isinstance(st, ast.Assign) else [st.target]
+                for t in targets:
+                    reads(t, d)             # the array and index of a store a[i] = ...
+                return d | set().union(*(stored(t) for t in targets)) if st.value is not None else d
+            if isinstance(st, ast.AugAssign):
+                if isinstance(st.target, ast.Name) and st.target.id in local and st.target.id not in d:
+                    reads(ast.Name(id=st.target.id, ctx=ast.Load(), lineno=st.lineno, col_offset=st.col_offset,
+                                   end_lineno=st.target.end_lineno, end_col_offset=st.target.end_col_offset), d)
+                reads(st.target, d)
+                reads(st.value, d)
+                return d | stored(st.target)
+            if isinstance(st, ast.If):
+                reads(st.test, d)
+                a, b = block(st.body, d), block(st.orelse, d)
+                if a is None or b is None:
+                    return b if a is None else a
+                return a & b
+            if isinstance(st, (ast.For, ast.While)):
+                reads(st.iter if isinstance(st, ast.For) else st.test, d)
+                block(st.body, d | (stored(st.target) if isinstance(st, ast.For) else set()))
+                # the body may run no iteration: what it assigns is not assigned after it
+                after = block(st.orelse, d) if st.orelse else d
+                return d if after is None else after
+            if isinstance(st, (ast.Return, ast.Break, ast.Continue)):
+                if isinstance(st, ast.Return) and st.value is not None:
+                    reads(st.value, d)
+                return None
+            reads(st, d)
+            return d
+        block(self.parsed.tree.body, set(self.params))
+
     def _use_array(self, name_node):
         if name_node.id in self.params:
             self.array_uses.setdefault(name_node.id, name_node)
@@ -849,6 +949,8 @@ def validate_helper(fn, ctx: _Context, call_node=None, caller=None) -> FunctionS
     norm = _Normalizer(ctx, parsed, is_step=False)
     tree = copy.deepcopy(parsed.tree)
     body = norm.visit_body(tree.body)
+    norm.check_array_names()
+    norm.check_definite_assignment()
     params = tuple(norm.params)
     # the helper's own nesting of parallel loops and its element updates; its parameters are
     # taken as the same on every thread (calls with thread-varying arguments to a helper that
@@ -1443,6 +1545,8 @@ def validate_step(fn, swap=()) -> StepSpec:
     norm = _Normalizer(ctx, parsed, is_step=True)
     tree = copy.deepcopy(parsed.tree)
     body = norm.visit_body(tree.body)
+    norm.check_array_names()
+    norm.check_definite_assignment()
     names = list(norm.params)
     index_param = names[0] if names else "t"
     params = names[1:]

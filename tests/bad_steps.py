@@ -295,3 +295,42 @@ def range_of_a_true_division(t, u):
         u[i] = 0.0
     for i, j in lk.grid(u.shape[0] // 2, (1, u.shape[0] / 3)):  # ERR: 'u.shape[0] / 3' is a float
         u[i] = 0.0
+
+
+# ---------------------------------------------------------------- names (session 29)
+def array_given_another_name(t, h, x):
+    g = h  # ERR: array 'h' cannot be given another name
+    for i in lk.range(x.shape[0]):
+        g[i] = x[i] + 2.0
+
+
+def ping_pong_by_name(t, a, b):
+    src = a if t % 2 == 0 else b  # ERR: array 'a' cannot be given another name
+    dst = b if t % 2 == 0 else a  # ERR: array 'b' cannot be given another name
+    for i in lk.range(a.shape[0]):
+        dst[i] = 0.5 * src[i]
+
+
+def assigned_only_under_an_if(t, a, b):
+    for i in lk.range(a.shape[0]):
+        if a[i] > 0.5:
+            y = 10.0 * a[i]
+        b[i] = y  # ERR: local 'y' may be read before it is assigned
+
+
+def loop_variable_after_its_loop(t, a):
+    for i in lk.range(a.shape[0]):
+        a[i] = 1.0
+    s = 0.0
+    for k in range(3):
+        s += 1.0
+    a[0] = s + k  # ERR: local 'k' may be read before it is assigned
+
+
+def read_before_assigned_in_a_loop_body(t, a):
+    for i in lk.range(a.shape[0]):
+        acc = 0.0
+        for k in range(4):
+            acc += prev  # ERR: local 'prev' may be read before it is assigned
+            prev = a[i] * k
+        a[i] = acc

@@ -144,6 +144,73 @@ def test_grad_through_vmap_of_the_call(rng):
             np.testing.assert_allclose(float(jax.grad(o)(0.7)), float(jax.grad(r)(0.7)), rtol=1e-9)
 
 
+
+def _gather_step(t, u, v, idx, k):
+    n = u.shape[0]
+    for i in lk.range(n):
+        v[i] = 0.5 * u[i] + k * u[idx[i]] ** 2
+
+
+def _gather_jnp(u, idx, k, steps):
+    return jax.lax.fori_loop(0, steps, lambda i, x: 0.5 * x + k * x[idx] ** 2, u)
+
+
+def test_grad_through_vmap_with_an_integer_array_and_numpy_cotangents(rng):
+    """jax.grad of a vmapped call whose step has an integer array parameter (an output without
+    a cotangent: a raw TypeError from linear_transpose before session 29), and a NumPy
+    cotangent given to jax.vjp's pullback or a NumPy tangent to jax.linearize's function (an
+    ArgumentError naming 'v_bar' or 'u_dot' before), against the jnp loop's."""
+    k = lk.megakernel(_gather_step, swap=[("u", "v")])
+    with jax_x64():
+        idx = jnp.asarray(rng.permutation(8), jnp.int32)
+        U = jnp.asarray(rng.uniform(0.1, 0.9, (3, 8)))
+        ours = jax.grad(lambda U, a: jnp.sum(jax.vmap(lambda u: k.jax(u, u, idx, a, steps=3)[0])(U) ** 2),
+                        argnums=(0, 1))(U, 0.3)
+        want = jax.grad(lambda U, a: jnp.sum(jax.vmap(lambda u: _gather_jnp(u, idx, a, 3))(U) ** 2),
+                        argnums=(0, 1))(U, 0.3)
+        for o, w in zip(ours, want):
+            np.testing.assert_allclose(np.asarray(o), np.asarray(w), rtol=1e-10)
+        ct = rng.standard_normal(8)
+        _, pullback = jax.vjp(lambda u: k.jax(u, u, idx, 0.3, steps=3)[0], U[0])
+        _, pullback_ref = jax.vjp(lambda u: _gather_jnp(u, idx, 0.3, 3), U[0])
+        np.testing.assert_allclose(np.asarray(pullback(ct)[0]), np.asarray(pullback_ref(jnp.asarray(ct))[0]),
+                                   rtol=1e-10)
+        _, lin = jax.linearize(lambda u: k.jax(u, u, idx, 0.3, steps=3)[0], U[0])
+        _, lin_ref = jax.linearize(lambda u: _gather_jnp(u, idx, 0.3, 3), U[0])
+        np.testing.assert_allclose(np.asarray(lin(ct)), np.asarray(lin_ref(jnp.asarray(ct))), rtol=1e-10)
+
+
+_SCALE = 0.5
+
+
+def _scaled_step(t, x, a):
+    for i in lk.range(x.shape[0]):
+        x[i] = x[i] + a * _SCALE * x[i] * x[i]
+
+
+def test_derivatives_use_the_globals_the_decorator_saw(rng):
+    """A global read by the step is read once, when the decorator runs; the tangent and adjoint
+    kernels, generated later, used the value at differentiation time (session 29: a gradient
+    for another function, silently)."""
+    global _SCALE
+    k = lk.megakernel(_scaled_step)
+    _SCALE = 2.0
+    try:
+        with jax_x64():
+            x0 = jnp.asarray(rng.uniform(0.1, 0.5, 6))
+
+            def ref(a):
+                x = x0
+                for _ in range(2):
+                    x = x + a * 0.5 * x * x
+                return jnp.sum(x)
+            f = lambda a: jnp.sum(k.jax(x0, a, steps=2)[0])
+            np.testing.assert_allclose(float(f(0.3)), float(ref(0.3)), rtol=1e-14)
+            np.testing.assert_allclose(float(jax.grad(f)(0.3)), float(jax.grad(ref)(0.3)), rtol=1e-12)
+            np.testing.assert_allclose(float(jax.jvp(f, (0.3,), (1.0,))[1]), float(jax.grad(ref)(0.3)), rtol=1e-12)
+    finally:
+        _SCALE = 0.5
+
 def test_only_what_has_a_tangent_is_differentiated(rng):
     # a constant scalar (a symbolic zero tangent) gets no adjoint: with one, every element of
     # every step would add into a single number; the state arrays, written by the step, are

@@ -465,8 +465,10 @@ def _jvp(mk, key, primals, tangents, arr_set, with_count, call, static_n=None):
     n_args = len(args)
 
     def run(n, t0, *a):
-        # (the checkpoints after the tangent run's own operands are for the reverse sweep)
-        return tk.jax(*a[:n_args], start=t0, **options, **{count_kw: n})
+        # (the checkpoints after the tangent run's own operands are for the reverse sweep; a
+        # tangent may come as a NumPy array: the function jax.linearize returns takes one)
+        a = [jnp.asarray(x) if isinstance(x, np.ndarray) else x for x in a[:n_args]]
+        return tk.jax(*a, start=t0, **options, **{count_kw: n})
     # the step count and start are operands: the primitive's function closes over no traced value
     ctx = _ReverseContext(mk, params, active, arr_set, sig, options, returns_condition, nsteps,
                           len(checkpoints), every, form)
@@ -564,11 +566,10 @@ def _segment_kernels(mk, active_names, state, ndims, form="gather"):
     cannot cover yet. Cached on ``mk``."""
     from ..adjoint import adjoint_function, arrays_read, recorder_function, segment_adjoint_function
     from ..api import MegaKernel
-    from ..frontend import parse_step
     key = (tuple(active_names), tuple(state), tuple(sorted(ndims.items())), form)
     cache = mk.__dict__.setdefault("_segment_kernels", {})
     if key not in cache:
-        parsed = parse_step(mk.fn)
+        parsed = mk.parsed
         adj, bars, scratch = adjoint_function(parsed, set(active_names), form)
         recorded = arrays_read(adj, state)
         pairs = [(mk.spec.param_names[a], mk.spec.param_names[b]) for a, b in mk.spec.swap]
@@ -641,7 +642,9 @@ def _reverse_sweep(ctx, name, cts, n, t0, args) -> list:
         k_out += 1
         if i in ctx.active:
             ct = cts[k_out]
-            bars[i] = jnp.zeros(ctx.sig[i][0], ctx.sig[i][1]) if isinstance(ct, ad.Zero) else ad.instantiate_zeros(ct)
+            # (a cotangent may come as a NumPy array: jax.vjp's pullback takes one)
+            bars[i] = jnp.zeros(ctx.sig[i][0], ctx.sig[i][1]) if isinstance(ct, ad.Zero) else \
+                jnp.asarray(ad.instantiate_zeros(ct))
             k_out += 1
     sbars = {i: jnp.zeros((1,), ctx.sig[i][1]) for i in ctx.active if i not in ctx.arr_set}
     swap = [(a, b) for a, b in mk.spec.swap if a in bars and b in bars]
@@ -816,14 +819,19 @@ def _transpose_batched(p, cts, args, name, b: _Batched):
     lin_avals = [unbatched_aval(k) for k in lin]
     outs = jax.eval_shape(lambda *a: list(b.fn(*a)), *[unbatched_aval(k) for k in range(len(args))])
     size = next(shape_dtype(a)[0][d] for a, d in zip(args, b.dims) if d is not None)
-    cts = [jnp.zeros((size,) + tuple(o.shape), o.dtype) if type(c) is ad.Zero else c for c, o in zip(cts, outs)]
+    # only float outputs carry cotangents (an integer array or step count has none, and
+    # linear_transpose takes floats only)
+    inexact = [k for k, o in enumerate(outs) if jnp.issubdtype(o.dtype, jnp.inexact)]
+    cts = [jnp.zeros((size,) + tuple(outs[k].shape), outs[k].dtype) if type(cts[k]) is ad.Zero
+           else jnp.asarray(cts[k]) for k in inexact]
 
     def one(known_vals, ct_vals):
         def linear(*tans):
             full, it_k, it_t = [], iter(known_vals), iter(tans)
             for k in range(len(args)):
                 full.append(next(it_t) if k in lin else next(it_k))
-            return list(p.bind(*full, fn=b.fn, name=name, reverse=b.inner))
+            res = p.bind(*full, fn=b.fn, name=name, reverse=b.inner)
+            return [res[k] for k in inexact]
         return jax.linear_transpose(linear, *lin_avals)(list(ct_vals))
     res = jax.vmap(one, in_axes=([b.dims[k] for k in known], 0))([args[k] for k in known], cts)
     result = [None] * len(args)

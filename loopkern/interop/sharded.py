@@ -97,7 +97,6 @@ class ShardedKernel:
     """
 
     def __init__(self, mk, mesh, in_specs, *, exchange_every=None, radius=None, costs=None):
-        from ..frontend import parse_step
         self.mk, self.mesh = mk, mesh
         self.axes_of = _normalize_specs(mk, mesh, in_specs)
         if exchange_every is not None and (isinstance(exchange_every, bool) or not isinstance(exchange_every, int)
@@ -106,7 +105,7 @@ class ShardedKernel:
                                 f"exchanges) or None (chosen by the cost model)")
         self.exchange_every = exchange_every
         self.costs = costs
-        parsed = parse_step(mk.fn)
+        parsed = mk.parsed
         plan = self.plan = plan_sharding(parsed, mk.spec, self._split_dims(), radius)
         self.axes = tuple(next((axes[k] for axes in self.axes_of.values() if k < len(axes) and axes[k]), None)
                           for k in range(plan.ndim))
