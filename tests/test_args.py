@@ -375,3 +375,27 @@ def test_read_only_gpu_array_is_refused():
 def test_hang_error_documents_its_run():
     doc = lk.HangError.__doc__
     assert "run:" in doc and "Run" in doc and "None" in doc
+
+
+def _shift_step(t, a, b):
+    for i in lk.range(b.shape[0]):
+        b[i] = a[i] + 1.0
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_an_array_sharing_memory_with_a_written_one_is_refused(rng, backend):
+    """A read array that shares memory with one the step writes (overlapping views, or one
+    array passed twice) made threads race, and the CPU backend computed what no GPU does
+    (session 29): an ArgumentError naming both, before anything runs, on the first call and
+    on a call that reuses a cached plan. Disjoint views of one buffer stay allowed."""
+    k = lk.megakernel(_shift_step)
+    x = rng.random(16)
+    pristine = x.copy()
+    k(np.zeros(7), np.zeros(7), steps=1, backend=backend)     # a plan for 7-element arrays
+    for a, b in ((x[:-1], x[1:]), (x, x), (x[:7], x[3:10])):
+        with pytest.raises(lk.ArgumentError, match="argument 'a' shares memory with argument 'b', which step "
+                                                    "'_shift_step' writes"):
+            k(a, b, steps=1, backend=backend)
+        np.testing.assert_array_equal(x, pristine)
+    k(x[:8], x[8:], steps=1, backend=backend)
+    np.testing.assert_array_equal(x, np.concatenate([pristine[:8], pristine[:8] + 1.0]))

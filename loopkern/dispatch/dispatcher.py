@@ -40,7 +40,7 @@ from .config import (AUTO_TILE_2D_MIN_ELEMENTS, AUTO_TILE_HALO_SHARE, AUTO_TILE_
                      choose_backend, cuda_config, first_tile_blocks, numba_chip, plan_staging, resolve_scope,
                      tile_config, tile_layout)
 from .kernels import KernelCache, check_types, index_bits_for
-from .plan import PlanCache, make_plan
+from .plan import PlanCache, make_plan, shares_written_memory, written_pairs
 from .signature import LastCall, call_key
 
 log = logging.getLogger("loopkern")
@@ -129,6 +129,10 @@ class Dispatcher:
                 raise ArgumentError(f"{pair}: one array is on the GPU and the other on the host")
             if a.value is b.value or overlaps(a, b):
                 raise ArgumentError(f"{pair}: the two arrays share memory; pass two separate buffers")
+        for i, j in written_pairs(spec):
+            a, b = out[i], out[j]
+            if isinstance(a, ArrayArg) and isinstance(b, ArrayArg) and (a.value is b.value or overlaps(a, b)):
+                raise ArgumentError(shares_written_memory(spec, i, j))
         return out
 
     # -- options -------------------------------------------------------------------------------

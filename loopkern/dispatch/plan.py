@@ -247,6 +247,9 @@ class LaunchPlan:
         self.host_swaps = [(a, b) for a, b in spec.swap if a in host and b in host]
         self.device_ptrs = [(i, params[i].ptr) for i in self.devices]
         self.device_swaps = self._pointer_pairs(spec.swap)
+        written = written_pairs(spec)
+        self.host_written = [(a, b) for a, b in written if a in host and b in host]
+        self.device_written = self._pointer_pairs(written)
         swapped = {frozenset(pair) for pair in spec.swap}
         self.device_staged = self._pointer_pairs(
             [(i, j) for i in staged for j in self.devices if j != i and (j not in staged or i < j)
@@ -302,12 +305,19 @@ class LaunchPlan:
             x, y = values[a], values[b]
             if x is y or np.may_share_memory(x, y):
                 self._shared(a, b)
+        for a, b in self.host_written:
+            x, y = values[a], values[b]
+            if x is y or np.may_share_memory(x, y):
+                raise ArgumentError(shares_written_memory(self.spec, a, b))
         if not self.devices:
             return ()
         ptrs = [ptr(values[i]) for i, ptr in self.device_ptrs]
         for ka, kb, lo_a, hi_a, lo_b, hi_b, a, b in self.device_swaps:
             if ptrs[ka] + lo_a < ptrs[kb] + hi_b and ptrs[kb] + lo_b < ptrs[ka] + hi_a:
                 self._shared(a, b)
+        for ka, kb, lo_a, hi_a, lo_b, hi_b, a, b in self.device_written:
+            if ptrs[ka] + lo_a < ptrs[kb] + hi_b and ptrs[kb] + lo_b < ptrs[ka] + hi_a:
+                raise ArgumentError(shares_written_memory(self.spec, a, b))
         for ka, kb, lo_a, hi_a, lo_b, hi_b, a, b in self.device_staged:
             if ptrs[ka] + lo_a < ptrs[kb] + hi_b and ptrs[kb] + lo_b < ptrs[ka] + hi_a:
                 return None
@@ -462,6 +472,28 @@ class LaunchPlan:
                                                      target.nbytes), "copying a result back from the GPU")
             if target is not host:
                 host[...] = target
+
+
+def written_pairs(spec) -> list:
+    """(i, j): each array parameter ``i`` the step writes (swap pairs' arrays included) with
+    every other array parameter ``j`` (a swap pair itself left out: it has its own check); the
+    two must not share memory."""
+    swapped = {i for pair in spec.swap for i in pair}
+    written = [i for i, p in enumerate(spec.params) if p.kind == "array" and (p.written or i in swapped)]
+    pairs = {frozenset(pair) for pair in spec.swap}
+    out = []
+    for i in written:
+        for j, q in enumerate(spec.params):
+            if j != i and q.kind == "array" and frozenset((i, j)) not in pairs and not (j in written and j < i):
+                out.append((i, j))
+    return out
+
+
+def shares_written_memory(spec, i, j) -> str:
+    a, b = spec.params[i].name, spec.params[j].name
+    return (f"argument '{b}' shares memory with argument '{a}', which step '{spec.name}' writes: its threads would "
+            f"race on that memory (and the CPU backend, which runs the iterations in order, would compute "
+            f"something else than a GPU); pass separate arrays, e.g. a copy of '{b}'")
 
 
 def make_plan(spec, backend, argv, compiled, kernel, config: LaunchConfig, *, debug, staged, simulator) -> LaunchPlan:
