@@ -904,6 +904,12 @@ def _is_numpy_function(target) -> bool:
     return callable(target) and (module == "numpy" or module.startswith("numpy."))
 
 
+#: the keyword options of kernel(...), kernel.start(...) and kernel.jax(...): a step parameter of
+#: one of these names could not be passed by keyword
+CALL_OPTIONS = frozenset({"steps", "max_steps", "start", "backend", "scope", "threads", "blocks", "seed", "progress",
+                          "timeout", "debug", "watchdog", "checkpoint_every", "adjoint_form"})
+
+
 def _check_signature(parsed: ParsedFunction, ctx: _Context, is_step: bool):
     a = parsed.tree.args
     where = "" if is_step else f"in helper '{parsed.name}'"
@@ -921,6 +927,12 @@ def _check_signature(parsed: ParsedFunction, ctx: _Context, is_step: bool):
         if arg.arg.startswith(RESERVED_PREFIX):
             bad.append((arg, f"names starting with '{RESERVED_PREFIX}' are reserved for generated code",
                         "rename the parameter"))
+    if is_step:
+        for arg in a.args[1:]:
+            if arg.arg in CALL_OPTIONS:
+                bad.append((arg, f"parameter '{arg.arg}' has the name of an option of the call ({arg.arg}=): "
+                                 f"kernel({arg.arg}=...) would set the option, not this parameter",
+                            "rename the parameter"))
     for node, msg, hint in bad:
         ctx.diagnostics.append(parsed.diagnostic(node, ctx.step_name, msg, hint, where))
     if is_step and not a.args:

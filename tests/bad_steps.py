@@ -334,3 +334,8 @@ def read_before_assigned_in_a_loop_body(t, a):
             acc += prev  # ERR: local 'prev' may be read before it is assigned
             prev = a[i] * k
         a[i] = acc
+
+
+def parameter_named_like_an_option(t, u, seed):  # ERR: parameter 'seed' has the name of an option
+    for i in lk.range(u.shape[0]):
+        u[i] = seed
