@@ -859,6 +859,11 @@ class _Normalizer(ast.NodeTransformer):
         if not 1 <= len(node.args) <= 2:
             return self.reject(node, f"{target.display}() takes a key and an optional subkey, got "
                                      f"{len(node.args)} arguments", f"write {target.display}(i) or {target.display}(i, k)")
+        for a, what in zip(node.args, ("key", "subkey")):
+            if _floaty(a, self.float_locals):
+                # (converted to an integer it would be truncated: keys 1.2 and 1.9 draw the same)
+                self.error(a, f"the {what} of {target.display}() is a float ('{ast.unparse(a)}'): keys and subkeys "
+                              f"are non-negative integers", f"pass an integer, e.g. the loop index, or int(...)")
         args = [self._scalar(a) for a in node.args]
         if len(args) == 1:
             args.append(ast.copy_location(ast.Constant(0), node))

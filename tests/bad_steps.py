@@ -339,3 +339,10 @@ def read_before_assigned_in_a_loop_body(t, a):
 def parameter_named_like_an_option(t, u, seed):  # ERR: parameter 'seed' has the name of an option
     for i in lk.range(u.shape[0]):
         u[i] = seed
+
+
+def random_key_of_a_float(t, u):
+    for i in lk.range(u.shape[0]):
+        h = i / 2
+        u[i] = lk.random.uniform(h)  # ERR: the key of lk.random.uniform() is a float
+        u[i] += lk.random.normal(i, 0.5)  # ERR: the subkey of lk.random.normal() is a float
