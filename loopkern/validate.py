@@ -863,7 +863,7 @@ class _Normalizer(ast.NodeTransformer):
             if _floaty(a, self.float_locals):
                 # (converted to an integer it would be truncated: keys 1.2 and 1.9 draw the same)
                 self.error(a, f"the {what} of {target.display}() is a float ('{ast.unparse(a)}'): keys and subkeys "
-                              f"are non-negative integers", f"pass an integer, e.g. the loop index, or int(...)")
+                              f"are non-negative integers", "pass an integer, e.g. the loop index, or int(...)")
         args = [self._scalar(a) for a in node.args]
         if len(args) == 1:
             args.append(ast.copy_location(ast.Constant(0), node))
@@ -1546,6 +1546,92 @@ def tag_random_sites(parsed):
     return dataclasses.replace(parsed, tree=tree, explicit_sites=True)
 
 
+def _check_phases(parsed, ctx, body):
+    """Two parallel loops of one block with no barrier between them (``lk.sync()`` or a
+    reduction) where one writes an array element that the other reads: unless both loops run
+    the same iterations and index the array the same way (so each element is the same thread's
+    in both), another thread may write the element before or after it is read (a race on a GPU;
+    the CPU backend runs the loops in order). A write after a read and two writes are left
+    alone: a stencil's interior loop and its boundary loop read and write disjoint elements,
+    which this check cannot tell from a race."""
+
+    def target_names(loop):
+        return [n.id for n in ast.walk(loop.target) if isinstance(n, ast.Name)]
+
+    def assigned_in(loop):
+        return {n.id for n in ast.walk(loop) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+
+    def key(index, loop):
+        # the index with the loop's variables renamed by position; None if it depends on a local
+        # the loop assigns (its value may differ between the loops)
+        rename = {v: f"{RESERVED_PREFIX}v{k}" for k, v in enumerate(target_names(loop))}
+        local = assigned_in(loop) - set(rename)
+        if isinstance(loop.target, ast.Name) and marker_of(loop.iter) == "grid" and isinstance(index, ast.Name) \
+                and index.id == loop.target.id:
+            # an lk.grid loop's one target is the tuple of its indices (g[p] is g[i, j])
+            return ast.dump(ast.Tuple(elts=[ast.Name(id=f"{RESERVED_PREFIX}v{k}", ctx=ast.Load())
+                                            for k in range(len(loop.iter.args))], ctx=ast.Load()))
+        e = copy.deepcopy(index)
+        for n in ast.walk(e):
+            if isinstance(n, ast.Name):
+                if n.id in local:
+                    return None
+                n.id = rename.get(n.id, n.id)
+        return ast.dump(e)
+
+    def accesses(loop):
+        out = {}        # array -> [(kind: r/w/a, key, node)]
+        for n in ast.walk(loop):
+            if isinstance(n, ast.Subscript) and isinstance(n.value, ast.Name):
+                out.setdefault(n.value.id, []).append(("w" if isinstance(n.ctx, ast.Store) else "r",
+                                                       key(n.slice, loop), n))
+            elif isinstance(n, ast.AugAssign) and isinstance(n.target, ast.Subscript) \
+                    and isinstance(n.target.value, ast.Name):
+                out.setdefault(n.target.value.id, []).append(("r", key(n.target.slice, loop), n.target))
+            elif marker_of(n) in _ATOMICS and n.args and isinstance(n.args[0], ast.Name):
+                out.setdefault(n.args[0].id, []).append(("a", None, n))
+        return out
+
+    def compare(a, acc_a, b, acc_b):
+        same_loop = ast.dump(a.iter) == ast.dump(b.iter)
+        for name in sorted(set(acc_a) & set(acc_b)):
+            kinds_a = {k for k, _, _ in acc_a[name]}
+            kinds_b = {k for k, _, _ in acc_b[name]}
+            # (a read before a write to the same element in a later loop races too, but the common
+            # interior-then-boundary stencil reads and writes disjoint elements that this check
+            # cannot tell apart, so only a read after a write is checked)
+            if not (kinds_a & {"w", "a"} and "r" in kinds_b):
+                continue
+            keys = {k for _, k, _ in acc_a[name] + acc_b[name]}
+            if same_loop and "a" not in kinds_a | kinds_b and None not in keys and len(keys) == 1:
+                continue
+            node = next(n for k, _, n in acc_b[name] if k == "r")
+            ctx.diagnostics.append(parsed.diagnostic(
+                node, ctx.step_name,
+                f"'{name}' is written in the parallel loop at line {a.lineno} and read in this parallel loop with "
+                f"no lk.sync() between them: another thread may write the element while (or after) this one "
+                f"reads it (a race on a GPU; the CPU backend runs the loops one after the other)",
+                "put lk.sync() between the two loops"))
+            return
+
+    def block(stmts):
+        pending = []
+        for st in stmts:
+            if isinstance(st, ast.For) and marker_of(st.iter) in _PARALLEL_LOOPS:
+                acc = accesses(st)
+                for a, acc_a in pending:
+                    compare(a, acc_a, st, acc)
+                pending.append((st, acc))
+                continue
+            if any(marker_of(n) in _BARRIERS for n in ast.walk(st)):
+                pending = []
+            for field_name in ("body", "orelse"):
+                sub = getattr(st, field_name, None)
+                if isinstance(sub, list) and sub and isinstance(sub[0], ast.stmt):
+                    block(sub)
+    block(body)
+
+
 def validate_step(fn, swap=()) -> StepSpec:
     """Check ``fn`` against the restricted-Python rules and build its :class:`StepSpec`.
 
@@ -1601,6 +1687,11 @@ def validate_step(fn, swap=()) -> StepSpec:
     # sequential step the one thread updates, and its draws do not depend on the thread
     parallel = bool(used - _ATOMICS - {"random_uniform", "random_normal"})
     _Uniformity(ctx, parsed, parallel=parallel).run(body)
+    if not parsed.explicit_sites:
+        # (a generated step -- tangent, adjoint -- comes from a user's step that passed, and its
+        # generator places its own barriers: the adjoint of an interior loop reads what the
+        # adjoint of the boundary loop before it wrote, at elements this check cannot tell apart)
+        _check_phases(parsed, ctx, body)
 
     if ctx.diagnostics:
         ctx.diagnostics.sort(key=lambda d: (d.filename != parsed.filename, d.filename, d.line, d.col))

@@ -346,3 +346,28 @@ def random_key_of_a_float(t, u):
         h = i / 2
         u[i] = lk.random.uniform(h)  # ERR: the key of lk.random.uniform() is a float
         u[i] += lk.random.normal(i, 0.5)  # ERR: the subkey of lk.random.normal() is a float
+
+
+# ---------------------------------------------------------------- phases without lk.sync() (session 29)
+def neighbour_read_without_sync(t, u, v, w):
+    n = u.shape[0]
+    for i in lk.range(n):
+        v[i] = u[i] * 0.5
+    for i in lk.range(1, n - 1):
+        w[i] = v[i - 1] + v[i + 1]  # ERR: 'v' is written in the parallel loop at line
+
+
+def flux_update_without_sync(t, a, f):
+    n = a.shape[0]
+    for i in lk.range(n - 1):
+        a[i] -= f[i]
+    for i in lk.range(n - 1):
+        a[i + 1] += f[i]  # ERR: 'a' is written in the parallel loop at line
+
+
+def scatter_then_read_without_sync(t, a, idx, out):
+    for i in lk.range(idx.shape[0]):
+        lk.atomic.add(a, idx[i], 1.0)
+    for i in lk.range(a.shape[0]):
+        out[i] = a[i] * 2.0  # ERR: 'a' is written in the parallel loop at line
+

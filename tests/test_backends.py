@@ -376,6 +376,7 @@ def test_grid_loops_whose_extents_change_between_steps(backend, scope, rng):
         w = 1 + (t % 3) * 2
         for i, j in lk.grid(a.shape[0], (1, w + 1)):
             b[i, j] += a[i, j] * (t + 1)
+        lk.sync()       # (the two loops update b over different index spaces)
         for i, j in lk.grid((1, a.shape[0]), a.shape[1]):
             b[i, j] += 0.5 * a[i - 1, j]
         for i, j, k in lk.grid(c.shape[0], w, c.shape[2]):
@@ -397,14 +398,19 @@ def test_grid_loops_whose_extents_change_between_steps(backend, scope, rng):
 
 
 def five_grid_loops(t, a, b):
+    # (each loop updates b over other index spaces than the one before: a barrier between them)
     for i, j in lk.grid(a.shape[0], a.shape[1]):
         b[i, j] += a[i, j]
+    lk.sync()
     for i, j in lk.grid((1, a.shape[0]), a.shape[1]):
         b[i, j] += 2.0 * a[i - 1, j]
+    lk.sync()
     for i, j in lk.grid(a.shape[0], (1, a.shape[1])):
         b[i, j] += 3.0 * a[i, j - 1]
+    lk.sync()
     for i, j in lk.grid(a.shape[0] - 1, a.shape[1]):
         b[i, j] += 4.0 * a[i + 1, j]
+    lk.sync()
     for i, j in lk.grid(a.shape[0], a.shape[1] - 1 - t % 2):
         b[i, j] += 5.0 * a[i, j + 1]
 

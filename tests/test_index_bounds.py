@@ -99,6 +99,7 @@ def wrap_step(t, u, v):
     # v[i] = u[i - 1] for every i: at i == 0 that is u[-1], the last element (Python's meaning)
     for i in lk.range(0, u.shape[0]):
         v[i] = u[i - 1]
+    lk.sync()       # (the loops' index spaces differ: v[i] is another thread's in the second)
     for i in lk.range(1, u.shape[0]):
         v[i] = v[i] + u[i - 1] - u[i - 1]
 

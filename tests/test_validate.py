@@ -273,9 +273,10 @@ def own_updates(t, a, g, h, c):
         for k in range(3):
             h[k, i] += a[i]                  # other dimensions may be anything
         c[lk.thread_id()] += 1               # the thread's own element
+    lk.sync()                                # (g's elements are other threads' in the grid loops)
     for p in lk.grid(g.shape[0], g.shape[1]):
         g[p] += 1.0
-    for i, j in lk.grid(g.shape[0], g.shape[1]):
+    for i, j in lk.grid(g.shape[0], g.shape[1]):     # the same elements, the same threads
         g[i, j] = g[i, j] - 1.0
     if lk.thread_id() == 0:
         c[0] = c[0] + 1                      # one thread
@@ -283,6 +284,7 @@ def own_updates(t, a, g, h, c):
     while m < c.shape[0]:                    # the grid-stride idiom: each thread its own elements
         c[m] += 1
         m += lk.num_threads()
+    lk.sync()
     for i in lk.range(n):
         c[int(a[i]) % c.shape[0]] = 0       # a plain store at a computed index is not an update
 
@@ -543,3 +545,34 @@ def test_locals_assigned_on_every_path_are_accepted_and_computed(rng):
     k(a, b, steps=1, backend="cpu")
     want = np.where(a < 0.1, 0.0, np.where(a > 0.5, 10.0 * a, -1.0) + 2.0 + 3.0 + 2)
     np.testing.assert_allclose(b, want, rtol=1e-15)
+
+
+def _phases_that_need_no_barrier(t, u, v, w, a):
+    n = u.shape[0]
+    for i in lk.range(1, n - 1):
+        v[i] = u[i] * 0.5
+    for i in lk.range(1, n - 1):          # the same iterations, the same element: the same thread
+        w[i] = v[i] + 1.0
+    for i in lk.range(0, n, n - 1):       # two writes (a boundary beside an interior) race on nothing read
+        v[i] = u[i]
+    lk.sync()
+    for i in lk.range(1, n - 1):          # after a barrier anything goes
+        a[i] = v[i - 1] + v[i + 1]
+
+
+def test_phases_that_need_no_barrier_are_accepted_and_computed(rng):
+    """The check for parallel loops without lk.sync() (session 29) accepts loops whose shared
+    elements are each one thread's in both, and writes beside writes; results against NumPy."""
+    k = lk.megakernel(_phases_that_need_no_barrier)
+    u = rng.random(64)
+    v, w, a = np.zeros(64), np.zeros(64), np.zeros(64)
+    k(u, v, w, a, steps=1, backend="cpu")
+    want_v = u * 0.5
+    want_v[[0, -1]] = u[[0, -1]]
+    want_w = np.zeros(64)
+    want_w[1:-1] = u[1:-1] * 0.5 + 1.0
+    want_a = np.zeros(64)
+    want_a[1:-1] = want_v[:-2] + want_v[2:]
+    np.testing.assert_allclose(v, want_v, rtol=1e-15)
+    np.testing.assert_allclose(w, want_w, rtol=1e-15)
+    np.testing.assert_allclose(a, want_a, rtol=1e-15)
