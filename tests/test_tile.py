@@ -318,33 +318,37 @@ def aliased_read_step(t, u, v, w, out):
 def test_an_argument_sharing_memory_with_an_array_kept_on_chip_is_refused(scope, rng):
     """w is the caller's u: tile mode keeps u's values on chip, so w read its stale copy in
     memory and the run gave other values than the grid scope, silently, before session 28.
-    Now an ArgumentError before anything is written (scope='auto' then keeps the grid
-    scope); two swap pairs sharing memory likewise."""
+    Now an ArgumentError before anything is written; since session 29 in every scope (an array
+    sharing memory with one the step writes, as every swap pair's arrays are); two swap pairs
+    sharing memory likewise."""
     from numba import cuda
     k = lk.megakernel(aliased_read_step, swap=[("u", "v")])
     u0 = rng.random(16)
     u, v, out = cuda.to_device(u0), cuda.to_device(u0), cuda.to_device(np.zeros(16))
-    with pytest.raises(lk.ArgumentError, match=f"scope='{scope}': argument 'w' shares memory with 'u'"):
-        k(u, v, u, out, steps=2, backend="cuda", scope=scope)
+    for sc in (scope, "grid", "auto"):
+        with pytest.raises(lk.ArgumentError, match="argument 'w' shares memory with argument 'u', which step "
+                                                   "'aliased_read_step' writes"):
+            k(u, v, u, out, steps=2, backend="cuda", scope=sc)
     np.testing.assert_array_equal(u.copy_to_host(), u0)
     np.testing.assert_array_equal(out.copy_to_host(), 0.0)
     half = cuda.to_device(u0)
-    with pytest.raises(lk.ArgumentError, match="argument 'w' shares memory with 'v'"):
+    with pytest.raises(lk.ArgumentError, match="argument 'w' shares memory with argument 'v'"):
         k(u, half, half[4:12], out, steps=2, backend="cuda", scope=scope)
     two = lk.megakernel(two_pair_step, swap=[("a", "b"), ("c", "d")])
     x, y, z = (cuda.to_device(rng.random(16)) for _ in range(3))
-    with pytest.raises(lk.ArgumentError, match="argument 'd' shares memory with 'a'"):
+    with pytest.raises(lk.ArgumentError, match="argument 'd' shares memory with argument 'a'"):
         two(x, y, z, x, steps=1, backend="cuda", scope=scope)
-    # the grid scope reads the buffer itself (the reference: w is u's buffer, read each step)
+    # with a copy of u as w, every scope reads the values u had when the call began
     ref_u, ref_v, ref_out = u0.copy(), u0.copy(), np.zeros(16)
     cur, nxt = ref_u, ref_v
     for _ in range(3):
         nxt[1:-1] = 0.5 * (cur[:-2] + cur[2:])
-        ref_out[1:-1] = ref_u[1:-1]
         cur, nxt = nxt, cur
-    u, v, out = cuda.to_device(u0), cuda.to_device(u0), cuda.to_device(np.zeros(16))
-    k(u, v, u, out, steps=3, backend="cuda", scope="grid")
+    ref_out[1:-1] = u0[1:-1]
+    u, v, w, out = cuda.to_device(u0), cuda.to_device(u0), cuda.to_device(u0), cuda.to_device(np.zeros(16))
+    k(u, v, w, out, steps=3, backend="cuda", scope=scope)
     np.testing.assert_allclose(out.copy_to_host(), ref_out, rtol=1e-15)
+    np.testing.assert_allclose(u.copy_to_host(), cur, rtol=1e-15)
 
 
 @pytest.mark.parametrize("shape", [(5, 0), (0, 0), (0, 5), (0,)])

@@ -554,26 +554,26 @@ def test_a_cancel_of_a_streamed_run_and_scope_auto(rng):
     np.testing.assert_array_equal(v.copy_to_host(), b.copy_to_host())
 
 
-def test_an_argument_sharing_memory_with_a_tile_is_refused_and_auto_keeps_the_grid(rng):
-    """w is the caller's u: scope='tile' refuses it (session 28; it read the stale copy in
-    memory) and scope='auto', which would pick tile mode for this size, keeps the grid scope
-    and reads the buffer itself, as a float64 NumPy run does."""
+def test_an_argument_sharing_memory_with_a_tile_is_refused_and_a_copy_runs(rng):
+    """w is the caller's u: refused in every scope (session 28 refused tile mode, where it read
+    the stale copy in memory; since session 29 any array sharing memory with one the step
+    writes); with a copy of u as w, scope='auto' (tile mode is its choice for this size) matches
+    a float64 NumPy run."""
     from numba import cuda
     from test_tile import aliased_read_step
     n, steps = 1 << 20, 7
     u0 = rng.random(n)
     k = lk.megakernel(aliased_read_step, swap=[("u", "v")])
     u, v, out = cuda.to_device(u0), cuda.to_device(u0), cuda.to_device(np.zeros(n))
-    with pytest.raises(lk.ArgumentError, match="argument 'w' shares memory with 'u'"):
-        k(u, v, u, out, steps=steps, backend="cuda", scope="tile")
+    for scope in ("tile", "auto", "grid"):
+        with pytest.raises(lk.ArgumentError, match="argument 'w' shares memory with argument 'u'"):
+            k(u, v, u, out, steps=steps, backend="cuda", scope=scope)
     assert k.dispatcher.auto_tile(n, False, sim=False)
-    run = k(u, v, u, out, steps=steps, backend="cuda", scope="auto")
-    assert run.scope != "tile"
+    k(u, v, cuda.to_device(u0), out, steps=steps, backend="cuda", scope="auto")
     cur, nxt, ref_out = u0.copy(), u0.copy(), np.zeros(n)
-    first = cur
     for _ in range(steps):
         nxt[1:-1] = 0.5 * (cur[:-2] + cur[2:])
-        ref_out[1:-1] = first[1:-1]
         cur, nxt = nxt, cur
+    ref_out[1:-1] = u0[1:-1]
     np.testing.assert_allclose(out.copy_to_host(), ref_out, rtol=1e-15)
     np.testing.assert_allclose(u.copy_to_host(), cur, rtol=1e-12)
