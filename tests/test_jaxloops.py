@@ -88,6 +88,11 @@ PRIMITIVE_BODIES = [
     ("strided_slices", lambda i, x: x * 0.99 + 0.01 * jnp.concatenate([x[1::2], x[::2]]), True),
     ("strided_at_add", lambda i, x: x.at[::2].add(0.01 * x[1::2]), True),
     ("strided_at_set_reversed", lambda i, x: x.at[-2::-3].set(x[1::3] * 0.5 + 0.5), True),
+    # a strided scatter's result read at other positions (session 29: the operand's values came out)
+    ("strided_at_set_then_shift", lambda i, x: jnp.pad(x.at[0:14:3].set(-0.5)[2:], (0, 2)), True),
+    ("strided_at_add_then_roll", lambda i, x: jnp.roll(x.at[::3].add(0.25), -1), True),
+    ("strided_at_set_then_flip", lambda i, x: x.at[1::4].set(0.125)[::-1] * 0.5 + x * 0.5, True),
+    ("strided_at_set_reversed_then_roll", lambda i, x: jnp.roll(x.at[-2::-3].set(0.5), -1), True),
     ("strided_at_add_2d_columns", lambda i, x: x.reshape(8, 5).at[:, 1::2].add(
         0.1 * x.reshape(8, 5)[:, ::2][:, :2]).reshape(40), True),
     ("at_set_one_index", lambda i, x: x.at[0].set(x[-1]).at[-1].set(x[1] * 0.5), True),

@@ -2497,9 +2497,10 @@ def _strided_scatter(L, e, out, idx, ctx, B):
     x, ind, upd = e.ins
     i = idx[d]
     if st > 0:      # update j goes to c + st * j: j = (i - c) / st
-        rel = i.expr if c == 0 else (f"({i.expr} + {-c})" if c < 0 else f"({i.expr} - {c})")
+        # (parenthesised: the index may be an expression, i1_0 + 1, that % and // would split)
+        rel = f"({i.expr})" if c == 0 else (f"({i.expr} + {-c})" if c < 0 else f"({i.expr} - {c})")
     else:           # a reversed slice (x.at[::-2]): j = (c - i) / -st
-        rel, st = f"({c} - {i.expr})", -st
+        rel, st = f"({c} - ({i.expr}))", -st
     j = opaque(f"{rel} // {st}" if st != 1 else rel, 0, m - 1)
     cond = f"{rel} % {st} == 0 and 0 <= {rel} // {st} < {m}" if st != 1 else f"0 <= {rel} < {m}"
     usub = [None] * len(upd.shape)
