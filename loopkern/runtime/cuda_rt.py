@@ -414,6 +414,46 @@ else:
                 off >>= 1
             return v
 
+        # Each lane combines partials lane, lane + 32, ... in that order. Eight are loaded
+        # before the first is combined, so up to 256 blocks cost one L2 round trip after the
+        # barrier; a loop that loaded and combined one at a time (unrolled by four) waited for
+        # two at 132 blocks. A load past the last block reads the last block's slot again and
+        # is not combined: the result is bit for bit the one-at-a-time loop's.
+        @cuda.jit(device=True)
+        def partials(red, slot, lane):
+            nb = np.int64(cuda.gridDim.x)
+            last = nb - 1
+            acc = dtype(ident)
+            b = np.int64(lane)
+            # unsigned indices: no negative-index test (both are in range)
+            s = np.uint64(slot)
+            while b < nb:
+                x0 = dtype(red[s, np.uint64(b)])
+                x1 = dtype(red[s, np.uint64(min(b + 32, last))])
+                x2 = dtype(red[s, np.uint64(min(b + 64, last))])
+                x3 = dtype(red[s, np.uint64(min(b + 96, last))])
+                x4 = dtype(red[s, np.uint64(min(b + 128, last))])
+                x5 = dtype(red[s, np.uint64(min(b + 160, last))])
+                x6 = dtype(red[s, np.uint64(min(b + 192, last))])
+                x7 = dtype(red[s, np.uint64(min(b + 224, last))])
+                acc = combine(acc, x0)
+                if b + 32 < nb:
+                    acc = combine(acc, x1)
+                if b + 64 < nb:
+                    acc = combine(acc, x2)
+                if b + 96 < nb:
+                    acc = combine(acc, x3)
+                if b + 128 < nb:
+                    acc = combine(acc, x4)
+                if b + 160 < nb:
+                    acc = combine(acc, x5)
+                if b + 192 < nb:
+                    acc = combine(acc, x6)
+                if b + 224 < nb:
+                    acc = combine(acc, x7)
+                b += 256
+            return acc
+
         # ``sh`` (the per-warp slots, 2 * _MAX_WARPS of float64 or int64) is the kernel's own shared
         # array, passed in: a shared array allocated here would be one global symbol in each
         # compiled copy of this function, and reductions of two value types in one kernel
@@ -435,11 +475,9 @@ else:
                 if cuda.threadIdx.x == 0:
                     red[slot, cuda.blockIdx.x] = w
                 sync(bar)
-                acc = dtype(ident)
-                for b in range(lane, cuda.gridDim.x, 32):
-                    acc = combine(acc, dtype(red[slot, b]))
-                w = warp_all(acc)
+                w = warp_all(partials(red, slot, lane))
             return w
+
         return core
 
     def _make(op, sync):
