@@ -1502,17 +1502,8 @@ def _tile_lines(tile, kparams, resident, written, sync: str = "grid") -> tuple[l
         # its first rows (every one of them some tile's edge: each tile is at least a halo long)
         guard = "True" if wrap else f"0 <= {_P}c < {_P}n and not ({_P}tlo <= {_P}c < {_P}thi)"
         row = f"{_P}c % max({_P}n, 1)" if wrap else f"{_P}c"
-
-        def prepare(r):
-            # (a row that fails the guard is loaded from, clamped into the array, not stored)
-            return [f"{_P}x{r} = {row}" if wrap else f"{_P}x{r} = min(max({_P}c, 0), {_P}n - 1)"]
-
-        def moves(r, col):
-            return [(get(f"{_P}e{i}", f"{_P}x{r}", False, col), put(f"{_P}w{i}", f"{_P}c{r} - {_P}tb", "{v}", True, col))
-                    for i in written]
-        bar += tt.fetch(0, hl + hr, f"{_P}tb + {_P}r if {_P}r < {hl} else {_P}thi + ({_P}r - {hl})", guard,
-                        [put(f"{_P}w{i}", f"{_P}c - {_P}tb", get(f"{_P}e{i}", row, False), True) for i in written],
-                        prepare, moves)
+        bar += cells(0, hl + hr, f"{_P}tb + {_P}r if {_P}r < {hl} else {_P}thi + ({_P}r - {hl})", guard,
+                     [put(f"{_P}w{i}", f"{_P}c - {_P}tb", get(f"{_P}e{i}", row, False), True) for i in written])
         bar.append("cuda.syncthreads()")
     barrier = ("\n" + i2).join(bar)
     copy_back = [f"{i1}cuda.syncthreads()"] + tt.copy_rows(1, f"{_P}thi - {_P}tlo", f"{_P}tlo + {_P}r", "True",
@@ -1570,60 +1561,27 @@ class _TileText:
         return [f"{ind}{_P}r = {_P}btid", f"{ind}while {_P}r < {count}:", f"{ind}{i1}{_P}c = {first}",
                 f"{ind}{i1}if {guard}:"] + [f"{ind}{i2}{b}" for b in body] + [f"{ind}{i1}{_P}r += {_P}bnt"]
 
-    def _index(self, row, col=f"{_P}j"):
+    def _index(self, row):
         # every index these lines use is proven in range by the guards around them: unsigned,
         # so the access skips Python's negative-index test (runtime/arrays.py)
-        return f"(_lk_np.uint64({row}), _lk_np.uint64({col}))" if self.two else f"_lk_np.uint64({row})"
+        return f"(_lk_np.uint64({row}), _lk_np.uint64({_P}j))" if self.two else f"_lk_np.uint64({row})"
 
-    def get(self, name, row, shared: bool, col=f"{_P}j") -> str:
-        """The element of row ``row`` (and column ``col`` in 2-D) of an array in shared
+    def get(self, name, row, shared: bool) -> str:
+        """The element of row ``row`` (and column ``_lk_j`` in 2-D) of an array in shared
         memory (a tile) or in global memory (the user's arrays)."""
-        return f"{_P}rt.{'sload' if shared else 'load'}({name}, {self._index(row, col)})"
+        return f"{_P}rt.{'sload' if shared else 'load'}({name}, {self._index(row)})"
 
-    def put(self, name, row, value, shared: bool, col=f"{_P}j") -> str:
-        return f"{_P}rt.{'sstore' if shared else 'store'}({name}, {self._index(row, col)}, {value})"
+    def put(self, name, row, value, shared: bool) -> str:
+        return f"{_P}rt.{'sstore' if shared else 'store'}({name}, {self._index(row)}, {value})"
 
-    def slot_get(self, base, j, row, col=f"{_P}j") -> str:
-        return f"{_P}rt.load({_P}halo, _lk_np.uint64({self._slot(base, j, row, col)}))"
+    def slot_get(self, base, j, row) -> str:
+        return f"{_P}rt.load({_P}halo, _lk_np.uint64({self._slot(base, j, row)}))"
 
     def slot_put(self, base, j, row, value) -> str:
         return f"{_P}rt.store({_P}halo, _lk_np.uint64({self._slot(base, j, row)}), {value})"
 
-    def _slot(self, base, j, row, col=f"{_P}j"):
-        return f"{base} + {j} * {_P}hs + ({row}) * {_P}m" + (f" + {col}" if self.two else "")
-
-    def fetch(self, depth, count, first, guard, body, prepare, moves) -> list[str]:
-        """Lines that read rows ``_lk_c = first`` (``_lk_r`` in range(count)) passing ``guard``
-        from global memory into the shared copies, as :meth:`cells` with ``moves`` as body, but
-        with every load of a pass issued before the first store: after a grid barrier each
-        load is an L2 round trip, and a loop that stored what it loaded waited for each in turn
-        (a 2-D halo of two rows of 1024 cells over 512 threads took four round trips, now one).
-
-        ``prepare(r)``: lines setting row ``r``'s variables from ``_lk_r``/``_lk_c``, after which
-        ``moves(r, col)`` gives (load expression, store of ``{v}``) pairs at column ``col``. A
-        load must address valid memory even for a row that fails the guard (its store is
-        skipped): ``prepare`` clamps the row it loads from. 1-D: :meth:`cells` with ``body``
-        (a 1-D halo row is one cell: a load per thread)."""
-        if not self.two:
-            return self.cells(depth, count, first, guard, body)
-        ind, i1, i2 = _INDENT * depth, _INDENT, _INDENT * 2
-        pre, loads, stores = [], [], []
-        for r in range(count):
-            pre += [f"{_P}r = {r}", f"{_P}c = {first}", f"{_P}c{r} = {_P}c", f"{_P}g{r} = {guard}"] + prepare(r)
-            for k, col in enumerate((f"{_P}j", f"{_P}j1")):
-                for q, (get, put) in enumerate(moves(r, col)):
-                    loads.append(f"{_P}v{r}_{q}_{k} = {get}")
-                    stores.append((r, k, put.format(v=f"{_P}v{r}_{q}_{k}")))
-        body = [f"{_P}j1 = min({_P}j + {_P}bnt, {_P}m - 1)"] + loads
-        for r in range(count):
-            body.append(f"if {_P}g{r}:")
-            body += [f"{i1}{st}" for rr, k, st in stores if rr == r and k == 0]
-            body.append(f"{i1}if {_P}j + {_P}bnt < {_P}m:")
-            body += [f"{i2}{st}" for rr, k, st in stores if rr == r and k == 1]
-        body.append(f"{_P}j += 2 * {_P}bnt")
-        anyrow = " or ".join(f"{_P}g{r}" for r in range(count))
-        return [f"{ind}{ln}" for ln in pre] + [f"{ind}if {anyrow}:", f"{ind}{i1}{_P}j = {_P}btid",
-                                               f"{ind}{i1}while {_P}j < {_P}m:"] + [f"{ind}{i2}{b}" for b in body]
+    def _slot(self, base, j, row):
+        return f"{base} + {j} * {_P}hs + ({row}) * {_P}m" + (f" + {_P}j" if self.two else "")
 
     def copy_rows(self, depth, count, first, guard, to_shared: bool) -> list[str]:
         """Rows between the user's arrays and the shared copies (``to_shared``: into them)."""
@@ -1648,31 +1606,20 @@ class _TileText:
                           f"{_P}tlo <= {_P}c < {_P}thi",
                           [self.slot_put(f"{_P}hb", j, f"{_P}r", src(i)) for j, i in enumerate(self.resident)])
 
-    def gather(self, depth, below: str, above: str, own: str) -> list[str]:
+    def gather(self, depth, below: str, above: str) -> list[str]:
         """The halo rows from the slots of the tiles below and above (their bases ``below``,
-        ``above``), into the shared copies. ``own``: this tile's base, the slots a row that
-        fails the guard loads from in 2-D (:meth:`fetch`)."""
+        ``above``), into the shared copies."""
         el, er = self.el, self.er
         if not el + er:
             return []
         ind = _INDENT * depth
-        body = [f"{_P}hsrc = {_P}hlo if {_P}r < {el} else {_P}hhi",
-                f"{_P}hrow = {er} + {_P}r if {_P}r < {el} else {_P}r - {el}"] + [
-            self.put(f"{_P}w{i}", f"{_P}c - {_P}tb", self.slot_get(f"{_P}hsrc", j, f"{_P}hrow"), True)
-            for j, i in enumerate(self.resident)]
-
-        def prepare(r):
-            side = f"{_P}hlo" if r < el else f"{_P}hhi"
-            return [f"{_P}hsrc{r} = {side} if {_P}g{r} else {own}"]
-
-        def moves(r, col):
-            hrow = er + r if r < el else r - el
-            return [(self.slot_get(f"{_P}hsrc{r}", j, hrow, col),
-                     self.put(f"{_P}w{i}", f"{_P}c{r} - {_P}tb", "{v}", True, col))
-                    for j, i in enumerate(self.resident)]
-        return [f"{ind}{_P}hlo = {below}", f"{ind}{_P}hhi = {above}"] + self.fetch(
+        return [f"{ind}{_P}hlo = {below}", f"{ind}{_P}hhi = {above}"] + self.cells(
             depth, el + er, f"{_P}tb + {_P}r if {_P}r < {el} else {_P}thi + ({_P}r - {el})",
-            f"0 <= {_P}c < {_P}n and not ({_P}tlo <= {_P}c < {_P}thi)", body, prepare, moves)
+            f"0 <= {_P}c < {_P}n and not ({_P}tlo <= {_P}c < {_P}thi)",
+            [f"{_P}hsrc = {_P}hlo if {_P}r < {el} else {_P}hhi",
+             f"{_P}hrow = {er} + {_P}r if {_P}r < {el} else {_P}r - {el}"]
+            + [self.put(f"{_P}w{i}", f"{_P}c - {_P}tb", self.slot_get(f"{_P}hsrc", j, f"{_P}hrow"), True)
+               for j, i in enumerate(self.resident)])
 
 
 def _tile_round_lines(tile, kparams, resident, depth: int) -> tuple[list, list, list, list]:
@@ -1705,8 +1652,7 @@ def _tile_round_lines(tile, kparams, resident, depth: int) -> tuple[list, list, 
         i2 = _INDENT * 2
         publish = [f"{i2}{_P}hb = ({_P}round & 1) * {_P}hpar + {_P}hown"] + tt.publish(2)
         gather = [f"{i2}{_P}hb = ({_P}round & 1) * {_P}hpar"] + tt.gather(
-            2, f"{_P}hb + {_P}hown - {tt.nres} * {_P}hs", f"{_P}hb + {_P}hown + {tt.nres} * {_P}hs",
-            f"{_P}hb + {_P}hown")
+            2, f"{_P}hb + {_P}hown - {tt.nres} * {_P}hs", f"{_P}hb + {_P}hown + {tt.nres} * {_P}hs")
         gather.append(f"{i2}cuda.syncthreads()")
     copy_back = tt.copy_rows(1, f"{_P}thi - {_P}tlo", f"{_P}tlo + {_P}r", "True", to_shared=False)
     return pro, publish, gather, copy_back
@@ -1735,7 +1681,7 @@ def _tile_stream_lines(tile, kparams, resident, depth: int, tiles: int) -> dict:
     ind = _INDENT * d
     load = tt.copy_rows(d, f"{_P}thi - {_P}tlo", f"{_P}tlo + {_P}r", "True", to_shared=True)
     load += [f"{ind}{_P}hb = (({_P}round + 1) & 1) * {_P}hpar"] + tt.gather(
-        d, f"{_P}hb + ({_P}x - 1) * {_P}hx", f"{_P}hb + ({_P}x + 1) * {_P}hx", f"{_P}hb + {_P}x * {_P}hx")
+        d, f"{_P}hb + ({_P}x - 1) * {_P}hx", f"{_P}hb + ({_P}x + 1) * {_P}hx")
     store = tt.copy_rows(d, f"{_P}thi - {_P}tlo", f"{_P}tlo + {_P}r", "True", to_shared=False)
     store += [f"{ind}{_P}hb = ({_P}round & 1) * {_P}hpar + {_P}x * {_P}hx"] + tt.publish(d)
     return dict(prologue="\n".join(pro), publish_initial="\n".join(init), load="\n".join(load),
