@@ -35,7 +35,7 @@ from ..runs import (SLICE_START, Run, RunHandle, EventWaiter, ThreadWaiter, _Sta
 from ..runtime.layout import CANCEL, DBG_SIZE, HOST_SIZE, REQUEST, STEPS, STOPPED, WHY
 from ..warpsplit import WARP, step_has_warp_split
 from . import checks, driver
-from .args import ArrayArg, apply_weak_floats, classify, first_overlap, overlaps, weak_float_type
+from .args import ArrayArg, apply_weak_floats, classify, overlaps, weak_float_type
 from .config import (AUTO_TILE_2D_MIN_ELEMENTS, AUTO_TILE_HALO_SHARE, AUTO_TILE_MIN_ELEMENTS, LaunchConfig,
                      choose_backend, cuda_config, first_tile_blocks, numba_chip, plan_staging, resolve_scope,
                      tile_config, tile_layout)
@@ -284,8 +284,7 @@ class Dispatcher:
         return make_plan(spec, "cuda", argv, compiled, kernel, config, debug=False, staged=(),
                          simulator=sim), run_values
 
-    def fit_tiles(self, argv, threads, blocks, sim: bool, build, cluster: bool = False, chip=None,
-                  check_overlap: bool = True):
+    def fit_tiles(self, argv, threads, blocks, sim: bool, build, cluster: bool = False, chip=None):
         """Tile mode's kernel and grid for the arguments ``argv``: the step must be a 1-D or 2-D
         stencil whose swap pairs' arrays (kept on chip) share one shape and dtype (ArgumentError
         otherwise).
@@ -295,9 +294,10 @@ class Dispatcher:
         array last) and returns (what the caller keeps, the kernel for the occupancy query). When
         the block count chosen for a depth cannot be co-resident, the depth halves, down to one.
         ``chip``: the device's :class:`~loopkern.dispatch.config.Chip` (Numba's current device's
-        when not given). ``check_overlap=False`` leaves out the test that no other argument
-        shares memory with an array kept on chip (``kernel.jax``: its arguments stand for
-        separate buffers and carry no addresses).
+        when not given). No argument shares memory with an array kept on chip: those are swap
+        pairs' arrays, which the step writes, and ``classify`` refuses an argument sharing memory
+        with a written one before a plan is made (``kernel.jax``'s arguments are separate
+        buffers).
 
         Returns:
             (what ``build`` returned to keep, the LaunchConfig).
@@ -310,14 +310,6 @@ class Dispatcher:
         resident = sorted(i for pair in spec.swap for i in pair)
         arrays = [argv[i] for i in resident]
         first = arrays[0]
-        shared = first_overlap(argv, resident) if check_overlap else None
-        if shared is not None:
-            # the step would reach that memory through the other argument while the run keeps
-            # its values on chip: that argument's reads would be stale, its writes lost
-            i, j = shared
-            raise ArgumentError(f"scope='{name}': argument '{argv[j].name}' shares memory with '{argv[i].name}', "
-                                f"which this scope keeps on chip for the whole run; pass a separate array, "
-                                f"or use scope='grid' or 'block'")
         for a in arrays:
             if len(a.shape) != st.ndim or a.shape != first.shape or a.dtype != first.dtype:
                 raise ArgumentError(f"scope='{name}': the arrays kept on chip must all be {st.ndim}-D of one shape and "

@@ -243,16 +243,17 @@ class LaunchPlan:
         self.devices = [i for i, p in enumerate(params) if p.kind == "array" and backend == "cuda"]
         self.hosts = [i for i, p in enumerate(params) if p.kind == "host"]
         host = {i for i, p in enumerate(params) if p.kind != "scalar" and (backend == "cpu" or p.kind == "host")}
-        # a NumPy pair on the GPU path is two copies, unless it is one object (a new signature)
-        self.host_swaps = [(a, b) for a, b in spec.swap if a in host and b in host]
+        # the pairs that must not share memory, each with its error: a swap pair's two arrays,
+        # and an array the step writes with any other (a NumPy pair on the GPU path is two
+        # copies, unless it is one object: a new signature)
+        refused = [(a, b, self._swap_shared(a, b)) for a, b in spec.swap] + \
+            [(a, b, shares_written_memory(spec, a, b)) for a, b in written_pairs(spec)]
+        self.host_refused = [(a, b, msg) for a, b, msg in refused if a in host and b in host]
         self.device_ptrs = [(i, params[i].ptr) for i in self.devices]
-        self.device_swaps = self._pointer_pairs(spec.swap)
-        written = written_pairs(spec)
-        self.host_written = [(a, b) for a, b in written if a in host and b in host]
-        self.device_written = self._pointer_pairs(written)
+        self.device_refused = self._pointer_pairs(refused)
         swapped = {frozenset(pair) for pair in spec.swap}
         self.device_staged = self._pointer_pairs(
-            [(i, j) for i in staged for j in self.devices if j != i and (j not in staged or i < j)
+            [(i, j, None) for i in staged for j in self.devices if j != i and (j not in staged or i < j)
              and frozenset((i, j)) not in swapped])
         self.scalars = [i for i, p in enumerate(params) if p.kind == "scalar"]
         self.call_words = ()
@@ -301,40 +302,34 @@ class LaunchPlan:
             v = values[i]
             if type(v) is int and not INT64_MIN <= v <= INT64_MAX:
                 raise ArgumentError(f"argument '{self.params[i].name}': integer {v} does not fit in int64")
-        for a, b in self.host_swaps:
+        for a, b, msg in self.host_refused:
             x, y = values[a], values[b]
             if x is y or np.may_share_memory(x, y):
-                self._shared(a, b)
-        for a, b in self.host_written:
-            x, y = values[a], values[b]
-            if x is y or np.may_share_memory(x, y):
-                raise ArgumentError(shares_written_memory(self.spec, a, b))
+                raise ArgumentError(msg)
         if not self.devices:
             return ()
         ptrs = [ptr(values[i]) for i, ptr in self.device_ptrs]
-        for ka, kb, lo_a, hi_a, lo_b, hi_b, a, b in self.device_swaps:
+        for ka, kb, lo_a, hi_a, lo_b, hi_b, msg in self.device_refused:
             if ptrs[ka] + lo_a < ptrs[kb] + hi_b and ptrs[kb] + lo_b < ptrs[ka] + hi_a:
-                self._shared(a, b)
-        for ka, kb, lo_a, hi_a, lo_b, hi_b, a, b in self.device_written:
-            if ptrs[ka] + lo_a < ptrs[kb] + hi_b and ptrs[kb] + lo_b < ptrs[ka] + hi_a:
-                raise ArgumentError(shares_written_memory(self.spec, a, b))
-        for ka, kb, lo_a, hi_a, lo_b, hi_b, a, b in self.device_staged:
+                raise ArgumentError(msg)
+        for ka, kb, lo_a, hi_a, lo_b, hi_b, _ in self.device_staged:
             if ptrs[ka] + lo_a < ptrs[kb] + hi_b and ptrs[kb] + lo_b < ptrs[ka] + hi_a:
                 return None
         return ptrs
 
-    def _shared(self, a, b):
-        raise ArgumentError(f"swap pair ('{self.params[a].name}', '{self.params[b].name}'): the two arrays "
-                            f"share memory; pass two separate buffers")
+    def _swap_shared(self, a, b) -> str:
+        return (f"swap pair ('{self.params[a].name}', '{self.params[b].name}'): the two arrays share memory; "
+                f"pass two separate buffers")
 
     def _pointer_pairs(self, pairs) -> list:
-        """(position of a and b among the GPU arrays, their extents, a, b) for pairs of GPU arrays."""
+        """(position of a and b among the GPU arrays, their extents, what goes with the pair) for
+        the pairs ``(a, b, what)`` of GPU arrays."""
         at = {i: k for k, i in enumerate(self.devices)}
         out = []
-        for a, b in pairs:
+        for a, b, what in pairs:
             if a in at and b in at:
                 pa, pb = self.params[a], self.params[b]
-                out.append((at[a], at[b], pa.extent[0], pa.extent[1], pb.extent[0], pb.extent[1], a, b))
+                out.append((at[a], at[b], pa.extent[0], pa.extent[1], pb.extent[0], pb.extent[1], what))
         return out
 
     def kernel_args(self, values, slot, nsteps, start, seed) -> tuple:

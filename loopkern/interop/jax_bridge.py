@@ -1005,7 +1005,7 @@ def _cuda_tile_kernel(mk, sig, n_dtype, t0_dtype, threads, blocks, types_key, by
         kernel, image_id = _ffi_kernel(mk, variant, n_dtype, t0_dtype, sig, key, device, cc, halo=halo)
         return (image_id, halo_dtype if with_halo else None), kernel
     (image_id, halo), config = mk.dispatcher.fit_tiles(_device_argv(spec, sig), threads, blocks, False, build,
-                                                       chip=chip, check_overlap=False)
+                                                       chip=chip)
     return config, image_id, halo
 
 
