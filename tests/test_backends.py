@@ -193,6 +193,32 @@ def test_reduction_types(backend, scope, rng):
 
 
 @pytest.mark.parametrize("backend,scope", list(cases()))
+def test_an_accumulator_started_as_an_int_that_becomes_a_float(backend, scope, rng):
+    # s = 0 made a float by the loop in the threads that get an iteration; the others (more
+    # threads than iterations) keep the int. Numba types s float64 throughout; the simulator
+    # reduced the two kinds of value in separate slot arrays and returned garbage (6.9e18)
+    @lk.megakernel
+    def mixed(t, a, out, n):
+        s = 0
+        for i in lk.range(n):
+            s += a[i] * 0.5
+        top = lk.max(s)
+        total = lk.sum(s)
+        if lk.thread_id() == 0:
+            out[t, 0] = total
+            out[t, 1] = top
+
+    a = rng.random(64).astype(np.float32)
+    out = np.zeros((2, 2))
+    run = mixed(a, out, 5, steps=2, backend=backend, scope=scope)
+    assert run.threads * run.blocks > 5 or backend == "cpu"
+    half = a[:5].astype(np.float64) * 0.5
+    np.testing.assert_allclose(out[:, 0], half.sum(), rtol=1e-6)
+    # a thread's share is its grid-stride part (the CPU backend: one thread, the whole sum)
+    np.testing.assert_allclose(out[:, 1], half.sum() if backend == "cpu" else half.max(), rtol=1e-6)
+
+
+@pytest.mark.parametrize("backend,scope", list(cases()))
 def test_max_and_min_are_nan_when_any_threads_value_is(backend, scope, rng):
     """lk.max and lk.min give NaN when any thread's value is NaN, wherever that thread is in
     the order of the reduction (as np.max and np.min): a NaN in the first, a middle or the last

@@ -335,8 +335,8 @@ if SIMULATOR:
 
         @cuda.jit(device=True)
         def reduce(x, redf, redi, st, bar, shf, shi):
-            # the kernel's per-warp slots are for the GPU's warp shuffles; here one slot per thread
-            is_float = isinstance(x, (float, np.floating))
+            # the kernel's per-warp slots are for the GPU's warp shuffles; here one slot per
+            # thread, holding the thread's own Python or NumPy value
             unsigned = isinstance(x, np.uint64)
             if unsigned:
                 # in the int64 slots: a sum wraps (its result is int64); max and min compare
@@ -349,17 +349,21 @@ if SIMULATOR:
             slot = st[0] & 1
             st[0] += 1
             tid, n = cuda.threadIdx.x, cuda.blockDim.x
-            if is_float:
-                sh = cuda.shared.array(2048, np.float64)
-                red = redf
-            else:
-                sh = cuda.shared.array(2048, np.int64)
-                red = redi
+            sh = cuda.shared.array(2048, object)
             sh[slot * 1024 + tid] = x
             cuda.syncthreads()
+            mine = [sh[slot * 1024 + k] for k in range(n)]
+            # Numba types the reduced variable once for every thread: float when any thread's
+            # value is a float (an accumulator started as s = 0 that some threads made a float:
+            # a thread that ran no iteration holds the int); then every value counts as one
+            is_float = any(isinstance(v, (float, np.floating)) for v in mine)
+            if is_float and not isinstance(x, (float, np.floating)):
+                x = float(x)
+            red = redf if is_float else redi
             acc = _identity(op, is_float)
-            for k in range(n):
-                acc = _combine(op, acc, sh[slot * 1024 + k])
+            for v in mine:
+                # (a float64 or int64 slot on the GPU: int32 values add without wrapping at 2**31)
+                acc = _combine(op, acc, float(v) if is_float else np.int64(v))
             if grid:
                 if tid == 0:
                     red[slot, cuda.blockIdx.x] = acc
