@@ -36,7 +36,7 @@ def test_reference_philox_known_answers_and_vectorised_form(rng):
 
 
 def test_loopkerns_philox_equals_the_reference(rng):
-    philox, _, _ = build(lambda f: f)          # loopkern's generator as plain Python
+    philox, _, _ = build(lambda f: f, python=True)   # loopkern's generator as plain Python
     u = np.uint64
     for ctr, key, want in KNOWN_ANSWERS:
         assert tuple(int(g) for g in philox(*(u(c) for c in ctr), *(u(k) for k in key))) == want
@@ -95,6 +95,26 @@ def test_draws_match_an_independent_philox(backend, scope, threads, rng):
             cu, cz = run_draws(n=n, steps=steps, **call)
             np.testing.assert_array_equal(u, cu)
             np.testing.assert_array_equal(z, cz)
+
+
+def shifted_draws(t, out, noise):
+    for i in lk.range(out.shape[1]):
+        out[t, i] = lk.random.uniform(i - 3)             # call site 1
+        noise[t, i] = lk.random.normal(i, -2)            # call site 2
+
+
+@pytest.mark.parametrize("backend,scope,threads", BACKENDS)
+def test_negative_keys_and_subkeys_count_modulo_2_to_the_64(backend, scope, threads, rng):
+    # a key such as i - 3 is negative for the first threads: on the GPU and the CPU backend
+    # Numba's cast wraps it modulo 2**64; the simulator raised OverflowError (NumPy 2)
+    n, steps = (40, 2) if backend == "cuda" else (500, 3)
+    seed = int(rng.integers(0, 1 << 64, dtype=np.uint64))
+    out, noise = np.zeros((steps, n)), np.zeros((steps, n))
+    lk.megakernel(shifted_draws)(out, noise, steps=steps, backend=backend, scope=scope, threads=threads, seed=seed)
+    t = np.arange(steps)[:, None]
+    keys = np.arange(n)[None, :]
+    np.testing.assert_array_equal(out, refs.uniform_np(seed, t, keys - 3, 0, 1))
+    np.testing.assert_allclose(noise, refs.normal_np(seed, t, keys, (1 << 64) - 2, 2), rtol=1e-13, atol=1e-14)
 
 
 def test_a_run_split_in_two_draws_the_same_numbers(rng):

@@ -525,7 +525,7 @@ else:
 
 grid_sum, grid_max, grid_min = (_make(op, grid_sync) for op in _OPS)
 cluster_sum, cluster_max, cluster_min = (_make(op, cluster_sync) for op in _OPS)
-_, random_uniform, random_normal = build(cuda.jit(device=True))
+_, random_uniform, random_normal = build(cuda.jit(device=True), python=SIMULATOR)
 block_sum, block_max, block_min = (_make(op, None) for op in _OPS)
 
 

@@ -25,9 +25,20 @@ _SITE = np.uint64(0x85EBCA6B)
 _STEP_HI = np.uint64(0xC2B2AE35)
 
 
-def build(jit):
+def build(jit, python: bool = False):
     """The generator's functions compiled with ``jit`` (numba.njit, cuda.jit(device=True), or
-    the identity for plain Python); returns (philox4x32_10, uniform, normal)."""
+    the identity for plain Python); returns (philox4x32_10, uniform, normal). ``python``: the
+    functions run as Python (the simulator, plain Python)."""
+
+    if python:
+        def u64(x):
+            # Numba's cast of a negative int64 key or subkey wraps modulo 2**64; NumPy 2's
+            # refuses a negative Python int (OverflowError): wrap it the same way here
+            return np.uint64(int(x) & 0xFFFFFFFFFFFFFFFF)
+    else:
+        @jit
+        def u64(x):
+            return np.uint64(x)
 
     @jit
     def philox4x32_10(c0, c1, c2, c3, k0, k1):
@@ -49,10 +60,10 @@ def build(jit):
         The step's low word is the counter's last word; its high word (zero below 2**32
         steps, so those draws do not depend on it) is mixed into the Philox key with the
         call site, so steps 2**32 apart draw different numbers."""
-        s = np.uint64(seed)
-        k = np.uint64(key)
-        st = np.uint64(t)
-        return philox4x32_10(k & _MASK, k >> _S32, np.uint64(subkey) & _MASK, st & _MASK, s & _MASK,
+        s = u64(seed)
+        k = u64(key)
+        st = u64(t)
+        return philox4x32_10(k & _MASK, k >> _S32, u64(subkey) & _MASK, st & _MASK, s & _MASK,
                              ((s >> _S32) ^ (np.uint64(site) * _SITE) ^ ((st >> _S32) * _STEP_HI)) & _MASK)
 
     @jit
