@@ -65,6 +65,8 @@ class ParamSpec:
             its own deepest use) gives it, 0 if none: an array of more dimensions would make
             that access a row (a store fills it, a load is no number).
         max_ndim_line: the line of that access.
+        integer_line: a line where the step takes the parameter's value as an integer (a loop
+            bound, an ``lk.random`` key), 0 if none: a float passed for it is refused.
     """
 
     name: str
@@ -75,6 +77,7 @@ class ParamSpec:
     atomic: bool = False
     max_ndim: int = 0
     max_ndim_line: int = 0
+    integer_line: int = 0
 
 
 @dataclass(frozen=True)

@@ -242,7 +242,27 @@ class _Normalizer(ast.NodeTransformer):
         self.rng_sites = 0
         self.site_at: dict = {}                       # (line, col) of each lk.random draw -> its site
         self.scalar_uses: dict[str, ast.AST] = {}
+        self.integer_uses: dict[str, ast.AST] = {}    # names in loop bounds and lk.random keys
         self.thread_varying = False
+
+    def _integer_use(self, e):
+        """Record the names whose value ``e`` (a loop bound, an lk.random key) takes as it is:
+        a float passed for such a parameter is refused at the call (``ParamSpec.integer_line``).
+        A name under a call other than min/max/abs (``int(m)``) or inside a subscript does not
+        count."""
+        if isinstance(e, ast.Name):
+            self.integer_uses.setdefault(e.id, e)
+        elif isinstance(e, ast.BinOp):
+            self._integer_use(e.left)
+            self._integer_use(e.right)
+        elif isinstance(e, ast.UnaryOp):
+            self._integer_use(e.operand)
+        elif isinstance(e, ast.IfExp):
+            self._integer_use(e.body)
+            self._integer_use(e.orelse)
+        elif isinstance(e, ast.Call) and isinstance(e.func, ast.Name) and e.func.id in ("min", "max", "abs"):
+            for a in e.args:
+                self._integer_use(a)
 
     # -- reporting -------------------------------------------------------------------------
     def error(self, node, message, hint=""):
@@ -380,6 +400,7 @@ class _Normalizer(ast.NodeTransformer):
         bounds = [] if kind not in ("range", "lk.range", "lk.grid") else [
             e for a in it.args for e in (a.elts if isinstance(a, ast.Tuple) else [a])]
         for a in bounds:
+            self._integer_use(a)
             if _floaty(a, self.float_locals):
                 self.error(a, f"{kind}() takes integers; '{ast.unparse(a)}' is a float (Python's range() "
                               f"raises; a GPU loop would run to the next integer above it)",
@@ -860,6 +881,7 @@ class _Normalizer(ast.NodeTransformer):
             return self.reject(node, f"{target.display}() takes a key and an optional subkey, got "
                                      f"{len(node.args)} arguments", f"write {target.display}(i) or {target.display}(i, k)")
         for a, what in zip(node.args, ("key", "subkey")):
+            self._integer_use(a)
             if _floaty(a, self.float_locals):
                 # (converted to an integer it would be truncated: keys 1.2 and 1.9 draw the same)
                 self.error(a, f"the {what} of {target.display}() is a float ('{ast.unparse(a)}'): keys and subkeys "
@@ -1668,6 +1690,12 @@ def validate_step(fn, swap=()) -> StepSpec:
                 node, ctx.step_name, f"'{p}' is used as an array (line {norm.array_uses[p].lineno}) and here "
                                      f"as a number: whole-array arithmetic is not supported in step code",
                 "index it, e.g. inside 'for i in lk.range(n)'"))
+        elif p in swapped and p in norm.scalar_uses:
+            # (a swap pair exchanges two arrays' buffers; a number has none)
+            ctx.diagnostics.append(parsed.diagnostic(
+                norm.scalar_uses[p], ctx.step_name, f"'{p}' is in a swap pair, so it must be an array, but the "
+                                                     f"step uses it here as a number",
+                f"name two array parameters in swap=, or index '{p}' (e.g. {p}[i])"))
         kinds.append(ARRAY if p in norm.array_uses or p in swapped else SCALAR if p in norm.scalar_uses else ANY)
 
     rets = list(_returns(body))
@@ -1708,7 +1736,8 @@ def validate_step(fn, swap=()) -> StepSpec:
     return StepSpec(
         name=parsed.name, filename=parsed.filename, lineno=parsed.tree.lineno, index_param=index_param,
         params=tuple(ParamSpec(p, k, norm.arity.get(p, (0, 0))[0], norm.arity.get(p, (0, 0))[1], p in norm.written,
-                               p in norm.atomic, *norm.fewest.get(p, (0, 0)))
+                               p in norm.atomic, *norm.fewest.get(p, (0, 0)),
+                               integer_line=norm.integer_uses[p].lineno if p in norm.integer_uses else 0)
                      for p, k in zip(params, kinds)), step=step,
         helpers=tuple(ctx.helpers.values()), returns_condition=bool(with_value), swap=tuple(swap_idx),
         uses_barrier=uses_barrier, parallel=parallel)

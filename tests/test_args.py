@@ -399,3 +399,33 @@ def test_an_array_sharing_memory_with_a_written_one_is_refused(rng, backend):
         np.testing.assert_array_equal(x, pristine)
     k(x[:8], x[8:], steps=1, backend=backend)
     np.testing.assert_array_equal(x, np.concatenate([pristine[:8], pristine[:8] + 1.0]))
+
+
+def bounded_fill(t, out, m, key):
+    for i in lk.range(m):
+        s = 0.0
+        for j in range(min(m, 4) - 1):
+            s += 1.0
+        out[i] = lk.random.uniform(key + i) + s
+
+
+def converted_bound(t, out, m):
+    for i in lk.range(int(m)):
+        out[i] = t + 1.0
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_float_passed_for_a_loop_bound_or_a_key_is_refused_before_anything_runs(backend):
+    # a range over 2.5 ran 2 iterations on the CPU backend and 3 in the simulator; a float key
+    # was truncated. The step takes m and key as integers: a float for either is refused
+    k = lk.megakernel(bounded_fill)
+    out = np.zeros(6)
+    for m, key, name in ((2.5, 0, "m"), (np.float32(3.0), 0, "m"), (3, 1.5, "key"), (3, np.float64(2.0), "key")):
+        with pytest.raises(lk.ArgumentError, match=f"argument '{name}': the step uses it as an integer"):
+            k(out, m, key, steps=1, backend=backend)
+        assert not out.any()
+    k(out, 3, np.int32(7), steps=1, backend=backend)        # integers of any width run
+    assert (out[:3] > 0).all() and not out[3:].any()
+    out = np.zeros(6)
+    lk.megakernel(converted_bound)(out, 2.5, steps=1, backend=backend)   # int(m) in the step: a float is fine
+    np.testing.assert_array_equal(out, [1.0, 1.0, 0, 0, 0, 0])

@@ -212,6 +212,20 @@ def test_bad_input_is_rejected_at_trace_time(call, fragment):
         call(jnp.zeros(8, jnp.float32))
 
 
+def _head(t, out, m):
+    for i in lk.range(m):
+        out[i] = out[i] + 1.0
+
+
+def test_a_float_for_a_loop_bound_is_rejected_at_trace_time():
+    k = lk.megakernel(_head)
+    out = jnp.zeros(6, jnp.float32)
+    for m in (2.5, jnp.float32(3.0)):
+        with pytest.raises(lk.ArgumentError, match="argument 'm': the step uses it as an integer"):
+            k.jax(out, m, steps=1)
+    np.testing.assert_array_equal(np.asarray(k.jax(out, 3, steps=2)[0]), [2, 2, 2, 0, 0, 0])
+
+
 def test_xla_ffi_shim_builds_and_registers_without_a_gpu():
     from loopkern.interop import xla_ffi
     pytest.importorskip("cffi")

@@ -576,3 +576,12 @@ def test_phases_that_need_no_barrier_are_accepted_and_computed(rng):
     np.testing.assert_allclose(v, want_v, rtol=1e-15)
     np.testing.assert_allclose(w, want_w, rtol=1e-15)
     np.testing.assert_allclose(a, want_a, rtol=1e-15)
+
+
+def test_a_swap_pair_naming_a_number_parameter_is_refused_at_the_def():
+    def step(t, u, v, alpha):
+        for i in lk.range(u.shape[0]):
+            v[i] = u[i] * alpha
+    with pytest.raises(lk.StepSyntaxError, match="'alpha' is in a swap pair, so it must be an array") as e:
+        lk.megakernel(step, swap=[("u", "alpha")])
+    assert ":" + str(step.__code__.co_firstlineno + 2) + ":" in str(e.value)      # at the use as a number

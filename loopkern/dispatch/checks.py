@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import numbers
 
+import numpy as np
+
 from ..dsl import ATOMIC_DTYPES
 from ..errors import ArgumentError
 from ..spec import ARRAY, SCALAR
@@ -33,6 +35,17 @@ def check_kind(p, is_array: bool, got: str):
         raise ArgumentError(f"argument '{p.name}': the step indexes it as an array, got {got}")
     if p.kind == SCALAR and is_array:
         raise ArgumentError(f"argument '{p.name}': the step uses it as a number, got {got}")
+
+
+def check_integer(p, dtype, got: str, filename: str):
+    """ArgumentError if the step takes ``p``'s value as an integer (a loop bound, an
+    ``lk.random`` key) and it is a float (``dtype``; ``got`` says what was passed): a range
+    would run to some integer near it, differently on each backend, and a key would be
+    truncated."""
+    if p.integer_line and np.dtype(dtype).kind in "fc":
+        raise ArgumentError(f"argument '{p.name}': the step uses it as an integer ({filename}:{p.integer_line}: a "
+                            f"loop bound or an lk.random key), got {got}; pass an int (e.g. int({p.name}) or "
+                            f"round({p.name})), or convert it inside the step with int(...)")
 
 
 def check_atomic_dtype(p, dtype):

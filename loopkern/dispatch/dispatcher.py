@@ -114,6 +114,8 @@ class Dispatcher:
             is_array = isinstance(a, ArrayArg)
             checks.check_kind(p, is_array, f"an array of shape {a.shape}" if is_array
                               else f"a scalar {type(a.value).__name__}")
+            if not is_array:
+                checks.check_integer(p, np.asarray(a.value).dtype, f"the float {a.value}", spec.filename)
             if is_array:
                 checks.check_array_use(p, a.shape, spec.filename)
                 checks.check_atomic_dtype(p, a.dtype)

@@ -156,6 +156,7 @@ def _prepare(mk, args, kwargs, steps, max_steps):
                 raise ArgumentError(f"argument '{p.name}': the integer {v} does not fit in JAX's default integer "
                                     f"type ({exc}); pass a JAX array of the dtype you mean, or enable x64") from None
             check_dtype(p.name, dtype, "scalar")
+            checks.check_integer(p, dtype, f"a {np.dtype(dtype)} number", spec.filename)
             if weak:
                 weak_scalars.append(i)
             sig.append((None, dtype))
