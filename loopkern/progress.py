@@ -7,6 +7,7 @@ the thread waiting for the run reads it and feeds one of these reporters at most
 
 from __future__ import annotations
 
+import inspect
 import sys
 import time
 
@@ -16,9 +17,22 @@ REFRESH_S = 0.1
 
 
 def check_progress(progress):
-    """``progress=`` as given (False, True or a callable), or an ArgumentError."""
-    if progress is None or isinstance(progress, bool) or callable(progress):
-        return bool(progress) if progress is None or isinstance(progress, bool) else progress
+    """``progress=`` as given (False, True or a callable), or an ArgumentError (also for a
+    callable whose signature cannot take the two arguments, checked before anything runs)."""
+    if progress is None or isinstance(progress, bool):
+        return bool(progress)
+    if callable(progress):
+        try:
+            sig = inspect.signature(progress)
+        except (TypeError, ValueError):     # a builtin without a signature: trusted
+            return progress
+        try:
+            sig.bind(0, 0)
+        except TypeError as exc:
+            raise ArgumentError(f"progress={progress!r}: it is called as f(steps_done, total), but its signature "
+                                f"{sig} cannot take that ({exc}); add the parameter, e.g. "
+                                f"lambda done, total: ...") from None
+        return progress
     raise ArgumentError(f"progress={progress!r}: expected True, False or a callable receiving "
                         f"(steps_done, total)")
 

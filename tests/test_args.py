@@ -429,3 +429,44 @@ def test_a_float_passed_for_a_loop_bound_or_a_key_is_refused_before_anything_run
     out = np.zeros(6)
     lk.megakernel(converted_bound)(out, 2.5, steps=1, backend=backend)   # int(m) in the step: a float is fine
     np.testing.assert_array_equal(out, [1.0, 1.0, 0, 0, 0, 0])
+
+
+@pytest.mark.filterwarnings("ignore::PendingDeprecationWarning")
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_masked_arrays_and_matrices_are_refused_by_name(heat, rng, backend):
+    u, v, u0 = arrays(rng)
+    for bad, fragment in ((np.ma.masked_array(u, mask=u > 0.5), "argument 'u': got a masked array"),
+                          (np.matrix(u), "argument 'u': got an np.matrix")):
+        with pytest.raises(lk.ArgumentError, match=fragment):
+            heat(bad, v, 0.25, steps=3, backend=backend)
+    np.testing.assert_array_equal(u, u0)
+
+
+def test_a_step_count_beyond_int64_is_refused_on_a_warm_plan(heat, rng):
+    # the first call takes the full path and its check; later calls of the same signature go
+    # straight to the cached plan, whose test had no upper bound (a raw OverflowError)
+    u, v, u0 = arrays(rng)
+    heat(u, v, 0.25, steps=2, backend="cpu")
+    before = u.copy()
+    for _ in range(2):
+        with pytest.raises(lk.ArgumentError, match="must be at most 9223372036854775807"):
+            heat(u, v, 0.25, steps=2 ** 63, backend="cpu")
+    np.testing.assert_array_equal(u, before)
+
+
+@pytest.mark.sim
+@pytest.mark.parametrize("dtype", [np.int8, np.uint8, np.int16])
+def test_narrow_integer_loop_bounds_visit_each_index_once_in_the_simulator(dtype):
+    # the simulator computed the loop's lo + thread * step in the bounds' own 8 bits (NumPy's
+    # rule; Numba computes in 64): an int8 range visited indices past 127, a uint8 one hung
+    @lk.megakernel
+    def fill(t, out, lo, hi, st):
+        for i in lk.range(lo, hi, st):
+            out[i] = out[i] + 1
+
+    lo, hi, st = dtype(2), dtype(120), dtype(3)
+    want = np.zeros(256, np.int64)
+    want[2:120:3] = 1
+    out = np.zeros(256, np.int64)
+    fill(out, lo, hi, st, steps=1, backend="cuda", threads=64)
+    np.testing.assert_array_equal(out, want)

@@ -134,6 +134,29 @@ def test_timeout_stops_at_a_step_boundary(backend, rng):
     _check_heat_state(u, u0, run.steps, 0.2)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_timeout_below_a_nanosecond_still_stops_the_run(backend, rng):
+    # the GPU control block holds whole nanoseconds, 0 meaning none: 1e-10 s became no timeout
+    n = SIZE[backend]
+    u0 = rng.random(n)
+    u, v = u0.copy(), u0.copy()
+    run = _heat()(u, v, 0.2, steps=10 ** 9, backend=backend, threads=THREADS[backend], timeout=1e-10)
+    assert run.stopped == "timeout" and run.steps < 10 ** 9
+    _check_heat_state(u, u0, run.steps, 0.2)
+
+
+def test_a_progress_callback_that_cannot_take_two_arguments_is_refused_before_anything_runs(rng):
+    u0 = rng.random(50)
+    u, v = u0.copy(), u0.copy()
+    for bad in (lambda done: None, lambda done, total, extra: None, lambda *, k: None):
+        with pytest.raises(lk.ArgumentError, match="it is called as f\\(steps_done, total\\)"):
+            _heat()(u, v, 0.2, steps=5, backend="cpu", progress=bad)
+    np.testing.assert_array_equal(u, u0)
+    seen = []
+    _heat()(u, v, 0.2, steps=5, backend="cpu", progress=lambda done, total=None, *rest: seen.append(done))
+    assert seen[-1] == 5
+
+
 def test_a_run_that_ends_first_is_not_cancelled(rng):
     u0 = rng.random(50)
     u, v = u0.copy(), u0.copy()

@@ -74,6 +74,11 @@ def classify(name: str, value):
         raise ArgumentError(f"argument '{name}': got a Python {kind}; kernel(...) takes arrays and numbers, and "
                             f"updates arrays in place: pass a NumPy array, e.g. np.asarray({name}) (with the dtype "
                             f"you want, e.g. np.asarray({name}, dtype=np.float32)), and read the results from it")
+    if isinstance(value, (np.ma.MaskedArray, np.matrix)):
+        # (ndarray subclasses whose elements or indexing mean something else; Numba refuses them)
+        kind, fix = (("a masked array", f"{name}.filled(fill_value) (or np.asarray({name}) for its data, mask "
+                      f"ignored)") if isinstance(value, np.ma.MaskedArray) else ("an np.matrix", f"np.asarray({name})"))
+        raise ArgumentError(f"argument '{name}': got {kind}, which a kernel cannot take; pass a plain array: {fix}")
     if isinstance(value, np.ndarray):
         if value.ndim == 0:
             raise ArgumentError(f"argument '{name}': got a 0-d array; pass a Python or NumPy scalar instead")

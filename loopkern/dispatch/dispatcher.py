@@ -416,7 +416,7 @@ class Dispatcher:
         The common call (positional arguments, ``steps=``, no progress) with a signature seen
         before goes straight to its plan; anything else takes :meth:`options` and :meth:`plan`.
         """
-        common = (progress is False and max_steps is None and type(steps) is int and steps >= 0
+        common = (progress is False and max_steps is None and type(steps) is int and 0 <= steps < 2 ** 63
                   and type(start) is int and 0 <= start < _START_LIMIT and type(seed) is int
                   and 0 <= seed < _SEED_LIMIT and (watchdog is None or type(watchdog) is float and watchdog > 0)
                   and (timeout is None or type(timeout) is float and timeout > 0)

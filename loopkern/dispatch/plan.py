@@ -338,7 +338,13 @@ class LaunchPlan:
         for i, p in enumerate(self.params):
             v = values[i]
             if p.kind == "scalar":
-                args.append(p.dtype.type(v))
+                if self.simulator and p.dtype.kind in "iu" and p.dtype.itemsize < 8:
+                    # Numba computes with a narrow integer parameter in 64 bits (int8 + int64 is
+                    # int64); the simulator's NumPy scalar would keep 8 bits, and the loops' own
+                    # lo + tid * step wrapped (an int8 range visited indices past 127)
+                    args.append(np.int64(v))
+                else:
+                    args.append(p.dtype.type(v))
             elif p.kind == "host":
                 args.append(slot.dev[i])
             else:
@@ -429,8 +435,10 @@ class LaunchPlan:
         view[REQUEST] = 0            # WHY is written before DONE, so it needs no reset
         view[DONE] = 0
         view[STEPS] = -1             # until the kernel has started
-        # (a timeout beyond 30 years is no timeout; the slot holds int64 nanoseconds)
-        view[TIMEOUT_NS] = int(min(timeout, 1e9) * 1e9) if timeout is not None and self.backend == "cuda" else 0
+        # (a timeout beyond 30 years is no timeout; the slot holds int64 nanoseconds, and 0 means
+        # none: a timeout below a nanosecond is one nanosecond, not none)
+        view[TIMEOUT_NS] = max(1, int(min(timeout, 1e9) * 1e9)) if timeout is not None and self.backend == "cuda" \
+            else 0
         if self.debug:
             if self.backend == "cpu":
                 slot.dbg[:] = 0
