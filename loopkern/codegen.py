@@ -612,6 +612,11 @@ class _BodyWriter:
         self.out.add(d + 1, f"{cur} += {_P}nt >> {gs}", s)
         self.out.add(d + 1, f"{target} = {it} if {it} < {hi_t} else {hi_t} - 1", s)
         self.body(copy.deepcopy(list(split.pre)), d + 1)
+        # every lane ran the statements before the inner loop: the accumulators' first values
+        # count once, in the group's first lane; the others start from zero
+        self.out.add(d + 1, f"if {glane} != 0:", s)
+        for acc in accs:
+            self.out.add(d + 2, f"{acc} = {_P}rt.zero_of({acc})", s)
         inner = copy.deepcopy(split.inner)
         args = [self.lower.visit(a) for a in inner.iter.args]
         a, b, c = (ast.Constant(0), args[0], ast.Constant(1)) if len(args) == 1 else \

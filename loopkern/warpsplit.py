@@ -21,8 +21,11 @@ The shape (every other loop keeps one thread per iteration)::
   ``lk.*`` call (reductions, ``lk.sync``, ``lk.random``, ``lk.atomic``) and no helper call
   appears before or inside it;
 - each accumulator is assigned in ``pre`` and, inside the inner loop, only updated with
-  ``+=`` and never read (a lane holds a partial sum); names assigned inside the inner loop
-  (and its index) are not used after it (their last value would be a lane's, not the loop's);
+  ``+=`` and never read (a lane holds a partial sum; its value from ``pre`` counts once, in
+  the group's first lane, the other lanes start from zero); names assigned inside the inner
+  loop (and its index) are not used after it (their last value would be a lane's, not the
+  loop's), and each trip assigns them before it reads them (a value carried from one trip
+  to the next, ``prev = a[j]`` or ``w *= 0.5``, would come from another lane's trip);
 - no ``break`` or ``return`` anywhere in the parallel loop's body, no ``continue`` outside the
   inner loop.
 
@@ -120,7 +123,46 @@ def find_warp_split(loop: ast.For) -> WarpSplit | None:
         return None                  # a partial sum read inside the loop
     if (plain - set(accs)) & _names(post, ast.Load):
         return None                  # a lane's last value used after the loop
+    if not _fresh_each_trip(inner.body, {inner.target.id}, plain - {inner.target.id}):
+        return None                  # a value carried from one inner iteration to the next
     return WarpSplit(pre, inner, post, tuple(accs))
+
+
+def _fresh_each_trip(stmts, assigned: set, local: set) -> bool:
+    """Whether every read of a name in ``local`` (the names the inner loop assigns) in
+    ``stmts`` follows an assignment of it in the same trip, on every path (``assigned``: the
+    names assigned so far). A lane runs every 32nd trip only, so a name read before it is
+    assigned (``prev = a[j]`` read in the next trip, ``w *= 0.5``) would carry another trip's
+    value. Conservative: an assignment inside an ``if`` counts only inside that branch."""
+    assigned = set(assigned)
+    for st in stmts:
+        if isinstance(st, ast.If):
+            if _names([st.test], ast.Load) & local - assigned:
+                return False
+            if not (_fresh_each_trip(st.body, assigned, local) and _fresh_each_trip(st.orelse, assigned, local)):
+                return False
+            continue
+        if isinstance(st, (ast.For, ast.While)):
+            head = [st.iter] if isinstance(st, ast.For) else [st.test]
+            if _names(head, ast.Load) & local - assigned:
+                return False
+            inside = assigned | (_names([st.target], ast.Store) if isinstance(st, ast.For) else set())
+            # (a nested loop's own trips: what it reads must be assigned earlier in its body)
+            if not _fresh_each_trip(st.body, inside, local):
+                return False
+            continue
+        if isinstance(st, ast.AugAssign):
+            reads = _names([st.value, st.target], ast.Load) | ({st.target.id} if isinstance(st.target, ast.Name) else set())
+            stores = _names([st.target], ast.Store)
+        else:
+            value = getattr(st, "value", None)
+            targets = st.targets if isinstance(st, ast.Assign) else [getattr(st, "target", None)]
+            reads = _names([x for x in [value, *targets] if x is not None], ast.Load)
+            stores = _names([t for t in targets if t is not None], ast.Store)
+        if reads & local - assigned:
+            return False
+        assigned |= stores
+    return True
 
 
 def step_has_warp_split(fs) -> bool:

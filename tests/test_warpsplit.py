@@ -145,7 +145,66 @@ def not_split_random(t, a, out):
         out[i] = s
 
 
-@pytest.mark.parametrize("fn,accs", [(forces, ("ax", "ay")), (counts, ("big", "hits")), (backwards, ("s",))])
+def not_split_carried_previous(t, a, out):
+    n = a.shape[0]
+    for i in lk.range(out.shape[0]):
+        s = 0.0
+        prev = 0.0
+        for j in range(n):
+            s += a[j] - prev          # prev is the last trip's a[j]: a lane runs every 32nd trip
+            prev = a[j]
+        out[i] = s
+
+
+def not_split_carried_weight(t, a, out):
+    n = a.shape[0]
+    for i in lk.range(out.shape[0]):
+        s = 0.0
+        w = 1.0
+        for j in range(n):
+            s += w * a[j]
+            w *= 0.5
+        out[i] = s
+
+
+def not_split_carried_under_if(t, a, out):
+    n = a.shape[0]
+    for i in lk.range(out.shape[0]):
+        s = 0.0
+        x = 0.0
+        for j in range(n):
+            if a[j] > 0.5:
+                x = a[j]
+            s += x
+        out[i] = s
+
+
+def split_fresh_each_trip(t, a, out):
+    n = a.shape[0]
+    for i in lk.range(out.shape[0]):
+        s = 10.0 + i                  # a first value: counted once, not once per lane
+        c = 5
+        for j in range(n):
+            d = a[j] - a[n - 1 - j]   # assigned before it is read in every trip
+            if d > 0.0:
+                e = d * d
+                s += e
+            c += 1
+        out[i, 0] = s
+        out[i, 1] = c
+
+
+def split_fresh_ref(a, rows):
+    n = a.size
+    out = np.zeros((rows, 2))
+    for i in range(rows):
+        d = a - a[::-1]
+        out[i] = 10.0 + i + (d[d > 0] ** 2).sum(), 5 + n
+    return out
+
+
+@pytest.mark.parametrize("fn,accs", [(forces, ("ax", "ay")), (counts, ("big", "hits")), (backwards, ("s",)),
+                                     (split_fresh_each_trip, ("s", "c"))])
 def test_loops_of_the_warp_split_shape_are_found(fn, accs):
     k = lk.megakernel(fn)
     split = find_warp_split(_parallel_loops(k)[0])
@@ -155,7 +214,8 @@ def test_loops_of_the_warp_split_shape_are_found(fn, accs):
 
 @pytest.mark.parametrize("fn", [not_split_store_inside, not_split_partial_read, not_split_outer_accumulator,
                                 not_split_lane_value_after, not_split_product, not_split_two_loops,
-                                not_split_random])
+                                not_split_random, not_split_carried_previous, not_split_carried_weight,
+                                not_split_carried_under_if])
 def test_loops_that_would_change_meaning_are_not_split(fn):
     k = lk.megakernel(fn)
     assert all(find_warp_split(loop) is None for loop in _parallel_loops(k))
@@ -320,3 +380,25 @@ def test_group_exchange_between_reductions(rng):
     k(a, out, tot, steps=3, backend="cuda", threads=256)
     np.testing.assert_allclose(out, a.sum() * np.arange(1, 3) + a.sum(), rtol=1e-12)
     np.testing.assert_allclose(tot, 3 * (a * a).sum(), rtol=1e-12)
+
+
+@pytest.mark.sim
+@pytest.mark.parametrize("threads,rows", [(64, 2), (256, 3), (256, 8), (64, 40)])   # warps, groups, groups, not split
+def test_an_accumulators_first_value_counts_once(threads, rows, rng):
+    # every lane ran `s = 10.0 + i` before the inner loop, and the lanes' partial sums were
+    # added: the first value counted 32 times (64 with a group of two warps)
+    k = lk.megakernel(split_fresh_each_trip)
+    a = rng.random(100)
+    out = np.zeros((rows, 2))
+    k(a, out, steps=1, backend="cuda", threads=threads)
+    np.testing.assert_allclose(out, split_fresh_ref(a, rows), rtol=1e-12)
+
+
+@pytest.mark.sim
+@pytest.mark.parametrize("fn,ref", [(not_split_carried_previous, lambda a: a[-1]),
+                                    (not_split_carried_weight, lambda a: (a * 0.5 ** np.arange(a.size)).sum())])
+def test_a_value_carried_between_inner_trips_keeps_its_meaning(fn, ref, rng):
+    a = rng.random(100)
+    out = np.zeros(2)
+    lk.megakernel(fn)(a, out, steps=1, backend="cuda", threads=64)
+    np.testing.assert_allclose(out, ref(a), rtol=1e-12)

@@ -229,6 +229,14 @@ def group_base(tid, shift):
 
 if SIMULATOR:
     @cuda.jit(device=True)
+    def zero_of(v):
+        """The additive identity in ``v``'s type: -0.0 for a float (x + -0.0 is x for every x,
+        -0.0 included), 0 for an integer."""
+        if isinstance(v, (float, np.floating)):
+            return type(v)(-0.0)
+        return type(v)(0) if isinstance(v, np.generic) else 0
+
+    @cuda.jit(device=True)
     def group_put(v, k, shf, shi):
         """Lane 0 of a warp: store its warp's sum of accumulator ``k`` in the block's slots."""
         slot = k * (cuda.blockDim.x >> 5) + (cuda.threadIdx.x >> 5)
@@ -252,6 +260,18 @@ if SIMULATOR:
 else:
     from numba import float64, int64, types, uint64
     from numba.cuda.extending import overload
+
+    def zero_of(v):
+        raise NotImplementedError("only callable from a loopkern kernel")
+
+    @overload(zero_of, target="cuda")
+    def _zero_of_impl(v):
+        out = v
+        if isinstance(v, types.Float):
+            return lambda v: out(-0.0)
+        if isinstance(v, (types.Integer, types.Boolean)):
+            return lambda v: out(0)
+        return None
 
     def group_put(v, k, shf, shi):
         raise NotImplementedError("only callable from a loopkern kernel")
