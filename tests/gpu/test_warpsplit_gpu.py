@@ -42,3 +42,21 @@ def test_integer_sums_on_the_gpu_are_exact(rng):
     run = k(a, out, 3, 7, steps=1, backend="cuda")
     assert run.blocks * run.threads >= 32 * 300, run
     np.testing.assert_array_equal(out, WS.counts_ref(a, 300, 3, 7))
+
+
+@pytest.mark.parametrize("rows", [3, 100, 5000])      # groups of warps, warps, one thread per row
+def test_an_accumulators_first_value_counts_once_on_the_gpu(rows, rng):
+    k = lk.megakernel(WS.split_fresh_each_trip)
+    a = rng.random(1000)
+    out = np.zeros((rows, 2))
+    k(a, out, steps=1, backend="cuda")
+    np.testing.assert_allclose(out, WS.split_fresh_ref(a, rows), rtol=1e-12)
+
+
+@pytest.mark.parametrize("fn,ref", [(WS.not_split_carried_previous, lambda a: a[-1]),
+                                    (WS.not_split_carried_weight, lambda a: (a * 0.5 ** np.arange(a.size)).sum())])
+def test_a_value_carried_between_inner_trips_on_the_gpu(fn, ref, rng):
+    a = rng.random(1000)
+    out = np.zeros(4)
+    lk.megakernel(fn)(a, out, steps=1, backend="cuda")
+    np.testing.assert_allclose(out, ref(a), rtol=1e-12)
