@@ -329,9 +329,13 @@ class _Lower(ast.NodeTransformer):
             assign = ast.copy_location(ast.Assign(targets=[ast.Name(id=tgt.id, ctx=ast.Store())], value=value), node)
             return self.visit_Assign(ast.fix_missing_locations(assign))
         # a[i] += x becomes store(a, i, load(a, i) + x), which evaluates the index twice: only
-        # for an index without calls (but the non-negative marks)
-        if (isinstance(tgt, ast.Subscript) and self.sites is None and self._own_access(tgt)
-                and all(not isinstance(n, ast.Call) or is_nonneg_mark(n) for n in ast.walk(tgt.slice))):
+        # for an index without calls (but the non-negative marks). a[i] **= n takes that form
+        # on the CPU backend too, so that it goes through cpu_rt.power as x ** n does (0.0 ** -1
+        # is an infinity, where Numba's CPU power raises)
+        simple = isinstance(tgt, ast.Subscript) and all(not isinstance(n, ast.Call) or is_nonneg_mark(n)
+                                                        for n in ast.walk(tgt.slice))
+        if simple and ((isinstance(node.op, ast.Pow) and self._cpu_power())
+                       or (self.sites is None and self._own_access(tgt))):
             load = ast.copy_location(ast.Subscript(value=copy.deepcopy(tgt.value), slice=copy.deepcopy(tgt.slice),
                                                    ctx=ast.Load()), tgt)
             assign = ast.copy_location(ast.Assign(targets=[tgt], value=ast.copy_location(

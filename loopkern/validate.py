@@ -42,6 +42,13 @@ from .spec import (ANY, ARRAY, HELPER_PREFIX, INTRINSIC_PREFIX, RESERVED_PREFIX,
                    ParamSpec, StepSpec, int_constant, is_helper_call, marker_of)
 
 _BUILTINS = {"abs", "min", "max", "int", "float", "bool", "len", "range", "round"}
+#: positional arguments each builtin takes in step code (min and max of one number, or of an
+#: iterable, have no meaning here; int(x, base) and float() are not compiled)
+_BUILTIN_ARITY = {"abs": (1, 1), "min": (2, 1 << 30), "max": (2, 1 << 30), "int": (1, 1), "float": (1, 1),
+                  "bool": (1, 1), "len": (1, 1), "range": (1, 3), "round": (1, 2)}
+_BUILTIN_HINTS = {"abs": "write abs(x)", "min": "write min(a, b[, ...]) of numbers", "max": "write max(a, b[, ...]) of numbers",
+                  "int": "write int(x)", "float": "write float(x) (0.0 for a zero)", "bool": "write bool(x)",
+                  "len": "write len(a) of an array (its first dimension)", "range": "", "round": "write round(x) or round(x, n)"}
 _BUILTIN_CONSTS = {"True", "False", "None"}
 _ARRAY_ATTRS = {"shape", "size", "ndim"}
 _NUMPY_CASTS = {"float32", "float64", "int8", "int16", "int32", "int64", "uint8", "uint16",
@@ -350,6 +357,9 @@ class _Normalizer(ast.NodeTransformer):
 
     def visit_AugAssign(self, node):
         node.target = self._check_store(node.target)
+        if isinstance(node.target, ast.Name) and (isinstance(node.op, ast.Div)
+                                                   or _floaty(node.value, self.float_locals)):
+            self.float_locals.add(node.target.id)      # n += 0.5, n /= 2: a float from here on
         if isinstance(node.op, ast.MatMult):
             self.error(node, "'@=' is not supported in step code", "write the matrix product as loops")
         node.value = self.visit(node.value)
@@ -804,6 +814,13 @@ class _Normalizer(ast.NodeTransformer):
         if isinstance(node.func, ast.Name) and node.func.id in _BUILTINS and target is getattr(builtins, node.func.id):
             if target is builtins.range:
                 return self.reject(node, "range() can only be the iterable of a for loop", "write 'for k in range(...):'")
+            lo, hi = _BUILTIN_ARITY[node.func.id]
+            if not lo <= len(node.args) <= hi or node.keywords or any(isinstance(a, ast.Starred) for a in node.args):
+                want = f"{lo}" if lo == hi else f"{lo} or {hi}" if hi == lo + 1 else f"{lo} or more"
+                return self.reject(node, f"{node.func.id}() takes {want} positional argument{'s' if hi > 1 else ''} "
+                                         f"in step code, got {len(node.args)}"
+                                         + (" and keywords" if node.keywords else ""),
+                                   _BUILTIN_HINTS[node.func.id])
             node.args = [self._scalar(a) if target is not len else self.visit(a) for a in node.args]
             if target is len and node.args and isinstance(node.args[0], ast.Name):
                 self._use_array(node.args[0])
@@ -840,17 +857,19 @@ class _Normalizer(ast.NodeTransformer):
         return node
 
     def _atomic_call(self, node, target):
-        """``lk.atomic.add/max/min(array, index, value)``: the array is a name (a parameter or
-        a local), counted as written and indexed like ``array[index]``. Not a barrier, so
+        """``lk.atomic.add/max/min(array, index, value)``: the array is a parameter's name,
+        counted as written and indexed like ``array[index]``. Not a barrier, so
         helpers may use it too."""
         disp = target.display
         if len(node.args) != 3:
             return self.reject(node, f"{disp}() takes 3 arguments (array, index, value), got {len(node.args)}",
                                f"write {disp}(a, i, x), or {disp}(a, (i, j), x) for a 2-D array")
         arr, idx, value = node.args
-        if not (isinstance(arr, ast.Name) and arr.id in self.locals):
+        # (an array is always a parameter: giving one another name is refused, so a local
+        # name holds a number)
+        if not (isinstance(arr, ast.Name) and arr.id in self.params):
             return self.reject(arr, f"the first argument of {disp}() must be an array: a parameter of the "
-                                    f"{'step' if self.is_step else 'helper'} (or a local name for one)",
+                                    f"{'step' if self.is_step else 'helper'}",
                                f"write {disp}(a, i, x) where 'a' is an array argument")
         self._use_array(arr)
         self._indexed(arr.id, idx, node)
@@ -1670,6 +1689,11 @@ def validate_step(fn, swap=()) -> StepSpec:
     norm = _Normalizer(ctx, parsed, is_step=True)
     tree = copy.deepcopy(parsed.tree)
     body = norm.visit_body(tree.body)
+    if ctx.diagnostics:
+        # what the allow-list refused can leave nodes the later analyses do not expect (a loop
+        # over an array has no range call): report it first
+        ctx.diagnostics.sort(key=lambda d: (d.filename != parsed.filename, d.filename, d.line, d.col))
+        raise StepSyntaxError(ctx.diagnostics)
     norm.check_array_names()
     norm.check_definite_assignment()
     names = list(norm.params)

@@ -541,3 +541,23 @@ def test_division_by_zero_follows_numpy_on_the_cpu_backend(rng):
     np.testing.assert_array_equal(np.signbit(out[~np.isnan(want)]), np.signbit(want[~np.isnan(want)]))
     np.testing.assert_array_equal(iout, iwant)
 
+
+
+@pytest.mark.parametrize("backend,scope", list(cases()))
+def test_an_element_to_a_negative_power_in_place(backend, scope):
+    # a[i] **= -1 of a zero is an infinity, as x ** -1 is (the CPU backend raised
+    # ZeroDivisionError for the element form)
+    @lk.megakernel
+    def invert(t, a, b):
+        for i in lk.range(a.shape[0]):
+            a[i] **= -1
+            b[i - 1] **= -2        # an index the front end does not prove non-negative
+
+    a = np.array([0.0, 2.0, -0.0, 4.0])
+    b = np.array([0.0, 2.0, -0.0, 4.0])
+    invert(a, b, steps=1, backend=backend, scope=scope)
+    with np.errstate(divide="ignore"):
+        want_a = np.array([0.0, 2.0, -0.0, 4.0]) ** -1.0
+        want_b = np.array([0.0, 2.0, -0.0, 4.0]) ** -2.0
+    np.testing.assert_array_equal(a, want_a)
+    np.testing.assert_array_equal(b, want_b)

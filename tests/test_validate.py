@@ -585,3 +585,84 @@ def test_a_swap_pair_naming_a_number_parameter_is_refused_at_the_def():
     with pytest.raises(lk.StepSyntaxError, match="'alpha' is in a swap pair, so it must be an array") as e:
         lk.megakernel(step, swap=[("u", "alpha")])
     assert ":" + str(step.__code__.co_firstlineno + 2) + ":" in str(e.value)      # at the use as a number
+
+
+def _for_over_array(t, a):
+    for x in a:
+        a[0] = x
+
+
+def _for_over_tuple(t, a):
+    for i in (1, 2, 3):
+        a[i] = 1.0
+
+
+def _for_into_element(t, a):
+    for a[0] in range(3):
+        pass
+
+
+def _for_star_target(t, a):
+    for i, *j in lk.grid(3, 2):
+        a[i] = 1.0
+
+
+@pytest.mark.parametrize("fn", [_for_over_array, _for_over_tuple, _for_into_element, _for_star_target])
+def test_unsupported_for_loops_are_step_syntax_errors(fn):
+    # they crashed the decorator with AttributeError (a later analysis read the loop's range)
+    with pytest.raises(lk.StepSyntaxError) as e:
+        lk.megakernel(fn)
+    assert f"in step '{fn.__name__}'" in str(e.value)
+
+
+def _len_none(t, a):
+    a[0] = len()
+
+
+def _len_two(t, a):
+    a[0] = len(a, a)
+
+
+def _abs_none(t, a):
+    a[0] = abs()
+
+
+def _float_none(t, a):
+    a[0] = float()
+
+
+def _max_one(t, a):
+    a[0] = max(a[1])
+
+
+@pytest.mark.parametrize("fn,fragment", [(_len_none, "len() takes 1 positional argument"),
+                                         (_len_two, "len() takes 1 positional argument"),
+                                         (_abs_none, "abs() takes 1"), (_float_none, "float() takes 1"),
+                                         (_max_one, "max() takes 2 or more")])
+def test_builtins_with_the_wrong_number_of_arguments_are_refused_at_the_def(fn, fragment):
+    # (they reached Numba, which raised a raw ValueError at the first call)
+    with pytest.raises(lk.StepSyntaxError, match=re.escape(fragment)):
+        lk.megakernel(fn)
+
+
+def _float_by_augmented_assignment(t, a):
+    n = a.shape[0] // 2
+    n += 0.5
+    for i in lk.range(n):
+        a[i] += 1.0
+
+
+def _atomic_on_a_local(t, a):
+    x = 0.0
+    for i in lk.range(a.shape[0]):
+        lk.atomic.add(x, 0, 1.0)
+
+
+def test_a_local_made_a_float_by_augmented_assignment_is_no_loop_bound():
+    with pytest.raises(lk.StepSyntaxError, match="lk.range\\(\\) takes integers; 'n' is a float"):
+        lk.megakernel(_float_by_augmented_assignment)
+
+
+def test_lk_atomic_on_a_local_number_is_refused():
+    with pytest.raises(lk.StepSyntaxError, match="must be an array: a parameter of the step"):
+        lk.megakernel(_atomic_on_a_local)
