@@ -319,11 +319,15 @@ class _Lower(ast.NodeTransformer):
         self.generic_visit(node)
         if isinstance(node.op, ast.Pow) and self._cpu_power():
             return _rt_call("power", [node.left, node.right], node)
+        if isinstance(node.op, (ast.LShift, ast.RShift)) and self.backend == "cpu":
+            # (a count of 64 or more: cpu_rt.lshift/rshift)
+            return _rt_call("lshift" if isinstance(node.op, ast.LShift) else "rshift", [node.left, node.right], node)
         return node
 
     def visit_AugAssign(self, node):
         tgt = node.target
-        if isinstance(node.op, ast.Pow) and isinstance(tgt, ast.Name) and self._cpu_power():
+        if isinstance(tgt, ast.Name) and ((isinstance(node.op, ast.Pow) and self._cpu_power()) or (
+                isinstance(node.op, (ast.LShift, ast.RShift)) and self.backend == "cpu")):
             value = ast.copy_location(ast.BinOp(left=ast.Name(id=tgt.id, ctx=ast.Load()), op=node.op,
                                                 right=node.value), node)
             assign = ast.copy_location(ast.Assign(targets=[ast.Name(id=tgt.id, ctx=ast.Store())], value=value), node)
@@ -335,6 +339,7 @@ class _Lower(ast.NodeTransformer):
         simple = isinstance(tgt, ast.Subscript) and all(not isinstance(n, ast.Call) or is_nonneg_mark(n)
                                                         for n in ast.walk(tgt.slice))
         if simple and ((isinstance(node.op, ast.Pow) and self._cpu_power())
+                       or (isinstance(node.op, (ast.LShift, ast.RShift)) and self.backend == "cpu")
                        or (self.sites is None and self._own_access(tgt))):
             load = ast.copy_location(ast.Subscript(value=copy.deepcopy(tgt.value), slice=copy.deepcopy(tgt.slice),
                                                    ctx=ast.Load()), tgt)
