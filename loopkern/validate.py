@@ -61,6 +61,9 @@ _MATH_FUNCS = {
     "trunc", "fabs", "fmod", "hypot", "copysign", "isnan", "isinf", "isfinite", "erf", "erfc",
     "gamma", "lgamma", "degrees", "radians", "ldexp", "remainder",
 }
+#: the math functions of two arguments (every other one takes one; math.log's base is not
+#: compiled: log(x) / log(base))
+_MATH_TWO_ARGS = {"atan2", "pow", "fmod", "hypot", "copysign", "ldexp", "remainder"}
 _BINOPS = (ast.Add, ast.Sub, ast.Mult, ast.Div, ast.FloorDiv, ast.Mod, ast.Pow, ast.LShift,
            ast.RShift, ast.BitOr, ast.BitXor, ast.BitAnd)
 _CMPOPS = (ast.Eq, ast.NotEq, ast.Lt, ast.LtE, ast.Gt, ast.GtE)
@@ -791,6 +794,13 @@ class _Normalizer(ast.NodeTransformer):
             if target.__name__ not in _MATH_FUNCS:
                 return self.reject(node, f"math.{target.__name__} is not supported in step code",
                                    f"supported: {', '.join(sorted(_MATH_FUNCS))}")
+            name, want = target.__name__, 2 if target.__name__ in _MATH_TWO_ARGS else 1
+            if len(node.args) != want or node.keywords or any(isinstance(a, ast.Starred) for a in node.args):
+                hint = ("write math.log(x) / math.log(base)" if name == "log" and len(node.args) == 2 else
+                        f"write math.{name}({'x, y' if want == 2 else 'x'})")
+                return self.reject(node, f"math.{name}() takes {want} positional argument{'s' if want == 2 else ''} "
+                                         f"in step code, got {len(node.args)}"
+                                         + (" and keywords" if node.keywords else ""), hint)
             node.func = _module_attr("math", target.__name__, node)
             node.args = [self._scalar(a) for a in node.args]
             return node
