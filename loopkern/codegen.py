@@ -315,32 +315,35 @@ class _Lower(ast.NodeTransformer):
         gives an infinity); a debug kernel keeps Python's error model, so it keeps ``**``."""
         return self.backend == "cpu" and self.sites is None
 
+    def _cpu_rt_op(self, op) -> str | None:
+        """The ``cpu_rt`` function a binary operator goes through on the CPU backend, if any:
+        ``power`` (see :meth:`_cpu_power`), ``lshift``/``rshift`` (a count of 64 or more gives
+        Python's 0 or sign, where LLVM's shift is poison)."""
+        if isinstance(op, ast.Pow):
+            return "power" if self._cpu_power() else None
+        if isinstance(op, (ast.LShift, ast.RShift)) and self.backend == "cpu":
+            return "lshift" if isinstance(op, ast.LShift) else "rshift"
+        return None
+
     def visit_BinOp(self, node):
         self.generic_visit(node)
-        if isinstance(node.op, ast.Pow) and self._cpu_power():
-            return _rt_call("power", [node.left, node.right], node)
-        if isinstance(node.op, (ast.LShift, ast.RShift)) and self.backend == "cpu":
-            # (a count of 64 or more: cpu_rt.lshift/rshift)
-            return _rt_call("lshift" if isinstance(node.op, ast.LShift) else "rshift", [node.left, node.right], node)
-        return node
+        fn = self._cpu_rt_op(node.op)
+        return _rt_call(fn, [node.left, node.right], node) if fn else node
 
     def visit_AugAssign(self, node):
         tgt = node.target
-        if isinstance(tgt, ast.Name) and ((isinstance(node.op, ast.Pow) and self._cpu_power()) or (
-                isinstance(node.op, (ast.LShift, ast.RShift)) and self.backend == "cpu")):
+        via_rt = self._cpu_rt_op(node.op) is not None
+        if isinstance(tgt, ast.Name) and via_rt:
             value = ast.copy_location(ast.BinOp(left=ast.Name(id=tgt.id, ctx=ast.Load()), op=node.op,
                                                 right=node.value), node)
             assign = ast.copy_location(ast.Assign(targets=[ast.Name(id=tgt.id, ctx=ast.Store())], value=value), node)
             return self.visit_Assign(ast.fix_missing_locations(assign))
         # a[i] += x becomes store(a, i, load(a, i) + x), which evaluates the index twice: only
-        # for an index without calls (but the non-negative marks). a[i] **= n takes that form
-        # on the CPU backend too, so that it goes through cpu_rt.power as x ** n does (0.0 ** -1
-        # is an infinity, where Numba's CPU power raises)
+        # for an index without calls (but the non-negative marks). a[i] **= n (<<=, >>=) takes
+        # that form on the CPU backend too, so that it goes through cpu_rt as x ** n does
         simple = isinstance(tgt, ast.Subscript) and all(not isinstance(n, ast.Call) or is_nonneg_mark(n)
                                                         for n in ast.walk(tgt.slice))
-        if simple and ((isinstance(node.op, ast.Pow) and self._cpu_power())
-                       or (isinstance(node.op, (ast.LShift, ast.RShift)) and self.backend == "cpu")
-                       or (self.sites is None and self._own_access(tgt))):
+        if simple and (via_rt or (self.sites is None and self._own_access(tgt))):
             load = ast.copy_location(ast.Subscript(value=copy.deepcopy(tgt.value), slice=copy.deepcopy(tgt.slice),
                                                    ctx=ast.Load()), tgt)
             assign = ast.copy_location(ast.Assign(targets=[tgt], value=ast.copy_location(

@@ -44,11 +44,12 @@ from .spec import (ANY, ARRAY, HELPER_PREFIX, INTRINSIC_PREFIX, RESERVED_PREFIX,
 _BUILTINS = {"abs", "min", "max", "int", "float", "bool", "len", "range", "round"}
 #: positional arguments each builtin takes in step code (min and max of one number, or of an
 #: iterable, have no meaning here; int(x, base) and float() are not compiled)
-_BUILTIN_ARITY = {"abs": (1, 1), "min": (2, 1 << 30), "max": (2, 1 << 30), "int": (1, 1), "float": (1, 1),
-                  "bool": (1, 1), "len": (1, 1), "range": (1, 3), "round": (1, 2)}
-_BUILTIN_HINTS = {"abs": "write abs(x)", "min": "write min(a, b[, ...]) of numbers", "max": "write max(a, b[, ...]) of numbers",
-                  "int": "write int(x)", "float": "write float(x) (0.0 for a zero)", "bool": "write bool(x)",
-                  "len": "write len(a) of an array (its first dimension)", "range": "", "round": "write round(x) or round(x, n)"}
+#: (range() is only a loop's iterable, checked there)
+_BUILTIN_ARITY = {"abs": (1, 1, "write abs(x)"), "min": (2, 1 << 30, "write min(a, b[, ...]) of numbers"),
+                  "max": (2, 1 << 30, "write max(a, b[, ...]) of numbers"), "int": (1, 1, "write int(x)"),
+                  "float": (1, 1, "write float(x) (0.0 for a zero)"), "bool": (1, 1, "write bool(x)"),
+                  "len": (1, 1, "write len(a) of an array (its first dimension)"),
+                  "round": (1, 2, "write round(x) or round(x, n)")}
 _BUILTIN_CONSTS = {"True", "False", "None"}
 _ARRAY_ATTRS = {"shape", "size", "ndim"}
 _NUMPY_CASTS = {"float32", "float64", "int8", "int16", "int32", "int64", "uint8", "uint16",
@@ -795,12 +796,10 @@ class _Normalizer(ast.NodeTransformer):
                 return self.reject(node, f"math.{target.__name__} is not supported in step code",
                                    f"supported: {', '.join(sorted(_MATH_FUNCS))}")
             name, want = target.__name__, 2 if target.__name__ in _MATH_TWO_ARGS else 1
-            if len(node.args) != want or node.keywords or any(isinstance(a, ast.Starred) for a in node.args):
-                hint = ("write math.log(x) / math.log(base)" if name == "log" and len(node.args) == 2 else
-                        f"write math.{name}({'x, y' if want == 2 else 'x'})")
-                return self.reject(node, f"math.{name}() takes {want} positional argument{'s' if want == 2 else ''} "
-                                         f"in step code, got {len(node.args)}"
-                                         + (" and keywords" if node.keywords else ""), hint)
+            hint = ("write math.log(x) / math.log(base)" if name == "log" and len(node.args) == 2 else
+                    f"write math.{name}({'x, y' if want == 2 else 'x'})")
+            if not self._arity_ok(node, want, want):
+                return self._reject_arity(node, f"math.{name}", want, want, hint)
             node.func = _module_attr("math", target.__name__, node)
             node.args = [self._scalar(a) for a in node.args]
             return node
@@ -824,13 +823,9 @@ class _Normalizer(ast.NodeTransformer):
         if isinstance(node.func, ast.Name) and node.func.id in _BUILTINS and target is getattr(builtins, node.func.id):
             if target is builtins.range:
                 return self.reject(node, "range() can only be the iterable of a for loop", "write 'for k in range(...):'")
-            lo, hi = _BUILTIN_ARITY[node.func.id]
-            if not lo <= len(node.args) <= hi or node.keywords or any(isinstance(a, ast.Starred) for a in node.args):
-                want = f"{lo}" if lo == hi else f"{lo} or {hi}" if hi == lo + 1 else f"{lo} or more"
-                return self.reject(node, f"{node.func.id}() takes {want} positional argument{'s' if hi > 1 else ''} "
-                                         f"in step code, got {len(node.args)}"
-                                         + (" and keywords" if node.keywords else ""),
-                                   _BUILTIN_HINTS[node.func.id])
+            lo, hi, hint = _BUILTIN_ARITY[node.func.id]
+            if not self._arity_ok(node, lo, hi):
+                return self._reject_arity(node, node.func.id, lo, hi, hint)
             node.args = [self._scalar(a) if target is not len else self.visit(a) for a in node.args]
             if target is len and node.args and isinstance(node.args[0], ast.Name):
                 self._use_array(node.args[0])
@@ -843,6 +838,17 @@ class _Normalizer(ast.NodeTransformer):
             return self._helper_call(node, target, label)
         return self.reject(node, f"'{label}' ({self._describe(target)}) cannot be called in step code",
                            "call plain Python functions that are themselves valid step code")
+
+    @staticmethod
+    def _arity_ok(node, lo, hi) -> bool:
+        """``lo`` to ``hi`` positional arguments, none starred, no keywords."""
+        return lo <= len(node.args) <= hi and not node.keywords and not any(isinstance(a, ast.Starred)
+                                                                           for a in node.args)
+
+    def _reject_arity(self, node, name, lo, hi, hint):
+        want = f"{lo}" if lo == hi else f"{lo} or {hi}" if hi == lo + 1 else f"{lo} or more"
+        return self.reject(node, f"{name}() takes {want} positional argument{'s' if hi > 1 else ''} in step code, "
+                                 f"got {len(node.args)}" + (" and keywords" if node.keywords else ""), hint)
 
     def _intrinsic_call(self, node, target, label):
         name = target.name
@@ -1683,6 +1689,13 @@ def _check_phases(parsed, ctx, body):
     block(body)
 
 
+def _raise_diagnostics(ctx, parsed):
+    """StepSyntaxError with every problem found so far (the step's file first), if any."""
+    if ctx.diagnostics:
+        ctx.diagnostics.sort(key=lambda d: (d.filename != parsed.filename, d.filename, d.line, d.col))
+        raise StepSyntaxError(ctx.diagnostics)
+
+
 def validate_step(fn, swap=()) -> StepSpec:
     """Check ``fn`` against the restricted-Python rules and build its :class:`StepSpec`.
 
@@ -1699,11 +1712,9 @@ def validate_step(fn, swap=()) -> StepSpec:
     norm = _Normalizer(ctx, parsed, is_step=True)
     tree = copy.deepcopy(parsed.tree)
     body = norm.visit_body(tree.body)
-    if ctx.diagnostics:
-        # what the allow-list refused can leave nodes the later analyses do not expect (a loop
-        # over an array has no range call): report it first
-        ctx.diagnostics.sort(key=lambda d: (d.filename != parsed.filename, d.filename, d.line, d.col))
-        raise StepSyntaxError(ctx.diagnostics)
+    # what the allow-list refused can leave nodes the later analyses do not expect (a loop over
+    # an array has no range call): report it first
+    _raise_diagnostics(ctx, parsed)
     norm.check_array_names()
     norm.check_definite_assignment()
     names = list(norm.params)
@@ -1755,9 +1766,7 @@ def validate_step(fn, swap=()) -> StepSpec:
         # adjoint of the boundary loop before it wrote, at elements this check cannot tell apart)
         _check_phases(parsed, ctx, body)
 
-    if ctx.diagnostics:
-        ctx.diagnostics.sort(key=lambda d: (d.filename != parsed.filename, d.filename, d.line, d.col))
-        raise StepSyntaxError(ctx.diagnostics)
+    _raise_diagnostics(ctx, parsed)
     uses_barrier = bool(used & _BARRIERS)
     step = FunctionSpec(parsed.name, f"{RESERVED_PREFIX}step", tuple(names), tuple(body), parsed.filename,
                         parsed.tree.lineno, norm.thread_varying,

@@ -40,7 +40,7 @@ from .config import (AUTO_TILE_2D_MIN_ELEMENTS, AUTO_TILE_HALO_SHARE, AUTO_TILE_
                      choose_backend, cuda_config, first_tile_blocks, numba_chip, plan_staging, resolve_scope,
                      tile_config, tile_layout)
 from .kernels import KernelCache, check_types, index_bits_for
-from .plan import PlanCache, make_plan, shares_written_memory, written_pairs
+from .plan import PlanCache, make_plan, refused_pairs
 from .signature import LastCall, call_key
 
 log = logging.getLogger("loopkern")
@@ -114,12 +114,12 @@ class Dispatcher:
             is_array = isinstance(a, ArrayArg)
             checks.check_kind(p, is_array, f"an array of shape {a.shape}" if is_array
                               else f"a scalar {type(a.value).__name__}")
-            if not is_array:
-                checks.check_integer(p, np.asarray(a.value).dtype, f"the float {a.value}", spec.filename)
             if is_array:
                 checks.check_array_use(p, a.shape, spec.filename)
                 checks.check_atomic_dtype(p, a.dtype)
                 checks.check_writable(p, a, k in self._swapped)
+            else:
+                checks.check_integer(p, np.asarray(a.value).dtype, f"the float {a.value}", spec.filename)
             out.append(a)
         for i, j in spec.swap:
             a, b = out[i], out[j]
@@ -129,12 +129,10 @@ class Dispatcher:
             checks.check_swap_pair((a.name, b.name), a.shape, a.dtype, b.shape, b.dtype)
             if a.where != b.where:
                 raise ArgumentError(f"{pair}: one array is on the GPU and the other on the host")
-            if a.value is b.value or overlaps(a, b):
-                raise ArgumentError(f"{pair}: the two arrays share memory; pass two separate buffers")
-        for i, j in written_pairs(spec):
+        for i, j, message in refused_pairs(spec):
             a, b = out[i], out[j]
             if isinstance(a, ArrayArg) and isinstance(b, ArrayArg) and (a.value is b.value or overlaps(a, b)):
-                raise ArgumentError(shares_written_memory(spec, i, j))
+                raise ArgumentError(message)
         return out
 
     # -- options -------------------------------------------------------------------------------

@@ -246,8 +246,7 @@ class LaunchPlan:
         # the pairs that must not share memory, each with its error: a swap pair's two arrays,
         # and an array the step writes with any other (a NumPy pair on the GPU path is two
         # copies, unless it is one object: a new signature)
-        refused = [(a, b, self._swap_shared(a, b)) for a, b in spec.swap] + \
-            [(a, b, shares_written_memory(spec, a, b)) for a, b in written_pairs(spec)]
+        refused = refused_pairs(spec)
         self.host_refused = [(a, b, msg) for a, b, msg in refused if a in host and b in host]
         self.device_ptrs = [(i, params[i].ptr) for i in self.devices]
         self.device_refused = self._pointer_pairs(refused)
@@ -316,10 +315,6 @@ class LaunchPlan:
             if ptrs[ka] + lo_a < ptrs[kb] + hi_b and ptrs[kb] + lo_b < ptrs[ka] + hi_a:
                 return None
         return ptrs
-
-    def _swap_shared(self, a, b) -> str:
-        return (f"swap pair ('{self.params[a].name}', '{self.params[b].name}'): the two arrays share memory; "
-                f"pass two separate buffers")
 
     def _pointer_pairs(self, pairs) -> list:
         """(position of a and b among the GPU arrays, their extents, what goes with the pair) for
@@ -492,11 +487,21 @@ def written_pairs(spec) -> list:
     return out
 
 
-def shares_written_memory(spec, i, j) -> str:
-    a, b = spec.params[i].name, spec.params[j].name
-    return (f"argument '{b}' shares memory with argument '{a}', which step '{spec.name}' writes: its threads would "
-            f"race on that memory (and the CPU backend, which runs the iterations in order, would compute "
-            f"something else than a GPU); pass separate arrays, e.g. a copy of '{b}'")
+def refused_pairs(spec) -> list:
+    """(i, j, the error): the array parameters that must not share memory, checked on the full
+    path (``Dispatcher.classify``) and on cached plans (``LaunchPlan.check_values``): each swap
+    pair's two arrays, and each array the step writes with every other (``written_pairs``)."""
+    out = []
+    for i, j in spec.swap:
+        a, b = spec.params[i].name, spec.params[j].name
+        out.append((i, j, f"swap pair ('{a}', '{b}'): the two arrays share memory; pass two separate buffers"))
+    for i, j in written_pairs(spec):
+        a, b = spec.params[i].name, spec.params[j].name
+        out.append((i, j, f"argument '{b}' shares memory with argument '{a}', which step '{spec.name}' writes: its "
+                          f"threads would race on that memory (and the CPU backend, which runs the iterations in "
+                          f"order, would compute something else than a GPU); pass separate arrays, e.g. a copy "
+                          f"of '{b}'"))
+    return out
 
 
 def make_plan(spec, backend, argv, compiled, kernel, config: LaunchConfig, *, debug, staged, simulator) -> LaunchPlan:
