@@ -317,11 +317,11 @@ class _Lower(ast.NodeTransformer):
 
     def _cpu_rt_op(self, op) -> str | None:
         """The ``cpu_rt`` function a binary operator goes through on the CPU backend, if any:
-        ``power`` (see :meth:`_cpu_power`), ``lshift``/``rshift`` (a count of 64 or more gives
-        Python's 0 or sign, where LLVM's shift is poison)."""
+        ``power`` (see :meth:`_cpu_power`), ``lshift``/``rshift`` on every backend (a count of
+        64 or more gives Python's 0 or sign, where LLVM's shift is poison: see runtime/shifts.py)."""
         if isinstance(op, ast.Pow):
             return "power" if self._cpu_power() else None
-        if isinstance(op, (ast.LShift, ast.RShift)) and self.backend == "cpu":
+        if isinstance(op, (ast.LShift, ast.RShift)):
             return "lshift" if isinstance(op, ast.LShift) else "rshift"
         return None
 

@@ -564,32 +564,33 @@ def test_an_element_to_a_negative_power_in_place(backend, scope):
 
 
 @pytest.mark.parametrize("backend,scope", list(cases()))
-def test_shifts_by_any_count_follow_python(backend, scope, rng):
-    # a count of 64 or more: Python's (and NumPy's) 0 or sign; the CPU backend's LLVM shift
-    # was poison there (some elements unchanged, 1 << 65 == 2)
-    @lk.megakernel
-    def shifts(t, a, s, left, right):
-        for i in lk.range(a.shape[0]):
-            left[i] = a[i] << s[i]
-            right[i] = a[i] >> s[i]
-            x = a[i]
-            x >>= s[i]
-            right[i] -= x          # the augmented form gives the same
-
-    n = 40 if small(backend) else 300
-    a = rng.integers(-2 ** 62, 2 ** 62, n).astype(np.int64)
-    a[:4] = (-7, -1, 0, 1)
-    s = rng.integers(0, 80, n).astype(np.int64)
-    s[:4] = (64, 65, 100, 63)
+def test_shifts_by_any_count_follow_numpy(backend, scope, rng):
+    # a count of 64 or more, or a negative one: NumPy's 0 or sign (it takes the count as
+    # unsigned); the CPU backend's LLVM shift was poison there (some elements unchanged,
+    # 1 << 65 == 2)
+    n = 41 if small(backend) else 301
+    a, s = shift_operands(rng, n)
     left, right = np.zeros(n, np.int64), np.zeros(n, np.int64)
-    shifts(a, s, left, right, steps=1, backend=backend, scope=scope)
-    wrap = [((int(x) << int(k)) + 2 ** 63) % 2 ** 64 - 2 ** 63 for x, k in zip(a, s)]
-    np.testing.assert_array_equal(left, np.array(wrap, np.int64))
+    lk.megakernel(W.shifts_step)(a, s, left, right, steps=1, backend=backend, scope=scope)
+    want_left, want_right = W.shifts_ref(a, s)
+    np.testing.assert_array_equal(left, want_left)
     np.testing.assert_array_equal(right, 0)
-    ref = np.array([int(x) >> int(k) for x, k in zip(a, s)], np.int64)
     right = np.zeros(n, np.int64)
     lk.megakernel(_shift_right)(a, s, right, steps=1, backend=backend, scope=scope)
-    np.testing.assert_array_equal(right, ref)
+    np.testing.assert_array_equal(right, want_right)
+    out = np.zeros((5, n), np.int64)
+    lk.megakernel(W.constant_shifts_step)(a, out, steps=1, backend=backend, scope=scope)
+    np.testing.assert_array_equal(out, W.constant_shifts_ref(a))
+
+
+def shift_operands(rng, n):
+    # the special counts at both ends: a vectorised loop on the CPU shifts with instructions
+    # that give 0 for any count past 63, its scalar remainder with ones that take it modulo 64
+    a = rng.integers(-2 ** 62, 2 ** 62, n).astype(np.int64)
+    s = rng.integers(-3, 80, n).astype(np.int64)
+    a[:6] = a[-6:] = (-7, -1, 0, 1, 5, -5)
+    s[:6] = s[-6:] = (64, 65, 100, 63, -1, -2)
+    return a, s
 
 
 def _shift_right(t, a, s, out):

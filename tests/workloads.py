@@ -604,3 +604,41 @@ def uint64_extremes_step(t, a, out):
     if lk.thread_id() == 0:
         out[0] = top
         out[1] = bottom
+
+
+def shifts_step(t, a, s, left, right):
+    """Shifts by per-element counts (any int64, negative or 64 and more included), in the plain
+    and the augmented form."""
+    for i in lk.range(a.shape[0]):
+        left[i] = a[i] << s[i]
+        right[i] = a[i] >> s[i]
+        x = a[i]
+        x >>= s[i]
+        right[i] -= x          # the augmented form gives the same: 0
+
+
+def constant_shifts_step(t, a, out):
+    """Shifts by constant counts at and past the width (NVVM dropped such stores)."""
+    for i in lk.range(a.shape[0]):
+        out[0, i] = a[i] << 65
+        out[1, i] = a[i] >> 64
+        out[2, i] = a[i] << 63
+        out[3, i] = a[i] >> 70
+        out[4, i] = a[i] << 3
+
+
+def shifts_ref(a, s):
+    """(a << s, a >> s) as NumPy shifts int64 scalars: a count outside 0..63 gives 0 or the sign."""
+    left, right = [], []
+    for x, k in zip(a.tolist(), s.tolist()):
+        inside = 0 <= k < 64
+        left.append(((x << k) + 2 ** 63) % 2 ** 64 - 2 ** 63 if inside else 0)
+        right.append(x >> k if inside else -(x < 0))
+    return np.array(left, np.int64), np.array(right, np.int64)
+
+
+def constant_shifts_ref(a):
+    counts = (65, 64, 63, 70, 3)
+    left = [shifts_ref(a, np.full(a.size, k, np.int64))[0] for k in counts]
+    right = [shifts_ref(a, np.full(a.size, k, np.int64))[1] for k in counts]
+    return np.stack([left[0], right[1], left[2], right[3], left[4]])

@@ -167,27 +167,6 @@ def _power_impl(x, n):
 
 
 # -- x << n, x >> n: a count of 64 or more, as Python, NumPy and the simulator give it ----------
-def lshift(x, n):
-    """``x << n`` with a count of 64 or more giving 0 (LLVM's shift by the width or more is
-    poison: the CPU returned garbage, some elements unchanged)."""
-    return x << n
+from . import shifts as _shifts  # noqa: E402
 
-
-def rshift(x, n):
-    """``x >> n`` with a count of 64 or more giving the sign (0 or -1; 0 for unsigned)."""
-    return x >> n
-
-
-@overload(lshift)
-def _lshift_impl(x, n):
-    if isinstance(x, (types.Integer, types.Boolean)) and isinstance(n, (types.Integer, types.Boolean)):
-        # (every shift below has a count under 64: the last one moves out the last bit)
-        return lambda x, n: (x << min(n, 63)) << (1 if n >= 64 else 0)
-    return lambda x, n: x << n
-
-
-@overload(rshift)
-def _rshift_impl(x, n):
-    if isinstance(x, (types.Integer, types.Boolean)) and isinstance(n, (types.Integer, types.Boolean)):
-        return lambda x, n: (x >> min(n, 63)) >> (1 if n >= 64 else 0)
-    return lambda x, n: x >> n
+lshift, rshift = _shifts.build_numba(overload, "cpu")

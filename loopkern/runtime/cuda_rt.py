@@ -802,6 +802,15 @@ else:
     checked, in_bounds = _bounds.build_numba(overload, "cuda", _claim)
 
 
+# -- x << n, x >> n: a count of 64 or more gives 0 or the sign, as on the CPU backend ---------
+from . import shifts as _shifts  # noqa: E402
+
+if SIMULATOR:
+    lshift, rshift = _shifts.build_python()
+else:
+    lshift, rshift = _shifts.build_numba(overload, "cuda")
+
+
 # -- lk.atomic: the GPU's atomic read-modify-write instructions -------------------------------
 from . import atomics as _atomics  # noqa: E402
 

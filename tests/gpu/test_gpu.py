@@ -402,3 +402,23 @@ def test_a_float_to_an_integer_power_on_the_gpu(dtype, rng):
     """0.0 ** -n is an infinity on the GPU (-inf for -0.0 to an odd power), as NumPy gives: the
     CPU backend's cpu_rt.power (session 28) follows it."""
     W.check_int_power(lk.megakernel(W.int_power_step), "cuda", dtype, rng)
+
+
+@pytest.mark.parametrize("scope,blocks", [pytest.param("grid", None, id="grid"), pytest.param("block", None, id="block")])
+def test_shifts_by_any_count_follow_numpy(scope, blocks, rng):
+    # a count of 64 or more, or a negative one, gives NumPy's 0 or sign: NVVM dropped the store
+    # of a << 65 (poison), and PTX's clamping shift took a variable count cut to 32 bits
+    from test_backends import _shift_right, shift_operands
+    n = 1001
+    a, s = shift_operands(rng, n)
+    left, right = np.zeros(n, np.int64), np.zeros(n, np.int64)
+    run = lk.megakernel(W.shifts_step)(a, s, left, right, steps=1, scope=scope, blocks=blocks)
+    assert run.backend == "cuda"
+    want_left, want_right = W.shifts_ref(a, s)
+    np.testing.assert_array_equal(left, want_left)
+    np.testing.assert_array_equal(right, 0)
+    lk.megakernel(_shift_right)(a, s, right, steps=1, scope=scope, blocks=blocks)
+    np.testing.assert_array_equal(right, want_right)
+    out = np.zeros((5, n), np.int64)
+    lk.megakernel(W.constant_shifts_step)(a, out, steps=1, scope=scope, blocks=blocks)
+    np.testing.assert_array_equal(out, W.constant_shifts_ref(a))
