@@ -7,8 +7,8 @@ Jacobi runs a fixed number of steps (its tolerance is -1, so the condition never
 and reduces its update every step, as the bench's Jacobi does.
 
 ``depth`` caps the steps tile mode runs per halo exchange (``config.TILE_DEPTH_MAX``; 1: one
-step per exchange), ``span`` sets ``config.TILE_DEPTH_SPAN`` (how many widened halos a tile
-must be long).
+step per exchange), ``span`` sets ``config.TILE_DEPTH_SPAN`` and ``TILE_DEPTH_SPAN_ROWS`` (how
+many widened halos a tile of cells or of rows must be long).
 
 Each configuration runs once to compile, then five times; prints the median µs per step and
 whether the field equals the grid scope's bit for bit after the same steps.
@@ -35,7 +35,7 @@ blocks_list = [None if x == "auto" else int(x) for x in opts.get("blocks", "auto
 scopes = opts.get("scope", "tile").split(",")
 depths = [int(x) for x in opts.get("depth", str(config.TILE_DEPTH_MAX)).split(",")]
 if "span" in opts:
-    config.TILE_DEPTH_SPAN = int(opts["span"])
+    config.TILE_DEPTH_SPAN = config.TILE_DEPTH_SPAN_ROWS = int(opts["span"])
 
 
 def timed(k, u0, alpha, steps, scope, blocks, threads):

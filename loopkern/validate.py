@@ -182,6 +182,59 @@ def _constant_node(value, node: ast.AST):
     return None
 
 
+_INT_FOLD_OPS = {ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b, ast.Mult: lambda a, b: a * b,
+                 ast.FloorDiv: lambda a, b: a // b, ast.Mod: lambda a, b: a % b, ast.Pow: lambda a, b: a ** b,
+                 ast.LShift: lambda a, b: a << b, ast.RShift: lambda a, b: a >> b,
+                 ast.BitAnd: lambda a, b: a & b, ast.BitOr: lambda a, b: a | b, ast.BitXor: lambda a, b: a ^ b}
+_INT_FOLD_UNARY = {ast.USub: lambda a: -a, ast.UAdd: lambda a: a, ast.Invert: lambda a: ~a}
+
+
+def _integer_constants(node) -> bool:
+    """``node`` is integer constants combined by integer operators (what Numba folds in int64)."""
+    if isinstance(node, ast.Constant):
+        return type(node.value) is int
+    if isinstance(node, ast.BinOp):
+        return type(node.op) in _INT_FOLD_OPS and _integer_constants(node.left) and _integer_constants(node.right)
+    if isinstance(node, ast.UnaryOp):
+        return type(node.op) in _INT_FOLD_UNARY and _integer_constants(node.operand)
+    return False
+
+
+def _wrap64(v: int) -> int:
+    return (v + 2 ** 63) % 2 ** 64 - 2 ** 63
+
+
+def _fold_integer(node):
+    """(Python's value of an integer constant expression, None if it is huge; the value 64-bit
+    wraparound arithmetic gives, None if that fails), equal when Python itself would raise (a
+    zero divisor, a negative count, a negative power), which is left to the compiler."""
+    def fold(n, wrap):
+        if isinstance(n, ast.Constant):
+            return _wrap64(n.value) if wrap else n.value
+        if isinstance(n, ast.UnaryOp):
+            v = _INT_FOLD_UNARY[type(n.op)](fold(n.operand, wrap))
+        else:
+            a, b = fold(n.left, wrap), fold(n.right, wrap)
+            if isinstance(n.op, ast.Pow) and b > 0 and abs(a) > 1 and b * abs(a).bit_length() > 4096:
+                raise OverflowError
+            if isinstance(n.op, ast.LShift) and b > 4096:
+                raise OverflowError
+            v = _INT_FOLD_OPS[type(n.op)](a, b)
+            if not isinstance(v, int):
+                raise ArithmeticError       # a negative power: a float in Python
+        return _wrap64(v) if wrap else v
+    try:
+        exact = fold(node, False)
+    except OverflowError:
+        exact = None
+    except (ArithmeticError, ValueError):
+        return 0, 0
+    try:
+        return exact, fold(node, True)
+    except (ArithmeticError, ValueError):
+        return exact, None
+
+
 def _assigned_names(fn: ast.FunctionDef) -> set[str]:
     names = {a.arg for a in fn.args.args + fn.args.posonlyargs + fn.args.kwonlyargs}
     for node in ast.walk(fn):
@@ -696,6 +749,30 @@ class _Normalizer(ast.NodeTransformer):
                                f"swap=[('a', 'b')] to lk.megakernel")
                     break
 
+    def check_integer_constants(self, body):
+        """Reject an integer expression of constants (``2**64``, ``10**20 // 3``, a global
+        holding such a number) whose value int64 arithmetic, which the kernel does, cannot give:
+        Numba folds it with 64-bit wraparound (``a[i] + 2**64`` added 0, even to a float array).
+        A literal from 2**63 to 2**64 - 1 on its own is a uint64 and stays allowed."""
+        def walk(node):
+            if isinstance(node, (ast.BinOp, ast.UnaryOp)) and _integer_constants(node):
+                exact, wrapped = _fold_integer(node)
+                if exact is None or exact != wrapped:
+                    value = "too large to compute" if exact is None else f"{exact}"
+                    numba = "not compute it" if wrapped is None else f"compute {wrapped}"
+                    self.error(node, f"this integer expression is {value}, which the kernel's int64 arithmetic "
+                                     f"cannot represent (Numba would {numba})",
+                               "write it as a float (2.0 ** 64), or keep integer values within -2**63 .. 2**63 - 1")
+                return
+            if isinstance(node, ast.Constant) and type(node.value) is int and not -2 ** 63 <= node.value < 2 ** 64:
+                self.error(node, f"the integer {node.value} does not fit in 64 bits",
+                           "write it as a float (1e20), or keep integer values within -2**63 .. 2**64 - 1")
+                return
+            for child in ast.iter_child_nodes(node):
+                walk(child)
+        for st in body:
+            walk(st)
+
     def check_definite_assignment(self):
         """Reject a read of a local that some path reaches without assigning it (assigned only
         under an ``if``, or only inside a loop that may run no iteration, or read before its
@@ -1025,6 +1102,7 @@ def validate_helper(fn, ctx: _Context, call_node=None, caller=None) -> FunctionS
     body = norm.visit_body(tree.body)
     norm.check_array_names()
     norm.check_definite_assignment()
+    norm.check_integer_constants(body)
     params = tuple(norm.params)
     # the helper's own nesting of parallel loops and its element updates; its parameters are
     # taken as the same on every thread (calls with thread-varying arguments to a helper that
@@ -1717,6 +1795,7 @@ def validate_step(fn, swap=()) -> StepSpec:
     _raise_diagnostics(ctx, parsed)
     norm.check_array_names()
     norm.check_definite_assignment()
+    norm.check_integer_constants(body)
     names = list(norm.params)
     index_param = names[0] if names else "t"
     params = names[1:]

@@ -371,3 +371,15 @@ def scatter_then_read_without_sync(t, a, idx, out):
     for i in lk.range(a.shape[0]):
         out[i] = a[i] * 2.0  # ERR: 'a' is written in the parallel loop at line
 
+
+
+HUGE = 10 ** 20
+
+
+def integer_constants_past_int64(t, a):
+    for i in lk.range(a.shape[0]):
+        a[i] = a[i] + 2 ** 64  # ERR: this integer expression is 18446744073709551616
+        a[i] += (2 ** 70) >> 10  # ERR: int64 arithmetic cannot represent
+        a[i] -= HUGE  # ERR: the integer 100000000000000000000 does not fit in 64 bits
+        a[i] *= 10 ** 1000 ** 10  # ERR: too large to compute
+        a[i] += 36893488147419103232  # ERR: does not fit in 64 bits

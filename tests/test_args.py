@@ -1,6 +1,8 @@
 """Bad calls raise a clear LoopkernError naming the argument, before anything is launched or
 written; the inputs stay untouched."""
 
+import re
+
 import numpy as np
 import pytest
 
@@ -470,3 +472,27 @@ def test_narrow_integer_loop_bounds_visit_each_index_once_in_the_simulator(dtype
     out = np.zeros(256, np.int64)
     fill(out, lo, hi, st, steps=1, backend="cuda", threads=64)
     np.testing.assert_array_equal(out, want)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_an_array_whose_elements_share_memory_is_refused_where_written(rng, backend):
+    # as_strided with a zero or interleaved stride: threads writing "different" elements would
+    # race on one address; reading such an array is fine (np.broadcast_to's are read-only anyway)
+    from numpy.lib.stride_tricks import as_strided
+    k = lk.megakernel(two_d_step)
+    base = np.zeros(8)
+    for out, shape in ((as_strided(base, (3, 3), (0, 8)), "(3, 3)"), (as_strided(base, (3, 3), (8, 8)), "(3, 3)"),
+                       (as_strided(base[:1], (3, 3), (0, 0)), "(3, 3)")):
+        with pytest.raises(lk.ArgumentError, match=rf"argument 'out': elements of this array share memory "
+                                                   rf"\(strides .* for shape {re.escape(shape)}"):
+            k(rng.random((3, 3)), out, steps=1, backend=backend)
+        np.testing.assert_array_equal(base, 0.0)
+    src = as_strided(rng.random(3), (3, 3), (0, 8))        # a read-only use of a row repeated
+    res = np.zeros((3, 3))
+    k(src, res, steps=1, backend=backend)
+    np.testing.assert_array_equal(res, np.asarray(src) * 2.0)
+    # distinct elements in any order or spacing are fine
+    for out in (np.zeros((3, 3)).T, np.zeros((3, 6))[:, ::2], np.zeros((3, 3))[::-1, ::-1]):
+        a = rng.random((3, 3))
+        k(a, out, steps=1, backend=backend)
+        np.testing.assert_array_equal(out, a * 2.0)

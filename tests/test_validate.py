@@ -687,3 +687,16 @@ def test_math_functions_with_other_argument_counts_are_refused_at_the_def(fn, fr
         lk.megakernel(fn)
     if fn is _log_with_base:
         assert "math.log(x) / math.log(base)" in str(e.value)
+
+
+def test_integer_constants_that_int64_arithmetic_gives_are_accepted():
+    # the same constants wrap to what Python gives, or stand alone as a uint64 literal
+    def fine(t, a, b):
+        for i in lk.range(a.shape[0]):
+            a[i] = a[i] + (-2 ** 63) * 0 + (2 ** 63 - 1) // 2 ** 62 - (1 << 62) // 2 ** 61
+            b[i] = 18446744073709551615 + b[i] * 0
+
+    a, b = np.ones(3), np.zeros(3, np.uint64)
+    lk.megakernel(fine)(a, b, steps=1, backend="cpu")
+    np.testing.assert_array_equal(a, np.ones(3) + 1 - 2)
+    np.testing.assert_array_equal(b, np.full(3, 2 ** 64 - 1, np.uint64))

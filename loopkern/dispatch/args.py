@@ -149,6 +149,21 @@ def overlaps(a: ArrayArg, b: ArrayArg) -> bool:
     return alo < bhi and blo < ahi
 
 
+def self_overlapping(a: ArrayArg) -> bool:
+    """True if two elements of ``a`` may share memory (a stride of 0, as ``np.broadcast_to``
+    or ``as_strided`` make, or strides that interleave): with the dimensions of more than one
+    element ordered by stride, each stride must step over everything the smaller ones span."""
+    if a.strides is None:
+        return False            # C-contiguous
+    dims = sorted((abs(st), n) for st, n in zip(a.strides, a.shape) if n > 1)
+    span = a.dtype.itemsize
+    for st, n in dims:
+        if st < span:
+            return True
+        span = st * (n - 1) + span
+    return False
+
+
 def first_overlap(argv, kept) -> tuple[int, int] | None:
     """(i, j): the first array argument ``argv[j]`` that shares memory with a kept one
     ``argv[i]`` (``i`` in ``kept``, the arrays a scope keeps in a copy of its own), or None."""

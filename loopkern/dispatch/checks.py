@@ -69,6 +69,18 @@ def check_writable(p, a, swapped: bool):
                         + (f", e.g. {p.name}.copy()" if a.where == "host" else ""))
 
 
+def check_distinct_elements(p, a, swapped: bool):
+    """ArgumentError if the kernel writes ``a`` and two of its elements share memory (a stride
+    of 0 or interleaved strides, from ``as_strided``): threads writing different elements would
+    race on one address, and the result would depend on their timing."""
+    from .args import self_overlapping
+    if (p.written or swapped) and a.size > 1 and self_overlapping(a):
+        raise ArgumentError(f"argument '{p.name}': elements of this array share memory (strides {a.strides} "
+                            f"for shape {a.shape}, {a.dtype.itemsize}-byte elements), and the step writes it, so "
+                            f"threads writing different elements would race on one address; pass an array of its "
+                            f"own, e.g. np.ascontiguousarray({p.name})")
+
+
 def check_swap_pair(names, shape_a, dtype_a, shape_b, dtype_b):
     """ArgumentError unless the two arrays of a swap pair have the same shape and dtype."""
     if tuple(shape_a) != tuple(shape_b) or dtype_a != dtype_b:

@@ -310,17 +310,23 @@ TILE_FUSED_THREADS = ((1024, 256), (12288, 512))
 #: tile mode: a tile is at least this many times its widened halo (both sides) long, so the
 #: cells recomputed in the halo stay a small part of a step's work
 TILE_DEPTH_SPAN = 4
+#: the same for 2-D tiles (ranges of rows): a halo row is a whole row of the field, and the
+#: exchange of a round (one barrier, the neighbours' rows read from L2) costs more against
+#: the recomputed rows than a 1-D tile's few cells do. H100 2-D heat 1024² f32, 132 tiles of
+#: 8 rows: 3.48 µs/step at one step per exchange, 3.26 at two (a span of 2),
+#: bench-results/session30/tile-probe-heat2d-1024-depth.log
+TILE_DEPTH_SPAN_ROWS = 2
 
 
-def tile_depth(n: int, halo: tuple, blocks: int) -> int:
+def tile_depth(n: int, halo: tuple, blocks: int, span: int = TILE_DEPTH_SPAN) -> int:
     """Steps per halo exchange for ``n`` cells (rows) over ``blocks`` tiles and a stencil of
-    ``halo`` = (cells below, above): as many as keep each tile ``TILE_DEPTH_SPAN`` times its
-    widened halo long, from 1 to ``TILE_DEPTH_MAX`` (the most, for a stencil without a halo)."""
+    ``halo`` = (cells below, above): as many as keep each tile ``span`` times its widened halo
+    long, from 1 to ``TILE_DEPTH_MAX`` (the most, for a stencil without a halo)."""
     width = sum(halo)
     if width == 0:
         return TILE_DEPTH_MAX
     tile = -(-n // max(blocks, 1))
-    return max(1, min(TILE_DEPTH_MAX, tile // (TILE_DEPTH_SPAN * width)))
+    return max(1, min(TILE_DEPTH_MAX, tile // (span * width)))
 
 
 def first_tile_blocks(n: int, halo: tuple, blocks: int | None, simulator: bool, fused: bool,
@@ -388,7 +394,7 @@ def _fits(shared: int, blocks: int, room: tuple[int, int], simulator: bool, chip
 
 
 def tile_layout(n: int, halo: tuple, cell_bytes: int, blocks: int | None, simulator: bool,
-                fused: bool, chip: Chip | None = None) -> tuple[int, int]:
+                fused: bool, chip: Chip | None = None, rows: bool = False) -> tuple[int, int]:
     """(steps per halo exchange, tiles per block) of a tile-mode launch, chosen before its
     kernel is compiled (the kernel is specialised to both).
 
@@ -400,10 +406,12 @@ def tile_layout(n: int, halo: tuple, cell_bytes: int, blocks: int | None, simula
     ``STREAM_BLOCKS_PER_SM`` blocks per SM (or ``blocks``) each own the fewest tiles that fit
     in ``STREAM_TILE_BYTES``, if those tiles hold ``STREAM_MIN_DEPTH`` steps per round. (1, 0)
     when neither holds (``tile_config`` then says why the tiles do not fit). ``chip``: the
-    device's (Numba's current device's when not given).
+    device's (Numba's current device's when not given). ``rows``: the cells are rows of a 2-D
+    field (``TILE_DEPTH_SPAN_ROWS``).
     """
     if not fused:
         return 1, 0
+    span = TILE_DEPTH_SPAN_ROWS if rows else TILE_DEPTH_SPAN
     if not simulator:
         chip = chip or numba_chip()
     room = _shared_room(simulator, chip)
@@ -413,7 +421,7 @@ def tile_layout(n: int, halo: tuple, cell_bytes: int, blocks: int | None, simula
     else:
         candidates = [blocks] if blocks is not None else _resident_candidates(first, chip)
     for b in candidates:
-        depth = tile_depth(n, halo, b)
+        depth = tile_depth(n, halo, b, span)
         if _fits(cell_bytes * (-(-n // b) + depth * sum(halo)), b, room, simulator, chip):
             return depth, 0
     nb = blocks if blocks is not None else 1 if simulator else chip.sms * STREAM_BLOCKS_PER_SM
@@ -421,7 +429,7 @@ def tile_layout(n: int, halo: tuple, cell_bytes: int, blocks: int | None, simula
     tiles = max(1, -(-n * cell_bytes // (nb * budget)))
     while True:
         rows = -(-n // (nb * tiles))
-        depth = tile_depth(n, halo, nb * tiles)
+        depth = tile_depth(n, halo, nb * tiles, span)
         if cell_bytes * (rows + depth * sum(halo)) <= budget:
             return (depth, tiles) if depth >= STREAM_MIN_DEPTH or not sum(halo) else (1, 0)
         if rows == 1:

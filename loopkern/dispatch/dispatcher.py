@@ -118,6 +118,7 @@ class Dispatcher:
                 checks.check_array_use(p, a.shape, spec.filename)
                 checks.check_atomic_dtype(p, a.dtype)
                 checks.check_writable(p, a, k in self._swapped)
+                checks.check_distinct_elements(p, a, k in self._swapped)
             else:
                 checks.check_integer(p, np.asarray(a.value).dtype, f"the float {a.value}", spec.filename)
             out.append(a)
@@ -320,7 +321,8 @@ class Dispatcher:
         fused = not cluster and self.fused_steps
         cell_bytes = row * sum(a.dtype.itemsize for a in arrays)
         blocks0 = first_tile_blocks(first.shape[0], st.halo[0], blocks, sim, fused, chip)
-        depth, tiles = tile_layout(first.shape[0], st.halo[0], cell_bytes, blocks, sim, fused, chip)
+        depth, tiles = tile_layout(first.shape[0], st.halo[0], cell_bytes, blocks, sim, fused, chip,
+                                   rows=st.ndim > 1)
         while True:
             kept, kernel = build(st, depth, tiles, depth > 1 or tiles > 0)
             try:
