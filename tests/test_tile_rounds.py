@@ -158,10 +158,12 @@ def test_the_depth_rule():
     assert config.tile_depth(10 ** 6, (3, 2), 132) == config.TILE_DEPTH_MAX
 
 
-def test_rows_of_a_2d_field_take_two_steps_per_exchange_sooner():
-    # an H100's chip: 132 tiles of 8 rows of a 1024^2 float32 pair run two steps per exchange
-    # (TILE_DEPTH_SPAN_ROWS); 8 cells of a 1-D field keep one (TILE_DEPTH_SPAN)
+def test_rows_of_a_2d_field_take_their_own_span(monkeypatch):
+    # an H100's chip: 132 tiles of 8 rows of a 1024^2 float32 pair; the rows' span
+    # (TILE_DEPTH_SPAN_ROWS) decides their steps per exchange, the cells' one a 1-D field's
     chip = config.Chip(132, 227 * 1024, 228 * 1024)
+    monkeypatch.setattr(config, "TILE_DEPTH_SPAN_ROWS", 2)
+    monkeypatch.setattr(config, "TILE_DEPTH_SPAN", 4)
     assert config.tile_layout(1024, (1, 1), 1024 * 8, None, False, True, chip, rows=True) == (2, 0)
     assert config.tile_layout(1024, (1, 1), 1024 * 8, None, False, True, chip) == (1, 0)
     assert config.tile_layout(512, (1, 1), 512 * 8, None, False, True, chip, rows=True) == (1, 0)

@@ -310,12 +310,12 @@ TILE_FUSED_THREADS = ((1024, 256), (12288, 512))
 #: tile mode: a tile is at least this many times its widened halo (both sides) long, so the
 #: cells recomputed in the halo stay a small part of a step's work
 TILE_DEPTH_SPAN = 4
-#: the same for 2-D tiles (ranges of rows): a halo row is a whole row of the field, and the
-#: exchange of a round (one barrier, the neighbours' rows read from L2) costs more against
-#: the recomputed rows than a 1-D tile's few cells do. H100 2-D heat 1024² f32, 132 tiles of
-#: 8 rows: 3.48 µs/step at one step per exchange, 3.26 at two (a span of 2),
-#: bench-results/session30/tile-probe-heat2d-1024-depth.log
-TILE_DEPTH_SPAN_ROWS = 2
+#: the same for 2-D tiles (ranges of rows), kept apart because a halo row is a whole row of the
+#: field. H100 2-D heat 1024² f32, 132 tiles of 8 rows, one step per exchange against two (a
+#: span of 2): 3.48 against 3.26 µs/step in one run (bench-results/session30/tile-probe-heat2d-
+#: 1024-depth.log), 3.48 against 3.71 in another (session31/4-tile-probe-span-rows-512threads.log),
+#: so the rule is the 1-D one
+TILE_DEPTH_SPAN_ROWS = 4
 
 
 def tile_depth(n: int, halo: tuple, blocks: int, span: int = TILE_DEPTH_SPAN) -> int:
@@ -439,7 +439,7 @@ def tile_layout(n: int, halo: tuple, cell_bytes: int, blocks: int | None, simula
 
 def tile_config(kernel, n: int, cell_bytes: int, halo: tuple, threads: int | None, blocks: int | None,
                 simulator: bool, cluster: bool = False, depth: int = 1, halo_cell: int = 0,
-                first: int | None = None, tiles: int = 0, chip: Chip | None = None) -> LaunchConfig:
+                first: int | None = None, tiles: int = 0, chip: Chip | None = None, row: int = 1) -> LaunchConfig:
     """Blocks, threads and dynamic shared memory of a tile-mode launch (``scope="tile"``, or
     ``scope="cluster"`` with ``cluster``: the grid is one thread-block cluster).
 
@@ -457,7 +457,9 @@ def tile_config(kernel, n: int, cell_bytes: int, halo: tuple, threads: int | Non
     (``first_tile_blocks``). ``tiles`` above 0: each block streams that many tiles of
     ``ceil(n / (blocks * tiles))`` rows through its shared memory (``tile_layout`` chose the
     block count: ``blocks``, else ``STREAM_BLOCKS_PER_SM`` per SM). ``chip``: the device's
-    (Numba's current device's when not given).
+    (Numba's current device's when not given). ``row``: elements of a cell (a 2-D field's row
+    length), for the threads of a tile of several steps per exchange (``TILE_FUSED_THREADS``
+    counts elements).
 
     ``kernel`` is a Numba kernel, or one that kernel.jax runs through the XLA FFI shim
     (``via_ffi_shim`` true: the shim allows it its dynamic shared memory before each occupancy
@@ -477,7 +479,7 @@ def tile_config(kernel, n: int, cell_bytes: int, halo: tuple, threads: int | Non
             return 64
         want = TILE_THREADS
         if depth > 1 or tiles:
-            want = next((k for bound, k in TILE_FUSED_THREADS if -(-n // (b * per)) <= bound), 1024)
+            want = next((k for bound, k in TILE_FUSED_THREADS if -(-n // (b * per)) * row <= bound), 1024)
         return max(32, min(want, int(kernel.max_threads_per_block)) // 32 * 32)
 
     per = max(tiles, 1)

@@ -328,7 +328,7 @@ class Dispatcher:
             try:
                 return kept, tile_config(kernel, first.shape[0], cell_bytes, st.halo[0], threads, blocks, sim,
                                          cluster=cluster, depth=depth, halo_cell=row * len(arrays), first=blocks0,
-                                         tiles=tiles, chip=chip)
+                                         tiles=tiles, chip=chip, row=row)
             except LaunchError:
                 # the block count chosen for this depth cannot be co-resident (tile_layout
                 # checked shared memory, not occupancy): fewer steps per exchange, down to one
