@@ -112,6 +112,7 @@ class _Analysis:
         self.writes: dict = {}       # array index -> {offset tuple}
         self.outside: dict = {}      # array index -> first node touching it outside a parallel loop
         self.extent_names: dict = {}     # name -> (array index, dim) for n = a.shape[k]
+        self.bindings = _assignment_counts(spec.step.body)
         self.wraps: dict = {}            # array index -> dimensions some access of it wraps around
         self.aliases: dict = {}          # name -> the index expression it names (inside a loop)
         self._wrapped: set = set()       # the dimensions the access being read wraps
@@ -143,7 +144,10 @@ class _Analysis:
                 self._parallel(st, kind)
                 return
             if loop is not None and isinstance(st.target, ast.Name) and _literal_range(st.iter) is not None:
-                # a sequential loop over literal bounds: its variable is a set of offsets
+                # a sequential loop over literal bounds: its variable is a set of offsets, unless
+                # the body binds it again (d = d * 5 reads other offsets than the range's)
+                if _assignment_counts(st.body + st.orelse).get(st.target.id):
+                    raise _Reject(f"the variable '{st.target.id}' of a sequential loop is assigned in its body", st)
                 inner = dict(offsets)
                 inner[st.target.id] = frozenset(_literal_range(st.iter))
                 self._expressions(st.iter, loop, offsets)
@@ -156,11 +160,12 @@ class _Analysis:
             return
         if isinstance(st, ast.Assign) and loop is None and len(st.targets) == 1 and isinstance(st.targets[0], ast.Name):
             extent = _extent_of(st.value, self.arrays)
-            if extent is not None:
+            # (a name bound again elsewhere, n = n - 3, holds the extent only for a while)
+            if extent is not None and self.bindings.get(st.targets[0].id) == 1:
                 self.extent_names[st.targets[0].id] = extent
         if isinstance(st, (ast.Assign, ast.AugAssign)):
             targets = st.targets if isinstance(st, ast.Assign) else [st.target]
-            for tgt in targets:
+            for tgt in _flat_targets(targets):
                 if isinstance(tgt, ast.Subscript) and isinstance(tgt.value, ast.Name) and tgt.value.id in self.arrays:
                     self._access(tgt, loop, offsets, write=True)
                     if isinstance(st, ast.AugAssign):
@@ -452,6 +457,19 @@ class _Analysis:
                     if off is _WHOLE:
                         out.setdefault(a, getattr(n, "lineno", 0))
         return out
+
+
+def _flat_targets(targets) -> list:
+    """Assignment targets with tuples and lists unpacked (``v[i + 1], x = ...`` stores ``v[i + 1]``)."""
+    out = []
+    for t in targets:
+        if isinstance(t, (ast.Tuple, ast.List)):
+            out += _flat_targets(t.elts)
+        elif isinstance(t, ast.Starred):
+            out += _flat_targets([t.value])
+        else:
+            out.append(t)
+    return out
 
 
 def _assignment_counts(body) -> dict:

@@ -1767,6 +1767,81 @@ def _check_phases(parsed, ctx, body):
     block(body)
 
 
+def _check_neighbour_writes(parsed, ctx, body):
+    """A parallel loop that stores ``a[i]`` and reads ``a[i - 1]`` (each index the loop's own
+    plus a constant, the constants differing): the element read is another iteration's, which
+    that iteration's thread may be storing at the same time -- the in-place stencil, which the
+    CPU backend runs in order (Gauss-Seidel) and a GPU runs racing. Left alone: a store under a
+    condition with ``%`` or ``&`` (red-black orderings store and read disjoint elements), loops
+    with a step other than 1, and indices through locals or other expressions."""
+
+    def steps_of_one(loop):
+        # the loop variables whose step is 1: lk.range(a, b) or lk.range(a, b, 1); lk.grid's all
+        names = [n.id for n in (loop.target.elts if isinstance(loop.target, ast.Tuple) else [loop.target])
+                 if isinstance(n, ast.Name)]
+        if marker_of(loop.iter) == "range":
+            args = loop.iter.args
+            if len(args) == 3 and int_constant(args[2]) != 1:
+                return set()
+            return set(names[:1])
+        return set(names) if isinstance(loop.target, ast.Tuple) else set()
+
+    def parts(index, unit):
+        # ((variable, offset) per dimension) when every index is a step-1 loop variable plus a constant
+        dims = index.elts if isinstance(index, ast.Tuple) else [index]
+        out = []
+        for d in dims:
+            base, c = _offset(d)
+            if not (isinstance(base, ast.Name) and base.id in unit):
+                return None
+            out.append((base.id, c))
+        return tuple(out)
+
+    def parity_guarded(chain):
+        return any(isinstance(n, (ast.Mod, ast.BitAnd)) for test in chain for n in ast.walk(test))
+
+    def scan(stmts, unit, chain, stores, loads):
+        for st in stmts:
+            own = st.iter if isinstance(st, ast.For) else st.test if isinstance(st, (ast.If, ast.While)) else st
+            for n in ast.walk(own):
+                if isinstance(n, ast.Subscript) and isinstance(n.value, ast.Name):
+                    key = parts(n.slice, unit)
+                    # (an element updated in place, a[i + 1] += x, is the racing-update check's)
+                    if key is not None:
+                        (stores if isinstance(n.ctx, ast.Store) else loads).append((n.value.id, key, n, chain))
+            if isinstance(st, ast.If):
+                scan(st.body, unit, chain + [st.test], stores, loads)
+                scan(st.orelse, unit, chain + [st.test], stores, loads)
+            elif isinstance(st, (ast.For, ast.While)):
+                test = [st.test] if isinstance(st, ast.While) else []
+                scan(st.body, unit, chain + test, stores, loads)
+                scan(st.orelse, unit, chain + test, stores, loads)
+
+    def check(loop):
+        unit = steps_of_one(loop)
+        if not unit:
+            return
+        stores, loads = [], []
+        scan(loop.body, unit, [], stores, loads)
+        for name, key, node, chain in sorted(loads, key=lambda ld: (ld[2].lineno, ld[2].col_offset)):
+            for sname, skey, snode, schain in stores:
+                if sname != name or parity_guarded(schain) or len(skey) != len(key):
+                    continue
+                if [v for v, _ in skey] == [v for v, _ in key] and skey != key:
+                    ctx.diagnostics.append(parsed.diagnostic(
+                        node, ctx.step_name,
+                        f"'{name}' is stored at another element in this parallel loop (line {snode.lineno}): the "
+                        f"element read here is another iteration's, which its thread may be storing at the same "
+                        f"time (a race on a GPU; the CPU backend runs the iterations in order)",
+                        "write the new values into a second array (swap=[(...)] exchanges the two every step), "
+                        "or store and read in two loops with lk.sync() between them"))
+                    return
+
+    for node in ast.walk(ast.Module(body=list(body), type_ignores=[])):
+        if isinstance(node, ast.For) and marker_of(node.iter) in _PARALLEL_LOOPS:
+            check(node)
+
+
 def _raise_diagnostics(ctx, parsed):
     """StepSyntaxError with every problem found so far (the step's file first), if any."""
     if ctx.diagnostics:
@@ -1844,6 +1919,7 @@ def validate_step(fn, swap=()) -> StepSpec:
         # generator places its own barriers: the adjoint of an interior loop reads what the
         # adjoint of the boundary loop before it wrote, at elements this check cannot tell apart)
         _check_phases(parsed, ctx, body)
+        _check_neighbour_writes(parsed, ctx, body)
 
     _raise_diagnostics(ctx, parsed)
     uses_barrier = bool(used & _BARRIERS)

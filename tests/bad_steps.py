@@ -383,3 +383,14 @@ def integer_constants_past_int64(t, a):
         a[i] -= HUGE  # ERR: the integer 100000000000000000000 does not fit in 64 bits
         a[i] *= 10 ** 1000 ** 10  # ERR: too large to compute
         a[i] += 36893488147419103232  # ERR: does not fit in 64 bits
+
+
+def in_place_stencil(t, a):
+    for i in lk.range(1, a.shape[0] - 1):
+        a[i] = 0.5 * (a[i - 1] + a[i + 1])  # ERR: 'a' is stored at another element in this parallel loop
+
+
+def in_place_stencil_2d_behind_a_bounds_test(t, a):
+    for i, j in lk.grid(a.shape[0], a.shape[1]):
+        if 0 < i < a.shape[0] - 1:
+            a[i, j] = a[i, j] + a[i + 1, j]  # ERR: the element read here is another iteration's

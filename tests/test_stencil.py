@@ -181,7 +181,42 @@ def wrap_other_extent(t, u, v, w):
         v[i] = u[(i + 1) % n]                  # wraps at another array's extent
 
 
+def store_in_a_tuple(t, u, v):
+    n = u.shape[0]
+    x = 0.0
+    for i in lk.range(n - 1):
+        v[i + 1], x = u[i] + x, 0.0            # a store at i + 1 (it was taken for a read)
+
+
+def sequential_offset_rebound(t, u, v):
+    n = u.shape[0]
+    for i in lk.range(5, n):
+        acc = 0.0
+        for d in range(-1, 1):
+            d = d * 5                          # reads u[i - 5], not u[i - 1]
+            acc += u[i + d]
+        v[i] = acc
+
+
+def loop_variable_rebound_in_a_tuple(t, u, v):
+    n = u.shape[0]
+    for i in lk.range(3, n):
+        i, z = i - 3, 0
+        v[i] = u[i] + z
+
+
+def extent_rebound(t, u, v):
+    n = u.shape[0]
+    n = n - 3
+    for i in lk.range(n):
+        v[i] = u[(i + 1) % n]                  # wraps at n - 3, not at the array's extent
+
+
 @pytest.mark.parametrize("fn,swap,reason", [
+    (store_in_a_tuple, [("u", "v")], "written by the step and accessed away from the written cell"),
+    (sequential_offset_rebound, [("u", "v")], "the variable 'd' of a sequential loop is assigned in its body"),
+    (loop_variable_rebound_in_a_tuple, [("u", "v")], "the loop variable 'i' is assigned in the loop"),
+    (extent_rebound, [("u", "v")], "not its loop index plus a constant"),
     (outside_loop, [("u", "v")], "'u' is accessed outside the parallel loops"),
     (written_neighbour, [("u", "v")], "written by the step and accessed away from the written cell"),
     (swapped_index, [("u", "v")], "not its loop index plus a constant"),

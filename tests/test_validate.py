@@ -700,3 +700,39 @@ def test_integer_constants_that_int64_arithmetic_gives_are_accepted():
     lk.megakernel(fine)(a, b, steps=1, backend="cpu")
     np.testing.assert_array_equal(a, np.ones(3) + 1 - 2)
     np.testing.assert_array_equal(b, np.full(3, 2 ** 64 - 1, np.uint64))
+
+
+def red_black_sweep(t, a, f):
+    # red-black Gauss-Seidel: each half-step stores the cells of one colour and reads the other's
+    n = a.shape[0]
+    for i, j in lk.grid((1, n - 1), (1, n - 1)):
+        if (i + j + t) % 2 == 0:
+            a[i, j] = 0.25 * (a[i - 1, j] + a[i + 1, j] + a[i, j - 1] + a[i, j + 1] - f[i, j])
+
+
+def every_other_shift(t, a):
+    for i in lk.range(0, a.shape[0] - 1, 2):
+        a[i] = a[i + 1]                # the odd elements are read, only the even ones stored
+
+
+@pytest.mark.parametrize("backend", ["cpu", pytest.param("cuda", marks=pytest.mark.sim)])
+def test_in_place_updates_that_store_and_read_disjoint_elements_are_accepted(rng, backend):
+    n, steps = (10, 4) if backend == "cuda" else (24, 9)
+    a0, f = rng.random((n, n)), rng.random((n, n))
+    a = a0.copy()
+    lk.megakernel(red_black_sweep)(a, f, steps=steps, backend=backend)
+    ref = a0.copy()
+    for t in range(steps):
+        new = ref.copy()
+        for i in range(1, n - 1):
+            for j in range(1, n - 1):
+                if (i + j + t) % 2 == 0:
+                    new[i, j] = 0.25 * (ref[i - 1, j] + ref[i + 1, j] + ref[i, j - 1] + ref[i, j + 1] - f[i, j])
+        ref = new
+    np.testing.assert_allclose(a, ref, rtol=1e-12, atol=1e-12)
+    b0 = rng.random(9)
+    b = b0.copy()
+    lk.megakernel(every_other_shift)(b, steps=1, backend=backend)
+    want = b0.copy()
+    want[0:8:2] = b0[1:9:2]
+    np.testing.assert_array_equal(b, want)
