@@ -7,6 +7,7 @@ fallback to jax.lax (warning / error), jax.jit, traced bounds, derivatives and t
 Every compiled test passes ``fallback="error"``, so a body that silently ran as the lax loop
 would fail instead of comparing lax with itself."""
 
+import functools
 import re
 import warnings
 
@@ -1345,3 +1346,48 @@ def test_import_without_jax_keeps_working():
             "assert callable(lk.megakernel)\ntry:\n    lk.fori_loop\nexcept ImportError:\n    print('ok')\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.stdout.strip() == "ok", out.stderr
+
+
+def test_uint64_indices_under_x64(rng):
+    # a uint64 start or gather index: Numba made uint64 + int64 a float64, which cannot index
+    # (the generated step failed to compile, under fallback="warn" too)
+    with jax_x64():
+        u = jnp.asarray(rng.random(6))
+
+        def sliced(i, c):
+            return c[0], c[1] + lax.dynamic_slice(c[0], (c[2],), (2,)), c[2] + jnp.uint64(1)
+
+        def gathered(i, c):
+            return c[0] + c[0][c[1]], c[1] * jnp.uint64(5) % jnp.uint64(7)
+
+        def by_counter(i, c):
+            return c + lax.dynamic_slice(u, (i,), (2,))
+
+        for body, init, n in ((sliced, (u, jnp.zeros(2), jnp.uint64(1)), 4),
+                              (gathered, (u, jnp.uint64(1)), 3)):
+            want = lax.fori_loop(0, n, body, init)
+            got = lk.fori_loop(0, n, body, init, fallback="error")
+            for g, w in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+                assert g.dtype == w.dtype
+                np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+        run = jax.jit(lambda F, lo, hi: F(lo, hi, by_counter, jnp.zeros(2)), static_argnums=0)
+        np.testing.assert_array_equal(np.asarray(run(functools.partial(lk.fori_loop, fallback="error"),
+                                                     jnp.uint64(0), jnp.uint64(4))),
+                                      np.asarray(run(lax.fori_loop, jnp.uint64(0), jnp.uint64(4))))
+
+
+def test_a_generated_step_numba_cannot_compile_falls_back(monkeypatch):
+    # a loopkern bug of that kind (the uint64 index above was one): the lax loop with a warning
+    # saying so, or the CompileError with fallback="error"
+    from loopkern.jaxloops import lower
+    monkeypatch.setattr(lower, "as_index", lambda text, atom: f"float({text})")
+    u = jnp.arange(6.0, dtype=jnp.float32)
+
+    def body(i, c):
+        return c + lax.dynamic_slice(u, (i,), (2,))
+    want = lax.fori_loop(0, 3, body, jnp.zeros(2, jnp.float32))
+    with pytest.warns(lk.JaxLoopWarning, match="loopkern rejected the step it generated"):
+        got = lk.fori_loop(0, 3, body, jnp.zeros(2, jnp.float32))
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    with pytest.raises(lk.CompileError):
+        lk.fori_loop(0, 3, body, jnp.zeros(2, jnp.float32), fallback="error")

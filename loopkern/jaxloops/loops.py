@@ -360,7 +360,8 @@ def fori_loop(lower, upper, body_fun, init_val, *, unroll=None, fallback="warn")
 
     out = _with_lax_derivatives(run, lax_run, consts, [jnp.asarray(x) if not isinstance(x, jax.Array) else x
                                                        for x in leaves],
-                                lower if lo_c is None else lo_c, upper if hi_c is None else hi_c)
+                                lower if lo_c is None else lo_c, upper if hi_c is None else hi_c,
+                                loop=("fori_loop", fallback, body_fun))
     out = [_as_type(o, a) for o, a in zip(out, out_avals)]
     return jax.tree_util.tree_unflatten(tree, out)
 
@@ -415,9 +416,16 @@ class _TreeMismatch(Exception):
     pass
 
 
-def _with_lax_derivatives(run, lax_run, consts, leaves, *bounds):
-    """``run(consts, leaves, *bounds)``, differentiated as ``lax_run`` (the jax.lax loop)."""
+def _with_lax_derivatives(run, lax_run, consts, leaves, *bounds, loop: tuple):
+    """``run(consts, leaves, *bounds)``, differentiated as ``lax_run`` (the jax.lax loop).
+
+    ``loop``: (the lk function's name, its ``fallback``, the user's body). Should Numba fail
+    to compile the step generated from the body (a loopkern bug: the step passed loopkern's
+    own validation), the jax.lax loop runs instead, with a warning saying so, as for a step
+    that validation rejects; ``fallback="error"`` raises the CompileError."""
     import jax
+
+    from ..errors import CompileError
 
     @jax.custom_jvp
     def f(consts, leaves, *bounds):
@@ -427,7 +435,12 @@ def _with_lax_derivatives(run, lax_run, consts, leaves, *bounds):
     def f_jvp(primals, tangents):
         return jax.jvp(lambda c, l, *b: lax_run(c, l, *b), primals, tangents)
 
-    return f(list(consts), list(leaves), *bounds)
+    try:
+        return f(list(consts), list(leaves), *bounds)
+    except CompileError as exc:
+        name, fallback, fn = loop
+        _fallback(name, fallback, GeneratedStepRejected(exc), fn)
+        return lax_run(list(consts), list(leaves), *bounds)
 
 
 # ==================================================================================== while_loop
@@ -531,7 +544,8 @@ def while_loop(cond_fun, body_fun, init_val, *, max_steps=DEFAULT_CHUNK, fallbac
         return list(lax.while_loop(cond, body, tuple(leaves)))
 
     out = _with_lax_derivatives(run, lax_run, consts + cconsts,
-                                [jnp.asarray(x) if not isinstance(x, jax.Array) else x for x in leaves])
+                                [jnp.asarray(x) if not isinstance(x, jax.Array) else x for x in leaves],
+                                loop=("while_loop", fallback, body_fun))
     out = [_as_type(o, a) for o, a in zip(out, out_avals)]
     return jax.tree_util.tree_unflatten(tree, out)
 
@@ -634,7 +648,8 @@ def scan(f, init, xs=None, length=None, reverse=False, unroll=1, _split_transpos
         return list(c) + list(ys)
 
     out = _with_lax_derivatives(run, lax_run, consts, [jnp.asarray(x) if not isinstance(x, jax.Array) else x
-                                                       for x in leaves], [jnp.asarray(x) for x in x_leaves])
+                                                       for x in leaves], [jnp.asarray(x) for x in x_leaves],
+                                loop=("scan", fallback, f))
     carry = [_as_type(o, a) for o, a in zip(out[:nc], out_avals)]
     ys = [_as_type(o, jax.ShapeDtypeStruct((n_steps,) + tuple(a.shape), a.dtype,
                                            weak_type=getattr(a, "weak_type", False)))

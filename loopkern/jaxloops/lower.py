@@ -232,6 +232,17 @@ class Ix:
         return Ix(self.base, self.off, max(self.lo, lo), min(self.hi, hi), self.text)
 
 
+def as_index(text: str, atom) -> str:
+    """The Python int of an index value ``text`` of ``atom`` (a start index, a gathered index):
+    ``int(x)``, but a uint64 goes through ``np.int64`` first, saturating, since Numba makes a
+    uint64 mixed with an int64 a float64, which cannot index an array."""
+    if isinstance(atom, tuple):          # ("ind", index array, position)
+        atom = atom[1]
+    if np.dtype(atom.dtype) == np.uint64:
+        return f"np.int64(min({text}, np.uint64({2 ** 63 - 1})))"
+    return f"int({text})"
+
+
 def const_ix(k: int) -> Ix:
     return Ix(None, int(k), int(k), int(k))
 
@@ -976,9 +987,9 @@ class Lowering:
             text = self.scatter_index(s, T)
             nm = self.fresh("p")
             if mode == "clamp":
-                T.lines.append(f"{nm} = min(max(int({text}), 0), {n - sizes[d]})")
+                T.lines.append(f"{nm} = min(max({as_index(text, s)}, 0), {n - sizes[d]})")
             else:
-                T.lines.append(f"{nm} = int({text})")
+                T.lines.append(f"{nm} = {as_index(text, s)}")
                 conds.append(f"0 <= {nm} <= {n - sizes[d]}")
             names.append(nm)
         guard = " and ".join(conds) if conds else None
@@ -1239,9 +1250,9 @@ class Lowering:
             nm = self.fresh("p")
             hi = x.shape[d] - sizes[d]
             if clip:
-                B.lines.append(f"{nm} = min(max(int({text}), 0), {hi})")
+                B.lines.append(f"{nm} = min(max({as_index(text, ind)}, 0), {hi})")
             else:
-                B.lines.append(f"{nm} = int({text})")
+                B.lines.append(f"{nm} = {as_index(text, ind)}")
                 conds.append(f"0 <= {nm} <= {hi}")
             starts[d] = nm
         subs = []
@@ -2348,7 +2359,7 @@ def _dslice(L, e, out, idx, ctx, B):
             sub.append(i.shift(st))
             continue
         st = L.S(s)
-        start = f"min(max(int({st}), 0), {n - sizes[d]})"
+        start = f"min(max({as_index(st, s)}, 0), {n - sizes[d]})"
         sub.append(opaque(f"{start} + {i.expr}" if i.expr != "0" else start, 0, n - 1))
     return L.E(x, tuple(sub), ctx, B)
 
@@ -2374,7 +2385,7 @@ def _gather(L, e, out, idx, ctx, B):
             or len(ind.shape) - 1 != len(batch) or len(offset) != len(kept)
             or mode not in ("promise_in_bounds", "clip", "fill_or_drop")):
         L.unsupported(e, "a gather whose indices are not one index vector per result element")
-    starts = {d: f"int({L.E(ind, tuple(idx[b] for b in batch) + (const_ix(p),), ctx, B)})"
+    starts = {d: as_index(L.E(ind, tuple(idx[b] for b in batch) + (const_ix(p),), ctx, B), ind)
               for p, d in enumerate(dn.start_index_map)}
     sub, conds = [], []
     for d, n in enumerate(x.shape):
@@ -2418,7 +2429,7 @@ def _dus(L, e, out, idx, ctx, B):
             sub.append(j.narrow(0, m - 1))
             continue
         st = L.S(s)
-        start = f"min(max(int({st}), 0), {n - m})"
+        start = f"min(max({as_index(st, s)}, 0), {n - m})"
         j = opaque(f"{i.expr} - {start}", 0, m - 1)
         conds.append(f"0 <= {i.expr} - {start} < {m}")
         sub.append(j)
@@ -2553,7 +2564,7 @@ def _scatter(L, e, out, idx, ctx, B):
             st = L.scatter_index(s, L.top(L.stage(out)) if B.loop is not None else B)
             nm = L.fresh("p")
             T = L.top(L.stage(out)) if B.loop is not None else B
-            T.lines.append(f"{nm} = int({st})")
+            T.lines.append(f"{nm} = {as_index(st, s)}")
             dyn_ok.append(f"0 <= {nm} <= {n - m}")
             j = opaque(f"{i.expr} - {nm}", 0, m - 1)
             conds.append(f"0 <= {i.expr} - {nm} < {m}")
