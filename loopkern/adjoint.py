@@ -1652,6 +1652,41 @@ def _at(new, old):
     return new
 
 
+def _split_tuple_assignments(body):
+    """``body`` with each top-level ``n, m = e1, e2`` whose right side reads none of the names it
+    binds written as ``n = e1`` and ``m = e2`` (the same values), the form the adjoint follows."""
+    out = []
+    for st in body:
+        if isinstance(st, ast.Assign) and len(st.targets) == 1 and isinstance(st.targets[0], ast.Tuple) \
+                and isinstance(st.value, ast.Tuple) and len(st.targets[0].elts) == len(st.value.elts) \
+                and all(isinstance(t, ast.Name) for t in st.targets[0].elts):
+            bound = {t.id for t in st.targets[0].elts}
+            if len(bound) == len(st.targets[0].elts) and not any(
+                    isinstance(n, ast.Name) and n.id in bound for n in ast.walk(st.value)):
+                out += [_at(ast.Assign(targets=[ast.Name(id=t.id, ctx=ast.Store())], value=v), st)
+                        for t, v in zip(st.targets[0].elts, st.value.elts)]
+                continue
+        out.append(st)
+    return out
+
+
+def _check_differentiated_stores(tg, body):
+    """StepSyntaxError at the first store of a value that depends on a differentiated input
+    into an array that is not differentiated: its adjoint would never reach that input (the
+    adjoint of ``x`` through ``f[i] = x[i] * x[i]``, read later, was silently left out)."""
+    names = tg.active_names(body)
+    for n in ast.walk(ast.Module(body=list(body), type_ignores=[])):
+        if isinstance(n, (ast.Assign, ast.AugAssign)):
+            targets = n.targets if isinstance(n, ast.Assign) else [n.target]
+            for t in targets:
+                if isinstance(t, ast.Subscript) and isinstance(t.value, ast.Name) and t.value.id not in names \
+                        and tg.is_active(n.value, names):
+                    raise tg.error(n, f"a value that depends on a differentiated input is stored into "
+                                      f"'{t.value.id}', which is not differentiated",
+                                   f"differentiate '{t.value.id}' too (name it in tangent(...) / adjoint(...)), "
+                                   f"or store int(...) of the value into an integer array")
+
+
 def adjoint_function(parsed, active, form: str = "gather") -> tuple:
     """(the adjoint step as a ParsedFunction, the adjoint parameters' names by parameter, its
     scratch array parameters as (name, the parameter whose shape and dtype it takes)) for the
@@ -1668,7 +1703,8 @@ def adjoint_function(parsed, active, form: str = "gather") -> tuple:
     tree = parsed.tree
     params = [a.arg for a in tree.args.args]
     adj = _Adjoint(parsed, set(active))
-    body = copy.deepcopy(tree.body)
+    body = _split_tuple_assignments(copy.deepcopy(tree.body))
+    _check_differentiated_stores(adj.tg, body)
     if body and isinstance(body[-1], ast.Return):
         # a step that returns a condition is differentiated with its step count held (the
         # condition has no derivative): the adjoint step drops it, and what only it used

@@ -367,6 +367,13 @@ class _Tangent:
             dt = ast.Name(id=self.dot_name(tgt.id), ctx=ast.Store())
         elif isinstance(tgt, ast.Subscript) and isinstance(tgt.value, ast.Name):
             if tgt.value.id not in names:
+                if dv is not None:
+                    # its tangent would be dropped: every later read of the array would lose
+                    # the dependence (a swap pair's second array, an intermediate field)
+                    raise self.error(s, f"a value that depends on a differentiated input is stored into "
+                                        f"'{tgt.value.id}', which is not differentiated",
+                                     f"differentiate '{tgt.value.id}' too (name it in tangent(...) / adjoint(...)), "
+                                     f"or store int(...) of the value into an integer array")
                 return []
             dt = ast.Subscript(value=ast.Name(id=self.dot_name(tgt.value.id), ctx=ast.Load()),
                                slice=copy.deepcopy(tgt.slice), ctx=ast.Store())

@@ -1406,3 +1406,24 @@ def test_the_adjoint_step_of_a_pointwise_update_alone(backend, rng):
         rx, rk = vjp(jnp.asarray(bx))
     np.testing.assert_allclose(got[1], np.asarray(rx), rtol=1e-10, atol=1e-12)
     np.testing.assert_allclose(got[2][0], float(rk), rtol=1e-10)
+
+
+def test_a_tuple_of_extents_at_the_top_of_the_step(rng):
+    # n, m = u.shape[0], u.shape[1] (the README's Jacobi idiom) had no adjoint
+    def smooth(t, u, v):
+        n, m = u.shape[0], u.shape[1]
+        for i, j in lk.grid((1, n - 1), (1, m - 1)):
+            v[i, j] = 0.25 * (u[i - 1, j] + u[i + 1, j] + u[i, j - 1] + u[i, j + 1])
+
+    u0, ubar0 = rng.random((5, 6)), rng.standard_normal((5, 6))
+    u, v = u0.copy(), np.zeros((5, 6))
+    vbar = rng.standard_normal((5, 6))
+    ubar = ubar0.copy()
+    lk.megakernel(smooth).adjoint("u", "v")(u, ubar, v, vbar.copy(), steps=1, backend="cpu")
+    want = ubar0.copy()
+    inner = vbar[1:-1, 1:-1] * 0.25
+    want[:-2, 1:-1] += inner
+    want[2:, 1:-1] += inner
+    want[1:-1, :-2] += inner
+    want[1:-1, 2:] += inner
+    np.testing.assert_allclose(ubar, want, rtol=1e-12, atol=1e-12)

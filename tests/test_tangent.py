@@ -330,3 +330,45 @@ def test_a_generated_kernel_keeps_its_own_step():
     assert kt.__name__ == "heat_step_jvp"
     k2 = kt.tangent("u_dot", "v_dot")
     assert k2.spec.param_names == ("u", "u_dot", "u_dot_dot", "v", "v_dot", "v_dot_dot", "alpha")
+
+
+def _phased(t, x, f):
+    n = x.shape[0]
+    for i in lk.range(n):
+        f[i] = x[i] * x[i]
+    lk.sync()
+    for i in lk.range(n):
+        x[i] += 0.1 * f[(i + 1) % n]
+
+
+def _counts(t, x, k):
+    for i in lk.range(x.shape[0]):
+        k[i] = int(x[i] * 10.0)          # an integer of an active value: no derivative to keep
+        x[i] = x[i] * 0.5
+
+
+def test_a_differentiated_value_stored_into_an_array_left_out_is_refused(rng):
+    # tangent("u") of a swap pair (u, v) left u_dot unchanged, and tangent("x") of a step with an
+    # intermediate array f silently dropped the path through f; now each names the array
+    heat = lk.megakernel(W.heat_step, swap=[("u", "v")])
+    for k, wrt, name in ((heat, ("u",), "v"), (lk.megakernel(_phased), ("x",), "f")):
+        for make in (k.tangent, k.adjoint):
+            with pytest.raises(StepSyntaxError, match=rf"is stored into '{name}', which is not differentiated"):
+                make(*wrt)
+    # named too, the derivative matches central differences of a float64 NumPy reference
+    x0, dx = rng.random(7), rng.standard_normal(7)
+
+    def ref(x, steps=3):
+        x = x.copy()
+        for _ in range(steps):
+            x = x + 0.1 * np.roll(x * x, -1)
+        return x
+    h = 1e-6
+    fd = (ref(x0 + h * dx) - ref(x0 - h * dx)) / (2 * h)
+    x, xd, f, fd_ = x0.copy(), dx.copy(), np.zeros(7), np.zeros(7)
+    lk.megakernel(_phased).tangent("x", "f")(x, xd, f, fd_, steps=3, backend="cpu")
+    np.testing.assert_allclose(xd, fd, rtol=1e-6, atol=1e-8)
+    # an int(...) of an active value into an integer array is no derivative to lose
+    x, xd, kk = x0.copy(), dx.copy(), np.zeros(7, np.int64)
+    lk.megakernel(_counts).tangent("x")(x, xd, kk, steps=2, backend="cpu")
+    np.testing.assert_allclose(xd, dx * 0.25)
