@@ -1786,6 +1786,21 @@ def _check_neighbour_writes(parsed, ctx, body):
             return set(names[:1])
         return set(names) if isinstance(loop.target, ast.Tuple) else set()
 
+    def literal_lengths(loop):
+        # variable -> the number of iterations of its dimension, where its bounds are literals
+        names = [n.id for n in (loop.target.elts if isinstance(loop.target, ast.Tuple) else [loop.target])
+                 if isinstance(n, ast.Name)]
+        if marker_of(loop.iter) == "range":
+            dims = [loop.iter.args[:2] if len(loop.iter.args) > 1 else [ast.Constant(0), loop.iter.args[0]]]
+        else:
+            dims = [a.elts if isinstance(a, ast.Tuple) else [ast.Constant(0), a] for a in loop.iter.args]
+        out = {}
+        for name, bounds in zip(names, dims):
+            lo, hi = (int_constant(b) for b in bounds)
+            if lo is not None and hi is not None:
+                out[name] = max(hi - lo, 0)
+        return out
+
     def parts(index, unit):
         # ((variable, offset) per dimension) when every index is a step-1 loop variable plus a constant
         dims = index.elts if isinstance(index, ast.Tuple) else [index]
@@ -1823,11 +1838,17 @@ def _check_neighbour_writes(parsed, ctx, body):
             return
         stores, loads = [], []
         scan(loop.body, unit, [], stores, loads)
+        lengths = literal_lengths(loop)
+
+        def apart(a, b):
+            # a dimension whose literal range is shorter than the offsets' distance: the
+            # elements stored and those read never meet (a[i] = a[i + 4] over lk.range(4))
+            return any(v in lengths and abs(ca - cb) >= lengths[v] for (v, ca), (_, cb) in zip(a, b))
         for name, key, node, chain in sorted(loads, key=lambda ld: (ld[2].lineno, ld[2].col_offset)):
             for sname, skey, snode, schain in stores:
                 if sname != name or parity_guarded(schain) or len(skey) != len(key):
                     continue
-                if [v for v, _ in skey] == [v for v, _ in key] and skey != key:
+                if [v for v, _ in skey] == [v for v, _ in key] and skey != key and not apart(skey, key):
                     ctx.diagnostics.append(parsed.diagnostic(
                         node, ctx.step_name,
                         f"'{name}' is stored at another element in this parallel loop (line {snode.lineno}): the "

@@ -715,6 +715,11 @@ def every_other_shift(t, a):
         a[i] = a[i + 1]                # the odd elements are read, only the even ones stored
 
 
+def upper_into_lower(t, a):
+    for i in lk.range(4):
+        a[i] = a[i + 4]                # elements 4..7 read, 0..3 stored
+
+
 @pytest.mark.parametrize("backend", ["cpu", pytest.param("cuda", marks=pytest.mark.sim)])
 def test_in_place_updates_that_store_and_read_disjoint_elements_are_accepted(rng, backend):
     n, steps = (10, 4) if backend == "cuda" else (24, 9)
@@ -735,4 +740,9 @@ def test_in_place_updates_that_store_and_read_disjoint_elements_are_accepted(rng
     lk.megakernel(every_other_shift)(b, steps=1, backend=backend)
     want = b0.copy()
     want[0:8:2] = b0[1:9:2]
+    np.testing.assert_array_equal(b, want)
+    b = b0.copy()
+    lk.megakernel(upper_into_lower)(b, steps=1, backend=backend)
+    want = b0.copy()
+    want[:4] = b0[4:8]
     np.testing.assert_array_equal(b, want)
