@@ -72,7 +72,7 @@ import copy
 
 from .tangent import _mul, _Tangent, check_active, generated_step, running_extrema, running_update, tie_update
 from .inline import inline_helpers
-from .spec import int_constant
+from .spec import int_constant, split_tuple_assignments
 from .validate import tag_random_sites
 
 
@@ -1652,24 +1652,6 @@ def _at(new, old):
     return new
 
 
-def _split_tuple_assignments(body):
-    """``body`` with each top-level ``n, m = e1, e2`` whose right side reads none of the names it
-    binds written as ``n = e1`` and ``m = e2`` (the same values), the form the adjoint follows."""
-    out = []
-    for st in body:
-        if isinstance(st, ast.Assign) and len(st.targets) == 1 and isinstance(st.targets[0], ast.Tuple) \
-                and isinstance(st.value, ast.Tuple) and len(st.targets[0].elts) == len(st.value.elts) \
-                and all(isinstance(t, ast.Name) for t in st.targets[0].elts):
-            bound = {t.id for t in st.targets[0].elts}
-            if len(bound) == len(st.targets[0].elts) and not any(
-                    isinstance(n, ast.Name) and n.id in bound for n in ast.walk(st.value)):
-                out += [_at(ast.Assign(targets=[ast.Name(id=t.id, ctx=ast.Store())], value=v), st)
-                        for t, v in zip(st.targets[0].elts, st.value.elts)]
-                continue
-        out.append(st)
-    return out
-
-
 def _check_differentiated_stores(tg, body):
     """StepSyntaxError at the first store of a value that depends on a differentiated input
     into an array that is not differentiated: its adjoint would never reach that input (the
@@ -1703,7 +1685,7 @@ def adjoint_function(parsed, active, form: str = "gather") -> tuple:
     tree = parsed.tree
     params = [a.arg for a in tree.args.args]
     adj = _Adjoint(parsed, set(active))
-    body = _split_tuple_assignments(copy.deepcopy(tree.body))
+    body = split_tuple_assignments(copy.deepcopy(tree.body))
     _check_differentiated_stores(adj.tg, body)
     if body and isinstance(body[-1], ast.Return):
         # a step that returns a condition is differentiated with its step count held (the

@@ -48,7 +48,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from .errors import ArgumentError, StepSyntaxError
-from .spec import marker_of
+from .spec import marker_of, split_tuple_assignments
 from .adjoint import _fresh, _lk_alias
 from .stencil import NotStencil, _assignment_counts, _extent_of, find_stencil
 from .tangent import generated_step
@@ -135,26 +135,10 @@ def _loop_bounds(st) -> list[tuple]:
 
 
 def _untupled(spec):
-    """``spec`` with each ``a, b = x, y`` whose right side reads none of its targets written as
-    ``a = x; b = y`` (the same meaning), so that names bound to extents and neighbour indices
-    that way are seen by the stencil analysis."""
-    def split(stmts):
-        out = []
-        for s in stmts:
-            if isinstance(s, ast.Assign) and len(s.targets) == 1 and isinstance(s.targets[0], ast.Tuple) \
-                    and isinstance(s.value, ast.Tuple) and len(s.targets[0].elts) == len(s.value.elts) \
-                    and all(isinstance(t, ast.Name) for t in s.targets[0].elts):
-                names = {t.id for t in s.targets[0].elts}
-                if not any(isinstance(n, ast.Name) and n.id in names for n in ast.walk(s.value)):
-                    out += [ast.copy_location(ast.Assign(targets=[t], value=v), s)
-                            for t, v in zip(s.targets[0].elts, s.value.elts)]
-                    continue
-            if isinstance(s, (ast.For, ast.While, ast.If)):
-                s = copy.copy(s)
-                s.body, s.orelse = split(s.body), split(s.orelse)
-            out.append(s)
-        return out
-    return dataclasses.replace(spec, step=dataclasses.replace(spec.step, body=tuple(split(spec.step.body))))
+    """``spec`` with its tuple assignments split (``spec.split_tuple_assignments``), so that
+    names bound to extents and neighbour indices that way are seen by the stencil analysis."""
+    return dataclasses.replace(spec, step=dataclasses.replace(
+        spec.step, body=tuple(split_tuple_assignments(spec.step.body))))
 
 
 def plan_sharding(parsed, spec, sharded: dict, radius=None) -> ShardPlan:

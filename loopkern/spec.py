@@ -9,6 +9,7 @@ helper's generated symbol, and global numbers are inlined. Line numbers are the 
 from __future__ import annotations
 
 import ast
+import copy
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -30,6 +31,27 @@ def marker_of(node) -> str | None:
     if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id.startswith(INTRINSIC_PREFIX):
         return node.func.id[len(INTRINSIC_PREFIX):]
     return None
+
+
+def split_tuple_assignments(stmts) -> list:
+    """``stmts`` (and the bodies of their loops and ifs) with each ``a, b = x, y`` whose right
+    side reads none of its targets written as ``a = x; b = y``: the same meaning, in the form
+    the analyses and the derivative rules follow."""
+    out = []
+    for s in stmts:
+        if isinstance(s, ast.Assign) and len(s.targets) == 1 and isinstance(s.targets[0], ast.Tuple) \
+                and isinstance(s.value, ast.Tuple) and len(s.targets[0].elts) == len(s.value.elts) \
+                and all(isinstance(t, ast.Name) for t in s.targets[0].elts):
+            names = {t.id for t in s.targets[0].elts}
+            if not any(isinstance(n, ast.Name) and n.id in names for n in ast.walk(s.value)):
+                out += [ast.copy_location(ast.Assign(targets=[t], value=v), s)
+                        for t, v in zip(s.targets[0].elts, s.value.elts)]
+                continue
+        if isinstance(s, (ast.For, ast.While, ast.If)):
+            s = copy.copy(s)
+            s.body, s.orelse = split_tuple_assignments(s.body), split_tuple_assignments(s.orelse)
+        out.append(s)
+    return out
 
 
 def int_constant(e) -> int | None:
