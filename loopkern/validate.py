@@ -762,7 +762,8 @@ class _Normalizer(ast.NodeTransformer):
                     numba = "not compute it" if wrapped is None else f"compute {wrapped}"
                     self.error(node, f"this integer expression is {value}, which the kernel's int64 arithmetic "
                                      f"cannot represent (Numba would {numba})",
-                               "write it as a float (2.0 ** 64), or keep integer values within -2**63 .. 2**63 - 1")
+                               "write it as a float (2.0 ** 64), or keep integer values within -2**63 .. 2**63 - 1; "
+                               "for a bit pattern, write the number itself (0x8000000000000000 is a uint64)")
                 return
             if isinstance(node, ast.Constant) and type(node.value) is int and not -2 ** 63 <= node.value < 2 ** 64:
                 self.error(node, f"the integer {node.value} does not fit in 64 bits",
