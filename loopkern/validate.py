@@ -1810,8 +1810,36 @@ def _check_neighbour_writes(parsed, ctx, body):
             base, c = _offset(d)
             if not (isinstance(base, ast.Name) and base.id in unit):
                 return None
-            out.append((base.id, c))
+            var, shift = unit[base.id]
+            out.append((var, shift + c))
         return tuple(out)
+
+    def named_offsets(loop, unit):
+        # the loop variables (each itself, offset 0) and the names the loop body binds once, at
+        # its top, to one of them plus a constant (ip = i + 1); none if a loop variable is
+        # rebound in the body (its indices then name other elements)
+        bound: dict = {}
+        for n in ast.walk(ast.Module(body=list(loop.body), type_ignores=[])):
+            targets = list(n.targets) if isinstance(n, ast.Assign) else \
+                [n.target] if isinstance(n, (ast.AugAssign, ast.AnnAssign, ast.For)) else []
+            while targets:
+                t = targets.pop()
+                if isinstance(t, (ast.Tuple, ast.List)):
+                    targets += t.elts
+                elif isinstance(t, ast.Starred):
+                    targets.append(t.value)
+                elif isinstance(t, ast.Name):
+                    bound[t.id] = bound.get(t.id, 0) + 1
+        if any(v in bound for v in unit):
+            return {}
+        out = {v: (v, 0) for v in unit}
+        for st in loop.body:
+            if isinstance(st, ast.Assign) and len(st.targets) == 1 and isinstance(st.targets[0], ast.Name) \
+                    and bound.get(st.targets[0].id) == 1:
+                base, c = _offset(st.value)
+                if isinstance(base, ast.Name) and base.id in unit:
+                    out[st.targets[0].id] = (base.id, c)
+        return out
 
     def parity_guarded(chain):
         return any(isinstance(n, (ast.Mod, ast.BitAnd)) for test in chain for n in ast.walk(test))
@@ -1834,7 +1862,7 @@ def _check_neighbour_writes(parsed, ctx, body):
                 scan(st.orelse, unit, chain + test, stores, loads)
 
     def check(loop):
-        unit = steps_of_one(loop)
+        unit = named_offsets(loop, steps_of_one(loop))
         if not unit:
             return
         stores, loads = [], []

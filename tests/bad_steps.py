@@ -394,3 +394,10 @@ def in_place_stencil_2d_behind_a_bounds_test(t, a):
     for i, j in lk.grid(a.shape[0], a.shape[1]):
         if 0 < i < a.shape[0] - 1:
             a[i, j] = a[i, j] + a[i + 1, j]  # ERR: the element read here is another iteration's
+
+
+def in_place_stencil_through_named_neighbours(t, a):
+    for i in lk.range(1, a.shape[0] - 1):
+        im = i - 1
+        ip = i + 1
+        a[i] = 0.5 * (a[im] + a[ip])  # ERR: 'a' is stored at another element in this parallel loop
