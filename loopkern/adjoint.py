@@ -70,7 +70,8 @@ from __future__ import annotations
 import ast
 import copy
 
-from .tangent import _mul, _Tangent, check_active, generated_step, running_extrema, running_update, tie_update
+from .tangent import (_mul, _Tangent, check_active, check_differentiated_stores, generated_step, running_extrema,
+                      running_update, tie_update)
 from .inline import inline_helpers
 from .spec import int_constant, split_tuple_assignments
 from .validate import tag_random_sites
@@ -1652,23 +1653,6 @@ def _at(new, old):
     return new
 
 
-def _check_differentiated_stores(tg, body):
-    """StepSyntaxError at the first store of a value that depends on a differentiated input
-    into an array that is not differentiated: its adjoint would never reach that input (the
-    adjoint of ``x`` through ``f[i] = x[i] * x[i]``, read later, was silently left out)."""
-    names = tg.active_names(body)
-    for n in ast.walk(ast.Module(body=list(body), type_ignores=[])):
-        if isinstance(n, (ast.Assign, ast.AugAssign)):
-            targets = n.targets if isinstance(n, ast.Assign) else [n.target]
-            for t in targets:
-                if isinstance(t, ast.Subscript) and isinstance(t.value, ast.Name) and t.value.id not in names \
-                        and tg.is_active(n.value, names):
-                    raise tg.error(n, f"a value that depends on a differentiated input is stored into "
-                                      f"'{t.value.id}', which is not differentiated",
-                                   f"differentiate '{t.value.id}' too (name it in tangent(...) / adjoint(...)), "
-                                   f"or store int(...) of the value into an integer array")
-
-
 def adjoint_function(parsed, active, form: str = "gather") -> tuple:
     """(the adjoint step as a ParsedFunction, the adjoint parameters' names by parameter, its
     scratch array parameters as (name, the parameter whose shape and dtype it takes)) for the
@@ -1686,7 +1670,7 @@ def adjoint_function(parsed, active, form: str = "gather") -> tuple:
     params = [a.arg for a in tree.args.args]
     adj = _Adjoint(parsed, set(active))
     body = split_tuple_assignments(copy.deepcopy(tree.body))
-    _check_differentiated_stores(adj.tg, body)
+    check_differentiated_stores(adj.tg, body, adj.tg.active_names(body))
     if body and isinstance(body[-1], ast.Return):
         # a step that returns a condition is differentiated with its step count held (the
         # condition has no derivative): the adjoint step drops it, and what only it used

@@ -315,10 +315,10 @@ class _Lower(ast.NodeTransformer):
         gives an infinity); a debug kernel keeps Python's error model, so it keeps ``**``."""
         return self.backend == "cpu" and self.sites is None
 
-    def _cpu_rt_op(self, op) -> str | None:
-        """The ``cpu_rt`` function a binary operator goes through on the CPU backend, if any:
-        ``power`` (see :meth:`_cpu_power`), ``lshift``/``rshift`` on every backend (a count of
-        64 or more gives Python's 0 or sign, where LLVM's shift is poison: see runtime/shifts.py)."""
+    def _rt_op(self, op) -> str | None:
+        """The runtime function a binary operator goes through, if any: ``power`` on the CPU
+        backend (see :meth:`_cpu_power`), ``lshift``/``rshift`` on every backend (a count outside
+        0..63 gives NumPy's 0 or sign, where LLVM's shift is poison: see runtime/shifts.py)."""
         if isinstance(op, ast.Pow):
             return "power" if self._cpu_power() else None
         if isinstance(op, (ast.LShift, ast.RShift)):
@@ -327,20 +327,21 @@ class _Lower(ast.NodeTransformer):
 
     def visit_BinOp(self, node):
         self.generic_visit(node)
-        fn = self._cpu_rt_op(node.op)
+        fn = self._rt_op(node.op)
         return _rt_call(fn, [node.left, node.right], node) if fn else node
 
     def visit_AugAssign(self, node):
         tgt = node.target
-        via_rt = self._cpu_rt_op(node.op) is not None
+        via_rt = self._rt_op(node.op) is not None
         if isinstance(tgt, ast.Name) and via_rt:
             value = ast.copy_location(ast.BinOp(left=ast.Name(id=tgt.id, ctx=ast.Load()), op=node.op,
                                                 right=node.value), node)
             assign = ast.copy_location(ast.Assign(targets=[ast.Name(id=tgt.id, ctx=ast.Store())], value=value), node)
             return self.visit_Assign(ast.fix_missing_locations(assign))
         # a[i] += x becomes store(a, i, load(a, i) + x), which evaluates the index twice: only
-        # for an index without calls (but the non-negative marks). a[i] **= n (<<=, >>=) takes
-        # that form on the CPU backend too, so that it goes through cpu_rt as x ** n does
+        # for an index without calls (but the non-negative marks). a[i] <<= n (>>=, and **= on
+        # the CPU backend) takes that form everywhere, so that it goes through the runtime as
+        # x << n does
         simple = isinstance(tgt, ast.Subscript) and all(not isinstance(n, ast.Call) or is_nonneg_mark(n)
                                                         for n in ast.walk(tgt.slice))
         if simple and (via_rt or (self.sites is None and self._own_access(tgt))):

@@ -33,6 +33,20 @@ def marker_of(node) -> str | None:
     return None
 
 
+def flat_targets(targets) -> list:
+    """Assignment targets with tuples, lists and starred names unpacked (``v[i + 1], x = ...``
+    stores ``v[i + 1]`` and binds ``x``)."""
+    out = []
+    for t in targets:
+        if isinstance(t, (ast.Tuple, ast.List)):
+            out += flat_targets(t.elts)
+        elif isinstance(t, ast.Starred):
+            out += flat_targets([t.value])
+        else:
+            out.append(t)
+    return out
+
+
 def split_tuple_assignments(stmts) -> list:
     """``stmts`` (and the bodies of their loops and ifs) with each ``a, b = x, y`` whose right
     side reads none of its targets written as ``a = x; b = y``: the same meaning, in the form

@@ -38,7 +38,7 @@ import ast
 from dataclasses import dataclass, field
 
 from .index_bounds import is_nonneg_mark, mark_nonneg_indices
-from .spec import int_constant, is_helper_call, marker_of
+from .spec import flat_targets, int_constant, is_helper_call, marker_of
 
 
 @dataclass(frozen=True)
@@ -165,7 +165,7 @@ class _Analysis:
                 self.extent_names[st.targets[0].id] = extent
         if isinstance(st, (ast.Assign, ast.AugAssign)):
             targets = st.targets if isinstance(st, ast.Assign) else [st.target]
-            for tgt in _flat_targets(targets):
+            for tgt in flat_targets(targets):
                 if isinstance(tgt, ast.Subscript) and isinstance(tgt.value, ast.Name) and tgt.value.id in self.arrays:
                     self._access(tgt, loop, offsets, write=True)
                     if isinstance(st, ast.AugAssign):
@@ -457,19 +457,6 @@ class _Analysis:
                     if off is _WHOLE:
                         out.setdefault(a, getattr(n, "lineno", 0))
         return out
-
-
-def _flat_targets(targets) -> list:
-    """Assignment targets with tuples and lists unpacked (``v[i + 1], x = ...`` stores ``v[i + 1]``)."""
-    out = []
-    for t in targets:
-        if isinstance(t, (ast.Tuple, ast.List)):
-            out += _flat_targets(t.elts)
-        elif isinstance(t, ast.Starred):
-            out += _flat_targets([t.value])
-        else:
-            out.append(t)
-    return out
 
 
 def _assignment_counts(body) -> dict:

@@ -367,13 +367,6 @@ class _Tangent:
             dt = ast.Name(id=self.dot_name(tgt.id), ctx=ast.Store())
         elif isinstance(tgt, ast.Subscript) and isinstance(tgt.value, ast.Name):
             if tgt.value.id not in names:
-                if dv is not None:
-                    # its tangent would be dropped: every later read of the array would lose
-                    # the dependence (a swap pair's second array, an intermediate field)
-                    raise self.error(s, f"a value that depends on a differentiated input is stored into "
-                                        f"'{tgt.value.id}', which is not differentiated",
-                                     f"differentiate '{tgt.value.id}' too (name it in tangent(...) / adjoint(...)), "
-                                     f"or store int(...) of the value into an integer array")
                 return []
             dt = ast.Subscript(value=ast.Name(id=self.dot_name(tgt.value.id), ctx=ast.Load()),
                                slice=copy.deepcopy(tgt.slice), ctx=ast.Store())
@@ -519,6 +512,7 @@ def tangent_function(parsed, active) -> tuple:
     tg = _Tangent(parsed, set(active))
     tg.extrema = running_extrema(tg, tree.body)
     names = tg.active_names(tree.body)
+    check_differentiated_stores(tg, tree.body, names)
     body = tg.body(copy.deepcopy(tree.body), names)
     new_args = []
     for a in tree.args.args:
@@ -536,6 +530,22 @@ def tangent_function(parsed, active) -> tuple:
             ast.copy_location(n, tree.body[0])
     out = generated_step(parsed, f"{tree.name}_jvp", new_args, init + body)
     return out, {a: tg.dot_name(a) for a in params if a in active}
+
+
+def check_differentiated_stores(tg, body, names):
+    """StepSyntaxError at the first store of a value that depends on a differentiated input
+    (``names``: ``tg.active_names(body)``) into an array that is not differentiated: the
+    dependence would be dropped there, for the tangent and the adjoint alike (a swap pair's
+    second array, an intermediate field read later)."""
+    for n in ast.walk(ast.Module(body=list(body), type_ignores=[])):
+        if isinstance(n, (ast.Assign, ast.AugAssign)):
+            for t in n.targets if isinstance(n, ast.Assign) else [n.target]:
+                if isinstance(t, ast.Subscript) and isinstance(t.value, ast.Name) and t.value.id not in names \
+                        and tg.is_active(n.value, names):
+                    raise tg.error(n, f"a value that depends on a differentiated input is stored into "
+                                      f"'{t.value.id}', which is not differentiated",
+                                   f"differentiate '{t.value.id}' too (name it in tangent(...) / adjoint(...)), "
+                                   f"or store int(...) of the value into an integer array")
 
 
 def _assigned_in_branch(body, name) -> bool:

@@ -39,7 +39,7 @@ from . import dsl
 from .errors import Diagnostic, StepSyntaxError
 from .frontend import ParsedFunction, parse_step
 from .spec import (ANY, ARRAY, HELPER_PREFIX, INTRINSIC_PREFIX, RESERVED_PREFIX, SCALAR, FunctionSpec,
-                   ParamSpec, StepSpec, int_constant, is_helper_call, marker_of)
+                   ParamSpec, StepSpec, flat_targets, int_constant, is_helper_call, marker_of)
 
 _BUILTINS = {"abs", "min", "max", "int", "float", "bool", "len", "range", "round"}
 #: positional arguments each builtin takes in step code (min and max of one number, or of an
@@ -1774,12 +1774,16 @@ def _check_neighbour_writes(parsed, ctx, body):
     that iteration's thread may be storing at the same time -- the in-place stencil, which the
     CPU backend runs in order (Gauss-Seidel) and a GPU runs racing. Left alone: a store under a
     condition with ``%`` or ``&`` (red-black orderings store and read disjoint elements), loops
-    with a step other than 1, and indices through locals or other expressions."""
+    with a step other than 1, offsets further apart than a literal range is long, and indices
+    through other expressions (a name bound once to the index plus a constant is followed)."""
+
+    def loop_names(loop):
+        return [n.id for n in (loop.target.elts if isinstance(loop.target, ast.Tuple) else [loop.target])
+                if isinstance(n, ast.Name)]
 
     def steps_of_one(loop):
         # the loop variables whose step is 1: lk.range(a, b) or lk.range(a, b, 1); lk.grid's all
-        names = [n.id for n in (loop.target.elts if isinstance(loop.target, ast.Tuple) else [loop.target])
-                 if isinstance(n, ast.Name)]
+        names = loop_names(loop)
         if marker_of(loop.iter) == "range":
             args = loop.iter.args
             if len(args) == 3 and int_constant(args[2]) != 1:
@@ -1789,8 +1793,7 @@ def _check_neighbour_writes(parsed, ctx, body):
 
     def literal_lengths(loop):
         # variable -> the number of iterations of its dimension, where its bounds are literals
-        names = [n.id for n in (loop.target.elts if isinstance(loop.target, ast.Tuple) else [loop.target])
-                 if isinstance(n, ast.Name)]
+        names = loop_names(loop)
         if marker_of(loop.iter) == "range":
             dims = [loop.iter.args[:2] if len(loop.iter.args) > 1 else [ast.Constant(0), loop.iter.args[0]]]
         else:
@@ -1820,15 +1823,10 @@ def _check_neighbour_writes(parsed, ctx, body):
         # rebound in the body (its indices then name other elements)
         bound: dict = {}
         for n in ast.walk(ast.Module(body=list(loop.body), type_ignores=[])):
-            targets = list(n.targets) if isinstance(n, ast.Assign) else \
+            targets = n.targets if isinstance(n, ast.Assign) else \
                 [n.target] if isinstance(n, (ast.AugAssign, ast.AnnAssign, ast.For)) else []
-            while targets:
-                t = targets.pop()
-                if isinstance(t, (ast.Tuple, ast.List)):
-                    targets += t.elts
-                elif isinstance(t, ast.Starred):
-                    targets.append(t.value)
-                elif isinstance(t, ast.Name):
+            for t in flat_targets(targets):
+                if isinstance(t, ast.Name):
                     bound[t.id] = bound.get(t.id, 0) + 1
         if any(v in bound for v in unit):
             return {}

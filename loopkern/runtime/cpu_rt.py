@@ -166,7 +166,7 @@ def _power_impl(x, n):
     return lambda x, n: x ** n
 
 
-# -- x << n, x >> n: a count of 64 or more, as Python, NumPy and the simulator give it ----------
+# -- x << n, x >> n: a count outside 0..63, as NumPy and the simulator give it ---------------
 from . import shifts as _shifts  # noqa: E402
 
 lshift, rshift = _shifts.build_numba(overload, "cpu")

@@ -802,7 +802,7 @@ else:
     checked, in_bounds = _bounds.build_numba(overload, "cuda", _claim)
 
 
-# -- x << n, x >> n: a count of 64 or more gives 0 or the sign, as on the CPU backend ---------
+# -- x << n, x >> n: a count outside 0..63 gives 0 or the sign, as on the CPU backend -------
 from . import shifts as _shifts  # noqa: E402
 
 if SIMULATOR:
