@@ -465,10 +465,10 @@ def _assignment_counts(body) -> dict:
     for node in ast.walk(ast.Module(body=list(body), type_ignores=[])):
         targets = node.targets if isinstance(node, ast.Assign) else \
             [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign, ast.For)) else []
-        for t in targets:
-            for n in ast.walk(t):
-                if isinstance(n, ast.Name):
-                    counts[n.id] = counts.get(n.id, 0) + 1
+        # only names bind: v[n - 1] = ... stores into v and leaves n as it was
+        for t in flat_targets(targets):
+            if isinstance(t, ast.Name):
+                counts[t.id] = counts.get(t.id, 0) + 1
     return counts
 
 

@@ -128,6 +128,14 @@ def through_a_local(t, u, v):
         v[i] = u[ip]
 
 
+def store_through_names(t, u, v):
+    n = u.shape[0]
+    for i in lk.range(n):
+        left = i - 1 if i > 0 else n - 1       # periodic neighbour, named once
+        here = i
+        v[here] = u[left] + 0.5 * u[here]      # a store through a name does not bind it again
+
+
 def swapped_index(t, u, v):
     n = u.shape[0]
     m = u.shape[1]
@@ -323,3 +331,7 @@ def test_periodic_neighbours_written_as_conditional_expressions():
 def test_a_name_bound_once_to_the_index_plus_a_constant_is_followed():
     s = stencil_of(through_a_local, [("u", "v")])
     assert isinstance(s, Stencil) and s.halo == ((0, 1),) and s.offsets["u"] == {(1,)}
+    # names inside a store's index are read, not bound: the store v[here] keeps 'here' an alias
+    s = stencil_of(store_through_names, [("u", "v")])
+    assert isinstance(s, Stencil), s
+    assert s.halo == ((1, 0),) and s.periodic == (True,) and s.offsets["u"] == {(-1,), (0,)}

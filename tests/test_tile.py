@@ -189,6 +189,17 @@ def test_a_negative_index_reads_the_far_end_in_tile_mode(rng):
         np.testing.assert_allclose(u, W.back_ref(u0, 6), rtol=1e-12)
 
 
+def test_stores_through_names_bound_once_in_tile_mode(rng):
+    from test_stencil import store_through_names
+    u0 = rng.random(29)
+    ref = u0.astype(np.float64)
+    for _ in range(5):
+        ref = np.roll(ref, 1) + 0.5 * ref
+    for threads in (32, 64):
+        (u, _), _ = run_tile(store_through_names, [("u", "v")], [u0, u0.copy()], (), 5, threads=threads)
+        np.testing.assert_allclose(u, ref, rtol=1e-12)
+
+
 def test_every_row_a_wrapping_tile_reads_holds_the_row_asked_for():
     """The invariant tile mode relies on across blocks, which the simulator (one block) cannot
     run: with tiles of ceil(n / blocks) rows (at least the halo long, as tile_config asks)
