@@ -556,6 +556,53 @@ def test_cond_with_pytree_operands_in_while_loop_and_scan(rng):
     same(lk.scan(scan_body, jnp.float32(1.0), xs, fallback="error"), lax.scan(scan_body, jnp.float32(1.0), xs))
 
 
+_UNTAKEN_WHILE = """
+import sys
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+import loopkern as lk
+
+def countdown(s):          # ends only for whole numbers >= 0
+    return lax.while_loop(lambda t: t != 0.0, lambda t: t - 1.0, s)
+
+def body(i, c):            # counts down only where c >= 0: never for the negative start below
+    return lax.cond(c >= 0.0, countdown, lambda s: s + 0.5, c)
+
+def switched(i, c):        # a while_loop two conds deep, taken on some steps only
+    def inner(s):
+        return lax.cond(s[0] > 1.0, lambda z: lax.while_loop(lambda t: t[0] > 0.5, lambda t: t - 1.0, z),
+                        lambda z: z * 2.0, s)
+    return lax.switch(i % 3, [inner, lambda s: s - 0.25, lambda s: s + 1.0], c)
+
+for x in (-1.0, -2.5, 3.0):
+    got = lk.fori_loop(0, 4, body, jnp.float32(x), fallback="error")
+    want = lax.fori_loop(0, 4, body, jnp.float32(x))
+    assert float(got) == float(want), (x, got, want)
+c0 = jnp.asarray(np.array([-1.0, 3.5], np.float32))
+got = lk.fori_loop(0, 7, switched, c0, fallback="error")
+np.testing.assert_array_equal(np.asarray(got), np.asarray(lax.fori_loop(0, 7, switched, c0)))
+print("ok")
+"""
+
+
+def test_a_while_loop_in_a_branch_not_taken_does_not_run(tmp_path):
+    """lax.cond's branches are inlined and selected between; a while_loop inside one ran even
+    where its branch was not taken, and one that ends only for the taken branch's operands hung
+    the kernel (found in session 32). It now runs no iteration there. In a child process with
+    a time limit, so that the old behaviour fails the test instead of hanging it."""
+    import os
+    import subprocess
+    import sys
+    env = dict(os.environ, JAX_PLATFORMS="cpu", LOOPKERN_CACHE_DIR=str(tmp_path), NUMBA_CACHE_DIR=str(tmp_path))
+    try:
+        out = subprocess.run([sys.executable, "-c", _UNTAKEN_WHILE], capture_output=True, text=True, timeout=300,
+                             env=env)
+    except subprocess.TimeoutExpired:
+        pytest.fail("lk.fori_loop did not return within 300 s: the while_loop of a branch not taken ran")
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
+
+
 def test_an_unsupported_primitive_inside_a_branch_falls_back_naming_it(rng):
     x0 = f32(rng, 20)
 

@@ -176,11 +176,17 @@ def flatten(closed) -> Program:
                 # lax.cond / lax.switch: every branch inlined, each result a select_n on the
                 # branch index. The branches are pure functions of the operands, so computing
                 # the one not taken changes nothing but the work done (a branch's own
-                # unsupported primitive still falls back, naming itself)
+                # unsupported primitive still falls back, naming itself) -- except a
+                # while_loop in it, which need not end for the operands of a branch not
+                # taken: it runs while its branch is the one taken (guards below)
                 which = atom(env, e.invars[0])
                 taken = []
-                for br in e.params["branches"]:
-                    taken.append(inline(br, [atom(env, a) for a in e.invars[1:]], where))
+                for k, br in enumerate(e.params["branches"]):
+                    guards.append(branch_guard(which, k, where))
+                    try:
+                        taken.append(inline(br, [atom(env, a) for a in e.invars[1:]], where))
+                    finally:
+                        guards.pop()
                 for k, nv in enumerate(results(e, env)):
                     eq = Eqn("select_n", {}, [which] + [outs_of[k] for outs_of in taken], [nv], where)
                     nv.eqn = eq
@@ -203,6 +209,18 @@ def flatten(closed) -> Program:
             for nv in outs:
                 nv.eqn = eq
             sink[-1].append(eq)
+
+    guards: list = []       # per enclosing cond branch: the Var that is true where it is taken
+
+    def branch_guard(which, k, where):
+        """A bool Var: branch ``k`` of a cond on ``which`` is taken (and so are the branches
+        around it). Emitted only where a while_loop reads it (see ``nested_loop``)."""
+        return (which, k, guards[-1] if guards else None, where)
+
+    def guard_var(g):
+        which, k, outer, where = g
+        mine = emit("eq", {}, [which, Lit(np.asarray(k, dtype=which.dtype))], (), np.bool_, where)
+        return mine if outer is None else emit("and", {}, [guard_var(outer), mine], (), np.bool_, where)
 
     def results(e, env, where=None):
         """New Vars for the results of the jaxpr equation ``e`` (``env`` maps those it names)."""
@@ -259,8 +277,14 @@ def flatten(closed) -> Program:
             body, outs = sub_program(p["jaxpr"], consts_in, carries + xs_vars)
             cond, test = [], None
         else:
+            guard = guard_var(guards[-1]) if guards else None
             body, outs = sub_program(p["body_jaxpr"], consts_in[cc:], carries)
             cond, (test,) = sub_program(p["cond_jaxpr"], consts_in[:cc], carries)
+            if guard is not None:
+                # inside a cond's branch: no iteration where another branch is taken
+                sink.append(cond)
+                test = emit("and", {}, [test, guard], (), np.bool_, where)
+                sink.pop()
         inside = set(carries) | set(xs_vars) | {o for q in body + cond for o in q.outs}
         read = [a for q in body + cond for a in q.ins] + outs + [test]
         captured = list(dict.fromkeys(a for a in read if isinstance(a, Var) and a not in inside))
