@@ -603,6 +603,28 @@ def test_a_while_loop_in_a_branch_not_taken_does_not_run(tmp_path):
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
 
 
+def test_bounds_that_lax_refuses_are_refused_with_its_error():
+    # concrete bounds of two integer types (int8 beside int32) and shape-(1,) bounds: lk ran
+    # the first and named an internal argument for the second (found in session 32)
+    body = lambda i, c: c * 2.0 + i      # noqa: E731
+    for lo, hi in ((jnp.int8(0), jnp.int32(4)), (jnp.uint32(0), 4), (True, 3), (jnp.array([0]), jnp.array([4]))):
+        with pytest.raises(TypeError) as want:
+            lax.fori_loop(lo, hi, body, jnp.float32(1.0))
+        with pytest.raises(TypeError) as got:
+            lk.fori_loop(lo, hi, body, jnp.float32(1.0), fallback="error")
+        assert str(got.value) == str(want.value)
+    for lo, hi in ((0, jnp.int8(4)), (np.int64(0), 4), (np.int8(1), np.int8(3))):    # what lax takes runs
+        same(lk.fori_loop(lo, hi, body, jnp.float32(1.0), fallback="error"), lax.fori_loop(lo, hi, body, jnp.float32(1.0)))
+
+
+def test_a_checkpointed_body_is_compiled(rng):
+    # jax.checkpoint's primitive is remat2 in JAX 0.10: it fell back, with a warning pointing
+    # into loopkern
+    x0 = f32(rng, 33)
+    body = jax.checkpoint(lambda i, x: x.at[1:-1].set(0.5 * (x[:-2] + x[2:])))
+    same(lk.fori_loop(0, 6, body, x0, fallback="error"), lax.fori_loop(0, 6, body, x0))
+
+
 def test_an_unsupported_primitive_inside_a_branch_falls_back_naming_it(rng):
     x0 = f32(rng, 20)
 

@@ -380,12 +380,18 @@ def _index_type(lower, upper, concrete: bool):
     import jax
     import jax.numpy as jnp
     from jax import lax
-    if concrete:
-        return jax.ShapeDtypeStruct((), jnp.asarray(0).dtype, weak_type=True)
     try:
         ld, ud = np.dtype(lax.dtype(lower)), np.dtype(lax.dtype(upper))
     except Exception:
         return None
+    if np.ndim(lower) or np.ndim(upper):
+        return None
+    if concrete:
+        # (lax checks the bounds' types before it looks at their values: int8 beside int32
+        # is its TypeError either way)
+        if ld != ud and not (ld.kind == "i" and ud.kind == "i" and _weak(lower) != _weak(upper)):
+            return None
+        return jax.ShapeDtypeStruct((), jnp.asarray(0).dtype, weak_type=True)
     if ld == ud:
         dtype = ld
     elif ld.kind == "i" and ud.kind == "i" and _weak(lower) != _weak(upper):
