@@ -1039,7 +1039,9 @@ def render_kernel(spec: StepSpec, backend: str, scope: str = "grid", *, cache: b
             one-thread CUDA kernel polls every few steps, see ``cuda_rt.poll_strided``);
             False only to measure what that costs.
         float_type: ``"float32"`` to give float literals in the step that precision (when the
-            arrays are float32: see ``dispatch.args.weak_float_type``); None keeps float64.
+            arrays are float32: see ``dispatch.args.weak_float_type``); ``"float64"`` writes
+            them as float64 values (for the CUDA simulator, which runs the kernel as Python,
+            where a bare float beside a float32 would be float32); None leaves them bare.
         index_bits: (CUDA, not with ``debug`` or ``staged``) 64 or 32 to lower element accesses
             with indices proven non-negative through ``runtime/arrays.py`` (global-space loads
             and stores, addresses from the shape; 32: offsets in 32 bits, for arrays of fewer
@@ -1075,8 +1077,8 @@ def render_kernel(spec: StepSpec, backend: str, scope: str = "grid", *, cache: b
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    if float_type not in (None, "float32"):
-        raise ValueError(f"float_type must be None or 'float32', got {float_type!r}")
+    if float_type not in (None, "float32", "float64"):
+        raise ValueError(f"float_type must be None, 'float32' or 'float64', got {float_type!r}")
     if backend == "cpu":
         scope = "grid"
     elif scope not in SCOPES:

@@ -103,6 +103,9 @@ class ParamSpec:
         max_ndim_line: the line of that access.
         integer_line: a line where the step takes the parameter's value as an integer (a loop
             bound, an ``lk.random`` key), 0 if none: a float passed for it is refused.
+        index_line: a line where the step indexes an array with the parameter's value, 0 if
+            none: a float or a bool passed for it is refused (NumPy reads a bool index as a
+            mask, Numba does not compile one).
     """
 
     name: str
@@ -114,6 +117,7 @@ class ParamSpec:
     max_ndim: int = 0
     max_ndim_line: int = 0
     integer_line: int = 0
+    index_line: int = 0
 
 
 @dataclass(frozen=True)

@@ -36,10 +36,14 @@ from typing import NamedTuple
 import numpy as np
 
 from . import dsl
+from .disjoint import (disjoint, index_pieces, iteration_key, loop_facts, loop_pieces, never_wraps, own_key,
+                       shape_symbol, stable_names)
 from .errors import Diagnostic, StepSyntaxError
 from .frontend import ParsedFunction, parse_step
+from .index_bounds import is_nonneg_mark, mark_nonneg_indices
 from .spec import (ANY, ARRAY, HELPER_PREFIX, INTRINSIC_PREFIX, RESERVED_PREFIX, SCALAR, FunctionSpec,
                    ParamSpec, StepSpec, flat_targets, int_constant, is_helper_call, marker_of)
+from .warpsplit import find_warp_split
 
 _BUILTINS = {"abs", "min", "max", "int", "float", "bool", "len", "range", "round"}
 #: positional arguments each builtin takes in step code (min and max of one number, or of an
@@ -307,26 +311,28 @@ class _Normalizer(ast.NodeTransformer):
         self.site_at: dict = {}                       # (line, col) of each lk.random draw -> its site
         self.scalar_uses: dict[str, ast.AST] = {}
         self.integer_uses: dict[str, ast.AST] = {}    # names in loop bounds and lk.random keys
+        self.index_uses: dict[str, ast.AST] = {}      # names in array indices
         self.thread_varying = False
 
-    def _integer_use(self, e):
-        """Record the names whose value ``e`` (a loop bound, an lk.random key) takes as it is:
-        a float passed for such a parameter is refused at the call (``ParamSpec.integer_line``).
-        A name under a call other than min/max/abs (``int(m)``) or inside a subscript does not
-        count."""
+    def _integer_use(self, e, into=None):
+        """Record the names whose value ``e`` (a loop bound, an lk.random key; with ``into``
+        ``self.index_uses``, an array index) takes as it is: a float passed for such a
+        parameter is refused at the call (``ParamSpec.integer_line``, ``index_line``). A name
+        under a call other than min/max/abs (``int(m)``) or inside a subscript does not count."""
+        into = self.integer_uses if into is None else into
         if isinstance(e, ast.Name):
-            self.integer_uses.setdefault(e.id, e)
+            into.setdefault(e.id, e)
         elif isinstance(e, ast.BinOp):
-            self._integer_use(e.left)
-            self._integer_use(e.right)
+            self._integer_use(e.left, into)
+            self._integer_use(e.right, into)
         elif isinstance(e, ast.UnaryOp):
-            self._integer_use(e.operand)
+            self._integer_use(e.operand, into)
         elif isinstance(e, ast.IfExp):
-            self._integer_use(e.body)
-            self._integer_use(e.orelse)
+            self._integer_use(e.body, into)
+            self._integer_use(e.orelse, into)
         elif isinstance(e, ast.Call) and isinstance(e.func, ast.Name) and e.func.id in ("min", "max", "abs"):
             for a in e.args:
-                self._integer_use(a)
+                self._integer_use(a, into)
 
     # -- reporting -------------------------------------------------------------------------
     def error(self, node, message, hint=""):
@@ -710,6 +716,8 @@ class _Normalizer(ast.NodeTransformer):
                 self.fewest[name] = (k, node.lineno)
 
     def _index(self, idx):
+        for e in (idx.elts if isinstance(idx, ast.Tuple) else [idx]):
+            self._integer_use(e, self.index_uses)
         if isinstance(idx, ast.Tuple):
             idx.elts = [self._scalar(e) for e in idx.elts]
             return idx
@@ -1682,90 +1690,190 @@ def tag_random_sites(parsed):
     return dataclasses.replace(parsed, tree=tree, explicit_sites=True)
 
 
-def _check_phases(parsed, ctx, body):
+def _check_phases(parsed, ctx, body, params, array_params, index_name, swap_pairs):
     """Two parallel loops of one block with no barrier between them (``lk.sync()`` or a
-    reduction) where one writes an array element that the other reads: unless both loops run
-    the same iterations and index the array the same way (so each element is the same thread's
-    in both), another thread may write the element before or after it is read (a race on a GPU;
-    the CPU backend runs the loops in order). A write after a read and two writes are left
-    alone: a stencil's interior loop and its boundary loop read and write disjoint elements,
-    which this check cannot tell from a race."""
+    reduction, reached on every path) where one writes an array element that the other reads
+    or writes: unless both loops run the same iterations and the two accesses give each
+    iteration its own element (one thread's in both loops; not for a warp-split loop, whose
+    iteration is a group of threads), or the elements the two accesses can touch are proven
+    apart (``disjoint.py``: a stencil's interior loop and its boundary loop), another thread may
+    write the element before or after it is read or written (a race on a GPU; the CPU backend
+    runs the loops in order). Array accesses outside parallel loops, which every thread (or the
+    one a ``lk.thread_id()`` test picks) runs, count as a loop of their own. Two atomic updates
+    of one kind (adds, maxima or minima) commute, and two stores of one value (the same literal,
+    or a copy of one element of an array neither writes) do not race in the result."""
+    marked_body = mark_nonneg_indices(body, params, array_params, index_name)
+    stable = stable_names(body, params, {b: a for a, b in swap_pairs})
+    by_thread = _thread_dependent_names(body)
 
-    def target_names(loop):
-        return [n.id for n in ast.walk(loop.target) if isinstance(n, ast.Name)]
+    class Unit:
+        """A parallel loop, or the array accesses of statements outside parallel loops."""
+        def __init__(self, node, marked, loop: bool):
+            self.node, self.loop = node, loop
+            pieces = loop_pieces(marked, stable) if loop else {}
+            self.facts = loop_facts(pieces)
+            self.iterations = iteration_key(node, stable) if loop else None
+            self.split = loop and marker_of(node.iter) == "range" and find_warp_split(node) is not None
+            self.accesses = {}      # array -> [(kind: "r", "w" or an atomic's name, own key, node, elements, value)]
+            found = []
+            for tree in (node, marked):
+                seen = []
+                for n in _walk_unmarked(tree):
+                    if isinstance(n, ast.Subscript) and isinstance(n.value, ast.Name):
+                        seen.append((n.value.id, "w" if isinstance(n.ctx, ast.Store) else "r", n))
+                        if isinstance(n.ctx, ast.Store) and _updated_in_place(tree, n):
+                            seen.append((n.value.id, "r", n))
+                    elif marker_of(n) in _ATOMICS and n.args and isinstance(n.args[0], ast.Name):
+                        seen.append((n.args[0].id, marker_of(n), n))
+                found.append(seen)
+            values = {id(st.targets[0]): _stored_value(st) for st in ast.walk(node)
+                      if isinstance(st, ast.Assign) and len(st.targets) == 1 and isinstance(st.targets[0], ast.Subscript)}
+            for (name, kind, n), (_, _, m) in zip(*found):
+                sub = isinstance(m, ast.Subscript)
+                elements = index_pieces(name, m.slice, pieces, stable) if sub else [None]
+                own = own_key(marked, m.slice) if sub and loop and not self.split else None
+                self.accesses.setdefault(name, []).append((kind, own, n, elements,
+                                                           values.get(id(n)) if kind == "w" else None))
 
-    def assigned_in(loop):
-        return {n.id for n in ast.walk(loop) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+    def same_shape(x, y):
+        return shape_symbol(x, 0, stable) == shape_symbol(y, 0, stable)
 
-    def key(index, loop):
-        # the index with the loop's variables renamed by position; None if it depends on a local
-        # the loop assigns (its value may differ between the loops)
-        rename = {v: f"{RESERVED_PREFIX}v{k}" for k, v in enumerate(target_names(loop))}
-        local = assigned_in(loop) - set(rename)
-        if isinstance(loop.target, ast.Name) and marker_of(loop.iter) == "grid" and isinstance(index, ast.Name) \
-                and index.id == loop.target.id:
-            # an lk.grid loop's one target is the tuple of its indices (g[p] is g[i, j])
-            return ast.dump(ast.Tuple(elts=[ast.Name(id=f"{RESERVED_PREFIX}v{k}", ctx=ast.Load())
-                                            for k in range(len(loop.iter.args))], ctx=ast.Load()))
-        e = copy.deepcopy(index)
-        for n in ast.walk(e):
-            if isinstance(n, ast.Name):
-                if n.id in local:
-                    return None
-                n.id = rename.get(n.id, n.id)
-        return ast.dump(e)
+    def conflict(ka, kb):
+        if ka == "r" and kb == "r":
+            return False
+        return not (ka in _ATOMICS and ka == kb)
 
-    def accesses(loop):
-        out = {}        # array -> [(kind: r/w/a, key, node)]
-        for n in ast.walk(loop):
-            if isinstance(n, ast.Subscript) and isinstance(n.value, ast.Name):
-                out.setdefault(n.value.id, []).append(("w" if isinstance(n.ctx, ast.Store) else "r",
-                                                       key(n.slice, loop), n))
-            elif isinstance(n, ast.AugAssign) and isinstance(n.target, ast.Subscript) \
-                    and isinstance(n.target.value, ast.Name):
-                out.setdefault(n.target.value.id, []).append(("r", key(n.target.slice, loop), n.target))
-            elif marker_of(n) in _ATOMICS and n.args and isinstance(n.args[0], ast.Name):
-                out.setdefault(n.args[0].id, []).append(("a", None, n))
-        return out
+    def compare(a, b):
+        same_iterations = a.iterations is not None and a.iterations == b.iterations
+        facts = a.facts + b.facts
+        written = {name for unit in (a, b) for name, uses in unit.accesses.items() if any(u[0] != "r" for u in uses)}
+        for name in sorted(set(a.accesses) & set(b.accesses)):
+            for ka, own_a, _, elems_a, value_a in a.accesses[name]:
+                for kb, own_b, node, elems_b, value_b in b.accesses[name]:
+                    if not conflict(ka, kb):
+                        continue
+                    if same_iterations and {ka, kb} <= {"r", "w"} and own_a is not None and own_a == own_b:
+                        continue
+                    if disjoint(elems_a, elems_b, facts):
+                        continue
+                    # two stores of one value into an element both reach (a boundary's corners):
+                    # the same literal, or copies v[x] = w[x] from an array neither writes, of v's
+                    # shape or through indices that do not wrap
+                    if value_a is not None and value_a == value_b and (
+                            value_a[0] == "literal" or value_a[1] not in written and (
+                                same_shape(value_a[1], name) or never_wraps(elems_a + elems_b, facts))):
+                        continue
+                    first = "written" if ka != "r" else "read"
+                    then = "read" if kb == "r" else "written"
+                    what = {("written", "read"): "another thread may write the element while (or after) this "
+                                                 "one reads it",
+                            ("read", "written"): "this may overwrite an element before another thread has "
+                                                 "read it above",
+                            ("written", "written"): "both may store one element, and which store lands last is "
+                                                    "a race"}[first, then]
+                    where = f"the parallel loop at line {a.node.lineno}" if a.loop else f"line {a.node.lineno}"
+                    here = "this parallel loop" if b.loop else "this statement, outside the parallel loops,"
+                    ctx.diagnostics.append(parsed.diagnostic(
+                        node, ctx.step_name,
+                        f"'{name}' is {first} in {where} and {then} in {here} with no lk.sync() between them: "
+                        f"{what} (on a GPU; the CPU backend runs the step's statements one after the other)",
+                        "put lk.sync() between them (loopkern could not prove that they touch different elements: "
+                        "bounds it compares differ by a constant, such as 1 and n - 2)"))
+                    return
 
-    def compare(a, acc_a, b, acc_b):
-        same_loop = ast.dump(a.iter) == ast.dump(b.iter)
-        for name in sorted(set(acc_a) & set(acc_b)):
-            kinds_a = {k for k, _, _ in acc_a[name]}
-            kinds_b = {k for k, _, _ in acc_b[name]}
-            # (a read before a write to the same element in a later loop races too, but the common
-            # interior-then-boundary stencil reads and writes disjoint elements that this check
-            # cannot tell apart, so only a read after a write is checked)
-            if not (kinds_a & {"w", "a"} and "r" in kinds_b):
-                continue
-            keys = {k for _, k, _ in acc_a[name] + acc_b[name]}
-            if same_loop and "a" not in kinds_a | kinds_b and None not in keys and len(keys) == 1:
-                continue
-            node = next(n for k, _, n in acc_b[name] if k == "r")
-            ctx.diagnostics.append(parsed.diagnostic(
-                node, ctx.step_name,
-                f"'{name}' is written in the parallel loop at line {a.lineno} and read in this parallel loop with "
-                f"no lk.sync() between them: another thread may write the element while (or after) this one "
-                f"reads it (a race on a GPU; the CPU backend runs the loops one after the other)",
-                "put lk.sync() between the two loops"))
-            return
-
-    def block(stmts):
+    def block(stmts, marked):
         pending = []
-        for st in stmts:
+        for st, mst in zip(stmts, marked):
             if isinstance(st, ast.For) and marker_of(st.iter) in _PARALLEL_LOOPS:
-                acc = accesses(st)
-                for a, acc_a in pending:
-                    compare(a, acc_a, st, acc)
-                pending.append((st, acc))
+                unit = Unit(st, mst, loop=True)
+            elif any(isinstance(n, ast.For) and marker_of(n.iter) in _PARALLEL_LOOPS for n in ast.walk(st)):
+                # (a block holding parallel loops: they are checked among themselves; a barrier
+                # in it may not run, so it separates nothing here)
+                for field_name in ("body", "orelse"):
+                    sub = getattr(st, field_name, None)
+                    if isinstance(sub, list) and sub and isinstance(sub[0], ast.stmt):
+                        block(sub, getattr(mst, field_name))
                 continue
-            if any(marker_of(n) in _BARRIERS for n in ast.walk(st)):
-                pending = []
-            for field_name in ("body", "orelse"):
-                sub = getattr(st, field_name, None)
-                if isinstance(sub, list) and sub and isinstance(sub[0], ast.stmt):
-                    block(sub)
-    block(body)
+            else:
+                if any(marker_of(n) in ("thread_id", "num_threads") or isinstance(n, ast.Name) and n.id in by_thread
+                       for n in ast.walk(st)):
+                    # (statements of one thread, or of each thread's own elements, as
+                    # lk.thread_id() picks them: not checked)
+                    continue
+                unit = Unit(st, mst, loop=False)
+                if _barrier_on_every_path(st):
+                    # its accesses may come before or after the barrier: both are checked
+                    for other in pending:
+                        compare(other, unit)
+                    pending = [unit]
+                    continue
+            for other in pending:
+                compare(other, unit)
+            if unit.accesses or unit.loop:
+                pending.append(unit)
+    block(body, marked_body)
+
+
+def _thread_dependent_names(body) -> set:
+    """Names some assignment gives a value computed from ``lk.thread_id()``/``lk.num_threads()``
+    or from such a name."""
+    assigns = [n for n in ast.walk(ast.Module(body=list(body), type_ignores=[]))
+               if isinstance(n, (ast.Assign, ast.AugAssign, ast.AnnAssign)) and n.value is not None]
+    found: set = set()
+    while True:
+        more = set()
+        for a in assigns:
+            if any(marker_of(n) in ("thread_id", "num_threads") or isinstance(n, ast.Name) and n.id in found
+                   for n in ast.walk(a.value)):
+                targets = a.targets if isinstance(a, ast.Assign) else [a.target]
+                more |= {t.id for t in flat_targets(targets) if isinstance(t, ast.Name)} - found
+        if not more:
+            return found
+        found |= more
+
+
+def _stored_value(st):
+    """What a store ``a[x] = ...`` stores, where two such stores store one value into an element
+    both reach: ("literal", value) or ("copy", array) for ``a[x] = w[x]`` (the same index)."""
+    v = st.value
+    if isinstance(v, ast.Constant) and isinstance(v.value, (int, float)) and not isinstance(v.value, bool):
+        return ("literal", repr(v.value))
+    if isinstance(v, ast.Subscript) and isinstance(v.value, ast.Name) and ast.dump(v.slice) == ast.dump(st.targets[0].slice):
+        return ("copy", v.value.id)
+    return None
+
+
+def _barrier_on_every_path(st) -> bool:
+    """Whether the statement reaches a barrier (``lk.sync()``, a reduction) whenever it runs:
+    not under an ``if``, a loop, a conditional expression or the right side of ``and``/``or``."""
+    if not isinstance(st, (ast.Expr, ast.Assign, ast.AugAssign, ast.AnnAssign, ast.Return)) or st.value is None:
+        return False
+
+    def reached(e):
+        if marker_of(e) in _BARRIERS:
+            return True
+        if isinstance(e, ast.IfExp):
+            return reached(e.test)
+        if isinstance(e, ast.BoolOp):
+            return reached(e.values[0])
+        if isinstance(e, (ast.Lambda, ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp)):
+            return False
+        return any(reached(c) for c in ast.iter_child_nodes(e))
+    return reached(st.value)
+
+
+def _walk_unmarked(node):
+    """The nodes under ``node`` in one fixed order, seeing through ``index_bounds``' marks (a
+    marked copy of a tree lists the nodes of the tree in the same order)."""
+    yield node
+    for child in ast.iter_child_nodes(node):
+        yield from _walk_unmarked(child.args[0] if is_nonneg_mark(child) else child)
+
+
+def _updated_in_place(tree, sub) -> bool:
+    """Whether the store ``sub`` is the target of an augmented assignment (``a[i] += x`` reads
+    the element too)."""
+    return any(isinstance(n, ast.AugAssign) and n.target is sub for n in ast.walk(tree))
 
 
 def _check_neighbour_writes(parsed, ctx, body):
@@ -1966,7 +2074,12 @@ def validate_step(fn, swap=()) -> StepSpec:
         # (a generated step -- tangent, adjoint -- comes from a user's step that passed, and its
         # generator places its own barriers: the adjoint of an interior loop reads what the
         # adjoint of the boundary loop before it wrote, at elements this check cannot tell apart)
-        _check_phases(parsed, ctx, body)
+        if parallel and not ctx.diagnostics:
+            # (a sequential step runs on one thread; on a step with other errors the findings
+            # would only add to them: it reasons about bounds and indices they may be about)
+            _check_phases(parsed, ctx, body, names, sorted(i for i, p in enumerate(names)
+                                                          if p in norm.array_uses or p in swapped), index_param,
+                          [(params[a], params[b]) for a, b in swap_idx])
         _check_neighbour_writes(parsed, ctx, body)
 
     _raise_diagnostics(ctx, parsed)
@@ -1983,7 +2096,8 @@ def validate_step(fn, swap=()) -> StepSpec:
         name=parsed.name, filename=parsed.filename, lineno=parsed.tree.lineno, index_param=index_param,
         params=tuple(ParamSpec(p, k, norm.arity.get(p, (0, 0))[0], norm.arity.get(p, (0, 0))[1], p in norm.written,
                                p in norm.atomic, *norm.fewest.get(p, (0, 0)),
-                               integer_line=norm.integer_uses[p].lineno if p in norm.integer_uses else 0)
+                               integer_line=norm.integer_uses[p].lineno if p in norm.integer_uses else 0,
+                               index_line=norm.index_uses[p].lineno if p in norm.index_uses else 0)
                      for p, k in zip(params, kinds)), step=step,
         helpers=tuple(ctx.helpers.values()), returns_condition=bool(with_value), swap=tuple(swap_idx),
         uses_barrier=uses_barrier, parallel=parallel)

@@ -372,6 +372,38 @@ def scatter_then_read_without_sync(t, a, idx, out):
         out[i] = a[i] * 2.0  # ERR: 'a' is written in the parallel loop at line
 
 
+def copy_then_overwrite_without_sync(t, u, v):
+    n = u.shape[0]
+    for i in lk.range(n):
+        v[i] = u[i]
+    for i in lk.range(1, n - 1):
+        v[i] = 0.5 * (u[i - 1] + u[i + 1])  # ERR: 'v' is written in the parallel loop at line
+
+
+def read_then_overwrite_without_sync(t, u, w):
+    n = u.shape[0]
+    for i in lk.range(1, n):
+        w[i] = u[i - 1]
+    for i in lk.range(n):
+        u[i] = 0.0  # ERR: 'u' is read in the parallel loop at line
+
+
+def add_then_max_without_sync(t, a, idx):
+    for i in lk.range(idx.shape[0]):
+        lk.atomic.add(a, idx[i], 1.0)
+    for i in lk.range(idx.shape[0]):
+        lk.atomic.max(a, idx[i], 2.0)  # ERR: 'a' is written in the parallel loop at line
+
+
+def overlapping_edges_without_sync(t, u, v):
+    n = u.shape[0]
+    m = u.shape[1]
+    for j in lk.range(m):
+        v[0, j] = u[0, j] * 2.0
+    for i in lk.range(n):
+        v[i, 0] = u[i, 0] + 1.0  # ERR: 'v' is written in the parallel loop at line
+
+
 
 HUGE = 10 ** 20
 

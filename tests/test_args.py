@@ -433,6 +433,30 @@ def test_a_float_passed_for_a_loop_bound_or_a_key_is_refused_before_anything_run
     np.testing.assert_array_equal(out, [1.0, 1.0, 0, 0, 0, 0])
 
 
+def put_at(t, a, k, j):
+    if lk.thread_id() == 0:
+        a[k] = 5.0
+    lk.sync()
+    for i in lk.range(a.shape[0]):
+        lk.atomic.add(a, (i + j) % a.shape[0], 1.0)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_float_or_a_bool_passed_for_an_index_is_refused_before_anything_runs(backend):
+    # a[k] with k=True stored into every element in the simulator (NumPy's boolean mask) and
+    # did not compile on the CPU backend; k=1.0 raised an IndexError or a CompileError naming
+    # no argument (found in session 32)
+    k = lk.megakernel(put_at)
+    a = np.zeros(4)
+    for kk, j, name in ((True, 0, "k"), (1.0, 0, "k"), (np.float32(2), 0, "k"), (1, np.bool_(True), "j"),
+                        (1, 0.0, "j")):
+        with pytest.raises(lk.ArgumentError, match=f"argument '{name}': the step indexes an array with it"):
+            k(a, kk, j, steps=1, backend=backend)
+        assert not a.any()
+    k(a, np.int16(2), 3, steps=1, backend=backend)
+    np.testing.assert_array_equal(a, [1.0, 1.0, 6.0, 1.0])
+
+
 @pytest.mark.filterwarnings("ignore::PendingDeprecationWarning")
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_masked_arrays_and_matrices_are_refused_by_name(heat, rng, backend):

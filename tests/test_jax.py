@@ -226,6 +226,20 @@ def test_a_float_for_a_loop_bound_is_rejected_at_trace_time():
     np.testing.assert_array_equal(np.asarray(k.jax(out, 3, steps=2)[0]), [2, 2, 2, 0, 0, 0])
 
 
+def _put(t, out, k):
+    if lk.thread_id() == 0:
+        out[k] = out[k] + 1.0
+
+
+def test_a_float_or_a_bool_for_an_index_is_rejected_at_trace_time():
+    k = lk.megakernel(_put)
+    out = jnp.zeros(4, jnp.float32)
+    for m in (True, 1.5, jnp.float32(1.0)):
+        with pytest.raises(lk.ArgumentError, match="argument 'k': the step indexes an array with it"):
+            k.jax(out, m, steps=1)
+    np.testing.assert_array_equal(np.asarray(k.jax(out, 2, steps=3)[0]), [0, 0, 3, 0])
+
+
 def test_xla_ffi_shim_builds_and_registers_without_a_gpu():
     from loopkern.interop import xla_ffi
     pytest.importorskip("cffi")

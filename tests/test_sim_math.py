@@ -87,3 +87,36 @@ def test_a_step_under_the_simulator_gets_the_gpus_math():
     np.testing.assert_allclose(out, want, rtol=1e-14)
     finite = ~np.isnan(want)                                # (a NaN's sign bit means nothing)
     np.testing.assert_array_equal(np.signbit(out[finite]), np.signbit(want[finite]))
+
+
+def test_float_functions_of_float32_values_return_float32():
+    """Numba's math of float32 arguments is float32 (on a GPU and the CPU backend); CPython's
+    returned a float, which kept float64 precision in the simulator (found in session 32)."""
+    x, y = np.float32(0.3), np.float32(1.7)
+    for name in sorted(UNARY) + ["fabs", "erf", "erfc", "lgamma", "degrees", "radians"]:
+        got = getattr(sim_math, name)(x)
+        assert type(got) is np.float32, name
+        want = getattr(sim_math, name)(float(x))          # the float64 result, rounded once
+        assert got == np.float32(want) or (math.isnan(got) and math.isnan(want)), name
+        assert type(getattr(sim_math, name)(float(x))) is not np.float32, name      # a float stays a float
+    for name in sorted(BINARY) + ["pow", "copysign"]:
+        assert type(getattr(sim_math, name)(x, y)) is np.float32, name
+        assert type(getattr(sim_math, name)(x, float(y))) is not np.float32, name   # float64 beside: float64
+    assert type(sim_math.ldexp(x, 3)) is np.float32 and sim_math.ldexp(x, 3) == np.float32(2.4)
+    assert isinstance(sim_math.floor(x), int)
+
+
+def _cancelling(t, u, out):
+    for i in lk.range(u.shape[0]):
+        out[i] = math.log1p(u[i]) - math.expm1(u[i])
+
+
+@pytest.mark.sim
+def test_a_float32_step_calling_math_computes_in_float32_in_the_simulator():
+    u = np.array([0.01, 0.3, 0.77], np.float32)
+    out = np.zeros(3, np.float32)
+    lk.megakernel(_cancelling)(u, out, steps=1, backend="cuda")
+    want = np.array([np.float32(math.log1p(v)) - np.float32(math.expm1(v)) for v in u.astype(np.float64)])
+    np.testing.assert_array_equal(out, want)
+    in_float64 = np.array([math.log1p(v) - math.expm1(v) for v in u.astype(np.float64)]).astype(np.float32)
+    assert not np.array_equal(in_float64, want)      # the test can tell the two apart

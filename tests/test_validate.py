@@ -548,17 +548,38 @@ def test_locals_assigned_on_every_path_are_accepted_and_computed(rng):
     np.testing.assert_allclose(b, want, rtol=1e-15)
 
 
-def _phases_that_need_no_barrier(t, u, v, w, a):
+def _phases_that_need_no_barrier(t, u, v, w, a, b):
     n = u.shape[0]
     for i in lk.range(1, n - 1):
         v[i] = u[i] * 0.5
     for i in lk.range(1, n - 1):          # the same iterations, the same element: the same thread
         w[i] = v[i] + 1.0
-    for i in lk.range(0, n, n - 1):       # two writes (a boundary beside an interior) race on nothing read
+    for i in lk.range(0, n, n - 1):       # two writes (a boundary beside an interior): apart
         v[i] = u[i]
+    for i in lk.range(2, n - 2):          # reads what the next loop writes, elsewhere
+        a[i] = b[i - 1] * 3.0
+    for i in lk.range(n - 1, n):
+        b[i] = b[i] * 2.0
     lk.sync()
     for i in lk.range(1, n - 1):          # after a barrier anything goes
         a[i] = v[i - 1] + v[i + 1]
+
+
+def _edges_of_a_grid(t, u, v, h):
+    n = u.shape[0]
+    m = u.shape[1]
+    for i, j in lk.grid((1, n - 1), (1, m - 1)):
+        v[i, j] = 0.25 * (u[i - 1, j] + u[i + 1, j] + u[i, j - 1] + u[i, j + 1])
+    for j in lk.range(m):                 # the edges: apart from the interior in one dimension
+        v[0, j] = u[0, j]
+        v[n - 1, j] = u[n - 1, j]
+    for i in lk.range(n):                 # the corners again: the same copy, the same value
+        v[i, 0] = u[i, 0]
+        v[i, m - 1] = u[i, m - 1]
+    for k in lk.range(h.shape[0]):        # atomic adds commute
+        lk.atomic.add(h, k % 3, 1.0)
+    for k in lk.range(h.shape[0]):
+        lk.atomic.add(h, (k + 1) % 3, 2.0)
 
 
 def test_phases_that_need_no_barrier_are_accepted_and_computed(rng):
@@ -566,17 +587,38 @@ def test_phases_that_need_no_barrier_are_accepted_and_computed(rng):
     elements are each one thread's in both, and writes beside writes; results against NumPy."""
     k = lk.megakernel(_phases_that_need_no_barrier)
     u = rng.random(64)
+    b = rng.random(64)
+    b0 = b.copy()
     v, w, a = np.zeros(64), np.zeros(64), np.zeros(64)
-    k(u, v, w, a, steps=1, backend="cpu")
+    k(u, v, w, a, b, steps=1, backend="cpu")
     want_v = u * 0.5
     want_v[[0, -1]] = u[[0, -1]]
     want_w = np.zeros(64)
     want_w[1:-1] = u[1:-1] * 0.5 + 1.0
     want_a = np.zeros(64)
     want_a[1:-1] = want_v[:-2] + want_v[2:]
+    want_b = b0.copy()
+    want_b[-1] *= 2.0
+    np.testing.assert_allclose(b, want_b, rtol=1e-15)
     np.testing.assert_allclose(v, want_v, rtol=1e-15)
     np.testing.assert_allclose(w, want_w, rtol=1e-15)
     np.testing.assert_allclose(a, want_a, rtol=1e-15)
+
+
+def test_edges_beside_an_interior_without_a_barrier_are_accepted_and_computed(rng):
+    """Writes in consecutive parallel loops (checked since session 32): a 2-D interior, its
+    edge rows and its edge columns (whose corners both loops store, copying one value) need no
+    barrier; two loops of atomic adds neither. Results against NumPy."""
+    k = lk.megakernel(_edges_of_a_grid, swap=[("u", "v")])
+    u0 = rng.random((9, 7))
+    u, v, h = u0.copy(), np.zeros((9, 7)), np.zeros(3)
+    k(u, v, h, steps=1, backend="cpu")
+    want = u0.copy()
+    want[1:-1, 1:-1] = 0.25 * (u0[:-2, 1:-1] + u0[2:, 1:-1] + u0[1:-1, :-2] + u0[1:-1, 2:])
+    np.testing.assert_allclose(u, want, rtol=1e-15)     # after one step the pair has swapped
+    ks = np.arange(3)
+    want_h = np.bincount(ks % 3, minlength=3) * 1.0 + np.bincount((ks + 1) % 3, minlength=3) * 2.0
+    np.testing.assert_array_equal(h, want_h)
 
 
 def test_a_swap_pair_naming_a_number_parameter_is_refused_at_the_def():

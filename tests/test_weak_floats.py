@@ -82,3 +82,23 @@ def test_kernel_jax_gives_python_floats_the_arrays_precision_with_x64_on(rng):
             np.testing.assert_array_equal(np.asarray(y), expect)
         y = jax.jit(lambda a, s: k.jax(a, jnp.zeros(300, jnp.float32), s, steps=1)[1])(jnp.asarray(x), 0.3)
         np.testing.assert_array_equal(np.asarray(y), expect)
+
+
+def mixed_step(t, u, out, c):
+    for i in lk.range(u.shape[0]):
+        out[i] = u[i] * 0.1 + 0.2 + c * u[i] + math.pi * u[i]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_mixed_precision_arrays_compute_python_floats_in_float64(backend, rng):
+    """Beside a float64 array, Python floats (literals, math.pi, arguments) are float64, and a
+    float32 element meets them in float64, as Numba compiles it for a GPU. The simulator ran
+    the kernel as Python, where NumPy 2 made u[i] * 0.1 float32 arithmetic (found in session 32)."""
+    u = rng.random(300).astype(np.float32)
+    out = np.zeros(300)
+    lk.megakernel(mixed_step)(u, out, 0.3, steps=1, backend=backend)
+    u64 = u.astype(np.float64)
+    expect = u64 * 0.1 + 0.2 + 0.3 * u64 + math.pi * u64
+    np.testing.assert_array_equal(out, expect)
+    in_float32 = (u * 0.1 + 0.2 + 0.3 * u + math.pi * u).astype(np.float64)
+    assert not np.array_equal(in_float32, expect)   # the test can tell the two apart

@@ -41,11 +41,16 @@ def check_integer(p, dtype, got: str, filename: str):
     """ArgumentError if the step takes ``p``'s value as an integer (a loop bound, an
     ``lk.random`` key) and it is a float (``dtype``; ``got`` says what was passed): a range
     would run to some integer near it, differently on each backend, and a key would be
-    truncated."""
-    if p.integer_line and np.dtype(dtype).kind in "fc":
+    truncated; or if the step indexes an array with it and it is a float or a bool."""
+    kind = np.dtype(dtype).kind
+    if p.integer_line and kind in "fc":
         raise ArgumentError(f"argument '{p.name}': the step uses it as an integer ({filename}:{p.integer_line}: a "
                             f"loop bound or an lk.random key), got {got}; pass an int (e.g. int({p.name}) or "
                             f"round({p.name})), or convert it inside the step with int(...)")
+    if p.index_line and kind in "fcb":
+        raise ArgumentError(f"argument '{p.name}': the step indexes an array with it ({filename}:{p.index_line}), "
+                            f"got {got}; pass an int (e.g. int({p.name})), or convert it inside the step with "
+                            f"int(...)")
 
 
 def check_atomic_dtype(p, dtype):

@@ -120,7 +120,8 @@ class Dispatcher:
                 checks.check_writable(p, a, k in self._swapped)
                 checks.check_distinct_elements(p, a, k in self._swapped)
             else:
-                checks.check_integer(p, np.asarray(a.value).dtype, f"the float {a.value}", spec.filename)
+                checks.check_integer(p, np.asarray(a.value).dtype, f"the {np.asarray(a.value).dtype} {a.value}",
+                                     spec.filename)
             out.append(a)
         for i, j in spec.swap:
             a, b = out[i], out[j]
@@ -216,6 +217,11 @@ class Dispatcher:
         spec = self.spec
         argv = self.classify(values)
         float_type = weak_float_type(a.dtype for a in argv if isinstance(a, ArrayArg))
+        if float_type is None and o.backend == "cuda" and _simulator():
+            # Numba types a Python float (a literal, an argument) as float64 beside any array;
+            # the simulator runs the kernel as Python, where NumPy 2 makes it float32 beside a
+            # float32 element: written float64 there, mixed-precision steps compute as on a GPU
+            float_type = "float64"
         argv = apply_weak_floats(argv, float_type)
         run_values = [a.value for a in argv]
         if o.backend == "cpu":

@@ -6,10 +6,16 @@ result: ``sqrt(-1.0)`` is NaN, ``log(0.0)`` is -inf, ``exp(1000.0)`` is inf, ``f
 is NaN. Here each such function returns that result instead of raising, so a simulator test
 sees what the GPU computes. Functions that return integers in CPython (``floor``, ``ceil``,
 ``trunc``) keep CPython's meaning.
+
+A float function of float32 arguments only returns a float32 here, as Numba's does on a GPU
+(``log1p(u[i]) - expm1(u[i])`` of a float32 element is float32 arithmetic there; CPython's
+float kept the float64 value).
 """
 
 import math as _math
 from math import *  # noqa: F401,F403 - every function not wrapped below is CPython's own
+
+import numpy as _np
 
 _INF, _NAN = _math.inf, _math.nan
 
@@ -71,4 +77,30 @@ def _ieee(name):
 for _name in _WRAPPED:
     if hasattr(_math, _name):
         globals()[_name] = _ieee(_name)
+
+# the functions whose result is a float of their arguments' precision (ldexp: its first's)
+_FLOATING = ("sqrt", "exp", "expm1", "exp2", "log", "log2", "log10", "log1p", "sin", "cos", "tan", "asin",
+             "acos", "atan", "atan2", "sinh", "cosh", "tanh", "asinh", "acosh", "atanh", "pow", "hypot", "fmod",
+             "remainder", "copysign", "erf", "erfc", "gamma", "lgamma", "fabs", "degrees", "radians", "cbrt",
+             "ldexp")
+
+
+def _single(name):
+    fn = globals()[name]
+    first_only = name == "ldexp"
+
+    def wrapped(*args):
+        r = fn(*args)
+        decides = args[:1] if first_only else args
+        if decides and all(isinstance(a, _np.float32) for a in decides):
+            return _np.float32(r)
+        return r
+    wrapped.__name__ = wrapped.__qualname__ = name
+    wrapped.__doc__ = fn.__doc__
+    return wrapped
+
+
+for _name in _FLOATING:
+    if _name in globals():
+        globals()[_name] = _single(_name)
 del _name
