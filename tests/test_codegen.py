@@ -61,6 +61,7 @@ def type_clash(t, u):
     x = 1.0
     for i in lk.range(u.shape[0]):
         u[i] = x
+    lk.sync()
     x = u.shape
     u[0] = x
 
@@ -174,6 +175,7 @@ def unroll_temp_used_after(t, u, v):
     for i in lk.range(u.shape[0]):
         w = u[i]
         v[i] = w
+    lk.sync()
     v[0] = w
 
 
@@ -189,6 +191,7 @@ def unroll_index_read_after(t, u, v):
     i = 0
     for i in lk.range(u.shape[0]):
         v[i] = u[i] * 2.0
+    lk.sync()
     v[0] = i
 
 
@@ -196,6 +199,7 @@ def unroll_index_read_by_a_later_loop_header(t, u, v):
     i = 0
     for i in lk.range(u.shape[0]):
         v[i] = u[i] * 2.0
+    lk.sync()
     for i in range(i, i + 1):                # the range reads the first loop's last i
         v[0] = i
 

@@ -253,6 +253,7 @@ def test_arrays_outside_the_pattern_stay_in_global_memory():
         for i in lk.range(1, n - 1):
             v[i] = 0.5 * (u[i - 1] + u[i + 1])
             lk.atomic.add(hist, 0, 1)
+        lk.sync()
         total = lk.sum(v[1] * 0.0)
         if lk.thread_id() == 0:
             rec[t] = total
