@@ -18,7 +18,7 @@ import ast
 import math
 
 from .index_bounds import is_nonneg_mark
-from .spec import flat_targets, int_constant, marker_of
+from .spec import binding_counts, index_offset, int_constant, marker_of
 
 
 def stable_names(body, params, same_shape=None) -> dict:
@@ -26,13 +26,7 @@ def stable_names(body, params, same_shape=None) -> dict:
     bound exactly once, by a top-level assignment of ``body`` -- each to its affine value where
     it has one (``n = u.shape[0]``), else to itself. ``same_shape``: array name -> the name whose
     shape it has (a swap pair's arrays), so that both write one symbol."""
-    counts: dict = {}
-    for node in ast.walk(ast.Module(body=list(body), type_ignores=[])):
-        targets = node.targets if isinstance(node, ast.Assign) else \
-            [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign, ast.For)) else []
-        for t in flat_targets(targets):
-            if isinstance(t, ast.Name):
-                counts[t.id] = counts.get(t.id, 0) + 1
+    counts = binding_counts(body)
     stable = {p: {p: 1} for p in params if p not in counts}
     stable[_SAME_SHAPE] = dict(same_shape or {})
     for st in body:
@@ -138,11 +132,7 @@ def _below(a: dict, b: dict, facts=()) -> bool:
 
 def _rebound(loop) -> set:
     """Names the loop's body binds (a loop variable among them names other values)."""
-    body = ast.Module(body=list(loop.body) + list(loop.orelse), type_ignores=[])
-    return {t.id for n in ast.walk(body)
-            for t in flat_targets(n.targets if isinstance(n, ast.Assign) else
-                                  [n.target] if isinstance(n, (ast.AugAssign, ast.AnnAssign, ast.For)) else [])
-            if isinstance(t, ast.Name)}
+    return set(binding_counts(list(loop.body) + list(loop.orelse)))
 
 
 def loop_names(loop) -> list:
@@ -173,7 +163,7 @@ def own_key(loop, index):
     key = []
     for dim, d in enumerate(index.elts if isinstance(index, ast.Tuple) else [index]):
         if is_nonneg_mark(d):
-            base, c = _split_offset(d.args[0])
+            base, c = index_offset(d.args[0])
             if isinstance(base, ast.Name) and base.id in names and base.id not in [names[v] for _, v, _ in key]:
                 key.append((dim, names.index(base.id), c))
     return tuple(key) if len(key) == len(names) else None
@@ -253,7 +243,7 @@ def index_pieces(array: str, index, pieces: dict, stable) -> list:
     for dim, d in enumerate(index.elts if isinstance(index, ast.Tuple) else [index]):
         marked = is_nonneg_mark(d)
         e = d.args[0] if marked else d
-        base, c = _split_offset(e)
+        base, c = index_offset(e)
         if isinstance(base, ast.Name) and base.id in pieces:
             got = [(_sum(lo, {"": c}), _sum(hi, {"": c}), m) for lo, hi, m in pieces[base.id]]
         else:
@@ -263,17 +253,6 @@ def index_pieces(array: str, index, pieces: dict, stable) -> list:
         wraps = not marked and not (literal is not None and literal >= 0)
         out.append(None if got is None else (got, {shape_symbol(array, dim, stable): 1} if wraps else None))
     return out
-
-
-def _split_offset(e):
-    if isinstance(e, ast.BinOp) and isinstance(e.op, (ast.Add, ast.Sub)):
-        r = int_constant(e.right)
-        if r is not None:
-            return e.left, r if isinstance(e.op, ast.Add) else -r
-        left = int_constant(e.left)
-        if left is not None and isinstance(e.op, ast.Add):
-            return e.right, left
-    return e, 0
 
 
 def _reached(dim, facts) -> list:

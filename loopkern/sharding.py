@@ -48,9 +48,9 @@ import dataclasses
 from dataclasses import dataclass
 
 from .errors import ArgumentError, StepSyntaxError
-from .spec import marker_of, split_tuple_assignments
+from .spec import binding_counts, marker_of, split_tuple_assignments
 from .adjoint import _fresh, _lk_alias
-from .stencil import NotStencil, _assignment_counts, _extent_of, find_stencil
+from .stencil import NotStencil, _extent_of, find_stencil
 from .tangent import generated_step
 
 REDUCTIONS = ("sum", "max", "min")
@@ -396,7 +396,7 @@ class _Reductions:
             raise self.error(node, "under kernel.sharded a step returns its condition once, as its last statement",
                              "compute the condition into a local and 'return' it at the end")
         # top-level names feeding the condition (m = lk.max(err); return m > tol)
-        counts = _assignment_counts(body)
+        counts = binding_counts(body)
         defs = {}
         for s in body[:-1] if ret is not None else body:
             if isinstance(s, ast.Assign) and len(s.targets) == 1 and isinstance(s.targets[0], ast.Name) \

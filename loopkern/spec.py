@@ -47,6 +47,31 @@ def flat_targets(targets) -> list:
     return out
 
 
+def binding_counts(stmts) -> dict:
+    """How many times each name is bound in ``stmts`` and the statements inside them
+    (assignments, augmented ones, loop targets; a store ``v[n - 1] = ...`` binds no name)."""
+    counts: dict = {}
+    for node in ast.walk(ast.Module(body=list(stmts), type_ignores=[])):
+        targets = node.targets if isinstance(node, ast.Assign) else \
+            [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign, ast.For)) else []
+        for t in flat_targets(targets):
+            if isinstance(t, ast.Name):
+                counts[t.id] = counts.get(t.id, 0) + 1
+    return counts
+
+
+def index_offset(e):
+    """``(base, c)`` for ``base + c``, ``base - c`` or ``c + base`` (c an integer literal), else ``(e, 0)``."""
+    if isinstance(e, ast.BinOp) and isinstance(e.op, (ast.Add, ast.Sub)):
+        r = int_constant(e.right)
+        if r is not None:
+            return e.left, r if isinstance(e.op, ast.Add) else -r
+        left = int_constant(e.left)
+        if left is not None and isinstance(e.op, ast.Add):
+            return e.right, left
+    return e, 0
+
+
 def split_tuple_assignments(stmts) -> list:
     """``stmts`` (and the bodies of their loops and ifs) with each ``a, b = x, y`` whose right
     side reads none of its targets written as ``a = x; b = y``: the same meaning, in the form

@@ -38,7 +38,7 @@ import ast
 from dataclasses import dataclass, field
 
 from .index_bounds import is_nonneg_mark, mark_nonneg_indices
-from .spec import flat_targets, int_constant, is_helper_call, marker_of
+from .spec import binding_counts, flat_targets, int_constant, is_helper_call, marker_of
 
 
 @dataclass(frozen=True)
@@ -112,7 +112,7 @@ class _Analysis:
         self.writes: dict = {}       # array index -> {offset tuple}
         self.outside: dict = {}      # array index -> first node touching it outside a parallel loop
         self.extent_names: dict = {}     # name -> (array index, dim) for n = a.shape[k]
-        self.bindings = _assignment_counts(spec.step.body)
+        self.bindings = binding_counts(spec.step.body)
         self.wraps: dict = {}            # array index -> dimensions some access of it wraps around
         self.aliases: dict = {}          # name -> the index expression it names (inside a loop)
         self._wrapped: set = set()       # the dimensions the access being read wraps
@@ -146,7 +146,7 @@ class _Analysis:
             if loop is not None and isinstance(st.target, ast.Name) and _literal_range(st.iter) is not None:
                 # a sequential loop over literal bounds: its variable is a set of offsets, unless
                 # the body binds it again (d = d * 5 reads other offsets than the range's)
-                if _assignment_counts(st.body + st.orelse).get(st.target.id):
+                if binding_counts(st.body + st.orelse).get(st.target.id):
                     raise _Reject(f"the variable '{st.target.id}' of a sequential loop is assigned in its body", st)
                 inner = dict(offsets)
                 inner[st.target.id] = frozenset(_literal_range(st.iter))
@@ -199,7 +199,7 @@ class _Analysis:
         loop = {t.id: k for k, t in enumerate(targets)}
         # neighbour indices named once at the top of the loop body (up = i - 1 if i > 0 else
         # n - 1): an access through the name is analysed as the expression it names
-        assigned = _assignment_counts(self.spec.step.body)
+        assigned = binding_counts(self.spec.step.body)
         self.aliases = {}
         for s in st.body:
             if (isinstance(s, ast.Assign) and len(s.targets) == 1 and isinstance(s.targets[0], ast.Name)
@@ -457,19 +457,6 @@ class _Analysis:
                     if off is _WHOLE:
                         out.setdefault(a, getattr(n, "lineno", 0))
         return out
-
-
-def _assignment_counts(body) -> dict:
-    """How many times each name is bound in ``body`` (assignments, augmented ones, loop targets)."""
-    counts: dict = {}
-    for node in ast.walk(ast.Module(body=list(body), type_ignores=[])):
-        targets = node.targets if isinstance(node, ast.Assign) else \
-            [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign, ast.For)) else []
-        # only names bind: v[n - 1] = ... stores into v and leaves n as it was
-        for t in flat_targets(targets):
-            if isinstance(t, ast.Name):
-                counts[t.id] = counts.get(t.id, 0) + 1
-    return counts
 
 
 def _terms(e, sign=1):

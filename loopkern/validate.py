@@ -42,7 +42,8 @@ from .errors import Diagnostic, StepSyntaxError
 from .frontend import ParsedFunction, parse_step
 from .index_bounds import is_nonneg_mark, mark_nonneg_indices
 from .spec import (ANY, ARRAY, HELPER_PREFIX, INTRINSIC_PREFIX, RESERVED_PREFIX, SCALAR, FunctionSpec,
-                   ParamSpec, StepSpec, flat_targets, int_constant, is_helper_call, marker_of)
+                   ParamSpec, StepSpec, binding_counts, flat_targets, index_offset, int_constant, is_helper_call,
+                   marker_of)
 from .warpsplit import find_warp_split
 
 _BUILTINS = {"abs", "min", "max", "int", "float", "bool", "len", "range", "round"}
@@ -1158,18 +1159,6 @@ _CONDITION_INSIDE = ("move the condition inside the loop: run `for i in lk.range
                      "it per index with `if ...:` in the loop's body")
 
 
-def _offset(e):
-    """``(base, c)`` for ``base + c``, ``base - c`` or ``c + base`` (c an integer literal), else ``(e, 0)``."""
-    if isinstance(e, ast.BinOp) and isinstance(e.op, (ast.Add, ast.Sub)):
-        r = int_constant(e.right)
-        if r is not None:
-            return e.left, r if isinstance(e.op, ast.Add) else -r
-        left = int_constant(e.left)
-        if left is not None and isinstance(e.op, ast.Add):
-            return e.right, left
-    return e, 0
-
-
 def _stored_names(stmts) -> set:
     """Names bound anywhere in ``stmts`` (assignments and loop targets)."""
     return {n.id for st in stmts for n in ast.walk(st) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
@@ -1209,7 +1198,7 @@ def _strided_names(body, params) -> dict:
                     {marker_of(v.left), marker_of(v.right)} == {"num_threads", None} and \
                     any(isinstance(x, ast.Name) and x.id == name for x in (v.left, v.right)):
                 continue          # i = i + lk.num_threads()
-            base, c = _offset(v) if isinstance(v, ast.expr) else (None, 0)
+            base, c = index_offset(v) if isinstance(v, ast.expr) else (None, 0)
             if marker_of(base) != "thread_id":
                 break
             starts.add(c)
@@ -1409,7 +1398,7 @@ class _Uniformity:
     def dim(self, e, names):
         """One index dimension: ``("var", name, c)`` for ``name + c`` with ``name`` in
         ``names``, ``("tid", None, c)`` for the thread's own ``lk.thread_id() + c``, else None."""
-        base, c = _offset(e)
+        base, c = index_offset(e)
         if isinstance(base, ast.Name) and base.id in names:
             return ("var", base.id, c)
         if marker_of(base) == "thread_id" and not base.args:
@@ -1918,7 +1907,7 @@ def _check_neighbour_writes(parsed, ctx, body):
         dims = index.elts if isinstance(index, ast.Tuple) else [index]
         out = []
         for d in dims:
-            base, c = _offset(d)
+            base, c = index_offset(d)
             if not (isinstance(base, ast.Name) and base.id in unit):
                 return None
             var, shift = unit[base.id]
@@ -1929,20 +1918,14 @@ def _check_neighbour_writes(parsed, ctx, body):
         # the loop variables (each itself, offset 0) and the names the loop body binds once, at
         # its top, to one of them plus a constant (ip = i + 1); none if a loop variable is
         # rebound in the body (its indices then name other elements)
-        bound: dict = {}
-        for n in ast.walk(ast.Module(body=list(loop.body), type_ignores=[])):
-            targets = n.targets if isinstance(n, ast.Assign) else \
-                [n.target] if isinstance(n, (ast.AugAssign, ast.AnnAssign, ast.For)) else []
-            for t in flat_targets(targets):
-                if isinstance(t, ast.Name):
-                    bound[t.id] = bound.get(t.id, 0) + 1
+        bound = binding_counts(loop.body)
         if any(v in bound for v in unit):
             return {}
         out = {v: (v, 0) for v in unit}
         for st in loop.body:
             if isinstance(st, ast.Assign) and len(st.targets) == 1 and isinstance(st.targets[0], ast.Name) \
                     and bound.get(st.targets[0].id) == 1:
-                base, c = _offset(st.value)
+                base, c = index_offset(st.value)
                 if isinstance(base, ast.Name) and base.id in unit:
                     out[st.targets[0].id] = (base.id, c)
         return out
