@@ -1700,12 +1700,16 @@ def _check_phases(parsed, ctx, body, params, array_params, index_name, swap_pair
         def __init__(self, node, marked, loop: bool):
             self.node, self.loop = node, loop
             pieces = loop_pieces(marked, stable) if loop else {}
+            # (what holds while a loop runs an iteration holds for its body's accesses; its
+            # bounds are evaluated, and read, whether it runs any: a unit of their own)
             self.facts = loop_facts(pieces)
             self.iterations = iteration_key(node, stable) if loop else None
             self.split = loop and marker_of(node.iter) == "range" and find_warp_split(node) is not None
             self.accesses = {}      # array -> [(kind: "r", "w" or an atomic's name, own key, node, elements, value)]
             found = []
-            for tree in (node, marked):
+            trees = (node, marked) if not loop else \
+                [ast.Module(body=list(x.body) + list(x.orelse), type_ignores=[]) for x in (node, marked)]
+            for tree in trees:
                 seen = []
                 for n in _walk_unmarked(tree):
                     if isinstance(n, ast.Subscript) and isinstance(n.value, ast.Name):
@@ -1715,7 +1719,7 @@ def _check_phases(parsed, ctx, body, params, array_params, index_name, swap_pair
                     elif marker_of(n) in _ATOMICS and n.args and isinstance(n.args[0], ast.Name):
                         seen.append((n.args[0].id, marker_of(n), n))
                 found.append(seen)
-            values = {id(st.targets[0]): _stored_value(st) for st in ast.walk(node)
+            values = {id(st.targets[0]): _stored_value(st) for st in ast.walk(trees[0])
                       if isinstance(st, ast.Assign) and len(st.targets) == 1 and isinstance(st.targets[0], ast.Subscript)}
             for (name, kind, n), (_, _, m) in zip(*found):
                 sub = isinstance(m, ast.Subscript)
@@ -1733,13 +1737,14 @@ def _check_phases(parsed, ctx, body, params, array_params, index_name, swap_pair
         return not (ka in _ATOMICS and ka == kb)
 
     def compare(a, b):
+        # (a is b: a statement outside the parallel loops against itself, which every thread runs)
         same_iterations = a.iterations is not None and a.iterations == b.iterations
         facts = a.facts + b.facts
         written = {name for unit in (a, b) for name, uses in unit.accesses.items() if any(u[0] != "r" for u in uses)}
         for name in sorted(set(a.accesses) & set(b.accesses)):
-            for ka, own_a, _, elems_a, value_a in a.accesses[name]:
+            for ka, own_a, node_a, elems_a, value_a in a.accesses[name]:
                 for kb, own_b, node, elems_b, value_b in b.accesses[name]:
-                    if not conflict(ka, kb):
+                    if not conflict(ka, kb) or a is b and node is node_a and ka == kb:
                         continue
                     if same_iterations and {ka, kb} <= {"r", "w"} and own_a is not None and own_a == own_b:
                         continue
@@ -1760,8 +1765,10 @@ def _check_phases(parsed, ctx, body, params, array_params, index_name, swap_pair
                                                  "read it above",
                             ("written", "written"): "both may store one element, and which store lands last is "
                                                     "a race"}[first, then]
-                    where = f"the parallel loop at line {a.node.lineno}" if a.loop else f"line {a.node.lineno}"
-                    here = "this parallel loop" if b.loop else "this statement, outside the parallel loops,"
+                    where = f"the parallel loop at line {a.node.lineno}" if a.loop else \
+                        "this statement, which every thread runs," if a is b else f"line {a.node.lineno}"
+                    here = "this parallel loop" if b.loop else "here" if a is b else \
+                        "this statement, outside the parallel loops,"
                     ctx.diagnostics.append(parsed.diagnostic(
                         node, ctx.step_name,
                         f"'{name}' is {first} in {where} and {then} in {here} with no lk.sync() between them: "
@@ -1770,36 +1777,46 @@ def _check_phases(parsed, ctx, body, params, array_params, index_name, swap_pair
                         "bounds it compares differ by a constant, such as 1 and n - 2)"))
                     return
 
+    def plain(st, mst, pending) -> list:
+        """The statement (or expression) ``st`` outside the parallel loops, after ``pending``:
+        checked against them and against itself; the units pending after it."""
+        if any(marker_of(n) in ("thread_id", "num_threads") or isinstance(n, ast.Name) and n.id in by_thread
+               for n in ast.walk(st)):
+            # (statements of one thread, or of each thread's own elements, as lk.thread_id()
+            # picks them: not checked)
+            return pending
+        unit = Unit(st, mst, loop=False)
+        for other in pending:
+            compare(other, unit)
+        compare(unit, unit)
+        if _barrier_on_every_path(st):
+            return [unit]       # its accesses may come before or after the barrier: both checked
+        return pending + [unit] if unit.accesses else pending
+
+    def expression(e, me, pending) -> list:
+        return plain(ast.copy_location(ast.Expr(value=e), e), ast.copy_location(ast.Expr(value=me), me), pending)
+
     def block(stmts, marked):
         pending = []
         for st, mst in zip(stmts, marked):
             if isinstance(st, ast.For) and marker_of(st.iter) in _PARALLEL_LOOPS:
+                pending = expression(st.iter, mst.iter, pending)
                 unit = Unit(st, mst, loop=True)
+                for other in pending:
+                    compare(other, unit)
+                pending.append(unit)
             elif any(isinstance(n, ast.For) and marker_of(n.iter) in _PARALLEL_LOOPS for n in ast.walk(st)):
-                # (a block holding parallel loops: they are checked among themselves; a barrier
-                # in it may not run, so it separates nothing here)
+                # a block holding parallel loops: its test or range is read here; its loops are
+                # checked among themselves; a barrier in it may not run, so it separates nothing
+                head = getattr(st, "test", None) or getattr(st, "iter", None)
+                if head is not None:
+                    pending = expression(head, getattr(mst, "test", None) or getattr(mst, "iter", None), pending)
                 for field_name in ("body", "orelse"):
                     sub = getattr(st, field_name, None)
                     if isinstance(sub, list) and sub and isinstance(sub[0], ast.stmt):
                         block(sub, getattr(mst, field_name))
-                continue
             else:
-                if any(marker_of(n) in ("thread_id", "num_threads") or isinstance(n, ast.Name) and n.id in by_thread
-                       for n in ast.walk(st)):
-                    # (statements of one thread, or of each thread's own elements, as
-                    # lk.thread_id() picks them: not checked)
-                    continue
-                unit = Unit(st, mst, loop=False)
-                if _barrier_on_every_path(st):
-                    # its accesses may come before or after the barrier: both are checked
-                    for other in pending:
-                        compare(other, unit)
-                    pending = [unit]
-                    continue
-            for other in pending:
-                compare(other, unit)
-            if unit.accesses or unit.loop:
-                pending.append(unit)
+                pending = plain(st, mst, pending)
     block(body, marked_body)
 
 

@@ -256,8 +256,34 @@ def repeated_grid_name(t, a, b):
         a[i, i] = 2.0 + a[i, i]
 
 
+def shift_outside_the_loops(t, u, w):
+    n = w.shape[0]
+    for i in lk.range(n):
+        w[i] = 1.0
+    for q in range(3, 0, -1):      # every thread runs it: one writes u[2] as another reads it
+        u[q] = u[q - 1]
+
+
+def read_in_a_test(t, u, w):
+    n = u.shape[0]
+    for i in lk.range(n):
+        u[i] = t + 1.0
+    if lk.min(u[0]) > 0.5:         # read by every thread while the thread of i = 0 writes it
+        for i in lk.range(n):
+            w[i] = 1.0
+
+
+def read_in_bounds_of_an_empty_loop(t, u, w, r):
+    n = u.shape[0]
+    for i in lk.range(0, 1):
+        u[n - r] = 1.0
+    for i, j in lk.grid((r, n), int(lk.min(u[0]))):   # the bound is read even where no iteration runs
+        w[i] = 1.0
+
+
 @pytest.mark.parametrize("fn", [warp_split_then_read, reduction_on_some_steps, sync_on_some_steps,
-                                read_outside_then_write, start_rebound, index_from_the_thread, repeated_grid_name])
+                                read_outside_then_write, start_rebound, index_from_the_thread, repeated_grid_name,
+                                shift_outside_the_loops, read_in_a_test, read_in_bounds_of_an_empty_loop])
 def test_accepted_races_that_a_review_found_are_refused(fn):
     with pytest.raises(lk.StepSyntaxError, match="no lk.sync[(][)] between them"):
         lk.megakernel(fn)
