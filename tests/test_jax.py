@@ -3,7 +3,6 @@ steps, while-loop step counts, against lax.fori_loop / lax.while_loop and NumPy.
 
 import os
 
-import math
 
 import numpy as np
 import pytest
