@@ -1687,8 +1687,9 @@ def _check_phases(parsed, ctx, body, params, array_params, index_name, swap_pair
     iteration is a group of threads), or the elements the two accesses can touch are proven
     apart (``disjoint.py``: a stencil's interior loop and its boundary loop), another thread may
     write the element before or after it is read or written (a race on a GPU; the CPU backend
-    runs the loops in order). Array accesses outside parallel loops, which every thread (or the
-    one a ``lk.thread_id()`` test picks) runs, count as a loop of their own. Two atomic updates
+    runs the loops in order). Array accesses outside parallel loops, which every thread runs,
+    count as a loop of their own, checked against itself too (statements that use
+    ``lk.thread_id()`` are left out: one thread's work, or each thread's own elements). Two atomic updates
     of one kind (adds, maxima or minima) commute, and two stores of one value (the same literal,
     or a copy of one element of an array neither writes) do not race in the result."""
     marked_body = mark_nonneg_indices(body, params, array_params, index_name)
