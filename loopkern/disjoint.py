@@ -141,16 +141,22 @@ def loop_names(loop) -> list:
             if isinstance(t, ast.Name)]
 
 
-def own_key(loop, index):
-    """For an access whose (marked) index gives, in some of its dimensions, each of the parallel
-    loop's variables plus a constant (each variable once, proven non-negative): those
-    dimensions as ``((dimension, variable position, constant), ...)``. Different iterations of
-    the loop then touch different elements through it, and two accesses of equal keys in loops
-    of the same iterations touch one element only from the same iteration. None otherwise
-    (``u[k]`` is every iteration's element; a negative index may wrap onto another
-    iteration's)."""
+def owned_variables(loop) -> list | None:
+    """The parallel loop's variables, when they can tell its iterations apart in an index
+    (distinct, and not bound again in its body), else None: what :func:`own_key` takes."""
     names = loop_names(loop)
-    if len(set(names)) != len(names) or set(names) & _rebound(loop):
+    return None if len(set(names)) != len(names) or set(names) & _rebound(loop) else names
+
+
+def own_key(loop, names, index):
+    """For an access whose (marked) index gives, in some of its dimensions, each of the parallel
+    loop's variables ``names`` (:func:`owned_variables`) plus a constant (each variable once,
+    proven non-negative): those dimensions as ``((dimension, variable position, constant),
+    ...)``. Different iterations of the loop then touch different elements through it, and two
+    accesses of equal keys in loops of the same iterations touch one element only from the same
+    iteration. None otherwise (``u[k]`` is every iteration's element; a negative index may wrap
+    onto another iteration's)."""
+    if names is None:
         return None
     if isinstance(index, ast.Name) and isinstance(loop.target, ast.Name) and index.id == loop.target.id \
             and marker_of(loop.iter) == "grid":
@@ -169,23 +175,34 @@ def own_key(loop, index):
     return tuple(key) if len(key) == len(names) else None
 
 
+def loop_bounds(loop) -> list | None:
+    """``(start, stop, step)`` expressions per variable of a parallel loop (``step`` None where
+    the loop has none: 1), or None for a form other than ``lk.range(stop)``,
+    ``lk.range(start, stop[, step])`` and ``lk.grid(extent or (start, stop), ...)``."""
+    kind, args = marker_of(loop.iter), loop.iter.args
+    if kind == "range" and 1 <= len(args) <= 3:
+        return [(ast.Constant(0), args[0], None) if len(args) == 1 else
+                (args[0], args[1], args[2] if len(args) == 3 else None)]
+    if kind == "grid" and all(not isinstance(a, ast.Tuple) or len(a.elts) == 2 for a in args):
+        return [(a.elts[0], a.elts[1], None) if isinstance(a, ast.Tuple) else (ast.Constant(0), a, None)
+                for a in args]
+    return None
+
+
 def iteration_key(loop, stable):
     """What decides which thread runs which iteration of a parallel loop: its marker and its
     bounds and steps, as affine values where they are (``lk.range(n)`` is ``lk.range(0, n,
     1)``); None where a bound reads a name that is not stable (it may hold another value at
     another loop: ``s = 1`` between two ``lk.range(s, n)``)."""
-    kind, args = marker_of(loop.iter), loop.iter.args
-    if not all(_uniform(a, stable) for a in args):
+    bounds = loop_bounds(loop)
+    if bounds is None or not all(_uniform(a, stable) for a in loop.iter.args):
         return None
 
     def norm(e):
         a = affine(e, stable)
         return ast.dump(e) if a is None else tuple(sorted(a.items()))
-    if kind == "range":
-        full = ([ast.Constant(0)] + list(args) if len(args) == 1 else list(args)) + [ast.Constant(1)] * (3 - max(len(args), 2))
-        return (kind,) + tuple(norm(e) for e in full[:3])
-    dims = [a.elts if isinstance(a, ast.Tuple) else [ast.Constant(0), a] for a in args]
-    return (kind,) + tuple(tuple(norm(e) for e in d) for d in dims)
+    return (marker_of(loop.iter),) + tuple((norm(lo), norm(hi), norm(step or ast.Constant(1)))
+                                           for lo, hi, step in bounds)
 
 
 def loop_pieces(loop, stable) -> dict:
@@ -193,21 +210,13 @@ def loop_pieces(loop, stable) -> dict:
     (inclusive; the values are ``low`` plus multiples of ``stride``, 0 for ``low`` alone; an
     over-approximation: an empty loop takes none), for the variables whose values this can
     bound and that the loop body never binds again."""
-    kind, args = marker_of(loop.iter), loop.iter.args
-    rebound = _rebound(loop)
-    out = {}
-    if len(set(loop_names(loop))) != len(loop_names(loop)):
+    names, bounds = loop_names(loop), loop_bounds(loop)
+    # (one variable per dimension: lk.grid's one-name target, the tuple, has no pieces)
+    if bounds is None or len(names) != len(bounds) or len(set(names)) != len(names) or \
+            marker_of(loop.iter) == "grid" and not isinstance(loop.target, ast.Tuple):
         return {}
-    if kind == "range" and isinstance(loop.target, ast.Name) and 1 <= len(args) <= 3:
-        lo, hi = (ast.Constant(0), args[0]) if len(args) == 1 else (args[0], args[1])
-        out[loop.target.id] = _range_pieces(lo, hi, args[2] if len(args) == 3 else None, stable)
-    elif kind == "grid" and isinstance(loop.target, ast.Tuple) and len(loop.target.elts) == len(args):
-        for t, a in zip(loop.target.elts, args):
-            if isinstance(t, ast.Name):
-                if isinstance(a, ast.Tuple):
-                    out[t.id] = _range_pieces(a.elts[0], a.elts[1], None, stable) if len(a.elts) == 2 else None
-                else:
-                    out[t.id] = _range_pieces(ast.Constant(0), a, None, stable)
+    rebound = _rebound(loop)
+    out = {v: _range_pieces(lo, hi, step, stable) for v, (lo, hi, step) in zip(names, bounds)}
     return {v: p for v, p in out.items() if p is not None and v not in rebound}
 
 
@@ -255,10 +264,16 @@ def index_pieces(array: str, index, pieces: dict, stable) -> list:
     return out
 
 
+def _may_wrap(dim, facts) -> bool:
+    """Whether a dimension's index may be negative (count from the end), given ``facts``."""
+    pieces, extent = dim
+    return extent is not None and not all(_nonneg(lo, facts) for lo, _, _ in pieces)
+
+
 def _reached(dim, facts) -> list:
     """A dimension's pieces, with the elements negative values wrap to where they may occur."""
     pieces, extent = dim
-    if extent is None or all(_nonneg(lo, facts) for lo, _, _ in pieces):
+    if not _may_wrap(dim, facts):
         return pieces
     top = _sum(extent, {"": -1})
     return pieces + [(_sum(lo, extent), top, 1) for lo, _, _ in pieces]
@@ -267,8 +282,7 @@ def _reached(dim, facts) -> list:
 def never_wraps(elements: list, facts=()) -> bool:
     """Whether an access's :func:`index_pieces` are known in every dimension and proven
     non-negative there (given ``facts``): no index of it counts from the end."""
-    return all(d is not None and (d[1] is None or all(_nonneg(lo, list(facts)) for lo, _, _ in d[0]))
-               for d in elements)
+    return all(d is not None and not _may_wrap(d, list(facts)) for d in elements)
 
 
 def _apart(p, q, facts) -> bool:

@@ -36,8 +36,8 @@ from typing import NamedTuple
 import numpy as np
 
 from . import dsl
-from .disjoint import (disjoint, index_pieces, iteration_key, loop_facts, loop_pieces, never_wraps, own_key,
-                       shape_symbol, stable_names)
+from .disjoint import (disjoint, index_pieces, iteration_key, loop_bounds, loop_facts, loop_names, loop_pieces,
+                       never_wraps, own_key, owned_variables, shape_symbol, stable_names)
 from .errors import Diagnostic, StepSyntaxError
 from .frontend import ParsedFunction, parse_step
 from .index_bounds import is_nonneg_mark, mark_nonneg_indices
@@ -1712,20 +1712,22 @@ def _check_phases(parsed, ctx, body, params, array_params, index_name, swap_pair
                 [ast.Module(body=list(x.body) + list(x.orelse), type_ignores=[]) for x in (node, marked)]
             for tree in trees:
                 seen = []
+                updated = {id(n.target) for n in ast.walk(tree) if isinstance(n, ast.AugAssign)}
                 for n in _walk_unmarked(tree):
                     if isinstance(n, ast.Subscript) and isinstance(n.value, ast.Name):
                         seen.append((n.value.id, "w" if isinstance(n.ctx, ast.Store) else "r", n))
-                        if isinstance(n.ctx, ast.Store) and _updated_in_place(tree, n):
+                        if id(n) in updated:        # a[i] += x reads the element too
                             seen.append((n.value.id, "r", n))
                     elif marker_of(n) in _ATOMICS and n.args and isinstance(n.args[0], ast.Name):
                         seen.append((n.args[0].id, marker_of(n), n))
                 found.append(seen)
             values = {id(st.targets[0]): _stored_value(st) for st in ast.walk(trees[0])
                       if isinstance(st, ast.Assign) and len(st.targets) == 1 and isinstance(st.targets[0], ast.Subscript)}
+            owned = owned_variables(marked) if loop and not self.split else None
             for (name, kind, n), (_, _, m) in zip(*found):
                 sub = isinstance(m, ast.Subscript)
                 elements = index_pieces(name, m.slice, pieces, stable) if sub else [None]
-                own = own_key(marked, m.slice) if sub and loop and not self.split else None
+                own = own_key(marked, owned, m.slice) if sub else None
                 self.accesses.setdefault(name, []).append((kind, own, n, elements,
                                                            values.get(id(n)) if kind == "w" else None))
 
@@ -1877,12 +1879,6 @@ def _walk_unmarked(node):
         yield from _walk_unmarked(child.args[0] if is_nonneg_mark(child) else child)
 
 
-def _updated_in_place(tree, sub) -> bool:
-    """Whether the store ``sub`` is the target of an augmented assignment (``a[i] += x`` reads
-    the element too)."""
-    return any(isinstance(n, ast.AugAssign) and n.target is sub for n in ast.walk(tree))
-
-
 def _check_neighbour_writes(parsed, ctx, body):
     """A parallel loop that stores ``a[i]`` and reads ``a[i - 1]`` (each index the loop's own
     plus a constant, the constants differing): the element read is another iteration's, which
@@ -1891,10 +1887,6 @@ def _check_neighbour_writes(parsed, ctx, body):
     condition with ``%`` or ``&`` (red-black orderings store and read disjoint elements), loops
     with a step other than 1, offsets further apart than a literal range is long, and indices
     through other expressions (a name bound once to the index plus a constant is followed)."""
-
-    def loop_names(loop):
-        return [n.id for n in (loop.target.elts if isinstance(loop.target, ast.Tuple) else [loop.target])
-                if isinstance(n, ast.Name)]
 
     def steps_of_one(loop):
         # the loop variables whose step is 1: lk.range(a, b) or lk.range(a, b, 1); lk.grid's all
@@ -1908,14 +1900,9 @@ def _check_neighbour_writes(parsed, ctx, body):
 
     def literal_lengths(loop):
         # variable -> the number of iterations of its dimension, where its bounds are literals
-        names = loop_names(loop)
-        if marker_of(loop.iter) == "range":
-            dims = [loop.iter.args[:2] if len(loop.iter.args) > 1 else [ast.Constant(0), loop.iter.args[0]]]
-        else:
-            dims = [a.elts if isinstance(a, ast.Tuple) else [ast.Constant(0), a] for a in loop.iter.args]
         out = {}
-        for name, bounds in zip(names, dims):
-            lo, hi = (int_constant(b) for b in bounds)
+        for name, (lo, hi, _) in zip(loop_names(loop), loop_bounds(loop) or []):
+            lo, hi = int_constant(lo), int_constant(hi)
             if lo is not None and hi is not None:
                 out[name] = max(hi - lo, 0)
         return out

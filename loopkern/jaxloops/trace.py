@@ -213,8 +213,8 @@ def flatten(closed) -> Program:
     guards: list = []       # per enclosing cond branch: the Var that is true where it is taken
 
     def branch_guard(which, k, where):
-        """A bool Var: branch ``k`` of a cond on ``which`` is taken (and so are the branches
-        around it). Emitted only where a while_loop reads it (see ``nested_loop``)."""
+        """What says that branch ``k`` of a cond on ``which`` is taken (and so are the branches
+        around it); :func:`guard_var` emits it as a bool Var where a while_loop reads it."""
         return (which, k, guards[-1] if guards else None, where)
 
     def guard_var(g):
