@@ -11,7 +11,7 @@ meaning.
 
 What it knows: integer literals; the step index; ``.shape[k]``, ``.size``, ``len()``; loop
 variables of ``range`` / ``lk.range`` (from the start, or from the stop for a negative literal
-step) and ``lk.grid``; ``lk.thread_id()``; ``+``, ``-`` of a literal, ``*``, ``//`` and ``%``;
+step) and ``lk.grid``; ``lk.thread_id()`` and ``lk.num_threads()``; ``+``, ``-`` of a literal, ``*``, ``//`` and ``%``;
 ``min``, ``max``, ``abs`` and conditional expressions of those; and local names, as the least
 bound over every assignment to them (``+=`` of a non-negative amount keeps a bound). A name
 bound in any other way, or through a cycle of assignments, is unbounded.
@@ -478,15 +478,18 @@ class _Bounds:
             return None
         if marker_of(e) == "thread_id" and not e.args:
             return 0
+        if marker_of(e) == "num_threads" and not e.args:
+            return 1
         if f == "len" and len(e.args) == 1 and isinstance(e.args[0], ast.Name):
             return 0
         lows = [self.lower(a, ctx) for a in e.args]
+        if f == "max" and any(low is not None for low in lows):
+            # at least each argument: one bound is enough (max(n - 1 - i, 0) >= 0)
+            return max(low for low in lows if low is not None)
         if not lows or None in lows:
             return None
         if f == "min":
             return min(lows)
-        if f == "max":
-            return max(lows)
         if f == "abs" and len(lows) == 1:
             return max(lows[0], 0)
         return None

@@ -16,11 +16,16 @@ def lowered(body, carry):
     return loops._kernel(plan), plan, prog
 
 
-def run_lowered(body, carry, steps, backend, threads=64, blocks=1, **kw):
+def run_lowered(body, carry, steps, backend, threads=64, blocks=1, split=None, **kw):
     """Run the lowered step ``steps`` times on NumPy arrays (loop index from 0): the new carry,
     the plan and the Run. The arguments follow the plan's parameters (a body that never reads its index
-    takes none). ``kw``: more options of the call (``scope=``)."""
+    takes none). ``split``: None runs the kernel the drop-in loops pick; True the step with its
+    loops split into interior and rim (the plan must have split some), False the one without.
+    ``kw``: more options of the call (``scope=``)."""
     mk, plan, prog = lowered(body, carry)
+    if split is not None:
+        assert plan.plain_source is not None, "the lowering split no loop of this body"
+        mk = loops._make_kernel(plan.source if split else plan.plain_source, plan)
     args, first = [], None
     for name, role, k in plan.params:
         if role in ("carry", "carry_next"):

@@ -65,6 +65,18 @@ def test_modulo_descending_ranges_grids_and_builtins():
                     "max(i - 5, 0)", "min(j, 3)", "t"])
 
 
+def test_max_needs_one_bounded_argument_and_num_threads_is_positive():
+    # the rim loop of a split drop-in loop (jaxloops Lowering.split_loop) walks down from the
+    # last thread: max(..., 0) bounds it, += lk.num_threads() keeps the bound
+    assert _marked("""
+        r = max(lk.num_threads() - 1 - lk.thread_id(), 0)
+        while r < 9:
+            b[r] = a[max(k - 3, r)] + a[max(k, r - 1)] + a[min(r, k)]
+            r += lk.num_threads()
+        b[lk.num_threads() - 1] = a[lk.num_threads() - 2]
+    """) == [INTRINSIC_PREFIX + "num_threads() - 1", "max(k - 3, r)", "r"]
+
+
 def test_locals_take_the_least_bound_of_all_their_assignments():
     assert _marked("""
         m = 2
@@ -252,7 +264,8 @@ GUARD_TESTS = ["i > {c}", "i >= {c}", "0 <= i - {c}", "a >= {c}", "b > {c} - 1",
                "i - {c} >= 0 and a > {d}", "i > {c} or k > {d}", "not i < {c}", "{c} <= b", "k >= {c}",
                "a == {c}", "i - k >= {c}", "i < {c}", "{c} > a", "b <= {c}", "i != {c}"]
 GUARD_LOCALS = ["i - {c}", "i - {c} if i > {d} else n - {e}", "i - {c} if {d} <= i else 0", "k - {c}",
-                "n - 1 - i", "max(i - {c}, {d})", "min(i, k) - {c}", "i - {c} if i > {d} else i - {e}"]
+                "n - 1 - i", "max(i - {c}, {d})", "min(i, k) - {c}", "i - {c} if i > {d} else i - {e}",
+                "max(n - 1 - i - {c}, {d})", "max(k - 9, i - {c})"]
 GUARD_INDICES = ["i", "i - {c}", "a", "b", "a - {c}", "k - {c}", "n - 1 - i - {c}",
                  "u.shape[0] - {e}", "b - {c} if b > {d} else a", "i - {c} if i >= {c} else i - {d}"]
 

@@ -536,3 +536,38 @@ def test_random_window_bodies_match_a_float64_run_of_the_body(backend, seed):
     assert ref.dtype == np.float64
     np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5, err_msg=str([d for _, d in ops]))
 
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("seed", range(10))
+def test_random_window_bodies_split_into_interior_and_rim(backend, seed):
+    """Lowering.split_loop: random window bodies (as above) whose result is also reduced over
+    the whole field each step, lowered to a step whose loops are split into an interior loop
+    without conditions and a rim loop of slabs, run with that split step (also where the drop-in
+    loops would keep the plain step for tile mode) on threads that do not divide the cells, against
+    the body run by jax.lax.fori_loop in float64."""
+    rng = np.random.default_rng(2000 + seed)
+    for _ in range(100):
+        nd = int(rng.integers(1, 4))
+        shape = tuple(int(rng.integers(3, 60 if nd == 1 else 14 if nd == 2 else 7)) for _ in range(nd))
+        ops = [_random_window_op(rng, shape) for _ in range(int(rng.integers(1, 4)))]
+
+        def body(i, x, ops=ops):
+            for f, _ in ops:
+                x = f(x)
+            y = jnp.tanh(x)
+            return y - 0.125 * jnp.max(y) + 0.0625 * jnp.sum(jnp.abs(y[1:]))
+        x0 = rng.standard_normal(shape).astype(np.float32)
+        _, plan, _ = lowered(body, x0)
+        if plan.plain_source is not None:
+            break
+    else:
+        raise AssertionError("no random body had a loop to split")
+    assert "_v_ in lk.range(" in plan.source or "_v = max(lk.num_threads() - 1 - lk.thread_id(), 0)" in plan.source
+    steps = int(rng.integers(1, 5))
+    threads = int(rng.choice([32, 64, 96]))
+    scope = dict(scope=str(rng.choice(["grid", "block"]))) if backend == "cuda" else {}
+    got, _, _ = run_lowered(body, x0, steps, backend, threads=threads, split=True, **scope)
+    with jax_x64():
+        ref = np.asarray(lax.fori_loop(0, steps, body, jnp.asarray(x0, jnp.float64)))
+    np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4, err_msg=str([d for _, d in ops]))

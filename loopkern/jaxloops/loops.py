@@ -62,32 +62,42 @@ _last_source = ""       # the step source of the latest loop (for tests and debu
 
 
 def _kernel(plan):
-    """The MegaKernel of a generated step (cached by its source)."""
-    from ..api import MegaKernel
+    """The MegaKernel of a generated step (cached by its source). A step with split loops
+    (lower.Lowering.split_loop) is used only when its plain form is not a stencil: tile mode
+    keeps a stencil on chip, and needs every parallel loop over one index space."""
     global _last_source
-    _last_source = plan.source
     key = (plan.source, tuple(plan.swap))
     mk = _kernels.get(key)
-    if mk is not None:
-        return mk
-    with _lock:
-        mk = _kernels.get(key)
-        if mk is not None:
-            return mk
-        source = "import math\nimport numpy as np\nimport loopkern as lk\n" + HELPERS + "\n\n" + plan.source
-        digest = hashlib.sha1(source.encode()).hexdigest()[:16]
-        filename = f"<loopkern-jaxloops-{digest}>"
-        lines = source.splitlines(True)
-        linecache.cache[filename] = (len(source), None, lines, filename)
-        namespace = {"__name__": f"loopkern_jaxloops_{digest}"}
-        exec(compile(source, filename, "exec"), namespace)
-        fn = namespace[plan.name]
-        try:
-            mk = MegaKernel(fn, swap=plan.swap)
-        except LoopkernError as exc:
-            raise GeneratedStepRejected(exc) from exc
-        _kernels[key] = mk
+    if mk is None:
+        with _lock:
+            mk = _kernels.get(key)
+            if mk is None:
+                mk = _make_kernel(plan.source, plan)
+                if plan.plain_source is not None:
+                    from ..stencil import Stencil, find_stencil
+                    plain = _make_kernel(plan.plain_source, plan)
+                    if isinstance(find_stencil(plain.spec), Stencil):
+                        mk = plain
+                _kernels[key] = _kernels[(mk.fn.__loopkern_source__, key[1])] = mk
+    _last_source = mk.fn.__loopkern_source__
     return mk
+
+
+def _make_kernel(step_source, plan):
+    from ..api import MegaKernel
+    source = "import math\nimport numpy as np\nimport loopkern as lk\n" + HELPERS + "\n\n" + step_source
+    digest = hashlib.sha1(source.encode()).hexdigest()[:16]
+    filename = f"<loopkern-jaxloops-{digest}>"
+    lines = source.splitlines(True)
+    linecache.cache[filename] = (len(source), None, lines, filename)
+    namespace = {"__name__": f"loopkern_jaxloops_{digest}"}
+    exec(compile(source, filename, "exec"), namespace)
+    fn = namespace[plan.name]
+    fn.__loopkern_source__ = step_source
+    try:
+        return MegaKernel(fn, swap=plan.swap)
+    except LoopkernError as exc:
+        raise GeneratedStepRejected(exc) from exc
 
 
 def _check_fallback(fallback):

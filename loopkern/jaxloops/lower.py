@@ -26,6 +26,7 @@ Nothing here imports numba or jax.
 from __future__ import annotations
 
 import math
+import threading
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -46,6 +47,8 @@ SORT_MAX = 4096
 #: the largest matrix ``lu`` / ``triangular_solve`` handle (one thread: O(n^3) work)
 LINALG_MAX = 64
 LINALG = ("lu", "triangular_solve", "cholesky")
+#: a parallel loop whose rim (Lowering.split_loop) has more slabs than this is not split
+MAX_RIM_SLABS = 8
 _UNROLL_HINT = (f"(a nested loop runs per element when it updates its array carries elementwise, and unrolled "
                 f"when its count is static and at most {UNROLL_MAX})")
 
@@ -251,6 +254,15 @@ def opaque(text: str, lo: int, hi: int) -> Ix:
     return Ix(None, 0, lo, hi, text)
 
 
+class _CutLog(threading.local):
+    """Where :func:`range_cond` records the conditions it leaves to run time (see
+    ``Lowering.split_loop``); None: nowhere."""
+    found = None
+
+
+_cut_log = _CutLog()
+
+
 def range_cond(ix: Ix, a: int, b: int):
     """The condition ``a <= ix < b``: True/False when the range of ``ix`` decides it, else its text."""
     need_lo = ix.lo < a
@@ -259,6 +271,9 @@ def range_cond(ix: Ix, a: int, b: int):
         return False
     if not need_lo and not need_hi:
         return True
+    if _cut_log.found is not None and ix.text is None and ix.base is not None:
+        # the loop index values where the condition changes: ix.base + ix.off reaches a and b
+        _cut_log.found.append((ix.base, a - ix.off, b - ix.off))
     e = ix.expr
     if need_lo and need_hi:
         return f"{a} <= {e} < {b}"
@@ -324,6 +339,8 @@ class Loop:
     items: list = field(default_factory=list)
     body: Block | None = None
     names: tuple = ()
+    # split (Lowering.split_loop): the loops that run instead, each (header, body lines)
+    pieces: list = field(default_factory=list)
 
 
 @dataclass(eq=False)
@@ -358,12 +375,20 @@ class StepPlan:
     carries: list           # CarryPlan per carry leaf
     returns_condition: bool
     sequential: bool
+    # the step without split loops (Lowering.split_loop), when ``source`` has some: a stencil
+    # that tile mode can keep on chip stays one loop
+    plain_source: str | None = None
 
 
 class Lowering:
     """Build the step of one program. ``roles`` gives each input Var its role:
     ("index",) the loop index, ("carry", k), ("x", k) (scan: xs leaf k at the scan position);
     ``out_roles`` each output's: ("carry", k), ("y", k), ("cond",)."""
+
+    #: whether parallel loops are split into interior and rim (split_loop); the text is
+    #: rendered with the split loops when ``split`` is set
+    splits = True
+    split = False
 
     def __init__(self, prog: Program, roles: list, out_roles: list, *, ys_shapes=(), scan_length=None,
                  reverse=False, name="jl_step"):
@@ -1383,6 +1408,17 @@ class Lowering:
     # ---------------------------------------------------------------- rendering
     def render(self, cond_text, cond) -> StepPlan:
         self.generate_loops()
+        self.split = False
+        plain = self.render_text(cond_text, cond)
+        if not any(L.pieces for L in self.loops):
+            return plain
+        self.split = True
+        plan = self.render_text(cond_text, cond)
+        plan.plain_source = plain.source
+        return plan
+
+    def render_text(self, cond_text, cond) -> StepPlan:
+        """The step's source (its parallel loops split when ``self.split``: split_loop)."""
         sequential = not self.loops and (cond is None or not self._varying(cond_text))
         out = [f"def {self.name}({', '.join(['t'] + [p[0] for p in self.params])}):"]
         out += self.stage_lines()
@@ -1449,9 +1485,11 @@ class Lowering:
             for L in self.loops:
                 if L.stage != s:
                     continue
-                out.append("    " + _parallel_for(L.names, L.box))
-                body = L.body.lines or ["pass"]
-                out += ["        " + ln for ln in body]
+                for head, body in (L.pieces if self.split and L.pieces else
+                                   [(_parallel_for(L.names, L.box), L.body.lines)]):
+                    out.append("    " + head)
+                    if body is not None:        # (None: a statement, not a loop)
+                        out += ["        " + ln for ln in body or ["pass"]]
             for st, lines in self.serial_text:      # one thread's work (a factorisation)
                 if st == s:
                     out += ["    if lk.thread_id() == 0:"] + ["        " + ln for ln in lines]
@@ -1477,47 +1515,157 @@ class Lowering:
             L.names = tuple(f"{li}_{d}" for d in range(nd))
             L.body = Block(L.stage, "        ", loop=L)
             ix = tuple(Ix(n, 0, lo, hi - 1) for n, (lo, hi) in zip(L.names, L.box))
-            for it in L.items:
-                if it.kind == "scatter":
-                    self.render_scatter(it, ix, L.body)
-                    continue
-                if it.kind == "sort":
-                    self.render_sort(it, ix, L.body)
-                    continue
-                if it.kind == "reduce":
-                    if isinstance(it.atom, tuple):   # a full dot
-                        _, x, y, lc, rc = it.atom
-                        xi = [None] * len(x.shape)
-                        yi = [None] * len(y.shape)
-                        for p, (a, b) in enumerate(zip(lc, rc)):
-                            xi[a] = ix[p]
-                            yi[b] = ix[p]
-                        dt = x.dtype
-                        val = self.mul_text(self.E(x, tuple(xi), None, L.body), self.E(y, tuple(yi), None, L.body),
-                                            dt)
-                    else:
-                        val = self.E(it.atom, ix, None, L.body)
-                    L.body.lines.append(self.accumulate(it, val))
-                    continue
-                val = self.E(it.atom, ix, None, L.body)
-                guard = [range_cond(i, lo, hi) for i, (lo, hi) in zip(ix, it.box)]
-                guard = [g for g in guard if g is not True]
-                if it.op:
-                    guard.append(it.op)
-                store = f"{it.target}[{', '.join(it.index(ix))}] = {val}"
-                if any(g is False for g in guard):
-                    continue
-                if guard:
-                    L.body.lines.append(f"if {' and '.join(guard)}:")
-                    L.body.lines.append("    " + store)
-                else:
-                    L.body.lines.append(store)
+            before = self._registered()
+            cuts = []
+            _cut_log.found = cuts
+            try:
+                self.render_items(L, ix, L.body)
+            finally:
+                _cut_log.found = None
+            if self.splits and self._registered() == before:
+                self.split_loop(L, li, cuts)
         for e, lines in self.phased_text.items():
             lines += self.phased[e].text()
         for st, e in self.serial:
             block = Block(st, "", parent=None)
             self.render_linalg(e, block)
             self.serial_text.append((st, block.lines))
+
+    def render_items(self, L: Loop, ix: tuple, B: Block) -> int:
+        """The work of loop ``L``'s items at the cell ``ix`` (Ix per dimension) into ``B``;
+        returns how many stores it wrote there."""
+        stores = 0
+        for it in L.items:
+            if it.kind == "scatter":
+                self.render_scatter(it, ix, B)
+                continue
+            if it.kind == "sort":
+                self.render_sort(it, ix, B)
+                continue
+            if it.kind == "reduce":
+                if isinstance(it.atom, tuple):   # a full dot
+                    _, x, y, lc, rc = it.atom
+                    xi = [None] * len(x.shape)
+                    yi = [None] * len(y.shape)
+                    for p, (a, b) in enumerate(zip(lc, rc)):
+                        xi[a] = ix[p]
+                        yi[b] = ix[p]
+                    val = self.mul_text(self.E(x, tuple(xi), None, B), self.E(y, tuple(yi), None, B), x.dtype)
+                else:
+                    val = self.E(it.atom, ix, None, B)
+                B.lines.append(self.accumulate(it, val))
+                continue
+            val = self.E(it.atom, ix, None, B)
+            guard = [range_cond(i, lo, hi) for i, (lo, hi) in zip(ix, it.box)]
+            guard = [g for g in guard if g is not True]
+            if it.op:
+                guard.append(it.op)
+            store = f"{it.target}[{', '.join(it.index(ix))}] = {val}"
+            if any(g is False for g in guard):
+                continue
+            stores += 1
+            if guard:
+                B.lines.append(f"if {' and '.join(guard)}:")
+                B.lines.append("    " + store)
+            else:
+                B.lines.append(store)
+        return stores
+
+    def _registered(self) -> tuple:
+        """How much rendering has registered beyond a loop's body (loops, phases, parameters,
+        buffers, one thread's work): split_loop renders a body again only when it registered
+        nothing, so that a second rendering cannot register anything twice."""
+        return (len(self.loops), len(self.phased), len(self.params), len(self.scratch), len(self.serial),
+                sum(len(b) for b in self.post.values()))
+
+    def split_loop(self, L: Loop, li: str, cuts: list):
+        """Split loop ``L`` into an interior loop whose conditions are decided and a rim loop.
+
+        ``cuts`` are the conditions the body of ``L`` tests at run time, as (index name, a, b):
+        the condition holds for index values in ``[a, b)`` (a pad, a ``u.at[1:-1].set``
+        window, a concatenation's pieces, a reduction over more cells than a store covers).
+        Along each dimension those values cut the loop's range into segments on which every
+        such condition is constant; the box of the longest segments is the *interior*, where
+        the body is rendered again with the indices narrowed to it, so the conditions fold
+        away (and the stores outside their window with them): the Jacobi body's element went
+        from 196 to 140 SASS instructions per four cells. The other cells, the *rim*, run in
+        one more loop over slabs: for each dimension d and each index value c of d outside the
+        interior, the cells with index c along d, interior along the dimensions before d and
+        anything along those after (a partition of the rim). Each slab is rendered with its
+        indices narrowed in the same way; its index along d is the constant c, which the race
+        check sees is outside the interior loop's range.
+
+        The rim loop runs over ``interior + rim`` values and takes only those past the
+        interior's count: the iterations a thread takes in both loops together are then those
+        it would take in one loop over every cell (a thread with one interior cell less than
+        others takes the rim cell), so splitting adds no cell to the busiest thread.
+
+        Iterations of one parallel loop are independent (each thread runs some of them, in no
+        set order), so any partition of its cells into loops without a barrier between them
+        computes the same values; only the order in which a thread adds to a reduction changes.
+        Nothing is split when the interior is less than half the cells or the rim has more than
+        MAX_RIM_SLABS slabs (a loop of several index spaces costs more than the conditions).
+        """
+        if any(it.kind in ("scatter", "sort") for it in L.items):
+            return
+        nd = len(L.box)
+        cells = math.prod(hi - lo for lo, hi in L.box)
+        if cells == 0:
+            return
+        inner = []
+        for d, (lo, hi) in enumerate(L.box):
+            points = sorted({lo, hi} | {x for name, a, b in cuts if name == L.names[d] for x in (a, b)
+                                        if lo < x < hi})
+            segs = list(zip(points, points[1:]))
+            inner.append(max(segs, key=lambda ab: ab[1] - ab[0]))
+        inside = math.prod(b - a for a, b in inner)
+        slabs = []
+        for d, (lo, hi) in enumerate(L.box):
+            for c in [*range(lo, inner[d][0]), *range(inner[d][1], hi)]:
+                slabs.append(tuple(inner[k] if k < d else (c, c + 1) if k == d else L.box[k] for k in range(nd)))
+        if not slabs or inside * 2 < cells or len(slabs) > MAX_RIM_SLABS:
+            return
+        body = Block(L.stage, "        ", loop=L)
+        self.render_items(L, tuple(Ix(n, 0, a, b - 1) for n, (a, b) in zip(L.names, inner)), body)
+        pieces = [(_parallel_for(L.names, tuple(inner)), body.lines or ["pass"])]
+        v = f"{li}_v"
+        branches, first, stores = [], 0, 0
+        for k, box in enumerate(slabs):
+            count = math.prod(b - a for a, b in box)
+            names = tuple(f"{li}_r{d}" for d in range(nd))
+            decode, q = [], f"{v} - {first}" if first else v
+            moving = [d for d, (a, b) in enumerate(box) if b - a > 1]
+            for j, d in enumerate(reversed(moving)):
+                a, b = box[d]
+                if j == len(moving) - 1:
+                    decode.append(f"{names[d]} = {a} + {q}" if a else f"{names[d]} = {q}")
+                else:
+                    decode.append(f"{names[d]} = {a} + ({q}) % {b - a}" if a else f"{names[d]} = ({q}) % {b - a}")
+                    q = f"({q}) // {b - a}"
+            ix = tuple(const_ix(a) if b - a == 1 else Ix(names[d], 0, a, b - 1) for d, (a, b) in enumerate(box))
+            slab = Block(L.stage, "        ", loop=L)
+            stores += self.render_items(L, ix, slab)
+            branches.append((first + count, decode + (slab.lines or ["pass"])))
+            first += count
+        rim = []
+        for k, (end, lines) in enumerate(branches):
+            if len(branches) == 1:
+                rim += lines
+            else:
+                test = "else:" if k == len(branches) - 1 else f"{'if' if k == 0 else 'elif'} {v} < {end}:"
+                rim += [test] + ["    " + ln for ln in lines]
+        if stores:
+            # cells stored into: a parallel loop, whose stores the race check proves apart from
+            # the interior's (a slab's index along its dimension is a constant outside it)
+            pieces.append((f"for {v}_ in lk.range({inside + first}):",
+                           [f"if {v}_ >= {inside}:", f"    {v} = {v}_ - {inside}"] + ["    " + ln for ln in rim]))
+        else:
+            # only reads and reductions: the last threads take the rim, from the last one down
+            # (they are those with one interior cell less when the threads do not divide it)
+            # (max(..., 0) changes nothing; it tells index_bounds that the index is not negative)
+            pieces.append((f"{v} = max(lk.num_threads() - 1 - lk.thread_id(), 0)", None))
+            pieces.append((f"while {v} < {first}:", rim + [f"{v} += lk.num_threads()"]))
+        L.pieces = pieces
 
     def _finals_in_order(self) -> list:
         """The final stores, the scalar carries' last. A carry is read back at the start of the
@@ -1569,6 +1717,8 @@ class PhaseLowering(Lowering):
     the enclosing step: array carries are read from their buffer A (their new values written to
     B), scalar carries are local names (``local`` plans), and every value of the enclosing
     program comes from the enclosing lowering (computed before the loop)."""
+
+    splits = False      # (its loops run inside a sequential loop: kept as they are)
 
     def __init__(self, outer: Lowering, eqns, outs, carries, plans: dict, varying=()):
         self.outer = outer
