@@ -287,15 +287,21 @@ class _Lower(ast.NodeTransformer):
 
     def _own_access(self, node) -> bool:
         """An access that runtime/arrays.py lowers: an array parameter indexed by indices all
-        proven non-negative (wrapped in uint64 by index_bounds), in a kernel that asked for it."""
+        proven non-negative (wrapped in uint64 by index_bounds) or non-negative literals, in a
+        kernel that asked for it."""
         if self.access is None or not isinstance(node.value, ast.Name) or node.value.id not in self.arrays:
             return False
-        return _nonneg_indices(node)
+        return _unsigned_literals(node) or _nonneg_indices(node)
 
     def _shared_access(self, node) -> bool:
         """An access to an array in shared memory (a tile's index already shifted) that
-        runtime/arrays.py lowers to the shared state space: every index proven non-negative."""
-        return self.sites is None and _nonneg_indices(node)
+        runtime/arrays.py lowers to the shared state space: every index proven non-negative
+        (or, outside a tile, a non-negative literal)."""
+        if self.sites is not None:
+            return False
+        if isinstance(node.value, ast.Name) and node.value.id not in self.tile_arrays and _unsigned_literals(node):
+            return True
+        return _nonneg_indices(node)
 
     def visit_Assign(self, node):
         self.generic_visit(node)
@@ -401,6 +407,25 @@ def _nonneg_indices(node) -> bool:
     """Whether every index of subscript ``node`` is proven non-negative (wrapped by index_bounds)."""
     elts = node.slice.elts if isinstance(node.slice, ast.Tuple) else [node.slice]
     return all(is_nonneg_mark(e) for e in elts)
+
+
+def _unsigned_literals(node) -> bool:
+    """When every index of subscript ``node`` is proven non-negative or is a non-negative integer
+    literal, and at least one is such a literal: wrap the literals in uint64 as index_bounds wraps
+    the proven ones (the same element; runtime/arrays.py lowers only unsigned indices) and return
+    True (the rim of a split drop-in loop reads ``u[0, j]``; a step stores ``hist[t, 0]``)."""
+    elts = node.slice.elts if isinstance(node.slice, ast.Tuple) else [node.slice]
+    literal = [isinstance(e, ast.Constant) and type(e.value) is int and e.value >= 0 for e in elts]
+    if not any(literal) or not all(k or is_nonneg_mark(e) for k, e in zip(literal, elts)):
+        return False
+    wrapped = [ast.copy_location(ast.Call(func=ast.Attribute(value=ast.Name(id=f"{_P}np", ctx=ast.Load()),
+                                                             attr="uint64", ctx=ast.Load()),
+                                          args=[e], keywords=[]), e) if k else e for k, e in zip(literal, elts)]
+    if isinstance(node.slice, ast.Tuple):
+        node.slice.elts = wrapped
+    else:
+        node.slice = wrapped[0]
+    return True
 
 
 def check_call(fn: str, array: str, index, site: int, node):
