@@ -11,7 +11,8 @@ meaning.
 
 What it knows: integer literals; the step index; ``.shape[k]``, ``.size``, ``len()``; loop
 variables of ``range`` / ``lk.range`` (from the start, or from the stop for a negative literal
-step) and ``lk.grid``; ``lk.thread_id()`` and ``lk.num_threads()``; ``+``, ``-`` of a literal, ``*``, ``//`` and ``%``;
+step) and ``lk.grid``; ``lk.thread_id()``, ``lk.num_threads()`` and ``lk.num_threads() - c -
+lk.thread_id()``; ``+``, ``-`` of a literal, ``*``, ``//`` and ``%``;
 ``min``, ``max``, ``abs`` and conditional expressions of those; and local names, as the least
 bound over every assignment to them (``+=`` of a non-negative amount keeps a bound). A name
 bound in any other way, or through a cycle of assignments, is unbounded.
@@ -455,6 +456,15 @@ class _Bounds:
         return None
 
     def _binop(self, e, ctx):
+        if isinstance(e.op, ast.Sub) and isinstance(e.right, ast.Call) and marker_of(e.right) == "thread_id" \
+                and not e.right.args:
+            # lk.num_threads() - c - lk.thread_id(): the thread's index is below the count, so
+            # this is at least 1 - c (a count of threads taken from the last one down)
+            left, c = e.left, 0
+            if isinstance(left, ast.BinOp) and isinstance(left.op, ast.Sub) and int_constant(left.right) is not None:
+                left, c = left.left, int_constant(left.right)
+            if isinstance(left, ast.Call) and marker_of(left) == "num_threads" and not left.args:
+                return 1 - c
         a, b = self.lower(e.left, ctx), self.lower(e.right, ctx)
         if a is None or b is None:
             return None
@@ -483,13 +493,12 @@ class _Bounds:
         if f == "len" and len(e.args) == 1 and isinstance(e.args[0], ast.Name):
             return 0
         lows = [self.lower(a, ctx) for a in e.args]
-        if f == "max" and any(low is not None for low in lows):
-            # at least each argument: one bound is enough (max(n - 1 - i, 0) >= 0)
-            return max(low for low in lows if low is not None)
         if not lows or None in lows:
             return None
         if f == "min":
             return min(lows)
+        if f == "max":
+            return max(lows)
         if f == "abs" and len(lows) == 1:
             return max(lows[0], 0)
         return None

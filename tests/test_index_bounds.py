@@ -65,16 +65,18 @@ def test_modulo_descending_ranges_grids_and_builtins():
                     "max(i - 5, 0)", "min(j, 3)", "t"])
 
 
-def test_max_needs_one_bounded_argument_and_num_threads_is_positive():
+def test_threads_counted_from_the_last_one_down():
     # the rim loop of a split drop-in loop (jaxloops Lowering.split_loop) walks down from the
-    # last thread: max(..., 0) bounds it, += lk.num_threads() keeps the bound
+    # last thread: lk.num_threads() - 1 - lk.thread_id() >= 0, += lk.num_threads() keeps it; a
+    # max() of an unbounded argument stays unbounded (it may be a float: no index then)
     assert _marked("""
-        r = max(lk.num_threads() - 1 - lk.thread_id(), 0)
+        r = lk.num_threads() - 1 - lk.thread_id()
         while r < 9:
-            b[r] = a[max(k - 3, r)] + a[max(k, r - 1)] + a[min(r, k)]
+            b[r] = a[max(k - 3, r)] + a[lk.num_threads() - 2 - lk.thread_id()] + a[min(r, k)]
             r += lk.num_threads()
-        b[lk.num_threads() - 1] = a[lk.num_threads() - 2]
-    """) == [INTRINSIC_PREFIX + "num_threads() - 1", "max(k - 3, r)", "r"]
+        b[lk.num_threads() - 1] = a[lk.num_threads() - lk.thread_id()] + a[lk.thread_id() - lk.num_threads()]
+    """) == [INTRINSIC_PREFIX + "num_threads() - 1", INTRINSIC_PREFIX + "num_threads() - " + INTRINSIC_PREFIX
+             + "thread_id()", "r"]
 
 
 def test_locals_take_the_least_bound_of_all_their_assignments():

@@ -1662,8 +1662,7 @@ class Lowering:
         else:
             # only reads and reductions: the last threads take the rim, from the last one down
             # (they are those with one interior cell less when the threads do not divide it)
-            # (max(..., 0) changes nothing; it tells index_bounds that the index is not negative)
-            pieces.append((f"{v} = max(lk.num_threads() - 1 - lk.thread_id(), 0)", None))
+            pieces.append((f"{v} = lk.num_threads() - 1 - lk.thread_id()", None))
             pieces.append((f"while {v} < {first}:", rim + [f"{v} += lk.num_threads()"]))
         L.pieces = pieces
 
