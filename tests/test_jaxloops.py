@@ -1468,3 +1468,56 @@ def test_a_generated_step_numba_cannot_compile_falls_back(monkeypatch):
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     with pytest.raises(lk.CompileError):
         lk.fori_loop(0, 3, body, jnp.zeros(2, jnp.float32), fallback="error")
+
+
+def test_trajectories_written_in_place_beside_a_split_loop(rng):
+    """A history carry written in place at the loop counter (dynamic_update_slice) by the same
+    loop as a padded field, 1-D and 2-D (a window of rows): the split (Lowering.split_loop) must
+    not split a loop whose store is at a run-time start reaching the rim (loopkern's race check
+    cannot tell start + 11 from start + j there; found by an adversarial review, the step was
+    refused); results against lax, and no split step refused."""
+    from loopkern.jaxloops import loops
+    refused = loops.split_rejected
+
+    def traj1(i, c):
+        x, hist = c
+        xn = jnp.tanh(jnp.pad(x[1:], (0, 1)) * 0.5 + 0.3 * x)
+        return xn, lax.dynamic_update_slice(hist, xn[None], (i, 0))
+
+    def traj2(i, c):
+        x, hist = c
+        xn = jnp.tanh(x.at[1:-1, 1:-1].set(0.25 * (x[:-2, 1:-1] + x[2:, 1:-1] + x[1:-1, :-2] + x[1:-1, 2:]))
+                      + 0.01 * jnp.sum(x[1:]))
+        return xn, lax.dynamic_update_slice(hist, xn[1:-1, :][None], (i, 1, 0))
+    for body, init in ((traj1, (f32(rng, 12), jnp.zeros((5, 12), jnp.float32))),
+                       (traj2, (f32(rng, 7, 6), jnp.zeros((4, 7, 6), jnp.float32)))):
+        same(lk.fori_loop(0, 4, body, init, fallback="error"), lax.fori_loop(0, 4, body, init), exact=False,
+             rtol=1e-5, atol=1e-6)
+    assert loops.split_rejected == refused
+
+
+def test_a_split_step_refused_by_loopkern_runs_the_plain_one(monkeypatch, rng):
+    """Should loopkern's own checks refuse a split step, the plain one runs (the split is only
+    faster); counted in loops.split_rejected."""
+    from loopkern.jaxloops import loops
+    make = loops._make_kernel
+
+    def refuse_split(source, plan):
+        if source == plan.source and plan.plain_source is not None:
+            raise loops.GeneratedStepRejected(lk.StepSyntaxError("refused for the test"))
+        return make(source, plan)
+    monkeypatch.setattr(loops, "_make_kernel", refuse_split)
+    refused = loops.split_rejected
+    tol = np.float32(1e-3)
+
+    def body(c):
+        x, _, k = c
+        new = x.at[1:-1, 1:-1].set(0.25 * (x[:-2, 1:-1] + x[2:, 1:-1] + x[1:-1, :-2] + x[1:-1, 2:]))
+        return new, jnp.max(jnp.abs(new - x)), k + 1
+
+    def cond(c):
+        return (c[1] > tol) & (c[2] < 50)
+    init = (f32(rng, 13, 11), jnp.float32(jnp.inf), 0)
+    same(lk.while_loop(cond, body, init, fallback="error"), lax.while_loop(cond, body, init))
+    assert loops.split_rejected == refused + 1
+    assert "lk.num_threads()" not in loops._last_source

@@ -59,6 +59,7 @@ class _AsLax:
 def _in_body() -> bool:
     return getattr(_body, "depth", 0) > 0
 _last_source = ""       # the step source of the latest loop (for tests and debugging)
+split_rejected = 0      # split steps (lower.Lowering.split_loop) loopkern's checks refused
 
 
 def _kernel(plan):
@@ -66,18 +67,26 @@ def _kernel(plan):
     (lower.Lowering.split_loop) is used only when its plain form is not a stencil: tile mode
     keeps a stencil on chip, and needs every parallel loop over one index space."""
     global _last_source
+    _last_source = plan.source
     key = (plan.source, tuple(plan.swap))
     mk = _kernels.get(key)
     if mk is None:
         with _lock:
             mk = _kernels.get(key)
             if mk is None:
-                mk = _make_kernel(plan.source, plan)
-                if plan.plain_source is not None:
+                if plan.plain_source is None:
+                    mk = _make_kernel(plan.source, plan)
+                else:
                     from ..stencil import Stencil, find_stencil
-                    plain = _make_kernel(plan.plain_source, plan)
-                    if isinstance(find_stencil(plain.spec), Stencil):
-                        mk = plain
+                    mk = plain = _make_kernel(plan.plain_source, plan)
+                    if not isinstance(find_stencil(plain.spec), Stencil):
+                        try:
+                            mk = _make_kernel(plan.source, plan)
+                        except GeneratedStepRejected:
+                            # the split form is only faster: where loopkern's own checks cannot
+                            # prove it race-free the plain step runs (counted for the tests)
+                            global split_rejected
+                            split_rejected += 1
                 _kernels[key] = _kernels[(mk.fn.__loopkern_source__, key[1])] = mk
     _last_source = mk.fn.__loopkern_source__
     return mk

@@ -1603,8 +1603,9 @@ class Lowering:
         Iterations of one parallel loop are independent (each thread runs some of them, in no
         set order), so any partition of its cells into loops without a barrier between them
         computes the same values; only the order in which a thread adds to a reduction changes.
-        Nothing is split when the interior is less than half the cells or the rim has more than
-        MAX_RIM_SLABS slabs (a loop of several index spaces costs more than the conditions).
+        Nothing is split when the interior is less than half the cells, the rim has more than
+        MAX_RIM_SLABS slabs (a loop of several index spaces costs more than the conditions), or
+        a store at another index than the cell's own reaches the rim (see below).
         """
         if any(it.kind in ("scatter", "sort") for it in L.items):
             return
@@ -1625,6 +1626,13 @@ class Lowering:
                 slabs.append(tuple(inner[k] if k < d else (c, c + 1) if k == d else L.box[k] for k in range(nd)))
         if not slabs or inside * 2 < cells or len(slabs) > MAX_RIM_SLABS:
             return
+        for it in L.items:
+            # a store at another index than the cell's own (an in-place window at a run-time
+            # start, a scan output's row) that reaches the rim: the race check cannot tell the
+            # rim's store (start + 11) apart from the interior's (start + j), so none is split
+            if it.kind == "store" and it.index is not _own_index and \
+                    any(lo < a or hi > b for (lo, hi), (a, b) in zip(it.box, inner)):
+                return
         body = Block(L.stage, "        ", loop=L)
         self.render_items(L, tuple(Ix(n, 0, a, b - 1) for n, (a, b) in zip(L.names, inner)), body)
         pieces = [(_parallel_for(L.names, tuple(inner)), body.lines or ["pass"])]
