@@ -1522,3 +1522,26 @@ def test_a_split_step_refused_by_loopkern_runs_the_plain_one(monkeypatch, rng):
     same(lk.while_loop(cond, body, init, fallback="error"), lax.while_loop(cond, body, init))
     assert loops.split_rejected == refused + 1
     assert "lk.num_threads()" not in loops._last_source
+
+
+def test_scan_outputs_of_a_split_loop(monkeypatch, rng):
+    """A scan whose ys row is a field that a split loop computes (ys[t, j] keeps the cell's
+    indices, so its rim store is split too), forward and reversed; the split step is forced
+    (this body's plain step is a stencil, which the drop-in loops would keep for tile mode)."""
+    import loopkern.stencil
+    from loopkern.jaxloops import loops
+    monkeypatch.setattr(loopkern.stencil, "find_stencil", lambda spec: None)
+    refused = loops.split_rejected
+
+    def f(c, xi):
+        a, b = c
+        y = jnp.tanh(jnp.pad(0.5 * (a[:-2] + a[2:]), 1) + xi) - 0.1 * jnp.max(a) + 0.01 * jnp.sum(b)
+        return (y, b * 0.5 + xi), y * 2
+    for reverse in (False, True):
+        c0 = (f32(rng, 17, lo=-1.0), f32(rng, 5, lo=-1.0))
+        xs = f32(rng, 6, lo=-1.0)
+        same(lk.scan(f, c0, xs, reverse=reverse, fallback="error"), lax.scan(f, c0, xs, reverse=reverse),
+             exact=False, rtol=1e-5, atol=1e-6)
+        step = loops._last_source
+        assert "_v_ in lk.range(" in step and re.search(r"y0\[.*, 0\] = ", step), step
+    assert loops.split_rejected == refused

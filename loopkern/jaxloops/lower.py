@@ -868,9 +868,8 @@ class Lowering:
                 val = self.S(v) if isinstance(v, Var) else literal(v.value, v.dtype)
                 self.final.append((None, f"{name}[{self.scan_pos()}]", val, self.stage(v)))
                 continue
-            pos = self.scan_pos()
             self.add_item(self.stage(v), v.shape, Item("store", v, tuple((0, n) for n in v.shape), target=name,
-                                                         index=lambda ix, pos=pos: [pos] + [i.expr for i in ix]))
+                                                         index=_row_index(self.scan_pos())))
         cond_text = None
         if cond is not None:
             cond_text = self.S(cond) if isinstance(cond, Var) else literal(cond.value, BOOL)
@@ -1628,9 +1627,10 @@ class Lowering:
             return
         for it in L.items:
             # a store at another index than the cell's own (an in-place window at a run-time
-            # start, a scan output's row) that reaches the rim: the race check cannot tell the
-            # rim's store (start + 11) apart from the interior's (start + j), so none is split
-            if it.kind == "store" and it.index is not _own_index and \
+            # start) that reaches the rim: the race check cannot tell the rim's store
+            # (start + 11) apart from the interior's (start + j), so none is split; a scan
+            # output's row ys[t] keeps the cell's indices and is split
+            if it.kind == "store" and it.index is not _own_index and not getattr(it.index, "own_cell", False) and \
                     any(lo < a or hi > b for (lo, hi), (a, b) in zip(it.box, inner)):
                 return
         body = Block(L.stage, "        ", loop=L)
@@ -1955,6 +1955,14 @@ def _parallel_for(names, box) -> str:
 def _own_index(ix) -> list:
     """The index texts of a store at the loop's own cell."""
     return [i.expr for i in ix]
+
+
+def _row_index(pos: str):
+    """The index maker of a store at the loop's own cell in row ``pos`` (a scan's ``ys[t]``)."""
+    def index(ix):
+        return [pos] + _own_index(ix)
+    index.own_cell = True       # (split_loop: the cell's indices are the store's, unchanged)
+    return index
 
 
 def _trivial(text: str) -> bool:
