@@ -66,7 +66,7 @@ def _kernel(plan):
     """The MegaKernel of a generated step (cached by its source). A step with split loops
     (lower.Lowering.split_loop) is used only when its plain form is not a stencil: tile mode
     keeps a stencil on chip, and needs every parallel loop over one index space."""
-    global _last_source
+    global _last_source, split_rejected
     _last_source = plan.source
     key = (plan.source, tuple(plan.swap))
     mk = _kernels.get(key)
@@ -85,7 +85,6 @@ def _kernel(plan):
                         except GeneratedStepRejected:
                             # the split form is only faster: where loopkern's own checks cannot
                             # prove it race-free the plain step runs (counted for the tests)
-                            global split_rejected
                             split_rejected += 1
                 _kernels[key] = _kernels[(mk.fn.__loopkern_source__, key[1])] = mk
     _last_source = mk.fn.__loopkern_source__

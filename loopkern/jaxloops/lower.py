@@ -385,10 +385,8 @@ class Lowering:
     ("index",) the loop index, ("carry", k), ("x", k) (scan: xs leaf k at the scan position);
     ``out_roles`` each output's: ("carry", k), ("y", k), ("cond",)."""
 
-    #: whether parallel loops are split into interior and rim (split_loop); the text is
-    #: rendered with the split loops when ``split`` is set
+    #: whether parallel loops are split into interior and rim (split_loop)
     splits = True
-    split = False
 
     def __init__(self, prog: Program, roles: list, out_roles: list, *, ys_shapes=(), scan_length=None,
                  reverse=False, name="jl_step"):
@@ -1407,20 +1405,18 @@ class Lowering:
     # ---------------------------------------------------------------- rendering
     def render(self, cond_text, cond) -> StepPlan:
         self.generate_loops()
-        self.split = False
-        plain = self.render_text(cond_text, cond)
+        plain = self.render_text(cond_text, cond, split=False)
         if not any(L.pieces for L in self.loops):
             return plain
-        self.split = True
-        plan = self.render_text(cond_text, cond)
+        plan = self.render_text(cond_text, cond, split=True)
         plan.plain_source = plain.source
         return plan
 
-    def render_text(self, cond_text, cond) -> StepPlan:
-        """The step's source (its parallel loops split when ``self.split``: split_loop)."""
+    def render_text(self, cond_text, cond, split: bool) -> StepPlan:
+        """The step's source, its parallel loops split (split_loop) when ``split``."""
         sequential = not self.loops and (cond is None or not self._varying(cond_text))
         out = [f"def {self.name}({', '.join(['t'] + [p[0] for p in self.params])}):"]
-        out += self.stage_lines()
+        out += self.stage_lines(split)
         # finals (single-thread stores at the end): scalar carries, scalar ys, in-place stores
         finals = []
         for f in self._finals_in_order():
@@ -1466,10 +1462,11 @@ class Lowering:
         last = max(stages, default=None)
         return last is not None and bool(self.post.get(last)) and last not in {p.stage for p in self.phased.values()}
 
-    def stage_lines(self) -> list:
+    def stage_lines(self, split: bool = False) -> list:
         """The step's statements stage by stage (indented for the step's body): each stage's
-        scalars, its parallel loops, its reductions, the barrier it ends with if any, and the
-        nested loops that run in phases after it."""
+        scalars, its parallel loops (the pieces of the split ones when ``split``), its
+        reductions, the barrier it ends with if any, and the nested loops that run in phases
+        after it."""
         out = []
         stages = sorted(set(self.pre) | {L.stage for L in self.loops} | set(self.post) |
                         {f[3] for f in self.final} | {p.stage for p in self.phased.values()} |
@@ -1484,7 +1481,7 @@ class Lowering:
             for L in self.loops:
                 if L.stage != s:
                     continue
-                for head, body in (L.pieces if self.split and L.pieces else
+                for head, body in (L.pieces if split and L.pieces else
                                    [(_parallel_for(L.names, L.box), L.body.lines)]):
                     out.append("    " + head)
                     if body is not None:        # (None: a statement, not a loop)
@@ -1586,18 +1583,20 @@ class Lowering:
         Along each dimension those values cut the loop's range into segments on which every
         such condition is constant; the box of the longest segments is the *interior*, where
         the body is rendered again with the indices narrowed to it, so the conditions fold
-        away (and the stores outside their window with them): the Jacobi body's element went
-        from 196 to 140 SASS instructions per four cells. The other cells, the *rim*, run in
-        one more loop over slabs: for each dimension d and each index value c of d outside the
+        away (and the stores outside their window with them): one trip of the 64x64 Jacobi
+        body's unrolled element loop went from 196 to 155 SASS instructions for four cells
+        (``bench/sass_loops.py jacobi_lowered block``). The other cells, the *rim*, run in one
+        more loop over slabs: for each dimension d and each index value c of d outside the
         interior, the cells with index c along d, interior along the dimensions before d and
         anything along those after (a partition of the rim). Each slab is rendered with its
         indices narrowed in the same way; its index along d is the constant c, which the race
         check sees is outside the interior loop's range.
 
-        The rim loop runs over ``interior + rim`` values and takes only those past the
-        interior's count: the iterations a thread takes in both loops together are then those
-        it would take in one loop over every cell (a thread with one interior cell less than
-        others takes the rim cell), so splitting adds no cell to the busiest thread.
+        A rim that only reads and reduces is taken by the last threads, from the last one down:
+        when the threads do not divide the interior, those are the ones with one interior cell
+        less, so splitting adds no cell to the busiest thread. A rim that stores is a parallel
+        loop over ``interior + rim`` values that takes only those past the interior's count
+        (the same threads, without the race check having to follow thread indices).
 
         Iterations of one parallel loop are independent (each thread runs some of them, in no
         set order), so any partition of its cells into loops without a barrier between them
@@ -1637,10 +1636,10 @@ class Lowering:
         self.render_items(L, tuple(Ix(n, 0, a, b - 1) for n, (a, b) in zip(L.names, inner)), body)
         pieces = [(_parallel_for(L.names, tuple(inner)), body.lines or ["pass"])]
         v = f"{li}_v"
+        names = tuple(f"{li}_r{d}" for d in range(nd))
         branches, first, stores = [], 0, 0
-        for k, box in enumerate(slabs):
+        for box in slabs:
             count = math.prod(b - a for a, b in box)
-            names = tuple(f"{li}_r{d}" for d in range(nd))
             decode, q = [], f"{v} - {first}" if first else v
             moving = [d for d, (a, b) in enumerate(box) if b - a > 1]
             for j, d in enumerate(reversed(moving)):
