@@ -1225,7 +1225,10 @@ class _Uniformity:
 
     A value is thread-varying if it depends on the thread index, a parallel loop index, an
     array load, an ``lk.atomic`` result or a thread-varying helper result, or was assigned
-    under thread-varying control flow. Reductions return the same value on every thread.
+    under thread-varying control flow. Reductions return the same value on every thread, and
+    so does a load, at an index the same on every thread, from an array the step never writes
+    (``read_only``: one the step reads while its swap partner is written, or one only read; a
+    drop-in loop's scalar carry ``c1[0]``): its elements do not change during the step.
     Checked with that:
 
     * (the step) barriers, reductions and ``return`` are reached by every thread together;
@@ -1251,8 +1254,9 @@ class _Uniformity:
     """
 
     def __init__(self, ctx: _Context, parsed: ParsedFunction, *, parallel: bool = True,
-                 helper_params: tuple | None = None, where: str = ""):
+                 helper_params: tuple | None = None, where: str = "", read_only: frozenset = frozenset()):
         self.ctx = ctx
+        self.read_only = read_only             # the step's arrays that no thread writes during it
         self.parsed = parsed
         self.where = where
         self.parallel = parallel               # the step has parallel constructs: many threads run it
@@ -1304,6 +1308,10 @@ class _Uniformity:
             return any(self.varying(a, state) for a in e.args)
         if isinstance(e, ast.Subscript):
             if isinstance(e.value, ast.Attribute):   # x.shape[k]
+                return self.varying(e.slice, state)
+            if isinstance(e.value, ast.Name) and e.value.id in self.read_only:
+                # an element of an array the step never writes: the same on every thread
+                # wherever the index is
                 return self.varying(e.slice, state)
             return True                              # an array load
         if isinstance(e, ast.Attribute):
@@ -2057,7 +2065,12 @@ def validate_step(fn, swap=()) -> StepSpec:
     # lk.atomic and lk.random do not make a step parallel (the spec's definition): in a
     # sequential step the one thread updates, and its draws do not depend on the thread
     parallel = bool(used - _ATOMICS - {"random_uniform", "random_normal"})
-    _Uniformity(ctx, parsed, parallel=parallel).run(body)
+    # an array no statement of the step writes (nor a helper it passes it to, nor lk.atomic)
+    # holds the same elements for every thread all through a step: a barrier separates its
+    # last writes, as the other array of a swap pair, from this step; and an argument that
+    # shares memory with a written one is refused at the call (plan.refused_pairs)
+    read_only = frozenset(p for p in names if (p in norm.array_uses or p in swapped) and p not in norm.written)
+    _Uniformity(ctx, parsed, parallel=parallel, read_only=read_only).run(body)
     if not parsed.explicit_sites:
         # (a generated step -- tangent, adjoint -- comes from a user's step that passed, and its
         # generator places its own barriers: the adjoint of an interior loop reads what the

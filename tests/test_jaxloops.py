@@ -1545,3 +1545,22 @@ def test_scan_outputs_of_a_split_loop(monkeypatch, rng):
         step = loops._last_source
         assert "_v_ in lk.range(" in step and re.search(r"y0\[.*, 0\] = ", step), step
     assert loops.split_rejected == refused
+
+
+def test_cond_on_a_scalar_carry_around_a_nested_while_loop():
+    """A scalar carry decides a lax.cond whose branch runs a while_loop over an array (a barrier
+    and a reduction under the cond): compiled (fallback="error"), equal to lax for both values
+    of the carry. Before, loopkern refused the step it generated (the carry's element was taken
+    as different between threads) and the body ran as jax.lax.fori_loop."""
+    def body(i, c):
+        x, s = c
+
+        def taken(x):
+            return lax.while_loop(lambda v: jnp.max(v[0]) < 5.0, lambda v: (v[0] + v[1], v[1]), (x, s))[0]
+        return lax.cond(s > 0, taken, lambda x: x * np.float32(0.5), x), s
+    for s in (np.float32(0.75), np.float32(0.0)):
+        init = (jnp.asarray(np.linspace(-1.0, 2.0, 64, dtype=np.float32)), jnp.float32(s))
+        want = lax.fori_loop(0, 3, body, init)
+        got = lk.fori_loop(0, 3, body, init, fallback="error")
+        np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
+        assert float(got[1]) == float(s)

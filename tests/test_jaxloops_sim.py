@@ -571,3 +571,28 @@ def test_random_window_bodies_split_into_interior_and_rim(backend, seed):
     with jax_x64():
         ref = np.asarray(lax.fori_loop(0, steps, body, jnp.asarray(x0, jnp.float64)))
     np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4, err_msg=str([d for _, d in ops]))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_cond_on_a_carried_element_around_a_nested_while_loop(backend):
+    """lax.cond on an element of the carry, its taken branch a while_loop to a tolerance (phases,
+    barriers and a reduction under the cond): the element is read from the carry's old buffer,
+    which no thread writes in the step, so every thread takes the same branch. Both branches
+    taken over the steps, against a float64 run of the body."""
+    x0 = np.linspace(-1.0, 2.0, 64).astype(np.float32)
+    x0[0] = 0.5
+
+    def body(i, x):
+        def taken(x):
+            return lax.while_loop(lambda v: jnp.max(v) < 5.0, lambda v: v + np.float32(0.75), x)
+        return lax.cond(x[0] > 1.0, lambda x: x * np.float32(0.5), taken, x)
+    got, plan, _ = run_lowered(body, x0, 6, backend)
+    assert "lk.sync()" in plan.source and "while " in plan.source
+    x = x0.astype(np.float64)
+    for _ in range(6):
+        if x[0] > 1.0:
+            x = x * 0.5
+        else:
+            while x.max() < 5.0:
+                x = x + 0.75
+    np.testing.assert_allclose(got, x, rtol=1e-6)

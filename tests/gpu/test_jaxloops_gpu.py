@@ -123,6 +123,31 @@ def test_quadratic_map_scan_on_the_gpu():
 
 
 @pytest.mark.parametrize("n", [1000, 1 << 17])
+def test_cond_on_a_carried_element_around_a_nested_while_loop_on_the_gpu(n, rng):
+    """lax.cond on an element of the carry (read from the buffer no thread writes in the step,
+    so every block takes the same branch), its taken branch a while_loop to a tolerance with
+    barriers and a reduction, at block scope and on a cooperative grid, against the same float32
+    operations in NumPy."""
+    from jax import lax
+    u0 = (rng.random(n) * 3.0 - 1.0).astype(np.float32)
+    u0[0] = 0.5
+
+    def body(i, x):
+        def taken(x):
+            return lax.while_loop(lambda v: jnp.max(v) < 5.0, lambda v: v + np.float32(0.75), x)
+        return lax.cond(x[0] > 1.0, lambda x: x * np.float32(0.5), taken, x)
+    got = np.asarray(jax.jit(lambda x: lk.fori_loop(0, 8, body, x, fallback="error"))(jnp.asarray(u0)))
+    ref = u0.copy()
+    for _ in range(8):
+        if ref[0] > np.float32(1.0):
+            ref = ref * np.float32(0.5)
+        else:
+            while ref.max() < np.float32(5.0):
+                ref = ref + np.float32(0.75)
+    np.testing.assert_array_equal(got, ref)
+
+
+@pytest.mark.parametrize("n", [1000, 1 << 17])
 def test_cond_on_a_reduction_on_the_gpu(n, rng):
     """lax.cond whose predicate is a grid reduction (the max of the field), at block scope and on
     a cooperative grid, against a float64 NumPy loop."""
