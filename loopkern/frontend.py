@@ -44,6 +44,11 @@ class ParsedFunction:
     #: draws: each draw names its site in the user's step as a third argument (see
     #: validate's ``_random_call``), so that it draws the same numbers there
     explicit_sites: bool = field(default=False, repr=False, compare=False)
+    #: a step loopkern generates from a drop-in loop's body (``loopkern.jaxloops``), whose
+    #: array arguments never share memory: a load, at an index the same on every thread, from
+    #: an array the step never writes (a carry's old buffer: ``c1[0]``) counts as the same on
+    #: every thread. In a user's step every array load counts as thread-varying (the contract)
+    uniform_loads: bool = field(default=False, repr=False, compare=False)
     #: the free names resolved so far and their values: a name is read once, so the steps
     #: generated from this one later (tangent, adjoint: they share this dict) see the values
     #: the decorator saw, not a global or helper reassigned since

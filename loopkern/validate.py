@@ -1225,10 +1225,10 @@ class _Uniformity:
 
     A value is thread-varying if it depends on the thread index, a parallel loop index, an
     array load, an ``lk.atomic`` result or a thread-varying helper result, or was assigned
-    under thread-varying control flow. Reductions return the same value on every thread, and
-    so does a load, at an index the same on every thread, from an array the step never writes
-    (``read_only``: one the step reads while its swap partner is written, or one only read; a
-    drop-in loop's scalar carry ``c1[0]``): its elements do not change during the step.
+    under thread-varying control flow. Reductions return the same value on every thread. In a
+    step generated from a drop-in loop's body (``ParsedFunction.uniform_loads``) so does a load,
+    at an index the same on every thread, from an array the step never writes (``read_only``:
+    a carry's old buffer, ``c1[0]``): its elements do not change during the step.
     Checked with that:
 
     * (the step) barriers, reductions and ``return`` are reached by every thread together;
@@ -2065,11 +2065,12 @@ def validate_step(fn, swap=()) -> StepSpec:
     # lk.atomic and lk.random do not make a step parallel (the spec's definition): in a
     # sequential step the one thread updates, and its draws do not depend on the thread
     parallel = bool(used - _ATOMICS - {"random_uniform", "random_normal"})
-    # an array no statement of the step writes (nor a helper it passes it to, nor lk.atomic)
-    # holds the same elements for every thread all through a step: a barrier separates its
-    # last writes, as the other array of a swap pair, from this step; and an argument that
-    # shares memory with a written one is refused at the call (plan.refused_pairs)
-    read_only = frozenset(p for p in names if (p in norm.array_uses or p in swapped) and p not in norm.written)
+    # (a drop-in loop's step, parsed.uniform_loads) an array no statement of the step writes
+    # (nor a helper it passes it to, nor lk.atomic) holds the same elements for every thread
+    # all through a step: a barrier separates its last writes, as the other array of a swap
+    # pair, from this step, and the drop-in loops pass no two arguments that share memory
+    read_only = frozenset(p for p in names if (p in norm.array_uses or p in swapped) and p not in norm.written) \
+        if parsed.uniform_loads else frozenset()
     _Uniformity(ctx, parsed, parallel=parallel, read_only=read_only).run(body)
     if not parsed.explicit_sites:
         # (a generated step -- tangent, adjoint -- comes from a user's step that passed, and its

