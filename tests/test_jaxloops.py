@@ -1564,3 +1564,14 @@ def test_cond_on_a_scalar_carry_around_a_nested_while_loop():
         got = lk.fori_loop(0, 3, body, init, fallback="error")
         np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
         assert float(got[1]) == float(s)
+
+
+def test_a_vmapped_while_loop_runs_the_lax_loop():
+    """jax.vmap of a while_loop inside a body: its condition is one bool per batch element, each
+    element iterating while its own holds. Not lowered: fallback="error" raises naming 'while',
+    otherwise jax.lax runs it with a warning (before, the lowering crashed with an IndexError
+    that no fallback caught)."""
+    def grow(v):
+        return lax.while_loop(lambda v: jnp.max(v) < 5.0, lambda v: v + np.float32(0.75), v)
+    x0 = jnp.asarray(np.linspace(0.0, 3.0, 64, dtype=np.float32).reshape(4, 16))
+    assert_falls_back(lambda i, x: jax.vmap(grow)(x), x0, 2, "while", error_match="vmapped while_loop")

@@ -280,6 +280,11 @@ def flatten(closed) -> Program:
             guard = guard_var(guards[-1]) if guards else None
             body, outs = sub_program(p["body_jaxpr"], consts_in[cc:], carries)
             cond, (test,) = sub_program(p["cond_jaxpr"], consts_in[:cc], carries)
+            if getattr(test, "shape", ()):
+                # a vmapped while_loop: one condition per batch element, each element's
+                # iterations running while its own holds (XLA selects per element)
+                raise Unsupported("while", where, f"a while_loop with one condition per element (bool{list(test.shape)}: "
+                                                  f"a vmapped while_loop)")
             if guard is not None:
                 # inside a cond's branch: no iteration where another branch is taken
                 sink.append(cond)
