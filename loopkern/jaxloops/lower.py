@@ -1629,7 +1629,7 @@ class Lowering:
             # start) that reaches the rim: the race check cannot tell the rim's store
             # (start + 11) apart from the interior's (start + j), so none is split; a scan
             # output's row ys[t] keeps the cell's indices and is split
-            if it.kind == "store" and it.index is not _own_index and not getattr(it.index, "own_cell", False) and \
+            if it.kind == "store" and not getattr(it.index, "own_cell", False) and \
                     any(lo < a or hi > b for (lo, hi), (a, b) in zip(it.box, inner)):
                 return
         body = Block(L.stage, "        ", loop=L)
@@ -1954,6 +1954,9 @@ def _parallel_for(names, box) -> str:
 def _own_index(ix) -> list:
     """The index texts of a store at the loop's own cell."""
     return [i.expr for i in ix]
+
+
+_own_index.own_cell = True      # (split_loop: the cell's indices are the store's, unchanged)
 
 
 def _row_index(pos: str):
