@@ -510,3 +510,116 @@ def test_scope_cluster_says_why_it_cannot_run(rng):
         lk.megakernel(W.heat_step)(x, y, 0.1, steps=1, backend="cuda", scope="cluster")
     with pytest.raises(ArgumentError, match="scope='cluster' exists for the CUDA backend only"):
         heat.source("cpu", "cluster")
+
+
+# -- one step per exchange, split around the grid barrier (codegen._tile_lines, split_phase) ----
+# A tile's edge rows are computed first and published, the block arrives at the barrier, the
+# rows between are computed, then the block waits. Each cell is computed by exactly one of the
+# three calls of the step, so the result must be the unsplit step's bit for bit; the GPU tests
+# (tests/gpu/test_tile_gpu.py) check that across blocks.
+
+def noisy_heat_step(t, u, v, alpha):
+    n = u.shape[0]
+    for i in lk.range(1, n - 1):
+        v[i] = u[i] + alpha * (u[i - 1] - 2.0 * u[i] + u[i + 1]) + 0.001 * lk.random.uniform(i)
+    for i in lk.range(0, n, n - 1):
+        v[i] = u[i]
+
+
+def heat_and_hist_step(t, u, v, hist, alpha):
+    n = u.shape[0]
+    for i in lk.range(1, n - 1):
+        v[i] = u[i] + alpha * (u[i - 1] - 2.0 * u[i] + u[i + 1])
+    hist[t % hist.shape[0]] = 1.0     # a store outside the parallel loop: once per step, not per call
+
+
+def _split_calls(fn, swap, **kw):
+    """How many times the tile kernel of ``fn`` calls its step per step (3 when split), and
+    whether it arrives at the barrier before the last call."""
+    k = lk.megakernel(fn, swap=swap)
+    text = codegen.render_kernel(k.spec, "cuda", "grid", cache=False, tile=find_stencil(k.spec), **kw).text
+    calls = text.count("_lk_step(_lk_t0 + _lk_t")
+    arrive = "_lk_rt.grid_arrive(_lk_bar)" in text
+    assert arrive == (calls == 3) and calls in (1, 3), text
+    return calls
+
+
+def test_one_step_per_exchange_is_split_only_for_a_step_that_is_a_function_of_its_cells():
+    from bench.heat2d import heat2d_kernel
+    from bench.life import life_kernel
+    uv = [("u", "v")]
+    for fn, swap in [(W.heat_step, uv), (heat2d_step, uv), (W.drift_step, uv), (W.ring_rows_step, uv),
+                     (noisy_heat_step, uv), (wide_step, uv)]:
+        assert _split_calls(fn, swap) == 3, fn.__name__
+    for k in (heat2d_kernel(), life_kernel()):
+        text = codegen.render_kernel(k.spec, "cuda", "grid", cache=False, tile=find_stencil(k.spec)).text
+        assert text.count("_lk_step(_lk_t0 + _lk_t") == 3 and "grid_arrive" in text
+    # a reduction (Life's population), a returned condition (Jacobi), a store outside the loop
+    assert _split_calls(W.life_step, [("a", "b")]) == 1
+    assert _split_calls(W.jacobi_step, uv) == 1
+    assert _split_calls(heat_and_hist_step, uv) == 1
+    # asked not to; a cluster's barrier; several steps per exchange (rounds have their own kernel)
+    assert _split_calls(W.heat_step, uv, split_phase=False) == 1
+    assert _split_calls(W.heat_step, uv, cluster=True) == 1
+    k = lk.megakernel(W.heat_step, swap=uv)
+    text = codegen.render_kernel(k.spec, "cuda", "grid", cache=False, tile=find_stencil(k.spec), depth=4).text
+    assert "grid_arrive" not in text
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 150])
+@pytest.mark.parametrize("fn", [W.heat_step, wide_step, W.ring_rows_step, noisy_heat_step])
+def test_a_split_step_equals_the_unsplit_one_and_the_reference(fn, n, rng, monkeypatch):
+    # one block: its tile is the whole array, the edges its first and last max(halo) cells and
+    # the middle call what is left (none for n <= 2 * max(halo))
+    from numba import cuda
+    from loopkern.dispatch import config
+    u0 = rng.random(n)
+    steps = 7
+    scalars = () if fn is W.ring_rows_step else (0.2,)
+    out = {}
+    monkeypatch.setattr(config, "TILE_DEPTH_MAX", 1)     # rounds of steps have their own kernel
+    for split in (True, False):
+        monkeypatch.setattr(config, "TILE_SPLIT_PHASE", split)
+        k = lk.megakernel(fn, swap=[("u", "v")])
+        u, v = cuda.to_device(u0), cuda.to_device(u0)
+        run = k(u, v, *scalars, steps=steps, backend="cuda", scope="tile", threads=32)
+        assert run.scope == "tile" and run.steps == steps
+        text = k.dispatcher.kernels.sources[next(iter(k.dispatcher.kernels.sources))].text
+        assert ("grid_arrive" in text) == split
+        out[split] = (u.copy_to_host(), v.copy_to_host())
+    np.testing.assert_array_equal(out[True][0], out[False][0])
+    np.testing.assert_array_equal(out[True][1], out[False][1])
+    if fn is W.heat_step and n >= 3:
+        check_heat_pair(out[True][0], out[True][1], u0, steps, 0.2)
+    elif fn is wide_step and n >= 5:
+        np.testing.assert_allclose(out[True][0], wide_ref(u0, steps, 0.2), rtol=1e-12)
+    elif fn is W.ring_rows_step:
+        np.testing.assert_allclose(out[True][0], W.ring_rows_ref(u0, steps), rtol=1e-12)
+
+
+@pytest.mark.parametrize("shape", [(1, 6), (2, 5), (3, 4), (13, 11), (8, 33)])
+def test_split_two_dimensional_steps_equal_the_unsplit_ones_and_the_reference(shape, rng, monkeypatch):
+    from numba import cuda
+    from bench.life import life_kernel
+    from loopkern.dispatch import config
+    u0 = rng.random(shape)
+    a0 = (rng.random(shape) < 0.4).astype(np.int32)
+    steps = 6
+    out = {}
+    monkeypatch.setattr(config, "TILE_DEPTH_MAX", 1)
+    for split in (True, False):
+        monkeypatch.setattr(config, "TILE_SPLIT_PHASE", split)
+        heat, drift, life = (lk.megakernel(heat2d_step, swap=[("u", "v")]),
+                             lk.megakernel(W.drift_step, swap=[("u", "v")]), life_kernel())
+        got = []
+        for k, x0, scalars in ((heat, u0, (0.2,)), (drift, u0, ()), (life, a0, ())):
+            a, b = cuda.to_device(x0), cuda.to_device(x0)
+            run = k(a, b, *scalars, steps=steps, backend="cuda", scope="tile", threads=32)
+            assert run.scope == "tile" and run.steps_per_exchange == 1
+            got.append(a.copy_to_host())
+        out[split] = got
+    for x, y in zip(out[True], out[False]):
+        np.testing.assert_array_equal(x, y)
+    np.testing.assert_allclose(out[True][0], heat2d_ref(u0, steps, 0.2), rtol=1e-12)
+    np.testing.assert_allclose(out[True][1], W.drift_ref(u0, steps), rtol=1e-12)
+    np.testing.assert_array_equal(out[True][2], W.life_ref(a0, steps)[0])

@@ -442,6 +442,90 @@ def test_a_cancel_in_rounds_leaves_exactly_run_steps_steps(blocks, rng, depth_ca
     np.testing.assert_array_equal(v.copy_to_host(), b.copy_to_host())
 
 
+# -- one step per exchange, split around the grid barrier (codegen._tile_lines) -----------------
+# Each block computes its tile's edge rows, publishes them, arrives at the barrier, computes the
+# rows between and only then waits. Against the same step unsplit (config.TILE_SPLIT_PHASE off),
+# the grid scope and a float64 reference: tiles of many rows, of three (one row in the middle),
+# of two and one (nothing in the middle), and blocks with no rows at all.
+
+def _split_case(case, rng):
+    """(kernel maker, initial field, scalars, float64 reference after ``steps``) of a case."""
+    from bench.heat2d import heat2d_kernel, heat2d_ref
+    from bench.life import life_kernel
+    if case == "heat":
+        u0 = rng.random(65536 + 7).astype(np.float32)
+        return (lambda: lk.megakernel(W.heat_step, swap=[("u", "v")]), u0, (np.float32(0.25),),
+                lambda steps: refs.heat_exact(u0, steps, 0.25))
+    if case == "wide":
+        u0 = rng.random(10007).astype(np.float32)
+        return lambda: lk.megakernel(wide_step, swap=[("u", "v")]), u0, (np.float32(0.05),), None
+    if case == "heat2d":
+        u0 = rng.random((517, 333)).astype(np.float32)
+        return heat2d_kernel, u0, (np.float32(0.2),), lambda steps: heat2d_ref(u0, steps)
+    if case == "drift":
+        u0 = rng.random((301, 64)).astype(np.float32)
+        return (lambda: lk.megakernel(W.drift_step, swap=[("u", "v")]), u0, (),
+                lambda steps: W.drift_ref(u0, steps))
+    a0 = (rng.random((517, 333)) < 0.35).astype(np.int32)
+    return life_kernel, a0, (), lambda steps: W.life_ref(a0, steps)[0]
+
+
+@pytest.mark.parametrize("case,blocks", [("heat", 7), ("heat", 132), ("heat", None), ("wide", 50),
+                                         ("heat2d", 7), ("heat2d", None), ("heat2d", 173), ("heat2d", 259),
+                                         ("heat2d", 300), ("life", 13), ("life", None), ("life", 259),
+                                         ("drift", 101), ("drift", None)])
+def test_split_steps_across_blocks_equal_the_unsplit_kernel_and_the_grid_scope(case, blocks, rng, monkeypatch):
+    from loopkern.dispatch import config
+    cuda = _cuda()
+    make, x0, scalars, ref = _split_case(case, rng)
+    steps = 1001
+    monkeypatch.setattr(config, "TILE_DEPTH_MAX", 1)
+    out = {}
+    for split in (True, False):
+        monkeypatch.setattr(config, "TILE_SPLIT_PHASE", split)
+        k = make()
+        a, b = cuda.to_device(x0), cuda.to_device(x0)
+        run = k(a, b, *scalars, steps=steps, backend="cuda", scope="tile", blocks=blocks)
+        assert run.scope == "tile" and run.steps == steps and run.steps_per_exchange == 1, run
+        text = next(iter(k.dispatcher.kernels.sources.values())).text
+        assert ("grid_arrive" in text) == split
+        out[split] = (a.copy_to_host(), b.copy_to_host())
+    a, b = cuda.to_device(x0), cuda.to_device(x0)
+    make()(a, b, *scalars, steps=steps, backend="cuda", scope="grid")
+    for got in (out[True], out[False]):
+        np.testing.assert_array_equal(got[0], a.copy_to_host())
+        np.testing.assert_array_equal(got[1], b.copy_to_host())
+    if ref is not None:
+        exact = ref(steps)
+        if x0.dtype == np.int32:
+            np.testing.assert_array_equal(out[True][0], exact)
+        else:
+            assert np.abs(out[True][0] - exact).max() < 1e-4
+
+
+@pytest.mark.parametrize("blocks", [7, None])
+def test_a_cancel_of_a_split_run_leaves_exactly_run_steps_steps(blocks, rng, monkeypatch):
+    import time
+    from bench.heat2d import heat2d_kernel
+    from loopkern.dispatch import config
+    monkeypatch.setattr(config, "TILE_DEPTH_MAX", 1)
+    monkeypatch.setattr(config, "TILE_SPLIT_PHASE", True)
+    cuda = _cuda()
+    k = heat2d_kernel()
+    u0 = rng.random((1024, 1024)).astype(np.float32)
+    u, v = cuda.to_device(u0), cuda.to_device(u0)
+    h = k.start(u, v, np.float32(0.2), steps=10 ** 9, backend="cuda", scope="tile", blocks=blocks)
+    time.sleep(0.2)
+    h.cancel()
+    run = h.wait(timeout=30)
+    assert run.stopped == "cancelled" and 0 < run.steps < 10 ** 9 and run.steps_per_exchange == 1, run
+    assert "grid_arrive" in next(iter(k.dispatcher.kernels.sources.values())).text
+    a, b = cuda.to_device(u0), cuda.to_device(u0)
+    k(a, b, np.float32(0.2), steps=run.steps, backend="cuda", scope="grid")
+    np.testing.assert_array_equal(u.copy_to_host(), a.copy_to_host())
+    np.testing.assert_array_equal(v.copy_to_host(), b.copy_to_host())
+
+
 # -- scope="cluster": the same tiles in one thread-block cluster (H100/H200: up to 16 blocks) ----
 
 @pytest.fixture
