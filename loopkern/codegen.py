@@ -1037,7 +1037,7 @@ def render_kernel(spec: StepSpec, backend: str, scope: str = "grid", *, cache: b
                   fingerprint: str = "", by_ref: frozenset | None = None, debug: bool = False,
                   staged: tuple = (), control: bool = True, float_type: str | None = None,
                   index_bits: int | None = None, tile=None, cluster: bool = False,
-                  depth: int = 1, tiles: int = 0, split_phase: bool = True) -> KernelSource:
+                  depth: int = 1, tiles: int = 0, split_phase: bool = False) -> KernelSource:
     """Render the kernel module for ``spec``.
 
     Args:
@@ -1099,7 +1099,7 @@ def render_kernel(spec: StepSpec, backend: str, scope: str = "grid", *, cache: b
         split_phase: (tile mode, one step per exchange, the grid barrier) compute a tile's
             edge rows first and the rows that read no halo while the grid barrier completes,
             for a step that ``stencil.split_step_refusal`` accepts (see ``_tile_lines``);
-            False keeps one call of the step before the barrier (to measure the difference).
+            False (the default) keeps one call of the step before the barrier.
 
     Returns:
         The :class:`KernelSource`.

@@ -537,6 +537,7 @@ def _split_calls(fn, swap, **kw):
     """How many times the tile kernel of ``fn`` calls its step per step (3 when split), and
     whether it arrives at the barrier before the last call."""
     k = lk.megakernel(fn, swap=swap)
+    kw.setdefault("split_phase", True)
     text = codegen.render_kernel(k.spec, "cuda", "grid", cache=False, tile=find_stencil(k.spec), **kw).text
     calls = text.count("_lk_step(_lk_t0 + _lk_t")
     arrive = "_lk_rt.grid_arrive(_lk_bar)" in text
@@ -552,7 +553,8 @@ def test_one_step_per_exchange_is_split_only_for_a_step_that_is_a_function_of_it
                      (noisy_heat_step, uv), (wide_step, uv)]:
         assert _split_calls(fn, swap) == 3, fn.__name__
     for k in (heat2d_kernel(), life_kernel()):
-        text = codegen.render_kernel(k.spec, "cuda", "grid", cache=False, tile=find_stencil(k.spec)).text
+        text = codegen.render_kernel(k.spec, "cuda", "grid", cache=False, tile=find_stencil(k.spec),
+                                     split_phase=True).text
         assert text.count("_lk_step(_lk_t0 + _lk_t") == 3 and "grid_arrive" in text
     # a reduction (Life's population), a returned condition (Jacobi), a store outside the loop
     assert _split_calls(W.life_step, [("a", "b")]) == 1
@@ -562,7 +564,11 @@ def test_one_step_per_exchange_is_split_only_for_a_step_that_is_a_function_of_it
     assert _split_calls(W.heat_step, uv, split_phase=False) == 1
     assert _split_calls(W.heat_step, uv, cluster=True) == 1
     k = lk.megakernel(W.heat_step, swap=uv)
-    text = codegen.render_kernel(k.spec, "cuda", "grid", cache=False, tile=find_stencil(k.spec), depth=4).text
+    text = codegen.render_kernel(k.spec, "cuda", "grid", cache=False, tile=find_stencil(k.spec), depth=4,
+                                 split_phase=True).text
+    assert "grid_arrive" not in text
+    # not split by default, until a GPU has timed it (config.TILE_SPLIT_PHASE)
+    text = codegen.render_kernel(k.spec, "cuda", "grid", cache=False, tile=find_stencil(k.spec)).text
     assert "grid_arrive" not in text
 
 
