@@ -1099,7 +1099,8 @@ def render_kernel(spec: StepSpec, backend: str, scope: str = "grid", *, cache: b
         split_phase: (tile mode, one step per exchange, the grid barrier) compute a tile's
             edge rows first and the rows that read no halo while the grid barrier completes,
             for a step that ``stencil.split_step_refusal`` accepts (see ``_tile_lines``);
-            False (the default) keeps one call of the step before the barrier.
+            False (the default: measured slower on an H100, see ``config.TILE_SPLIT_PHASE``)
+            keeps one call of the step before the barrier.
 
     Returns:
         The :class:`KernelSource`.

@@ -305,8 +305,9 @@ TILE_DEPTH_MAX = 32
 #: grid barrier, compute the rest while the other blocks arrive, then wait
 #: (codegen.render_kernel's split_phase; for steps stencil.split_step_refusal accepts). Read
 #: each time a kernel variant is looked up (dispatch/kernels.py), so that bench/tile_probe.py
-#: can time both in one process. Off until a GPU has run its tests and timed it against the
-#: unsplit kernel (written 2026-12-06 without a device).
+#: can time both in one process. Off: correct on an H100 (its GPU tests and the tile suite
+#: passed with it on) but slower, 2-D heat 512² 3.16 against 2.59 µs/step, 1024² 4.02 against
+#: 3.74, Life 1024² 7.44 against 7.39 (bench-results/session35, 2026-12-06).
 TILE_SPLIT_PHASE = False
 #: tile mode with several steps per exchange: threads per block by tile length (cells or
 #: rows): up to the first bound 256, up to the second 512, else 1024 (H200 heat f32, 32 steps
