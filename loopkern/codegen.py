@@ -1214,7 +1214,7 @@ def render_kernel(spec: StepSpec, backend: str, scope: str = "grid", *, cache: b
             if split_step_refusal(spec, tile) is None:
                 # the template's call of the step but for the rows it computes
                 step_call = (f"{_P}step({_P}t0 + {_P}t, {''.join(f'{k}, ' for k in work)}{', '.join(ctx_params[:9])}, "
-                             f"{{lo}}, {{hi}}, {_P}tb, {_P}btid, {_P}bnt)")
+                             f"{{lo}}, {{hi}}, {_P}tb, {{btid}}, {{bnt}})")
         tile_pro, tile_barrier, tile_copy, split = _tile_lines(tile, kparams, resident, written, sync, step_call)
         prologue += tile_pro
         # the global buffers the edge cells go through swap with the tiles
@@ -1555,7 +1555,10 @@ def _tile_lines(tile, kparams, resident, written, sync: str = "grid",
     split = step_call is not None and bool(hl + hr and written)
     if split:
         pro += [f"{i1}{_P}ehi = min({_P}tlo + {max(hl, hr)}, {_P}thi)",
-                f"{i1}{_P}elo = max({_P}thi - {max(hl, hr)}, {_P}ehi)"]
+                f"{i1}{_P}elo = max({_P}thi - {max(hl, hr)}, {_P}ehi)",
+                # warp 0 (whose thread 0 makes the barrier's release and spins) leaves the middle
+                # rows to the others, unless it is the block's only warp
+                f"{i1}{_P}wo = 32 if {_P}bnt > 32 else 0"]
     for j, i in enumerate(resident):
         pro.append(f"{i1}{_P}w{i} = {_P}rt.tile_like({_P}sh, {j} * {_P}W * {_P}m, {_P}W * {_P}m, {kparams[i]})")
         # (wrapping around, every row of the tile: its halo's taken across the wrap)
@@ -1564,13 +1567,16 @@ def _tile_lines(tile, kparams, resident, written, sync: str = "grid",
         pro += cells(1, f"{_P}W", first, guard, [put(f"{_P}w{i}", f"{_P}r", get(kparams[i], f"{_P}c", False), True)])
         pro.append(f"{i1}{_P}e{i} = {kparams[i]}")
     pro.append(f"{i1}cuda.syncthreads()")
-    bar = ([step_call.format(lo=f"{_P}elo", hi=f"{_P}thi")] if split else []) + ["cuda.syncthreads()"]
+    whole = dict(btid=f"{_P}btid", bnt=f"{_P}bnt")
+    bar = ([step_call.format(lo=f"{_P}elo", hi=f"{_P}thi", **whole)] if split else []) + ["cuda.syncthreads()"]
     if hl + hr and written:
         bar += cells(0, hl + hr, f"{_P}tlo + {_P}r if {_P}r < {hr} else {_P}thi - {hl} + ({_P}r - {hr})",
                      f"{_P}tlo <= {_P}c < {_P}thi",
                      [put(f"{_P}e{i}", f"{_P}c", get(f"{_P}w{i}", f"{_P}c - {_P}tb", True), False) for i in written])
     if split:
-        bar += [f"{_P}old = {_P}rt.grid_arrive({_P}bar)", step_call.format(lo=f"{_P}ehi", hi=f"{_P}elo"),
+        bar += [f"{_P}old = {_P}rt.grid_arrive({_P}bar)", f"if {_P}btid >= {_P}wo:",
+                _INDENT + step_call.format(lo=f"{_P}ehi", hi=f"{_P}elo", btid=f"{_P}btid - {_P}wo",
+                                           bnt=f"{_P}bnt - {_P}wo"),
                 f"{_P}rt.grid_wait({_P}bar, {_P}old)"]
     else:
         bar.append(f"{_P}rt.{sync}_sync({_P}bar)")

@@ -572,11 +572,12 @@ def test_one_step_per_exchange_is_split_only_for_a_step_that_is_a_function_of_it
     assert "grid_arrive" not in text
 
 
-@pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 150])
+@pytest.mark.parametrize("n,threads", [(1, 32), (2, 32), (3, 64), (4, 32), (5, 64), (150, 32), (150, 64)])
 @pytest.mark.parametrize("fn", [W.heat_step, wide_step, W.ring_rows_step, noisy_heat_step])
-def test_a_split_step_equals_the_unsplit_one_and_the_reference(fn, n, rng, monkeypatch):
+def test_a_split_step_equals_the_unsplit_one_and_the_reference(fn, n, threads, rng, monkeypatch):
     # one block: its tile is the whole array, the edges its first and last max(halo) cells and
-    # the middle call what is left (none for n <= 2 * max(halo))
+    # the middle call what is left (none for n <= 2 * max(halo)); with two warps the middle
+    # call runs on the second only (the first makes the barrier's release)
     from numba import cuda
     from loopkern.dispatch import config
     u0 = rng.random(n)
@@ -588,7 +589,7 @@ def test_a_split_step_equals_the_unsplit_one_and_the_reference(fn, n, rng, monke
         monkeypatch.setattr(config, "TILE_SPLIT_PHASE", split)
         k = lk.megakernel(fn, swap=[("u", "v")])
         u, v = cuda.to_device(u0), cuda.to_device(u0)
-        run = k(u, v, *scalars, steps=steps, backend="cuda", scope="tile", threads=32)
+        run = k(u, v, *scalars, steps=steps, backend="cuda", scope="tile", threads=threads)
         assert run.scope == "tile" and run.steps == steps
         text = k.dispatcher.kernels.sources[next(iter(k.dispatcher.kernels.sources))].text
         assert ("grid_arrive" in text) == split
@@ -603,8 +604,9 @@ def test_a_split_step_equals_the_unsplit_one_and_the_reference(fn, n, rng, monke
         np.testing.assert_allclose(out[True][0], W.ring_rows_ref(u0, steps), rtol=1e-12)
 
 
-@pytest.mark.parametrize("shape", [(1, 6), (2, 5), (3, 4), (13, 11), (8, 33)])
-def test_split_two_dimensional_steps_equal_the_unsplit_ones_and_the_reference(shape, rng, monkeypatch):
+@pytest.mark.parametrize("shape,threads", [((1, 6), 32), ((2, 5), 64), ((3, 4), 32), ((13, 11), 32), ((13, 11), 64),
+                                          ((8, 33), 64)])
+def test_split_two_dimensional_steps_equal_the_unsplit_ones_and_the_reference(shape, threads, rng, monkeypatch):
     from numba import cuda
     from bench.life import life_kernel
     from loopkern.dispatch import config
@@ -620,7 +622,7 @@ def test_split_two_dimensional_steps_equal_the_unsplit_ones_and_the_reference(sh
         got = []
         for k, x0, scalars in ((heat, u0, (0.2,)), (drift, u0, ()), (life, a0, ())):
             a, b = cuda.to_device(x0), cuda.to_device(x0)
-            run = k(a, b, *scalars, steps=steps, backend="cuda", scope="tile", threads=32)
+            run = k(a, b, *scalars, steps=steps, backend="cuda", scope="tile", threads=threads)
             assert run.scope == "tile" and run.steps_per_exchange == 1
             got.append(a.copy_to_host())
         out[split] = got
