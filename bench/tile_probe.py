@@ -1,16 +1,14 @@
 """Time the bench's heat and Jacobi kernels over scopes, block and thread counts (tuning
 scope="tile" and scope="cluster"): ``python bench/tile_probe.py [heat:N[,N...]]
 [heat2d:SIDE[,SIDE...]] [jacobi:SIDE[,SIDE...]] [life:SIDE[,SIDE...]] [threads=T,T] [blocks=B,B]
-[scope=tile,cluster] [depth=D,D] [span=S] [split=1,0]``.
+[scope=tile,cluster] [depth=D,D] [span=S]``.
 
 Jacobi runs a fixed number of steps (its tolerance is -1, so the condition never stops it)
 and reduces its update every step, as the bench's Jacobi does.
 
 ``depth`` caps the steps tile mode runs per halo exchange (``config.TILE_DEPTH_MAX``; 1: one
 step per exchange), ``span`` sets ``config.TILE_DEPTH_SPAN`` and ``TILE_DEPTH_SPAN_ROWS`` (how
-many widened halos a tile of cells or of rows must be long), ``split`` sets
-``config.TILE_SPLIT_PHASE`` (one step per exchange: the tile's edges first, the rest while the
-grid barrier completes; each configuration is timed with each value in turn).
+many widened halos a tile of cells or of rows must be long).
 
 Each configuration runs once to compile, then five times; prints the median µs per step and
 whether the field equals the grid scope's bit for bit after the same steps.
@@ -36,7 +34,6 @@ threads_list = [None if x == "auto" else int(x) for x in opts.get("threads", "25
 blocks_list = [None if x == "auto" else int(x) for x in opts.get("blocks", "auto,132,264").split(",")]
 scopes = opts.get("scope", "tile").split(",")
 depths = [int(x) for x in opts.get("depth", str(config.TILE_DEPTH_MAX)).split(",")]
-splits = [bool(int(x)) for x in opts.get("split", str(int(config.TILE_SPLIT_PHASE))).split(",")]
 if "span" in opts:
     config.TILE_DEPTH_SPAN = config.TILE_DEPTH_SPAN_ROWS = int(opts["span"])
 
@@ -59,23 +56,20 @@ def probe(name, make, u0, alpha, steps):
     print(f"{name} grid auto: {base:.3f} us/step (blocks={r.blocks} threads={r.threads})", flush=True)
     for depth in depths:
         config.TILE_DEPTH_MAX = depth
-        # new kernels: plans are kept per kernel, and depend on the cap and on the split
-        ks = {split: make() for split in splits}
+        k = make()                  # a new kernel: plans are kept per kernel, and depend on the cap
         for scope in scopes:
             for threads in threads_list:
                 for blocks in blocks_list:
-                    for split in splits:
-                        config.TILE_SPLIT_PHASE = split
-                        try:
-                            us, out, r = timed(ks[split], u0, alpha, steps, scope, blocks, threads)
-                        except Exception as exc:                      # a configuration that does not fit
-                            print(f"{name} {scope} blocks={blocks} threads={threads}: {type(exc).__name__}: "
-                                  f"{str(exc)[:150]}")
-                            continue
-                        same = "bitwise equal" if np.array_equal(out, ref) else "DIFFERS from grid"
-                        print(f"{name} {scope} ({r.scope}) blocks={r.blocks} threads={r.threads} "
-                              f"depth={r.steps_per_exchange} split={int(split)}: "
-                              f"{us:.3f} us/step ({us / base:.2f}x grid), {same}", flush=True)
+                    try:
+                        us, out, r = timed(k, u0, alpha, steps, scope, blocks, threads)
+                    except Exception as exc:                      # a configuration that does not fit
+                        print(f"{name} {scope} blocks={blocks} threads={threads}: {type(exc).__name__}: "
+                              f"{str(exc)[:150]}")
+                        continue
+                    same = "bitwise equal" if np.array_equal(out, ref) else "DIFFERS from grid"
+                    print(f"{name} {scope} ({r.scope}) blocks={r.blocks} threads={r.threads} "
+                          f"depth={r.steps_per_exchange}: "
+                          f"{us:.3f} us/step ({us / base:.2f}x grid), {same}", flush=True)
 
 
 rng = np.random.default_rng(0)

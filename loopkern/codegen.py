@@ -1037,7 +1037,7 @@ def render_kernel(spec: StepSpec, backend: str, scope: str = "grid", *, cache: b
                   fingerprint: str = "", by_ref: frozenset | None = None, debug: bool = False,
                   staged: tuple = (), control: bool = True, float_type: str | None = None,
                   index_bits: int | None = None, tile=None, cluster: bool = False,
-                  depth: int = 1, tiles: int = 0, split_phase: bool = False) -> KernelSource:
+                  depth: int = 1, tiles: int = 0) -> KernelSource:
     """Render the kernel module for ``spec``.
 
     Args:
@@ -1096,11 +1096,6 @@ def render_kernel(spec: StepSpec, backend: str, scope: str = "grid", *, cache: b
             capability 9.0+, ``scope="cluster"``): every barrier, the ones inside grid
             reductions and ``lk.sync()`` included, is the cluster's hardware barrier
             (``cuda_rt.cluster_sync``) instead of the grid barrier.
-        split_phase: (tile mode, one step per exchange, the grid barrier) compute a tile's
-            edge rows first and the rows that read no halo while the grid barrier completes,
-            for a step that ``stencil.split_step_refusal`` accepts (see ``_tile_lines``);
-            False (the default: measured slower on an H100, see ``config.TILE_SPLIT_PHASE``)
-            keeps one call of the step before the barrier.
 
     Returns:
         The :class:`KernelSource`.
@@ -1192,7 +1187,6 @@ def render_kernel(spec: StepSpec, backend: str, scope: str = "grid", *, cache: b
         prologue += _staging_lines(staged, kparams)
     swap_lines = [f"{_INDENT * 2}{work[a]}, {work[b]} = {work[b]}, {work[a]}" for a, b in spec.swap]
     tile_barrier = ""
-    split = False
     rounds = None
     copy_r = []
     if tiles:
@@ -1208,14 +1202,7 @@ def render_kernel(spec: StepSpec, backend: str, scope: str = "grid", *, cache: b
                       halo_lo=str(tile.halo[0][0]), halo_hi=str(tile.halo[0][1]))
     elif tile is not None:
         written = [i for i in resident if spec.params[i].written]
-        step_call = None
-        if split_phase and sync == "grid":
-            from .stencil import split_step_refusal
-            if split_step_refusal(spec, tile) is None:
-                # the template's call of the step but for the rows it computes
-                step_call = (f"{_P}step({_P}t0 + {_P}t, {''.join(f'{k}, ' for k in work)}{', '.join(ctx_params[:9])}, "
-                             f"{{lo}}, {{hi}}, {_P}tb, {{btid}}, {{bnt}})")
-        tile_pro, tile_barrier, tile_copy, split = _tile_lines(tile, kparams, resident, written, sync, step_call)
+        tile_pro, tile_barrier, tile_copy = _tile_lines(tile, kparams, resident, written, sync)
         prologue += tile_pro
         # the global buffers the edge cells go through swap with the tiles
         swap_lines += [f"{_INDENT * 2}{_P}e{a}, {_P}e{b} = {_P}e{b}, {_P}e{a}" for a, b in spec.swap]
@@ -1313,8 +1300,7 @@ def render_kernel(spec: StepSpec, backend: str, scope: str = "grid", *, cache: b
         copy_back="\n".join(copy_lines) or f"{_INDENT}pass", control="\n".join(control_lines),
         state=_state_lines(step_lines.memo_slots),
         debug_param=f", {_P}dbg" if debug else "", extra_args=(f", {_P}dbg, {_P}t0 + {_P}t" if debug else
-                    "".join(f", {_P}{'ehi' if split and n == 'thi' else n}" for n in _TILE_CTX) if tile is not None
-                    else ""),
+                    "".join(f", {_P}{n}" for n in _TILE_CTX) if tile is not None else ""),
     )
     if tiles:
         mapping.update(rounds, swap="\n".join(_INDENT * 2 + line for line in swap_lines))
@@ -1504,10 +1490,8 @@ def _row_offset(e, row: str) -> bool:
             and e.left.id == row and int_constant(e.right) is not None)
 
 
-def _tile_lines(tile, kparams, resident, written, sync: str = "grid",
-                step_call: str | None = None) -> tuple[list, str, list, bool]:
-    """(prologue lines, the step barrier's text, copy-back lines, whether the step is split) of
-    a tile-mode kernel.
+def _tile_lines(tile, kparams, resident, written, sync: str = "grid") -> tuple[list, str, list]:
+    """(prologue lines, the step barrier's text, copy-back lines) of a tile-mode kernel.
 
     Each block keeps its tile of every resident array in shared memory for the whole run: one
     contiguous range of the first dimension (cells of a 1-D array, whole rows of a 2-D one),
@@ -1520,15 +1504,6 @@ def _tile_lines(tile, kparams, resident, written, sync: str = "grid",
     along the first dimension fills the first tile's lower halo from the array's last rows and
     the last tile's upper halo from its first rows; the step finds such a row in the tile
     modulo the extent (``rt.tile_row``).
-
-    With ``step_call`` (the step's call with ``{lo}`` and ``{hi}`` for the rows it computes;
-    a step that ``stencil.split_step_refusal`` accepts, a grid barrier) the step runs as three
-    calls: the template's, over the tile's first ``H = max(halo)`` rows (``[tlo, ehi)``), then
-    the last ``H`` (``[elo, thi)``); the block publishes those edges and *arrives* at the
-    barrier (``rt.grid_arrive``), computes the rows between (``[ehi, elo)``: they read no halo
-    row, and no other block reads them before the next exchange) and only then *waits*
-    (``rt.grid_wait``), so the barrier's latency overlaps the bulk of the step. A tile shorter
-    than ``2 H`` rows leaves the middle call empty.
 
     The barrier is ``sync``'s: the grid's, or a cluster's (a grid launched as one cluster). A
     barrier among neighbouring blocks only (per-block step counts with release/acquire, and a
@@ -1552,13 +1527,6 @@ def _tile_lines(tile, kparams, resident, written, sync: str = "grid",
            f"{i1}{_P}bnt = cuda.blockDim.x",
            f"{i1}{_P}m = {k0}.shape[1]" if tt.two else f"{i1}{_P}m = 1",
            f"{i1}{_P}sh = cuda.shared.array(0, {k0}.dtype)"]
-    split = step_call is not None and bool(hl + hr and written)
-    if split:
-        pro += [f"{i1}{_P}ehi = min({_P}tlo + {max(hl, hr)}, {_P}thi)",
-                f"{i1}{_P}elo = max({_P}thi - {max(hl, hr)}, {_P}ehi)",
-                # warp 0 (whose thread 0 makes the barrier's release and spins) leaves the middle
-                # rows to the others, unless it is the block's only warp
-                f"{i1}{_P}wo = 32 if {_P}bnt > 32 else 0"]
     for j, i in enumerate(resident):
         pro.append(f"{i1}{_P}w{i} = {_P}rt.tile_like({_P}sh, {j} * {_P}W * {_P}m, {_P}W * {_P}m, {kparams[i]})")
         # (wrapping around, every row of the tile: its halo's taken across the wrap)
@@ -1567,19 +1535,12 @@ def _tile_lines(tile, kparams, resident, written, sync: str = "grid",
         pro += cells(1, f"{_P}W", first, guard, [put(f"{_P}w{i}", f"{_P}r", get(kparams[i], f"{_P}c", False), True)])
         pro.append(f"{i1}{_P}e{i} = {kparams[i]}")
     pro.append(f"{i1}cuda.syncthreads()")
-    whole = dict(btid=f"{_P}btid", bnt=f"{_P}bnt")
-    bar = ([step_call.format(lo=f"{_P}elo", hi=f"{_P}thi", **whole)] if split else []) + ["cuda.syncthreads()"]
+    bar = ["cuda.syncthreads()"]
     if hl + hr and written:
         bar += cells(0, hl + hr, f"{_P}tlo + {_P}r if {_P}r < {hr} else {_P}thi - {hl} + ({_P}r - {hr})",
                      f"{_P}tlo <= {_P}c < {_P}thi",
                      [put(f"{_P}e{i}", f"{_P}c", get(f"{_P}w{i}", f"{_P}c - {_P}tb", True), False) for i in written])
-    if split:
-        bar += [f"{_P}old = {_P}rt.grid_arrive({_P}bar)", f"if {_P}btid >= {_P}wo:",
-                _INDENT + step_call.format(lo=f"{_P}ehi", hi=f"{_P}elo", btid=f"{_P}btid - {_P}wo",
-                                           bnt=f"{_P}bnt - {_P}wo"),
-                f"{_P}rt.grid_wait({_P}bar, {_P}old)"]
-    else:
-        bar.append(f"{_P}rt.{sync}_sync({_P}bar)")
+    bar.append(f"{_P}rt.{sync}_sync({_P}bar)")
     if hl + hr and written:
         # the halo rows, from the neighbours' edges; wrapping around along dimension 0, the
         # first tile's lower halo is the last rows of the array and the last tile's upper halo
@@ -1592,7 +1553,7 @@ def _tile_lines(tile, kparams, resident, written, sync: str = "grid",
     barrier = ("\n" + i2).join(bar)
     copy_back = [f"{i1}cuda.syncthreads()"] + tt.copy_rows(1, f"{_P}thi - {_P}tlo", f"{_P}tlo + {_P}r", "True",
                                                           to_shared=False)
-    return pro, barrier, copy_back, split
+    return pro, barrier, copy_back
 
 
 class _TileText:

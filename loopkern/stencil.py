@@ -521,35 +521,6 @@ def _first_indices(it: ast.Call, kind: str, ndim: int) -> dict:
     return lows
 
 
-def split_step_refusal(spec, stencil: Stencil) -> NotStencil | None:
-    """Why tile mode cannot run one of ``spec``'s steps as several calls over parts of its tile,
-    or None if it can.
-
-    With one step per halo exchange, tile mode computes a tile's edge rows first, publishes
-    them and arrives at the grid barrier, then computes the rows that need no halo while the
-    other blocks arrive (``codegen._tile_lines``). Each cell is computed once, by one of the
-    calls; that is the unsplit step only when a step's effect on memory is a function of the
-    cells it reads and nothing else, so the rules of :func:`fused_steps_refusal` but the last
-    hold (no condition returned, no ``lk.sync()``, reduction, ``lk.atomic``, ``lk.thread_id``
-    or ``lk.num_threads``, no array written but the swap pairs', whose statements outside the
-    parallel loop would run once per call): wrapping around along the first dimension is
-    fine, since the halo exchange is unchanged.
-    """
-    if spec.returns_condition:
-        return NotStencil("the step returns a condition (a stop decision every step)", spec.lineno)
-    swapped = {i for pair in spec.swap for i in pair}
-    for i, p in enumerate(spec.params):
-        if p.written and i not in swapped:
-            return NotStencil(f"the step writes '{p.name}', which is not in a swap pair", spec.lineno)
-    for fn in (spec.step,) + tuple(spec.helpers):
-        for node in (n for st in fn.body for n in ast.walk(st)):
-            m = marker_of(node)
-            if m is not None and m not in ("range", "grid", "random_uniform", "random_normal"):
-                name = m.replace("_", ".", 1) if m.startswith("atomic_") else m
-                return NotStencil(f"the step calls lk.{name}", getattr(node, "lineno", spec.lineno))
-    return None
-
-
 def fused_steps_refusal(spec, stencil: Stencil) -> NotStencil | None:
     """Why tile mode cannot run several of ``spec``'s steps per halo exchange, or None if it can.
 
@@ -571,6 +542,18 @@ def fused_steps_refusal(spec, stencil: Stencil) -> NotStencil | None:
     - the stencil does not wrap around along its first dimension (a halo widened across the
       wrap is not built).
     """
-    if stencil.periodic[0] and not spec.returns_condition:
+    if spec.returns_condition:
+        return NotStencil("the step returns a condition (a stop decision every step)", spec.lineno)
+    if stencil.periodic[0]:
         return NotStencil("the stencil wraps around along its first dimension", spec.lineno)
-    return split_step_refusal(spec, stencil)
+    swapped = {i for pair in spec.swap for i in pair}
+    for i, p in enumerate(spec.params):
+        if p.written and i not in swapped:
+            return NotStencil(f"the step writes '{p.name}', which is not in a swap pair", spec.lineno)
+    for fn in (spec.step,) + tuple(spec.helpers):
+        for node in (n for st in fn.body for n in ast.walk(st)):
+            m = marker_of(node)
+            if m is not None and m not in ("range", "grid", "random_uniform", "random_normal"):
+                name = m.replace("_", ".", 1) if m.startswith("atomic_") else m
+                return NotStencil(f"the step calls lk.{name}", getattr(node, "lineno", spec.lineno))
+    return None

@@ -164,29 +164,6 @@ for name, fn, swap, args in (("heat", W.heat_step, [("u", "v")], [np.zeros(8, f3
 # (heat_stream, heat2d_stream): the kernels take the halo scratch last
 import test_tile as TT  # noqa: E402
 
-# one step per exchange split around the grid barrier (rt.grid_arrive / rt.grid_wait), 1-D and
-# 2-D, and kernel.jax's form
-for name, fn, arr, by_ref in (("heat_split", W.heat_step, np.zeros(8, f32), False),
-                              ("heat2d_split", TT.heat2d_step, np.zeros((4, 4), f32), False),
-                              ("heat2d_split", TT.heat2d_step, np.zeros((4, 4), f32), True)):
-    k = lk.megakernel(fn, swap=[("u", "v")])
-    if by_ref:
-        sig = (types.int64[::1], types.int64[::1], typeof(arr), typeof(arr), types.float32[::1], *SCRATCH,
-               types.uint32[::1], types.int64[::1], types.int64[::1])
-    else:
-        sig = (types.int64, types.int64, typeof(arr), typeof(arr), scalar_type(f32(0.25)), *SCRATCH, types.uint64,
-               types.int64[::1], types.int64[::1])
-    rec = dict(kernel=name, scope="tile", by_ref=by_ref, debug=False, staged=False, atomics=False, index_bits=None)
-    try:
-        src = codegen.render_kernel(k.spec, "cuda", "grid", cache=False, tile=find_stencil(k.spec), split_phase=True,
-                                    by_ref=frozenset({2}) if by_ref else None)
-        assert "grid_arrive" in src.text, "not split"
-        ptx, _ = cuda.compile_ptx(compile_kernel(src).dispatcher.py_func, sig, cc=(9, 0))
-        rec.update(ok=True, **measure(ptx))
-    except Exception as exc:
-        rec.update(ok=False, error=f"{type(exc).__name__}: {exc}"[:2000])
-    print(json.dumps(rec), flush=True)
-
 # (by_ref: kernel.jax's form, the step count, start, seed and scalars in device arrays)
 for name, fn, arr, depth, tiles, by_ref in (("heat_rounds", W.heat_step, np.zeros(8, f32), 8, 0, False),
                                             ("heat_stream", W.heat_step, np.zeros(8, f32), 4, 3, False),

@@ -301,14 +301,6 @@ TILE_BLOCKS_PER_SM = (1, 2, 4, 8)
 #: 0.97 / 0.91 / 0.89 (bench-results/session16/tile-depth-probe2-1442.log); a stop request is
 #: seen once per round, so longer rounds gain little and answer later
 TILE_DEPTH_MAX = 32
-#: tile mode with one step per exchange: compute each tile's edge rows first, arrive at the
-#: grid barrier, compute the rest while the other blocks arrive, then wait
-#: (codegen.render_kernel's split_phase; for steps stencil.split_step_refusal accepts). Read
-#: each time a kernel variant is looked up (dispatch/kernels.py), so that bench/tile_probe.py
-#: can time both in one process. Off: correct on an H100 (its GPU tests and the tile suite
-#: passed with it on) but slower, 2-D heat 512² 3.16 against 2.59 µs/step, 1024² 4.02 against
-#: 3.74, Life 1024² 7.44 against 7.39 (bench-results/session35, 2026-12-06).
-TILE_SPLIT_PHASE = False
 #: tile mode with several steps per exchange: threads per block by tile length (cells or
 #: rows): up to the first bound 256, up to the second 512, else 1024 (H200 heat f32, 32 steps
 #: per exchange: 64K, 497-cell tiles, 0.26 µs/step at 256 threads, 0.29 at 512; 256K, 1986

@@ -27,9 +27,7 @@ class KernelCache:
         compiling it: ``kernel.jax`` looks its cubin up on disk by it first
         (``interop/ffi_kernels.py``)."""
         from ..compile import runtime_fingerprint, simulator_enabled
-        from .config import TILE_SPLIT_PHASE
-        key = (backend, scope, by_ref, debug, staged, control, float_type, index_bits, tile, cluster, depth, tiles,
-               TILE_SPLIT_PHASE)
+        key = (backend, scope, by_ref, debug, staged, control, float_type, index_bits, tile, cluster, depth, tiles)
         src = self.sources.get(key)
         if src is None:
             with self._lock:
@@ -39,8 +37,7 @@ class KernelCache:
                     src = self.sources[key] = codegen.render_kernel(
                         self.spec, backend, scope, cache=cache, fingerprint=f"runtime {runtime_fingerprint()}",
                         by_ref=by_ref, debug=debug, staged=staged, control=control, float_type=float_type,
-                        index_bits=index_bits, tile=tile, cluster=cluster, depth=depth, tiles=tiles,
-                        split_phase=TILE_SPLIT_PHASE)
+                        index_bits=index_bits, tile=tile, cluster=cluster, depth=depth, tiles=tiles)
         return src
 
     def get(self, backend, scope, by_ref=None, debug=False, staged=(), control=True, float_type=None,
@@ -48,9 +45,7 @@ class KernelCache:
         """The :class:`~loopkern.compile.CompiledKernel` of one variant (rendered and loaded on
         first use; Numba compiles it per argument types in ``specialize``)."""
         from ..compile import compile_kernel
-        from .config import TILE_SPLIT_PHASE
-        key = (backend, scope, by_ref, debug, staged, control, float_type, index_bits, tile, cluster, depth, tiles,
-               TILE_SPLIT_PHASE)
+        key = (backend, scope, by_ref, debug, staged, control, float_type, index_bits, tile, cluster, depth, tiles)
         k = self.variants.get(key)
         if k is None:
             src = self.source(backend, scope, by_ref=by_ref, debug=debug, staged=staged, control=control,

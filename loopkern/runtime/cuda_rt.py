@@ -78,18 +78,6 @@ if SIMULATOR:
         """Barrier across every thread of the grid launched as one cluster (the simulator runs
         one block)."""
         cuda.cg.this_grid().sync()
-
-    @cuda.jit(device=True)
-    def grid_arrive(bar):
-        """The first half of :func:`grid_sync` (see the GPU version); the simulator's one
-        block needs only its own threads' writes ordered, which the syncthreads does."""
-        cuda.syncthreads()
-        return 0
-
-    @cuda.jit(device=True)
-    def grid_wait(bar, old):
-        """The second half of :func:`grid_sync`."""
-        cuda.cg.this_grid().sync()
 else:
     from llvmlite import ir
     from numba import types as _types, uint32
@@ -143,33 +131,6 @@ else:
             nb = uint32(cuda.gridDim.x)
             inc = uint32(1) if cuda.blockIdx.x != 0 else uint32(uint32(0x80000000) - (nb - uint32(1)))
             old = _atom_add_release(bar, inc)
-            while ((old ^ _ld_acquire(bar)) & uint32(0x80000000)) == 0:
-                pass
-        cuda.syncthreads()
-
-    @cuda.jit(device=True)
-    def grid_arrive(bar):
-        """:func:`grid_sync` split in two: this block arrives (every thread must call it, after
-        its writes that other blocks will read), and may then work on data no other block
-        touches before :func:`grid_wait` (with the value returned here) waits for every block
-        to have arrived. Thread 0's release-add is the same as in ``grid_sync``; it returns the
-        counter's old value to thread 0 (0 to the others). Tile mode computes the cells of its
-        tile that need no halo in between (``codegen._tile_lines``), so the barrier's latency
-        overlaps them."""
-        cuda.syncthreads()
-        old = uint32(0)
-        if cuda.threadIdx.x == 0:
-            nb = uint32(cuda.gridDim.x)
-            inc = uint32(1) if cuda.blockIdx.x != 0 else uint32(uint32(0x80000000) - (nb - uint32(1)))
-            old = _atom_add_release(bar, inc)
-        return old
-
-    @cuda.jit(device=True)
-    def grid_wait(bar, old):
-        """The end of the barrier :func:`grid_arrive` began: thread 0 spins (acquire) until the
-        counter's top bit differs from ``old``'s, then the block's syncthreads passes what it
-        saw on to every thread, as ``grid_sync`` does."""
-        if cuda.threadIdx.x == 0:
             while ((old ^ _ld_acquire(bar)) & uint32(0x80000000)) == 0:
                 pass
         cuda.syncthreads()
