@@ -106,7 +106,10 @@ def parse_step(fn) -> ParsedFunction:
     dedented = textwrap.dedent(raw)
     first_indent = len(src_lines[0]) - len(src_lines[0].lstrip())
     col_shift = first_indent - (len(dedented.splitlines()[0]) - len(dedented.splitlines()[0].lstrip()))
-    module = ast.parse(dedented)
+    try:
+        module = ast.parse(dedented)
+    except SyntaxError:        # the lines of a lambda inside a statement: not a 'def' on its own
+        module = ast.Module(body=[], type_ignores=[])
     ast.increment_lineno(module, first - 1)
     node = next((n for n in module.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))), None)
     if node is None or isinstance(node, ast.AsyncFunctionDef):

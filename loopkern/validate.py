@@ -167,11 +167,24 @@ def _module_attr(module: str, attr: str, node: ast.AST) -> ast.Attribute:
     return ast.copy_location(ast.Attribute(value=base, attr=attr, ctx=ast.Load()), node)
 
 
+def _bound_names(target: ast.AST) -> list:
+    """The names an assignment target binds (``a``, ``a, b``), not those it indexes (``a[i]``)."""
+    if isinstance(target, ast.Name):
+        return [target]
+    if isinstance(target, (ast.Tuple, ast.List)):
+        return [n for e in target.elts for n in _bound_names(e)]
+    if isinstance(target, ast.Starred):
+        return _bound_names(target.value)
+    return []
+
+
 def _constant_node(value, node: ast.AST):
     """An AST that evaluates to ``value`` (a Python or NumPy number), or None."""
     if isinstance(value, (bool, np.bool_)):
         return ast.copy_location(ast.Constant(bool(value)), node)
     if isinstance(value, np.generic) and isinstance(value, (np.integer, np.floating)):
+        if type(value).__name__ not in _NUMPY_CASTS:       # float16, longdouble: no GPU type
+            return None
         inner = _constant_node(value.item(), node)
         return ast.copy_location(ast.Call(func=_module_attr("np", type(value).__name__, node),
                                           args=[inner], keywords=[]), node)
@@ -381,6 +394,10 @@ class _Normalizer(ast.NodeTransformer):
         v = node.value
         if isinstance(v, ast.Constant) and isinstance(v.value, str):
             return None  # a bare string is a comment
+        if isinstance(v, (ast.Yield, ast.YieldFrom, ast.Await)):
+            self.error(node, "generators and coroutines are not supported in step code",
+                       "write the step as a plain function; loop with for/while inside it")
+            return None
         if not isinstance(v, ast.Call):
             self.error(node, "an expression statement has no effect in step code", "assign it or remove it")
             return None
@@ -402,6 +419,10 @@ class _Normalizer(ast.NodeTransformer):
             if not isinstance(target.value, ast.Name):
                 return self.reject(target, "only a named array can be assigned into",
                                    "write 'a[i] = ...' where 'a' is an array argument")
+            if target.value.id not in self.locals:
+                return self.reject(target, f"'{target.value.id}' is not {'an argument of the step' if self.is_step else 'a parameter of the helper'}: "
+                                           f"step code writes only the arrays passed to it",
+                                   f"pass '{target.value.id}' as an argument")
             self._use_array(target.value)
             self._indexed(target.value.id, target.slice, target)
             if target.value.id in self.params:
@@ -455,6 +476,9 @@ class _Normalizer(ast.NodeTransformer):
             node.orelse = []
         it = node.iter
         kind = self._loop_kind(it)
+        if kind is None and isinstance(it, ast.Call) and self._shadows_module(it.func):
+            node.body = self.visit_body(node.body)
+            return node
         if kind is None:
             self.error(it, "a for loop in step code must iterate over range(...), lk.range(...) or lk.grid(...)",
                        "loop over indices and index the array inside the loop")
@@ -500,6 +524,14 @@ class _Normalizer(ast.NodeTransformer):
             self.thread_varying = True
             node.iter = ast.copy_location(ast.Call(func=_marker(kind[3:], it), args=[
                 self._grid_dim(a) if kind == "lk.grid" else self._scalar(a) for a in it.args], keywords=[]), it)
+            indices = {n.id for n in _bound_names(node.target)}
+            for s in ast.walk(ast.Module(body=node.body, type_ignores=[])):
+                targets = (s.targets if isinstance(s, ast.Assign) else [s.target]
+                           if isinstance(s, (ast.AugAssign, ast.AnnAssign, ast.For)) else [])
+                for n in (n for t in targets for n in _bound_names(t) if n.id in indices):
+                    self.error(n, f"'{n.id}' is the index of the {kind}() loop at line {node.lineno}; it cannot be "
+                                  f"assigned inside the loop (which elements the iteration owns is worked out from it)",
+                               f"use another name, e.g. '{n.id}2 = {n.id} + 1'")
             for s in ast.walk(ast.Module(body=node.body, type_ignores=[])):
                 if isinstance(s, ast.Break) and not self._inside_inner_loop(node, s):
                     self.error(s, f"'break' out of a {kind}() loop is not supported: which indices run "
@@ -539,7 +571,8 @@ class _Normalizer(ast.NodeTransformer):
 
     def visit_Return(self, node):
         if node.value is not None:
-            node.value = self.visit(node.value)
+            # a step returns its loop condition, a number: `return u` is an array used as one
+            node.value = self._scalar(node.value) if self.is_step else self.visit(node.value)
         return node
 
     # -- expressions -----------------------------------------------------------------------
@@ -611,6 +644,10 @@ class _Normalizer(ast.NodeTransformer):
         if const is not None:
             return const
         what = self._describe(value)
+        if isinstance(value, np.generic):
+            return self.reject(node, f"'{node.id}' is a numpy.{type(value).__name__} number; step code has no "
+                                     f"{type(value).__name__} type", "convert it before the step, e.g. "
+                                     f"{node.id} = np.float32({node.id}) or np.float64({node.id})")
         hint = "pass it as an argument of the step instead"
         if isinstance(value, (list, dict, set, tuple, np.ndarray)) or hasattr(value, "__dict__"):
             return self.reject(node, f"'{node.id}' is {what} from the enclosing Python scope; closures over "
@@ -698,6 +735,9 @@ class _Normalizer(ast.NodeTransformer):
             node.value = self.visit(node.value)
             node.slice = self._index(node.slice)
             return node
+        if isinstance(node.value, (ast.List, ast.ListComp, ast.Tuple, ast.Dict, ast.Set, ast.Constant)):
+            return self.reject(node, f"{type(node.value).__name__.lower().replace('comp', ' comprehension')}s "
+                                     f"are not supported in step code", "index an array argument")
         if not isinstance(node.value, ast.Name) or node.value.id not in self.locals:
             return self.reject(node, "only arrays (arguments or local names) can be indexed in step code",
                                "pass the array as an argument of the step")
@@ -748,7 +788,7 @@ class _Normalizer(ast.NodeTransformer):
             else:
                 continue
             # (a parameter assigned to is an error of its own)
-            named = {t.id for tgt in targets for t in ast.walk(tgt) if isinstance(t, ast.Name)} - set(self.params)
+            named = {t.id for tgt in targets for t in _bound_names(tgt)} - set(self.params)
             for leaf in leaves(value) if named else ():
                 if leaf in self.params and (leaf in self.array_uses or named & subscripted):
                     self.error(node, f"array '{leaf}' cannot be given another name in step code: the step's "
@@ -853,6 +893,17 @@ class _Normalizer(ast.NodeTransformer):
         if name_node.id in self.params:
             self.array_uses.setdefault(name_node.id, name_node)
 
+    def _shadows_module(self, func) -> bool:
+        """``func`` is ``lk.x``/``math.x``/``np.x`` where a parameter or local variable hides the
+        module's name: report that (True) rather than a confusing error about the call."""
+        base = func.value if isinstance(func, ast.Attribute) else None
+        if not (isinstance(base, ast.Name) and base.id in self.locals and base.id in ("lk", "math", "np", "numpy")):
+            return False
+        what = "parameter" if base.id in self.params else "local variable"
+        self.error(func, f"'{base.id}' is a {what} here, so '{ast.unparse(func)}' is not the module's",
+                   f"rename the {what} '{base.id}'")
+        return True
+
     def visit_Call(self, node):
         for kw in node.keywords:
             self.error(kw.value if kw.arg else node, "keyword arguments are not supported in step code"
@@ -869,6 +920,14 @@ class _Normalizer(ast.NodeTransformer):
             root = self._undefined_root(node.func)
             if isinstance(node.func, ast.Attribute) and root is not None:
                 return self._reject_undefined(node, root)
+            base = node.func.value if isinstance(node.func, ast.Attribute) else None
+            if self._shadows_module(node.func):
+                return ast.copy_location(ast.Constant(0), node)
+            if isinstance(base, ast.Name) and base.id not in self.locals:
+                found, module = self.parsed.lookup(base.id)
+                if found and isinstance(module, types.ModuleType):
+                    return self.reject(node, f"the module '{module.__name__}' has no function '{node.func.attr}' that "
+                                             f"step code can call", "see the README's list of what step code may call")
             if isinstance(node.func, ast.Attribute):
                 return self.reject(node, f"method calls such as '{label}(...)' are not supported in step code",
                                    "use the allowed builtins, math.*, lk.* or a helper function")
@@ -891,7 +950,7 @@ class _Normalizer(ast.NodeTransformer):
             node.args = [self._scalar(a) for a in node.args]
             return node
         if isinstance(target, type) and issubclass(target, np.generic):
-            name = target.__name__
+            name = "bool_" if target is np.bool_ else target.__name__     # NumPy 2 names it 'bool'
             if name not in _NUMPY_CASTS:
                 return self.reject(node, f"numpy.{name} is not supported in step code",
                                    f"use one of: {', '.join(sorted(_NUMPY_CASTS))}")

@@ -433,3 +433,48 @@ def in_place_stencil_through_named_neighbours(t, a):
         im = i - 1
         ip = i + 1
         a[i] = 0.5 * (a[im] + a[ip])  # ERR: 'a' is stored at another element in this parallel loop
+
+
+HALF16 = np.float16(0.5)
+GLOBAL_ARRAY = np.zeros(3)
+
+
+def float16_global(t, u):
+    u[0] = HALF16  # ERR: is a numpy.float16 number
+
+
+def returns_an_array(t, u):
+    u[0] = 1.0
+    return u  # ERR: is used as an array
+
+
+def yields(t, u):
+    u[0] = 1.0
+    yield 1  # ERR: generators and coroutines are not supported
+
+
+def unknown_lk_function(t, u):
+    lk.foo(u[0])  # ERR: the module 'loopkern' has no function 'foo'
+
+
+def unknown_numpy_function(t, u):
+    u[0] = np.nosuch(u[1])  # ERR: the module 'numpy' has no function 'nosuch'
+
+
+def parameter_named_like_the_module(t, u, lk):
+    for i in lk.range(u.shape[0]):  # ERR: 'lk' is a parameter here
+        u[i] = 1.0
+
+
+def reassigned_parallel_index(t, u):
+    for i in lk.range(u.shape[0] - 1):
+        u[i] = u[i] + 1.0
+        i = i + 1  # ERR: is the index of the lk.range() loop at line
+
+
+def indexes_a_list(t, u):
+    u[0] = [1.0, 2.0][0]  # ERR: lists are not supported
+
+
+def writes_a_global_array(t, u):
+    GLOBAL_ARRAY[0] = u[0]  # ERR: 'GLOBAL_ARRAY' is not an argument of the step

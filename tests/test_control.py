@@ -397,6 +397,36 @@ def test_the_no_poll_baseline_runs_every_step_without_polling(backend, rng):
     np.testing.assert_array_equal(c, refs.count_ref(c0, 500, slow_at, 2))
 
 
+def _int_of(t, u, x):
+    for i in lk.range(u.shape[0]):
+        u[i] = int(x) + u[i]
+
+
+@pytest.mark.sim
+@pytest.mark.parametrize("how", ["call", "start"])
+def test_a_step_that_raises_in_the_simulator_is_a_step_error(how):
+    """Numba's CUDA simulator follows NumPy's scalar rules, so int(nan) raises there (the GPU
+    computes a value): that is an lk.StepError with the exception as its cause, NumPy
+    arguments are left as they were, and the next call runs (the slot was given back). Before
+    session 36 the ValueError came out raw."""
+    k = lk.megakernel(_int_of)
+    u = np.arange(4.0)
+    with pytest.raises(lk.StepError, match=r"raised ValueError .*Numba's CUDA simulator") as ei:
+        if how == "call":
+            k(u, float("nan"), steps=3, backend="cuda")
+        else:
+            k.start(u, float("nan"), steps=3, backend="cuda").wait()
+    assert isinstance(ei.value.__cause__, ValueError)
+    assert ei.value.run.stopped == "error"
+    np.testing.assert_array_equal(u, np.arange(4.0))
+    for _ in range(3):          # more calls than the plan has slots: each failed run gave its slot back
+        with pytest.raises(lk.StepError):
+            k(u, float("inf"), steps=1, backend="cuda")
+    run = k(u, 2.0, steps=3, backend="cuda")
+    assert run.steps == 3
+    np.testing.assert_array_equal(u, np.arange(4.0) + 6)
+
+
 @pytest.mark.parametrize("how", ["call", "start"])
 @pytest.mark.parametrize("bad_at", [0, 3, 4])
 def test_a_step_that_raises_stops_the_run_with_the_state_of_the_steps_before(how, bad_at, rng):

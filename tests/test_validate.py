@@ -788,3 +788,25 @@ def test_in_place_updates_that_store_and_read_disjoint_elements_are_accepted(rng
     want = b0.copy()
     want[:4] = b0[4:8]
     np.testing.assert_array_equal(b, want)
+
+
+def _bool_cast(t, u, x):
+    for i in lk.range(u.shape[0]):
+        u[i] = np.bool_(u[i] - x) + 0.5
+
+
+def test_numpy_bool_cast_is_accepted_under_its_numpy_2_name(rng):
+    """NumPy 2 calls np.bool_ 'bool': the cast is allowed (before session 36 it was refused with a
+    message that recommended bool_) and follows Python's bool() of the value."""
+    u0 = np.round(rng.random(8) * 3)
+    u = u0.copy()
+    lk.megakernel(_bool_cast)(u, 1.0, steps=1, backend="cpu")
+    np.testing.assert_array_equal(u, [float(bool(v - 1.0)) + 0.5 for v in u0])
+
+
+def test_a_lambda_inside_a_statement_is_refused_as_not_a_def():
+    """inspect gives a lambda the lines of the statement around it, which do not parse on their
+    own (a for header without its body): a StepSyntaxError, not a raw IndentationError."""
+    for step in [lambda t, u: None]:
+        with pytest.raises(lk.StepSyntaxError, match="is not a plain 'def' function"):
+            lk.megakernel(step)

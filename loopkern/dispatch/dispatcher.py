@@ -639,7 +639,24 @@ class Dispatcher:
         args = plan.kernel_args(values, slot, o.nsteps, o.start, o.seed)
         c = plan.config
         launcher = plan.kernel[c.blocks, c.threads, 0, c.shared]
-        return self._handle(plan, slot, values, o, ThreadWaiter(lambda: launcher(*args)), reporter)
+        return self._handle(plan, slot, values, o, ThreadWaiter(lambda: launcher(*args)), reporter,
+                            on_error=lambda exc: self._simulated_step_failed(plan, slot, exc, o))
+
+    def _simulated_step_failed(self, plan, slot, exc, o):
+        """A kernel run by Numba's CUDA simulator raised ``exc``: give the slot back and return
+        the :class:`StepError` to raise (None: Numba's own error, or loopkern's). The simulator
+        follows NumPy's scalar rules, so a step can raise there (``int(nan)``, ``k ** -1``)
+        where the GPU computes a value; NumPy arguments are not copied back."""
+        done = max(0, int(slot.view[STEPS]))
+        plan.slots.give(slot)
+        if isinstance(exc, LoopkernError) or type(exc).__module__.startswith("numba"):
+            return None
+        c = plan.config
+        run = Run._make(done, "error", plan.backend, c.scope, c.blocks, c.threads, o.start, c.depth)
+        return StepError(f"{self.spec.name}: the step raised {type(exc).__name__} ({exc}) in Numba's CUDA simulator, "
+                         f"at step t={o.start + done} or later; NumPy arrays passed in were left as they were, "
+                         f"device arrays may hold part of the run. The simulator follows NumPy's scalar rules "
+                         f"(int(nan), an integer to a negative power raise there); the GPU computes a value", run)
 
 
 def _cuda_param_types(compiled, argv) -> tuple:

@@ -500,7 +500,8 @@ def refused_pairs(spec) -> list:
         out.append((i, j, f"argument '{b}' shares memory with argument '{a}', which step '{spec.name}' writes: its "
                           f"threads would race on that memory (and the CPU backend, which runs the iterations in "
                           f"order, would compute something else than a GPU); pass separate arrays, e.g. a copy "
-                          f"of '{b}'"))
+                          f"of '{b}' (arrays whose address ranges overlap count as sharing, interleaved views such "
+                          f"as y[::2] and y[1::2] included)"))
     return out
 
 
