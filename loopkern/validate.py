@@ -830,12 +830,18 @@ class _Normalizer(ast.NodeTransformer):
         kernel would read whatever the variable last held (another element's value, on the CPU)."""
         local = _assigned_names(self.parsed.tree) - set(self.params)
         reported = set()
+        parallel_index = {}        # name -> the lk.range/lk.grid loop (line) that last set it
 
         def reads(node, defined):
             for n in ast.walk(node):
                 if (isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load) and n.id in local
                         and n.id not in defined and n.id not in reported):
                     reported.add(n.id)
+                    if n.id in parallel_index:
+                        self.error(n, f"'{n.id}' is read after the parallel loop at line {parallel_index[n.id]} "
+                                      f"whose index it is: there it holds the last index this thread ran, which "
+                                      f"depends on the number of threads", f"assign '{n.id}' again before reading it")
+                        continue
                     self.error(n, f"local '{n.id}' may be read before it is assigned: some path reaches this "
                                   f"line without assigning it (Python would raise UnboundLocalError; a kernel "
                                   f"would read a leftover value)",
@@ -880,7 +886,11 @@ class _Normalizer(ast.NodeTransformer):
                 block(st.body, d | (stored(st.target) if isinstance(st, ast.For) else set()))
                 # the body may run no iteration: what it assigns is not assigned after it
                 after = block(st.orelse, d) if st.orelse else d
-                return d if after is None else after
+                after = d if after is None else after
+                if isinstance(st, ast.For) and self._loop_kind(st.iter) in ("lk.range", "lk.grid"):
+                    parallel_index.update((name, st.lineno) for name in stored(st.target))
+                    after = after - stored(st.target)
+                return after
             if isinstance(st, (ast.Return, ast.Break, ast.Continue)):
                 if isinstance(st, ast.Return) and st.value is not None:
                     reads(st.value, d)

@@ -478,3 +478,11 @@ def indexes_a_list(t, u):
 
 def writes_a_global_array(t, u):
     GLOBAL_ARRAY[0] = u[0]  # ERR: 'GLOBAL_ARRAY' is not an argument of the step
+
+
+def parallel_index_read_after_its_loop(t, u):
+    i = 0
+    for i in lk.range(u.shape[0]):
+        u[i] = 1.0
+    lk.sync()
+    u[0] = i  # ERR: is read after the parallel loop at line
