@@ -255,6 +255,34 @@ def test_float64_and_int64_under_x64(rng):
         same(got[1], ref[1])                                           # int64 wraps the same
 
 
+def test_int64_arithmetic_wraps_before_comparisons_and_orderings(rng):
+    """int64 sums, differences and products that overflow wrap, as in XLA, also where a
+    comparison, max, sort or division reads them: Numba marks signed arithmetic as never
+    wrapping, so LLVM folded `u * 4 > 0` into `u > 0` (found by session 36's adversarial run:
+    a while_loop doubling an int64 ran two iterations too many)."""
+    with jax_x64():
+        edge = np.array([2 ** 62, -2 ** 62, 2 ** 63 - 1, -2 ** 63, 2 ** 61 + 7, -1, 0, 5], np.int64)
+        x = jnp.asarray(np.concatenate([edge, rng.integers(-2 ** 63, 2 ** 63 - 1, 24, dtype=np.int64,
+                                                            endpoint=True)]))
+
+        def body(i, c):
+            u, flags, q = c
+            v = u * 4
+            w = u + u
+            return (u, jnp.stack([v > 0, w < u, u + 1 > u, -u < 0, u - 3 > u]),
+                    jnp.stack([w // 3, jnp.max(u + 10) + 0 * u, jnp.sort(u + 10), jnp.cumsum(w), v % 7]))
+        c0 = (x, jnp.zeros((5, x.shape[0]), bool), jnp.zeros((5, x.shape[0]), jnp.int64))
+        same(lk.fori_loop(0, 1, body, c0, fallback="error"), lax.fori_loop(0, 1, body, c0))
+
+        def cond(c):
+            return c[0] * 2 > 0
+
+        def double(c):
+            return c[0] * 2, c[1] + 1
+        c0 = (jnp.int64(1), jnp.int32(0))
+        same(lk.while_loop(cond, double, c0, fallback="error"), lax.while_loop(cond, double, c0))
+
+
 def test_unsigned_division_and_remainder_as_xla(rng):
     """Unsigned // and %, lax.div/rem: x // 0 has every bit set and x % 0 is x (XLA); uint64
     quotients beyond 2**53 exact (the quotient went through a float64 before)."""

@@ -93,6 +93,24 @@ def jl_fdiv64(a, b):
     return np.float64(math.copysign(math.inf, a) * math.copysign(1.0, b))
 
 
+def jl_wadd(a, b):
+    # int64 arithmetic that wraps as XLA's does: Numba marks signed arithmetic "no signed wrap",
+    # so LLVM may fold a comparison of an overflowed sum as if it had not wrapped
+    return np.int64(np.uint64(np.int64(a)) + np.uint64(np.int64(b)))
+
+
+def jl_wsub(a, b):
+    return np.int64(np.uint64(np.int64(a)) - np.uint64(np.int64(b)))
+
+
+def jl_wmul(a, b):
+    return np.int64(np.uint64(np.int64(a)) * np.uint64(np.int64(b)))
+
+
+def jl_wabs(a):
+    return a if a >= 0 else jl_wsub(0, a)
+
+
 def jl_idiv(a, b):
     # XLA's integer division: truncated, x / 0 = -1, MIN / -1 = MIN (the negation wraps in the
     # cast); the floor division below never meets 0 or -1, so nothing overflows, and nothing
@@ -100,7 +118,7 @@ def jl_idiv(a, b):
     if b == 0:
         return -1
     if b == -1:
-        return -a
+        return jl_wsub(0, a)
     q = a // b
     return q + 1 if q * b != a and (a < 0) != (b < 0) else q
 
@@ -1972,8 +1990,13 @@ def _trivial(text: str) -> bool:
                                                 and text.endswith(")") and " " not in text)
 
 
+_WRAPPING = {"+": "jl_wadd", "-": "jl_wsub", "*": "jl_wmul"}
+
+
 def _arith(op, x, y, dt):
     dt = np.dtype(dt)
+    if dt == np.dtype(np.int64):
+        return f"{_WRAPPING[op]}({x}, {y})"
     t = f"({x} {op} {y})"
     if dt.kind in "iu" and dt != np.dtype(np.int64):
         return cast(t, dt)
@@ -2052,12 +2075,16 @@ def _maxmin(L, e, out, idx, ctx, B):
 @rule("neg")
 def _neg(L, e, out, idx, ctx, B):
     x, = _args(L, e, idx, ctx, B)
+    if out.dtype == np.dtype(np.int64):
+        return f"jl_wsub(0, {x})"
     return f"(-{x})" if out.dtype.kind == "f" else cast(f"-{x}", out.dtype)
 
 
 @rule("abs")
 def _abs(L, e, out, idx, ctx, B):
     x, = _args(L, e, idx, ctx, B)
+    if out.dtype == np.dtype(np.int64):
+        return f"jl_wabs({x})"          # abs(MIN) is MIN, as in XLA
     return f"abs({x})" if out.dtype.kind == "f" else cast(f"abs({x})", out.dtype)
 
 

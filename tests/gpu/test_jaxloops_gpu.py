@@ -122,6 +122,36 @@ def test_quadratic_map_scan_on_the_gpu():
         jax.config.update("jax_enable_x64", False)
 
 
+def test_int64_arithmetic_wraps_on_the_gpu(rng):
+    """int64 overflow wraps, as in XLA, also where a comparison, max, sort or division reads the
+    wrapped value (Numba-CUDA marks signed arithmetic as never wrapping, which let LLVM fold
+    `u * 4 > 0` into `u > 0`), against NumPy's wrapping int64 arithmetic."""
+    jax.config.update("jax_enable_x64", True)
+    try:
+        edge = np.array([2 ** 62, -2 ** 62, 2 ** 63 - 1, -2 ** 63, 2 ** 61 + 7, -1, 0, 5], np.int64)
+        x = np.concatenate([edge, rng.integers(-2 ** 63, 2 ** 63 - 1, 4000, dtype=np.int64, endpoint=True)])
+
+        def body(i, c):
+            u, flags, q = c
+            v = u * 4
+            w = u + u
+            return (u, jnp.stack([v > 0, w < u, u + 1 > u, -u < 0]),
+                    jnp.stack([w // 3, jnp.sort(u + 10), jnp.max(u + 10) + 0 * u]))
+        c0 = (jnp.asarray(x), jnp.zeros((4, x.size), bool), jnp.zeros((3, x.size), jnp.int64))
+        _, flags, q = lk.fori_loop(0, 1, body, c0, fallback="error")
+        with np.errstate(over="ignore"):
+            v, w, p = x * 4, x + x, x + 10
+            want_flags = np.stack([v > 0, w < x, x + 1 > x, -x < 0])
+            want_q = np.stack([w // 3, np.sort(p), np.full_like(x, p.max())])
+        np.testing.assert_array_equal(np.asarray(flags), want_flags)
+        np.testing.assert_array_equal(np.asarray(q), want_q)
+        n = lk.while_loop(lambda c: c[0] * 2 > 0, lambda c: (c[0] * 2, c[1] + 1), (jnp.int64(1), jnp.int32(0)),
+                          fallback="error")
+        assert (int(n[0]), int(n[1])) == (2 ** 62, 62)
+    finally:
+        jax.config.update("jax_enable_x64", False)
+
+
 @pytest.mark.parametrize("n", [1000, 1 << 17])
 def test_cond_on_a_carried_element_around_a_nested_while_loop_on_the_gpu(n, rng):
     """lax.cond on an element of the carry (read from the buffer no thread writes in the step,
