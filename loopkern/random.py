@@ -13,8 +13,8 @@ Use the loop index as the key, and a subkey to draw several numbers per index:
         for k in range(3):
             v[i, k] = lk.random.uniform(i, k)
 
-Keys and subkeys are non-negative integers (subkeys below 2**32); every bit of the step index
-counts (steps 2**32 apart draw different numbers). Results are float64; cast
+Keys and subkeys are integers, taken modulo 2**64; every bit of the key, the subkey and the step
+index counts (subkeys or steps 2**32 apart draw different numbers). Results are float64; cast
 with ``np.float32(...)`` for float32 arithmetic.
 """
 

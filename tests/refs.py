@@ -60,20 +60,24 @@ def philox4x32_10_np(ctr, key, rounds=10):
 
 SITE_MULT = 0x85EBCA6B
 STEP_HI_MULT = 0xC2B2AE35
+SUBKEY_HI_MULT = 0x27D4EB2F
 
 
 def draw_words_np(seed, step, key, subkey, site):
     """The four words behind one lk.random draw. Layout (loopkern/runtime/philox.py): counter
-    = (key low word, key high word, subkey, step low word), Philox key = (seed low word,
-    seed high word XOR the low words of site * 0x85EBCA6B and of (step >> 32) * 0xC2B2AE35);
-    call sites count from 1 in source order."""
+    = (key low word, key high word, subkey low word, step low word), Philox key = (seed low
+    word, seed high word XOR the low words of site * 0x85EBCA6B, of (step >> 32) * 0xC2B2AE35
+    and of (subkey >> 32) * 0x27D4EB2F); keys and subkeys modulo 2**64; call sites count from
+    1 in source order."""
     seed, site = int(seed), int(site)
     key = np.asarray(key, np.int64).astype(np.uint64)
     step = np.asarray(step, np.int64).astype(np.uint64)
-    ctr = (key & np.uint64(MASK32), key >> np.uint64(32), np.asarray(subkey, np.uint64),
+    subkey = np.asarray(np.asarray(subkey, object) % (1 << 64), np.uint64)
+    ctr = (key & np.uint64(MASK32), key >> np.uint64(32), subkey & np.uint64(MASK32),
            step & np.uint64(MASK32))
     step_hi = (step >> np.uint64(32)) * np.uint64(STEP_HI_MULT)
-    pkey = (np.uint64(seed & MASK32), (np.uint64((seed >> 32) ^ ((site * SITE_MULT) & MASK32)) ^ step_hi)
+    subkey_hi = (subkey >> np.uint64(32)) * np.uint64(SUBKEY_HI_MULT)
+    pkey = (np.uint64(seed & MASK32), (np.uint64((seed >> 32) ^ ((site * SITE_MULT) & MASK32)) ^ step_hi ^ subkey_hi)
             & np.uint64(MASK32))
     ctr = np.broadcast_arrays(*ctr)
     return philox4x32_10_np(ctr, pkey)

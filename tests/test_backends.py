@@ -369,6 +369,30 @@ def test_thread_scope_refused_for_parallel_step(rng):
         k.source("cuda", "thread")
 
 
+def _count_up(t, x):
+    x[0] = x[0] + 1.0
+
+
+@pytest.mark.sim
+@pytest.mark.parametrize("scope", ["grid", "block", "tile"])
+def test_many_thread_scopes_refused_for_a_sequential_step(scope):
+    """A step with no parallel construct is sequential code one thread runs (its updates are
+    not checked): forcing a scope of many threads ran it on every thread (64 adds per step in
+    the simulator; found by session 36's adversarial run). Refused before anything runs, by the
+    call, the decorator's default and kernel.source; auto still runs it on one thread."""
+    x = np.zeros(1)
+    with pytest.raises(lk.ArgumentError, match=rf"scope='{scope}': step '_count_up' has no parallel construct"):
+        lk.megakernel(_count_up)(x, steps=10, backend="cuda", scope=scope)
+    if scope != "tile":
+        with pytest.raises(lk.ArgumentError, match="no parallel construct"):
+            lk.megakernel(_count_up, scope=scope)(x, steps=10, backend="cuda")
+        with pytest.raises(lk.ArgumentError, match="no parallel construct"):
+            lk.megakernel(_count_up).source("cuda", scope)
+    assert x[0] == 0.0
+    run = lk.megakernel(_count_up)(x, steps=10, backend="cuda")
+    assert run.scope == "thread" and x[0] == 10.0
+
+
 @pytest.mark.parametrize("backend,scope", list(cases()))
 def test_grid_continue_and_empty_dimension(backend, scope, rng):
     @lk.megakernel
@@ -596,3 +620,23 @@ def shift_operands(rng, n):
 def _shift_right(t, a, s, out):
     for i in lk.range(a.shape[0]):
         out[i] = a[i] >> s[i]
+
+
+def int_fmod_step(t, a, b, out):
+    for i in lk.range(a.size):
+        out[i] = math.fmod(a[i], b[i])
+
+
+@pytest.mark.parametrize("backend,scope", list(cases()))
+@pytest.mark.parametrize("dtype", [np.int64, np.int32, np.int8])
+def test_fmod_of_integers_matches_python(backend, scope, dtype, rng):
+    """math.fmod of integers is a float with the sign of x, as in Python: the CPU backend's fmod
+    was NumPy's integer fmod, which Numba gets wrong for negative operands (fmod(-7, 2) gave 1.0;
+    found by session 36's adversarial run)."""
+    n = 24 if small(backend) else 300
+    a = rng.integers(-100, 100, n).astype(dtype)
+    b = rng.integers(1, 9, n).astype(dtype) * rng.choice(np.array([-1, 1], dtype), n)
+    a[:3], b[:3] = [-7, 7, -9], [2, -2, -4]
+    out = np.zeros(n)
+    lk.megakernel(int_fmod_step)(a, b, out, steps=1, backend=backend, scope=scope)
+    np.testing.assert_array_equal(out, [math.fmod(int(x), int(y)) for x, y in zip(a, b)])

@@ -137,6 +137,28 @@ def test_steps_two_to_the_32_apart_draw_different_numbers(rng):
     np.testing.assert_array_equal(b, reference_draws(n=50, steps=1, **far)[0])
 
 
+def subkey_draws(t, out, hi):
+    for i in lk.range(out.shape[1]):
+        for k in range(3):
+            out[k, i] = lk.random.uniform(7, i + k * hi)     # one call site
+
+
+@pytest.mark.parametrize("backend,scope,threads", BACKENDS)
+def test_subkeys_two_to_the_32_apart_draw_different_numbers(backend, scope, threads, rng):
+    """Every bit of a subkey counts (the README: integers modulo 2**64): the subkey's high word
+    is mixed into the Philox key, as the step's is. Before session 36 only its low word counted,
+    so uniform(7, 1) and uniform(7, 2**32 + 1) were the same number."""
+    n = 40 if backend == "cuda" else 500
+    seed = int(rng.integers(0, 1 << 64, dtype=np.uint64))
+    hi = 1 << 32
+    out = np.zeros((3, n))
+    lk.megakernel(subkey_draws)(out, hi, steps=1, backend=backend, scope=scope, threads=threads, seed=seed)
+    i = np.arange(n)
+    for row in range(3):
+        np.testing.assert_array_equal(out[row], refs.uniform_np(seed, 0, 7, i + row * hi, 1))
+    assert not np.any(out[0] == out[1]) and not np.any(out[1] == out[2]) and not np.any(out[0] == out[2])
+
+
 def test_seeds_steps_keys_and_subkeys_give_other_numbers(rng):
     call = _random_call(rng)
     a, za = run_draws(n=500, steps=2, **call)

@@ -112,11 +112,18 @@ def describe_array(value, numba_type) -> str:
 
 
 def check_thread_scope(spec, scope):
-    """ArgumentError for scope='thread' on a step that shares work between threads."""
+    """ArgumentError for scope='thread' on a step that shares work between threads, and for a
+    scope of many threads on a step that does not (every thread would run all of it: its
+    updates are unchecked because one thread makes them)."""
     if scope == "thread" and spec.parallel:
         raise ArgumentError(f"scope='thread' runs one thread with no barrier, but step '{spec.name}' uses "
                             f"parallel loops, lk.thread_id/num_threads, lk.sync or reductions; use scope='grid', "
                             f"'block' or 'auto'")
+    if scope in ("grid", "block", "tile", "cluster") and not spec.parallel:
+        raise ArgumentError(f"scope='{scope}': step '{spec.name}' has no parallel construct (lk.range, lk.grid, "
+                            f"lk.thread_id/num_threads, lk.sync or a reduction), so it is sequential code that one "
+                            f"thread runs; with scope='{scope}' every thread would run all of it. Use scope='auto' "
+                            f"or 'thread', or share its work with lk.range")
 
 
 def check_seed(seed) -> int:

@@ -10,12 +10,26 @@ import math as _math
 from math import *  # noqa: F401,F403 - every other function is Numba's own math.*
 
 import numba as _numba
+import numba.extending  # noqa: F401 - _numba.extending.overload
 import numpy as _np
+
+
+def _float_of(x):
+    return float(x)
+
+
+@_numba.extending.overload(_float_of)
+def _float_of_impl(x):
+    # an integer becomes a float64, as in Python's math.fmod; float32 stays float32, as on a GPU
+    if isinstance(x, _numba.types.Float):
+        return lambda x: x
+    return lambda x: _np.float64(x)
 
 
 @_numba.njit(cache=False)
 def fmod(x, y):
-    return _np.fmod(x, y)
+    # (NumPy's fmod of two integers is an integer remainder, and Numba's gets negative ones wrong)
+    return _np.fmod(_float_of(x), _float_of(y))
 
 
 @_numba.njit(cache=False)

@@ -23,6 +23,7 @@ _INV53 = 1.0 / 9007199254740992.0
 _INV32 = 1.0 / 4294967296.0
 _SITE = np.uint64(0x85EBCA6B)
 _STEP_HI = np.uint64(0xC2B2AE35)
+_SUBKEY_HI = np.uint64(0x27D4EB2F)
 
 
 def build(jit, python: bool = False):
@@ -59,12 +60,15 @@ def build(jit, python: bool = False):
 
         The step's low word is the counter's last word; its high word (zero below 2**32
         steps, so those draws do not depend on it) is mixed into the Philox key with the
-        call site, so steps 2**32 apart draw different numbers."""
+        call site, so steps 2**32 apart draw different numbers; so is the subkey's high word
+        (zero for subkeys below 2**32, whose draws are what they were before it counted)."""
         s = u64(seed)
         k = u64(key)
         st = u64(t)
-        return philox4x32_10(k & _MASK, k >> _S32, u64(subkey) & _MASK, st & _MASK, s & _MASK,
-                             ((s >> _S32) ^ (np.uint64(site) * _SITE) ^ ((st >> _S32) * _STEP_HI)) & _MASK)
+        sk = u64(subkey)
+        return philox4x32_10(k & _MASK, k >> _S32, sk & _MASK, st & _MASK, s & _MASK,
+                             ((s >> _S32) ^ (np.uint64(site) * _SITE) ^ ((st >> _S32) * _STEP_HI)
+                              ^ ((sk >> _S32) * _SUBKEY_HI)) & _MASK)
 
     @jit
     def uniform(seed, t, key, subkey, site):
