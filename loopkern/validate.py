@@ -1640,7 +1640,8 @@ class _Uniformity:
             elif reason is not None:
                 self.error(s, f"'return' {reason[0]}: every thread must stop at the same step",
                            "compute the condition with a reduction (e.g. lk.max) and return it at the top level")
-            elif s.value is not None and self.varying(s.value, state):
+            elif s.value is not None and self.parallel and self.varying(s.value, state):
+                # (a sequential step runs on one thread: its return may read its arrays)
                 self.error(s.value, "the step's return value can differ between threads; the loop must "
                                     "continue or stop on every thread together",
                            "reduce it first, e.g. 'return lk.max(err) > tol'")

@@ -393,6 +393,31 @@ def test_many_thread_scopes_refused_for_a_sequential_step(scope):
     assert run.scope == "thread" and x[0] == 10.0
 
 
+def _newton_sqrt(t, x, a, log):
+    x[0] = 0.5 * (x[0] + a / x[0])
+    log[t] = x[0]
+    return abs(x[0] * x[0] - a) > 1e-12 * a
+
+
+@pytest.mark.parametrize("backend", ["cpu", pytest.param("cuda", marks=pytest.mark.sim)])
+def test_a_sequential_step_may_return_a_condition_read_from_its_arrays(backend, rng):
+    """A step with no parallel construct runs on one thread, so its return value cannot differ
+    between threads: a scalar recursion may stop on the value it keeps in an array (refused
+    before session 36 as a value that can differ between threads), step for step as Python."""
+    for a in rng.uniform(2.0, 1e6, 3):
+        x, log = np.array([a]), np.full(64, np.nan)
+        run = lk.megakernel(_newton_sqrt)(x, a, log, max_steps=64, backend=backend)
+        y, want = a, []
+        while True:
+            y = 0.5 * (y + a / y)
+            want.append(y)
+            if not abs(y * y - a) > 1e-12 * a:
+                break
+        assert (run.steps, run.stopped) == (len(want), "condition")
+        np.testing.assert_array_equal(log[:len(want)], want)
+        assert x[0] == want[-1] and np.isnan(log[len(want):]).all()
+
+
 @pytest.mark.parametrize("backend,scope", list(cases()))
 def test_grid_continue_and_empty_dimension(backend, scope, rng):
     @lk.megakernel
