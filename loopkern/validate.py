@@ -809,8 +809,10 @@ class _Normalizer(ast.NodeTransformer):
                 if exact is None or exact != wrapped:
                     value = "too large to compute" if exact is None else f"{exact}"
                     numba = "not compute it" if wrapped is None else f"compute {wrapped}"
+                    where = ("" if exact is None or not -2 ** 63 <= exact < 2 ** 63 else
+                             "; the value fits, but a step of it does not, e.g. a product before a division")
                     self.error(node, f"this integer expression is {value}, which the kernel's int64 arithmetic "
-                                     f"cannot represent (Numba would {numba})",
+                                     f"cannot represent (Numba would {numba}{where})",
                                "write it as a float (2.0 ** 64), or keep integer values within -2**63 .. 2**63 - 1; "
                                "for a bit pattern, write the number itself (0x8000000000000000 is a uint64)")
                 return

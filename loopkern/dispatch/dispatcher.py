@@ -653,8 +653,10 @@ class Dispatcher:
             return None
         c = plan.config
         run = Run._make(done, "error", plan.backend, c.scope, c.blocks, c.threads, o.start, c.depth)
+        last = o.start + max(o.nsteps, 1) - 1
         return StepError(f"{self.spec.name}: the step raised {type(exc).__name__} ({exc}) in Numba's CUDA simulator, "
-                         f"at step t={o.start + done} or later; NumPy arrays passed in were left as they were, "
+                         f"in the run of steps t={o.start} to {last} (its threads run unevenly, so which step is not "
+                         f"known); NumPy arrays passed in were left as they were, "
                          f"device arrays may hold part of the run. The simulator follows NumPy's scalar rules "
                          f"(int(nan), an integer to a negative power raise there); the GPU computes a value", run)
 
