@@ -524,14 +524,6 @@ class _Normalizer(ast.NodeTransformer):
             self.thread_varying = True
             node.iter = ast.copy_location(ast.Call(func=_marker(kind[3:], it), args=[
                 self._grid_dim(a) if kind == "lk.grid" else self._scalar(a) for a in it.args], keywords=[]), it)
-            indices = {n.id for n in _bound_names(node.target)}
-            for s in ast.walk(ast.Module(body=node.body, type_ignores=[])):
-                targets = (s.targets if isinstance(s, ast.Assign) else [s.target]
-                           if isinstance(s, (ast.AugAssign, ast.AnnAssign, ast.For)) else [])
-                for n in (n for t in targets for n in _bound_names(t) if n.id in indices):
-                    self.error(n, f"'{n.id}' is the index of the {kind}() loop at line {node.lineno}; it cannot be "
-                                  f"assigned inside the loop (which elements the iteration owns is worked out from it)",
-                               f"use another name, e.g. '{n.id}2 = {n.id} + 1'")
             for s in ast.walk(ast.Module(body=node.body, type_ignores=[])):
                 if isinstance(s, ast.Break) and not self._inside_inner_loop(node, s):
                     self.error(s, f"'break' out of a {kind}() loop is not supported: which indices run "
@@ -1521,10 +1513,14 @@ class _Uniformity:
                 self.consistent(target, arr, dims)
                 return
             loop_vars = " and ".join(f"'{v}'" for v in sorted(names)) or "the loop's index"
+            rebound = self.region.get("rebound")
+            why = (f"; the loop assigns its variable {' and '.join(repr(v) for v in rebound)} in its body, so "
+                   f"it is not the iteration's index anywhere in the loop" if rebound else "")
             self.error(target, f"{what} is read and written (updated) in the parallel loop at line "
                                f"{self.region['line']}, at an element that is not provably this iteration's own "
-                               f"(its index would be {loop_vars}, plus or minus a constant, in some dimension)",
-                       _UPDATE_HINT)
+                               f"(its index would be {loop_vars}, plus or minus a constant, in some dimension{why})",
+                       "give the changed index another name (j = i + 1) and keep the loop variable as it is"
+                       if rebound else _UPDATE_HINT)
         elif self.helper_params is not None:
             self.record(arr, dims, f"{what} at line {target.lineno}")
         elif self.parallel:
@@ -1692,7 +1688,7 @@ class _Uniformity:
                            "move it after the loop (the loop is each thread's share of the work)", "parallel")
                 index_vars = {n.id for n in ast.walk(s.target) if isinstance(n, ast.Name)}
                 region = {"vars": index_vars - _stored_names(s.body), "line": s.lineno, "reads": set(),
-                          "patterns": {}}
+                          "patterns": {}, "rebound": sorted(index_vars & _stored_names(s.body))}
             elif any(self.varying(a, state) for a in s.iter.args):
                 own = _Why(f"is inside a loop at line {s.lineno} whose bounds differ between threads",
                            "loop over bounds that are the same on every thread", "bounds")

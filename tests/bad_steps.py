@@ -468,8 +468,8 @@ def parameter_named_like_the_module(t, u, lk):
 
 def reassigned_parallel_index(t, u):
     for i in lk.range(u.shape[0] - 1):
-        u[i] = u[i] + 1.0
-        i = i + 1  # ERR: is the index of the lk.range() loop at line
+        u[i] = u[i] + 1.0  # ERR: the loop assigns its variable 'i' in its body
+        i = i + 1
 
 
 def indexes_a_list(t, u):
