@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ast
 import builtins
+import dataclasses
 import inspect
 import linecache
 import textwrap
@@ -53,6 +54,10 @@ class ParsedFunction:
     #: generated from this one later (tangent, adjoint: they share this dict) see the values
     #: the decorator saw, not a global or helper reassigned since
     read: dict = field(default_factory=dict, repr=False, compare=False)
+    #: the helpers called from this step (and from its helpers), each parsed once: shared by
+    #: the step, its helpers and the steps generated from it, so that a helper's free names
+    #: also keep the values the decorator saw (parse_helper)
+    helper_parses: dict = field(default_factory=dict, repr=False, compare=False)
 
     def lookup(self, name: str):
         """Resolve a free name the way Python would (the first time; the same value after);
@@ -128,3 +133,19 @@ def parse_step(fn) -> ParsedFunction:
             except ValueError:
                 pass
     return ParsedFunction(fn, name, filename, node, col_shift, lines, closure, fn.__globals__)
+
+
+def parse_helper(caller: ParsedFunction, fn) -> ParsedFunction:
+    """``fn``, a helper called by ``caller``, parsed once for ``caller``'s step: the validator
+    (at the decorator) and the derivative generators (later) see one ParsedFunction, whose
+    free names resolve to the values they had when first read.
+
+    Raises:
+        StepSyntaxError: as :func:`parse_step`.
+    """
+    cache = caller.helper_parses
+    parsed = cache.get(fn)
+    if parsed is None:
+        parsed = dataclasses.replace(parse_step(fn), helper_parses=cache)
+        cache[fn] = parsed
+    return parsed

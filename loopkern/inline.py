@@ -66,9 +66,9 @@ def _expression_form(fn, parsed, depth, caller_locals):
     when it is not in expression form, reads a global that means something else where it is
     called (another object in the caller's module, or a local of the caller), or calls
     anything but pure functions."""
-    from .frontend import parse_step
+    from .frontend import parse_helper
     try:
-        helper = parse_step(fn)
+        helper = parse_helper(parsed, fn)
     except (StepSyntaxError, OSError, TypeError):
         return None
     a = helper.tree.args
@@ -107,8 +107,15 @@ def _pure(helper, e, local_names, parsed, caller_locals) -> bool:
             if n.id in caller_locals:
                 return False
             found, value = helper.lookup(n.id)
+            if not found:
+                return False
+            if (n.id not in parsed.read and n.id not in parsed.closure and n.id not in helper.closure
+                    and helper.globals is parsed.globals):
+                # the caller reads the same module global and has not read it yet: it will read
+                # it as the helper did (at the decorator), not as the module holds it now
+                parsed.read[n.id] = value
             found_here, value_here = parsed.lookup(n.id)
-            if not found or not found_here or value is not value_here:
+            if not found_here or value is not value_here:
                 return False
         if isinstance(n, ast.Call):
             root = n.func

@@ -39,7 +39,7 @@ from . import dsl
 from .disjoint import (disjoint, index_pieces, iteration_key, loop_bounds, loop_facts, loop_names, loop_pieces,
                        never_wraps, own_key, owned_variables, shape_symbol, stable_names)
 from .errors import Diagnostic, StepSyntaxError
-from .frontend import ParsedFunction, parse_step
+from .frontend import ParsedFunction, parse_helper, parse_step
 from .index_bounds import is_nonneg_mark, mark_nonneg_indices
 from .spec import (ANY, ARRAY, HELPER_PREFIX, INTRINSIC_PREFIX, RESERVED_PREFIX, SCALAR, FunctionSpec,
                    ParamSpec, StepSpec, binding_counts, flat_targets, index_offset, int_constant, is_helper_call,
@@ -1163,7 +1163,7 @@ def validate_helper(fn, ctx: _Context, call_node=None, caller=None) -> FunctionS
                      "rewrite it as a loop")
         return None
     try:
-        parsed = parse_step(fn)
+        parsed = parse_helper(caller.parsed, fn) if caller is not None else parse_step(fn)
     except StepSyntaxError as exc:
         d = exc.diagnostics[0]
         caller.error(call_node, f"cannot use helper '{fn.__name__}': {d.message}", d.hint)

@@ -211,6 +211,48 @@ def test_derivatives_use_the_globals_the_decorator_saw(rng):
     finally:
         _SCALE = 0.5
 
+
+_FLUX = 0.3
+
+
+def _flux(a, b):
+    d = b - a
+    return _FLUX * d * abs(d)
+
+
+def _flux_step(t, u, w, a):
+    for i in lk.range(u.shape[0]):
+        w[i] = a * _flux(u[i], 1.0) + u[i]
+
+
+def test_derivatives_use_the_globals_a_helper_read_at_the_decorator(rng):
+    """A global read by a helper (inlined into the derivative steps) keeps the value the
+    decorator saw too: the helper is parsed once per step and its names resolved once. Before
+    session 36 the tangent and the reverse sweep read it again when they were generated, so
+    jax.jvp and jax.grad differentiated another function than the primal computed (found by
+    an adversarial run: a swap-pair run's gradient matched no consistent set of globals)."""
+    global _FLUX
+    k = lk.megakernel(_flux_step, swap=[("u", "w")])
+    _FLUX = 0.7
+    try:
+        with jax_x64():
+            u0 = jnp.asarray(rng.uniform(0.1, 0.9, 6))
+
+            def ref(u, a):
+                for _ in range(3):
+                    d = 1.0 - u
+                    u = a * 0.3 * d * jnp.abs(d) + u
+                return jnp.sum(u ** 2)
+            f = lambda u, a: jnp.sum(k.jax(u, u, a, steps=3)[0] ** 2)
+            np.testing.assert_allclose(float(f(u0, 0.4)), float(ref(u0, 0.4)), rtol=1e-14)
+            for o, w in zip(jax.grad(f, argnums=(0, 1))(u0, 0.4), jax.grad(ref, argnums=(0, 1))(u0, 0.4)):
+                np.testing.assert_allclose(np.asarray(o), np.asarray(w), rtol=1e-12)
+            tan = jax.jvp(lambda a: f(u0, a), (0.4,), (1.0,))[1]
+            np.testing.assert_allclose(float(tan), float(jax.grad(ref, argnums=1)(u0, 0.4)), rtol=1e-12)
+    finally:
+        _FLUX = 0.3
+
+
 def test_only_what_has_a_tangent_is_differentiated(rng):
     # a constant scalar (a symbolic zero tangent) gets no adjoint: with one, every element of
     # every step would add into a single number; the state arrays, written by the step, are

@@ -520,3 +520,21 @@ def test_an_array_whose_elements_share_memory_is_refused_where_written(rng, back
         a = rng.random((3, 3))
         k(a, out, steps=1, backend=backend)
         np.testing.assert_array_equal(out, a * 2.0)
+
+
+def test_an_option_of_the_other_call_is_named_as_such(rng):
+    """kernel.jax takes no progress= and a direct call no checkpoint_every=: the error says whose
+    option it is and lists the call's own (before session 36 it read as a step parameter)."""
+    jax = pytest.importorskip("jax")
+    k = lk.megakernel(W.heat_step, swap=[("u", "v")])
+    u = rng.random(8)
+    u0 = u.copy()
+    with pytest.raises(lk.ArgumentError, match=r"heat_step\.jax\(\): takes no progress= \(an option of calling the "
+                                               r"kernel directly\); its options are steps=.*adjoint_form="):
+        k.jax(jax.numpy.asarray(u), jax.numpy.asarray(u), 0.1, steps=2, progress=True)
+    with pytest.raises(lk.ArgumentError, match=r"heat_step\(\): takes no checkpoint_every= \(an option of "
+                                               r"kernel.jax\)"):
+        k(u, u.copy(), 0.1, steps=2, checkpoint_every=2)
+    with pytest.raises(lk.ArgumentError, match=r"unexpected keyword argument 'wat'.*plus the options steps="):
+        k(u, u.copy(), 0.1, steps=2, wat=2)
+    np.testing.assert_array_equal(u, u0)          # refused before anything ran

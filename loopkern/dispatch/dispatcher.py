@@ -73,6 +73,14 @@ def _options_key(opts: tuple) -> tuple:
     return opts + tuple(map(type, opts))
 
 
+#: the keywords of ``kernel(...)`` and ``kernel.start(...)``, and of ``kernel.jax(...)``, besides
+#: the step's parameters (named in the error for a keyword that is neither)
+CALL_OPTIONS = ("steps", "max_steps", "start", "backend", "scope", "threads", "blocks", "seed", "progress",
+                "timeout", "debug", "watchdog")
+JAX_OPTIONS = ("steps", "max_steps", "start", "backend", "scope", "threads", "blocks", "seed", "timeout",
+               "checkpoint_every", "adjoint_form")
+
+
 class Dispatcher:
     """Everything between a :class:`~loopkern.api.MegaKernel` call and its kernel."""
 
@@ -89,14 +97,23 @@ class Dispatcher:
         self._last: LastCall | None = None      # the last common call's plan (signature.LastCall)
 
     # -- binding -------------------------------------------------------------------------------
-    def bind_names(self, args, kwargs) -> dict:
-        """Parameter name -> value, or an ArgumentError naming what is missing or extra."""
+    def bind_names(self, args, kwargs, call="", options=CALL_OPTIONS) -> dict:
+        """Parameter name -> value, or an ArgumentError naming what is missing or extra.
+
+        ``call``: how the user called (``".jax"``); ``options``: the keywords that call takes
+        besides the step's parameters, named in the error."""
         try:
             return dict(self.signature.bind(*args, **kwargs).arguments)
         except TypeError as exc:
             names = ", ".join(p.name for p in self.spec.params)
-            raise ArgumentError(f"{self.spec.name}(): {exc}; the step takes ({names}) after the step index "
-                                f"'{self.spec.index_param}', plus steps= or max_steps=") from None
+            extra = next((k for k in kwargs if k in CALL_OPTIONS + JAX_OPTIONS and k not in options), None)
+            if extra is not None:
+                raise ArgumentError(f"{self.spec.name}{call}(): takes no {extra}= (an option of "
+                                    f"{'kernel.jax' if extra in JAX_OPTIONS else 'calling the kernel directly'}); "
+                                    f"its options are {', '.join(o + '=' for o in options)}") from None
+            raise ArgumentError(f"{self.spec.name}{call}(): {exc}; the step takes ({names}) after the step index "
+                                f"'{self.spec.index_param}', plus the options {', '.join(o + '=' for o in options)}"
+                                ) from None
 
     def values(self, args, kwargs):
         """The arguments in parameter order."""

@@ -121,7 +121,8 @@ def _prepare(mk, args, kwargs, steps, max_steps):
     nsteps = _step_count("steps" if steps is not None else "max_steps", steps if steps is not None else max_steps)
     d = mk.dispatcher
     if kwargs or len(args) != len(spec.params):
-        bound = d.bind_names(args, kwargs)
+        from ..dispatch.dispatcher import JAX_OPTIONS
+        bound = d.bind_names(args, kwargs, call=".jax", options=JAX_OPTIONS)
         args = [bound[p.name] for p in spec.params]
     check_array_use, check_atomic_dtype, check_kind, check_swap_pair = (
         checks.check_array_use, checks.check_atomic_dtype, checks.check_kind, checks.check_swap_pair)
