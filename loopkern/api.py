@@ -6,13 +6,14 @@ owns the call path (checks, plans, launching, waiting).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import types
 
 from . import codegen
 from .dispatch import Dispatcher
 from .dispatch.checks import BACKENDS, SCOPES, check_choice, check_count, check_thread_scope
-from .errors import ArgumentError
+from .errors import ArgumentError, StepSyntaxError
 from .frontend import parse_step
 from .runs import Run, RunHandle
 from .validate import validate_step
@@ -135,8 +136,10 @@ class MegaKernel:
                                     f"{list(wrt)}; the parameters are {params}")
             parsed, swap = build(self.parsed, params)
             d = self.dispatcher.defaults
-            cache[key] = MegaKernel(parsed, swap=swap, backend=d["backend"], scope=d["scope"], threads=d["threads"],
-                                    blocks=d["blocks"])
+            what = "forward mode (kernel.tangent, jax.jvp)" if kind == "tangent" else \
+                "reverse mode (kernel.adjoint, jax.grad)"
+            cache[key] = derived_kernel(parsed, self.spec.name, what, swap=swap, backend=d["backend"],
+                                        scope=d["scope"], threads=d["threads"], blocks=d["blocks"])
         return cache[key]
 
     # -- calling ---------------------------------------------------------------------------
@@ -320,6 +323,24 @@ class MegaKernel:
         """
         from .interop.sharded import ShardedKernel
         return ShardedKernel(self, mesh, in_specs, exchange_every=exchange_every, radius=radius)
+
+
+def derived_kernel(parsed, of: str, what: str, **kwargs) -> MegaKernel:
+    """The MegaKernel of a step loopkern generated from step ``of`` (a derivative: ``what``).
+
+    Raises:
+        StepSyntaxError: the generated step fails a check a step must pass; reported at the
+            user's line as a limit of ``what``, not as a fault of a step the user never wrote.
+    """
+    try:
+        return MegaKernel(parsed, **kwargs)
+    except StepSyntaxError as exc:
+        raise StepSyntaxError([dataclasses.replace(
+            d, step=of, message=f"{what} is not available for this step: the step loopkern generates for it "
+                                f"('{d.step}') fails a check there: {d.message}",
+            hint=f"this is a limit of loopkern's {what}, not an error in the step; the other mode may cover it, "
+                 f"or differentiating with respect to fewer parameters (the check's own advice: {d.hint})")
+            for d in exc.diagnostics]) from None
 
 
 def megakernel(fn=None, *, swap=(), backend="auto", scope="auto", threads=None, blocks=None):

@@ -1469,3 +1469,32 @@ def test_a_tuple_of_extents_at_the_top_of_the_step(rng):
     want[1:-1, :-2] += inner
     want[1:-1, 2:] += inner
     np.testing.assert_allclose(ubar, want, rtol=1e-12, atol=1e-12)
+
+
+def _permuted_store(t, u, v, p, a):
+    for i in lk.range(u.shape[0]):
+        v[p[i]] = u[i] * a + u[i] * u[i]
+
+
+def test_a_generated_step_that_fails_a_check_is_reported_at_the_users_step(rng):
+    """Reverse mode with respect to a scalar of a step that stores through a permutation: the
+    adjoint step loopkern generates fails the ownership check. The error names the user's step
+    and says it is a limit of reverse mode (before session 36 it named 'sp_vjp_seg', a step the
+    user never wrote, and advised lk.atomic); forward mode still works."""
+    k = lk.megakernel(_permuted_store, swap=[("u", "v")])
+    with jax_x64():
+        u0 = jnp.asarray(rng.uniform(0.1, 0.9, 6))
+        perm = jnp.asarray(rng.permutation(6))
+        f = lambda u, a: jnp.sum(k.jax(u, u, perm, a, steps=3)[0] ** 2)
+        with pytest.raises(lk.StepSyntaxError, match=r"in step '_permuted_store': reverse mode \(jax.grad\) is not "
+                                                     r"available for this step: the step loopkern generates"):
+            jax.grad(f, argnums=1)(u0, 0.5)
+        with pytest.raises(lk.StepSyntaxError, match=r"in step '_permuted_store': reverse mode \(kernel.adjoint"):
+            k.adjoint("u", "v", "a")
+
+        def ref(u, a):
+            for _ in range(3):
+                u = u.at[perm].set(u * a + u * u)
+            return jnp.sum(u ** 2)
+        tan = jax.jvp(lambda a: f(u0, a), (0.5,), (1.0,))[1]
+        np.testing.assert_allclose(float(tan), float(jax.grad(ref, argnums=1)(u0, 0.5)), rtol=1e-12)

@@ -567,7 +567,7 @@ def _segment_kernels(mk, active_names, state, ndims, form="gather"):
     recorded. The adjoint step is generated first: it raises StepSyntaxError for what it
     cannot cover yet. Cached on ``mk``."""
     from ..adjoint import adjoint_function, arrays_read, recorder_function, segment_adjoint_function
-    from ..api import MegaKernel
+    from ..api import derived_kernel
     key = (tuple(active_names), tuple(state), tuple(sorted(ndims.items())), form)
     cache = mk.__dict__.setdefault("_segment_kernels", {})
     if key not in cache:
@@ -579,8 +579,10 @@ def _segment_kernels(mk, active_names, state, ndims, form="gather"):
         rec, rec_stacks, _ = recorder_function(parsed, recorded, ndims)
         seg, seg_stacks, _ = segment_adjoint_function(adj, recorded)
         opts = dict(backend=d["backend"], scope=d["scope"], threads=d["threads"], blocks=d["blocks"])
-        kernels = (MegaKernel(rec, swap=pairs, **opts),
-                   MegaKernel(seg, swap=[(bars[a], bars[b]) for a, b in pairs if a in bars and b in bars], **opts))
+        what = "reverse mode (jax.grad)"
+        kernels = (derived_kernel(rec, mk.spec.name, what, swap=pairs, **opts),
+                   derived_kernel(seg, mk.spec.name, what,
+                                  swap=[(bars[a], bars[b]) for a, b in pairs if a in bars and b in bars], **opts))
         for k, stacks in zip(kernels, (rec_stacks, seg_stacks)):
             names = k.spec.param_names
             k.__dict__["_stacked_params"] = frozenset(names.index(v) for v in stacks.values())
