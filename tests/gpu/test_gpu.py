@@ -304,6 +304,20 @@ def test_random_numbers_match_an_independent_philox_at_any_grid_size(rng):
         np.testing.assert_allclose(noise, ref_z, rtol=1e-13, atol=1e-14)
 
 
+@pytest.mark.parametrize("scope,blocks", LAUNCHES)
+def test_subkeys_two_to_the_32_apart_draw_different_numbers_on_the_gpu(scope, blocks, rng):
+    """Every bit of a subkey counts on the GPU too (its high word in the Philox key, since
+    session 36), bit for bit as the independent Philox of tests/refs.py."""
+    import test_random as R
+    n, hi = 20_000, 1 << 32
+    seed = int(rng.integers(0, 1 << 64, dtype=np.uint64))
+    out = np.zeros((3, n))
+    lk.megakernel(R.subkey_draws)(out, hi, steps=1, backend="cuda", scope=scope, blocks=blocks, seed=seed)
+    i = np.arange(n)
+    for row in range(3):
+        np.testing.assert_array_equal(out[row], refs.uniform_np(seed, 0, 7, i + row * hi, 1))
+
+
 def f32_extremes_step(t, x, out):
     # lk.max and lk.min of float32 values run in float32 (runtime/cuda_rt.py _make): each step
     # reduces one row
