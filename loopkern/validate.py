@@ -167,17 +167,6 @@ def _module_attr(module: str, attr: str, node: ast.AST) -> ast.Attribute:
     return ast.copy_location(ast.Attribute(value=base, attr=attr, ctx=ast.Load()), node)
 
 
-def _bound_names(target: ast.AST) -> list:
-    """The names an assignment target binds (``a``, ``a, b``), not those it indexes (``a[i]``)."""
-    if isinstance(target, ast.Name):
-        return [target]
-    if isinstance(target, (ast.Tuple, ast.List)):
-        return [n for e in target.elts for n in _bound_names(e)]
-    if isinstance(target, ast.Starred):
-        return _bound_names(target.value)
-    return []
-
-
 def _constant_node(value, node: ast.AST):
     """An AST that evaluates to ``value`` (a Python or NumPy number), or None."""
     if isinstance(value, (bool, np.bool_)):
@@ -780,7 +769,8 @@ class _Normalizer(ast.NodeTransformer):
             else:
                 continue
             # (a parameter assigned to is an error of its own)
-            named = {t.id for tgt in targets for t in _bound_names(tgt)} - set(self.params)
+            # (the names bound, not those indexed: `GA[0] = x` names no array 'GA')
+            named = {t.id for t in flat_targets(targets) if isinstance(t, ast.Name)} - set(self.params)
             for leaf in leaves(value) if named else ():
                 if leaf in self.params and (leaf in self.array_uses or named & subscripted):
                     self.error(node, f"array '{leaf}' cannot be given another name in step code: the step's "

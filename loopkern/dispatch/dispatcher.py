@@ -563,7 +563,7 @@ class Dispatcher:
         inside a step, e.g. one from Numba before the kernel ran)."""
         done = int(slot.view[STEPS])       # steps this call of the kernel completed (polled)
         plan.slots.give(slot)
-        if done < 0 or isinstance(exc, LoopkernError) or type(exc).__module__.startswith("numba"):
+        if done < 0 or not _raised_by_the_step(exc):
             return None
         if done % 2 == 1:
             # the kernel renames a swap pair's arrays after every step and exchanges their
@@ -666,7 +666,7 @@ class Dispatcher:
         where the GPU computes a value; NumPy arguments are not copied back."""
         done = max(0, int(slot.view[STEPS]))
         plan.slots.give(slot)
-        if isinstance(exc, LoopkernError) or type(exc).__module__.startswith("numba"):
+        if not _raised_by_the_step(exc):
             return None
         c = plan.config
         run = Run._make(done, "error", plan.backend, c.scope, c.blocks, c.threads, o.start, c.depth)
@@ -676,6 +676,12 @@ class Dispatcher:
                          f"known); NumPy arrays passed in were left as they were, "
                          f"device arrays may hold part of the run. The simulator follows NumPy's scalar rules "
                          f"(int(nan), an integer to a negative power raise there); the GPU computes a value", run)
+
+
+def _raised_by_the_step(exc) -> bool:
+    """Whether a kernel's exception came from the step's own code (a StepError to report), not
+    from loopkern or from Numba before or around the kernel."""
+    return not isinstance(exc, LoopkernError) and not type(exc).__module__.startswith("numba")
 
 
 def _cuda_param_types(compiled, argv) -> tuple:

@@ -43,6 +43,7 @@ import numpy as np
 from ..adjoint import ADJOINT_FORMS
 from ..dispatch import checks
 from ..dispatch.args import ArrayArg, check_dtype, weak_float_type
+from ..dispatch.dispatcher import JAX_OPTIONS
 from ..dispatch.plan import LRUCache
 from ..errors import ArgumentError, LaunchError, LoopkernError
 from ..runtime.layout import HOST_SIZE, STEPS, TIMEOUT_NS
@@ -121,7 +122,6 @@ def _prepare(mk, args, kwargs, steps, max_steps):
     nsteps = _step_count("steps" if steps is not None else "max_steps", steps if steps is not None else max_steps)
     d = mk.dispatcher
     if kwargs or len(args) != len(spec.params):
-        from ..dispatch.dispatcher import JAX_OPTIONS
         bound = d.bind_names(args, kwargs, call=".jax", options=JAX_OPTIONS)
         args = [bound[p.name] for p in spec.params]
     check_array_use, check_atomic_dtype, check_kind, check_swap_pair = (

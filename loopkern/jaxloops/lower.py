@@ -1998,7 +1998,7 @@ def _arith(op, x, y, dt):
     if dt == np.dtype(np.int64):
         return f"{_WRAPPING[op]}({x}, {y})"
     t = f"({x} {op} {y})"
-    if dt.kind in "iu" and dt != np.dtype(np.int64):
+    if dt.kind in "iu":
         return cast(t, dt)
     if dt == BOOL:
         return f"bool({t})"
