@@ -998,7 +998,9 @@ def _render_function(fs: FunctionSpec, home: str, backend: str, scope: str, is_s
                      ctx_params: list[str], decorator: str, sites: _Sites | None = None,
                      float_type: str | None = None, index_bits: int | None = None,
                      tile_arrays: frozenset | None = None, shared_arrays: frozenset = frozenset(),
-                     stencil=None) -> _Lines:
+                     stencil=None, before: tuple = (None, ())) -> _Lines:
+    """The lines of a step or helper function. ``before``: (k, lines) puts ``lines`` (source
+    text, indented for the top level) before the function's top-level statement ``k``."""
     out = _Lines(fs.filename, home)
     if sites is None:
         body = mark_nonneg_indices(fs.body, fs.params, fs.array_params, fs.params[0] if is_step else None)
@@ -1010,7 +1012,12 @@ def _render_function(fs: FunctionSpec, home: str, backend: str, scope: str, is_s
     w = _BodyWriter(out, backend, scope, is_step, body, fs.params[0] if fs.params else "t", sites, fs.name,
                     float_type, frozenset(fs.params[i] for i in fs.array_params), index_bits, tile_arrays,
                     shared_arrays, stencil)
-    w.body(body, 1)
+    at, lines = before
+    for k, st in enumerate(body):
+        if k == at:
+            for line in lines:
+                out.add(0, line, st)
+        w.stmt(st, 1)
     if is_step and not (body and isinstance(body[-1], ast.Return)):
         out.add(1, "return True")
     out.memo_slots = w.memo_slots
@@ -1160,11 +1167,21 @@ def render_kernel(spec: StepSpec, backend: str, scope: str = "grid", *, cache: b
         pieces.append(_render_function(h, spec.filename, backend, sync, False, helper_ctx, device_deco, sites,
                                        float_type, index_bits))
     staged_names = frozenset(spec.params[i].name for i in staged) if backend == "cuda" else frozenset()
-    step_lines = _render_function(spec.step, spec.filename, backend, sync, True, ctx_params, "", sites, float_type,
-                                  index_bits, tile_names, staged_names, tile)
-
     n = len(spec.params)
     kparams = [f"{_P}a{i}" for i in range(n)]
+    # tile mode, one step per exchange: a step whose last barrier is a reduction's publishes its
+    # edge cells before that reduction (see _tile_lines)
+    fused_at, publish_in_step, edge_params = None, [], []
+    if tile is not None and depth == 1 and not tiles:
+        written = [i for i in resident if spec.params[i].written]
+        fused_at = _fused_exchange_at(spec, tile, written)
+        if fused_at is not None:
+            step_names = {i: spec.params[i].name for i in resident}
+            publish_in_step = _tile_lines(tile, kparams, resident, written, sync, step_names)[3]
+            edge_params = [f"{_P}e{i}" for i in written]
+    step_lines = _render_function(spec.step, spec.filename, backend, sync, True, ctx_params + edge_params, "", sites,
+                                  float_type, index_bits, tile_names, staged_names, tile,
+                                  before=(fused_at, publish_in_step))
     if by_ref is not None and backend != "cuda":
         raise ValueError("by_ref kernels exist for the CUDA backend only")
     refs = sorted(by_ref or ())
@@ -1202,7 +1219,9 @@ def render_kernel(spec: StepSpec, backend: str, scope: str = "grid", *, cache: b
                       halo_lo=str(tile.halo[0][0]), halo_hi=str(tile.halo[0][1]))
     elif tile is not None:
         written = [i for i in resident if spec.params[i].written]
-        tile_pro, tile_barrier, tile_copy = _tile_lines(tile, kparams, resident, written, sync)
+        tile_pro, tile_barrier, tile_copy, _ = _tile_lines(
+            tile, kparams, resident, written, sync,
+            {i: spec.params[i].name for i in resident} if fused_at is not None else None)
         prologue += tile_pro
         # the global buffers the edge cells go through swap with the tiles
         swap_lines += [f"{_INDENT * 2}{_P}e{a}, {_P}e{b} = {_P}e{b}, {_P}e{a}" for a, b in spec.swap]
@@ -1275,7 +1294,8 @@ def render_kernel(spec: StepSpec, backend: str, scope: str = "grid", *, cache: b
         # its last array access: the one inside the reduction
         barrier = "" if ends_in_reduction(spec.step, swap_partners(spec)) else f"{_P}rt.{sync}_sync({_P}bar)"
         if tile is not None:
-            # never elided: the halo exchange needs it between the publish and the gather
+            # never elided: the halo exchange needs a grid barrier between the publish and the
+            # gather (the reduction's, when the step publishes before it: _tile_lines)
             barrier = tile_barrier
     else:
         thread_index = thread_count = barrier = ""
@@ -1300,7 +1320,8 @@ def render_kernel(spec: StepSpec, backend: str, scope: str = "grid", *, cache: b
         copy_back="\n".join(copy_lines) or f"{_INDENT}pass", control="\n".join(control_lines),
         state=_state_lines(step_lines.memo_slots),
         debug_param=f", {_P}dbg" if debug else "", extra_args=(f", {_P}dbg, {_P}t0 + {_P}t" if debug else
-                    "".join(f", {_P}{n}" for n in _TILE_CTX) if tile is not None else ""),
+                    "".join(f", {_P}{n}" for n in _TILE_CTX) + "".join(f", {e}" for e in edge_params)
+                    if tile is not None else ""),
     )
     if tiles:
         mapping.update(rounds, swap="\n".join(_INDENT * 2 + line for line in swap_lines))
@@ -1342,7 +1363,15 @@ def swap_partners(spec) -> dict:
 
 def ends_in_reduction(fs: FunctionSpec, partners: dict | None = None) -> bool:
     """Every thread evaluates a reduction on every step after the step's last access of
-    memory that another thread of the run reads or writes.
+    memory that another thread of the run reads or writes (:func:`reduction_barrier_at`
+    finds the statement)."""
+    return reduction_barrier_at(fs, partners) is not None
+
+
+def reduction_barrier_at(fs: FunctionSpec, partners: dict | None = None) -> int | None:
+    """The index of the step's top-level statement whose evaluation passes a reduction's
+    barrier after the step's last access of memory that another thread of the run reads or
+    writes (every thread, every step), or None.
 
     Then the barrier inside that reduction orders every array access of the step before every
     access of the next, as the barrier between steps would, and that one is left out (Jacobi
@@ -1365,18 +1394,48 @@ def ends_in_reduction(fs: FunctionSpec, partners: dict | None = None) -> bool:
     body = list(fs.body)
     returns = [n for st in body for n in ast.walk(st) if isinstance(n, ast.Return)]
     if len(returns) != 1 or not body or body[-1] is not returns[0] or returns[0].value is None:
-        return False
+        return None
     value = returns[0].value
     if _touches_memory(value):
-        return False
+        return None
     if always_reduces(value):
-        return True
+        return len(body) - 1
     for k in range(len(body) - 2, -1, -1):
         st = body[k]
         if (isinstance(st, ast.Assign) and len(st.targets) == 1 and isinstance(st.targets[0], ast.Name)
                 and not _touches_memory(st.value) and always_reduces(st.value)):
-            return _register_tail(body[:k + 1], body[k + 1:-1], partners or {})
-    return False
+            return k if _register_tail(body[:k + 1], body[k + 1:-1], partners or {}) else None
+    return None
+
+
+#: tile mode: a step whose last barrier is a reduction's publishes its edge cells before it
+#: (_fused_exchange_at); False keeps a barrier of the exchange's own after the step (only to
+#: measure the difference: bench/tile_probe.py fuse=1,0)
+FUSE_EXCHANGE_WITH_REDUCTION = True
+
+
+def _fused_exchange_at(spec, tile, written) -> int | None:
+    """Tile mode, one step per exchange: the top-level statement of the step before which it
+    can publish its edge cells so that a reduction's grid barrier is also the exchange's
+    (:func:`_tile_lines`), or None.
+
+    That statement passes the step's last barrier (:func:`reduction_barrier_at`: every
+    thread, every step, after the step's last access of memory another thread reads or
+    writes), so the tiles are final there; the statements from it on store into no tile (a
+    carried reduction's write-only array may be stored, never a resident one). The gather
+    after the step then writes only the halo cells of the arrays the step wrote, which no
+    thread touches again before the barrier after the gather."""
+    if not FUSE_EXCHANGE_WITH_REDUCTION or not written or not any(tile.halo[0]):
+        return None
+    at = reduction_barrier_at(spec.step, swap_partners(spec))
+    if at is None:
+        return None
+    tiles = {spec.params[i].name for i in tile.resident}
+    for st in list(spec.step.body)[at:]:
+        for node in ast.walk(st):
+            if isinstance(node, ast.Name) and node.id in tiles:
+                return None
+    return at
 
 
 def _touches_memory(e) -> bool:
@@ -1490,8 +1549,10 @@ def _row_offset(e, row: str) -> bool:
             and e.left.id == row and int_constant(e.right) is not None)
 
 
-def _tile_lines(tile, kparams, resident, written, sync: str = "grid") -> tuple[list, str, list]:
-    """(prologue lines, the step barrier's text, copy-back lines) of a tile-mode kernel.
+def _tile_lines(tile, kparams, resident, written, sync: str = "grid",
+                step_names: dict | None = None) -> tuple[list, str, list, list]:
+    """(prologue lines, the step barrier's text, copy-back lines, publish lines for the step) of
+    a tile-mode kernel.
 
     Each block keeps its tile of every resident array in shared memory for the whole run: one
     contiguous range of the first dimension (cells of a 1-D array, whole rows of a 2-D one),
@@ -1510,6 +1571,13 @@ def _tile_lines(tile, kparams, resident, written, sync: str = "grid") -> tuple[l
     stop plan reaching every block within blocks + 1 steps) measured slower on the H200 (1M
     heat, 512 threads: 3.02 µs/step against 2.80; bench-results/session7) and was taken out
     (commit 5595242 has it).
+
+    ``step_names`` (array index -> the step's parameter name) fuses the exchange into a step
+    whose last barrier is a reduction's (:func:`reduction_barrier_at`): the step publishes its
+    edge cells just before that reduction (the returned publish lines, inside the step, where
+    ``_lk_e<i>`` are parameters), the reduction's grid barrier orders them before every
+    block's gather, and the barrier text keeps only the gather: one grid barrier per step
+    instead of two (Jacobi to a tolerance).
     """
     (hl, hr) = tile.halo[0]
     tt = _TileText(tile, kparams, resident, 1)
@@ -1535,12 +1603,26 @@ def _tile_lines(tile, kparams, resident, written, sync: str = "grid") -> tuple[l
         pro += cells(1, f"{_P}W", first, guard, [put(f"{_P}w{i}", f"{_P}r", get(kparams[i], f"{_P}c", False), True)])
         pro.append(f"{i1}{_P}e{i} = {kparams[i]}")
     pro.append(f"{i1}cuda.syncthreads()")
-    bar = ["cuda.syncthreads()"]
-    if hl + hr and written:
-        bar += cells(0, hl + hr, f"{_P}tlo + {_P}r if {_P}r < {hr} else {_P}thi - {hl} + ({_P}r - {hr})",
+
+    def publish(depth, tiles):
+        return cells(depth, hl + hr, f"{_P}tlo + {_P}r if {_P}r < {hr} else {_P}thi - {hl} + ({_P}r - {hr})",
                      f"{_P}tlo <= {_P}c < {_P}thi",
-                     [put(f"{_P}e{i}", f"{_P}c", get(f"{_P}w{i}", f"{_P}c - {_P}tb", True), False) for i in written])
-    bar.append(f"{_P}rt.{sync}_sync({_P}bar)")
+                     [put(f"{_P}e{i}", f"{_P}c", get(tiles[i], f"{_P}c - {_P}tb", True), False) for i in written])
+    in_step = []
+    if step_names is not None:
+        if not (hl + hr and written):
+            raise ValueError("fusing the exchange into the step needs a halo and an array the step writes")
+        # (the edge cells were written by other threads of the block)
+        in_step = [f"{i1}cuda.syncthreads()"]
+        if tt.two:
+            in_step.append(f"{i1}{_P}m = {step_names[written[0]]}.shape[1]")
+        in_step += publish(1, step_names)
+        bar = []
+    else:
+        bar = ["cuda.syncthreads()"]
+        if hl + hr and written:
+            bar += publish(0, {i: f"{_P}w{i}" for i in written})
+        bar.append(f"{_P}rt.{sync}_sync({_P}bar)")
     if hl + hr and written:
         # the halo rows, from the neighbours' edges; wrapping around along dimension 0, the
         # first tile's lower halo is the last rows of the array and the last tile's upper halo
@@ -1553,7 +1635,7 @@ def _tile_lines(tile, kparams, resident, written, sync: str = "grid") -> tuple[l
     barrier = ("\n" + i2).join(bar)
     copy_back = [f"{i1}cuda.syncthreads()"] + tt.copy_rows(1, f"{_P}thi - {_P}tlo", f"{_P}tlo + {_P}r", "True",
                                                           to_shared=False)
-    return pro, barrier, copy_back
+    return pro, barrier, copy_back, in_step
 
 
 class _TileText:

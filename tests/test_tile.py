@@ -404,6 +404,85 @@ def test_jacobi_to_tolerance_in_tile_mode(scope, rng):
     np.testing.assert_allclose(u.copy_to_host(), ref, rtol=1e-12)
 
 
+def _kernel_loop(src):
+    return src[src.index("@cuda.jit(", src.index("def _lk_step")):]
+
+
+def test_a_step_ending_in_a_reduction_exchanges_its_edges_at_that_reductions_barrier():
+    # the step publishes its edge rows before the reduction, whose grid barrier is the
+    # exchange's; the kernel gathers after the step with no barrier of its own
+    def carried(t, u, v, tol, last):
+        n = u.shape[0]
+        err = 0.0
+        for i in lk.range(1, n - 1):
+            new = 0.5 * (u[i - 1] + u[i + 1])
+            v[i] = new
+            err = max(err, abs(new - u[i]))
+        r = lk.max(err)
+        for q in lk.range(1):
+            last[0] = r
+        return r > tol
+
+    def skipped(t, u, v, tol):
+        n = u.shape[0]
+        err = 0.0
+        for i in lk.range(1, n - 1):
+            v[i] = 0.5 * (u[i - 1] + u[i + 1])
+            err = max(err, abs(v[i] - u[i]))
+        return t < 5 or lk.max(err) > tol            # no reduction on steps 0-4
+
+    for fn, fused in ((W.jacobi_step, True), (carried, True), (skipped, False)):
+        k = lk.megakernel(fn, swap=[("u", "v")])
+        src = k.source("cuda", "tile")
+        step = src[src.index("def _lk_step"):src.index("@cuda.jit(", src.index("def _lk_step"))]
+        assert ("_lk_rt.grid_sync(" not in _kernel_loop(src)) == fused, fn.__name__
+        assert ("_lk_e1" in step) == fused, fn.__name__
+        if fused:
+            # published after the block's last tile write and before the reduction
+            publish, reduce_ = step.index("_lk_rt.store(_lk_e1"), step.index("_lk_rt.grid_max(")
+            assert step.rindex("cuda.syncthreads()", 0, publish) < publish < reduce_
+        # the cluster form passes the cluster's barrier alike
+        csrc = k.source("cuda", "cluster")
+        assert ("_lk_rt.cluster_sync(" not in _kernel_loop(csrc)) == fused
+    codegen.FUSE_EXCHANGE_WITH_REDUCTION = False
+    try:
+        src = lk.megakernel(W.jacobi_step, swap=[("u", "v")]).source("cuda", "tile")
+        assert "_lk_rt.grid_sync(" in _kernel_loop(src)
+    finally:
+        codegen.FUSE_EXCHANGE_WITH_REDUCTION = True
+
+
+def test_a_carried_reduction_in_tile_mode_on_one_block(rng):
+    from numba import cuda
+
+    def carried(t, u, v, tol, last):
+        n = u.shape[0]
+        err = 0.0
+        for i in lk.range(1, n - 1):
+            new = 0.5 * (u[i - 1] + u[i + 1])
+            v[i] = new
+            err = max(err, abs(new - u[i]))
+        r = lk.max(err)
+        for q in lk.range(1):
+            last[0] = r
+        return r > tol
+    k = lk.megakernel(carried, swap=[("u", "v")])
+    u0 = rng.random(17)
+    u, v, last = cuda.to_device(u0), cuda.to_device(u0), cuda.to_device(np.zeros(1))
+    run = k(u, v, 1e-3, last, max_steps=3000, backend="cuda", scope="tile")
+    ref, steps, err = u0.copy(), 0, np.inf
+    while steps < 3000:
+        new = ref.copy()
+        new[1:-1] = 0.5 * (ref[:-2] + ref[2:])
+        err = np.abs(new - ref).max()
+        ref, steps = new, steps + 1
+        if not err > 1e-3:
+            break
+    assert (run.scope, run.steps, run.stopped) == ("tile", steps, "condition")
+    np.testing.assert_allclose(u.copy_to_host(), ref, rtol=0, atol=1e-12)
+    np.testing.assert_allclose(last.copy_to_host()[0], err, rtol=1e-12)
+
+
 def test_scope_auto_tries_tile_mode_for_stencils_on_a_gpu():
     from loopkern.dispatch.config import AUTO_TILE_MIN_ELEMENTS
 
@@ -474,7 +553,8 @@ def test_a_cluster_kernel_uses_the_cluster_barrier_everywhere():
             v[i] = u[i]
         return lk.max(w[0]) > -1.0
 
-    for fn, syncs in ((W.jacobi_step, 1), (two_phase, 2)):
+    # (Jacobi's halo exchange passes the barrier of the reduction it ends with: codegen._tile_lines)
+    for fn, syncs in ((W.jacobi_step, 0), (two_phase, 2)):
         k = lk.megakernel(fn, swap=[("u", "v")])
         st = find_stencil(k.spec)
         assert hasattr(st, "halo"), st

@@ -48,7 +48,10 @@ AUTO_TILE_MIN_ELEMENTS = 1 << 20
 #: H100, 2026-12-05, µs/step tile against grid: heat 128² 2.62 / 2.09, 256² 2.35 / 2.65, 512²
 #: 2.60 / 3.75, 1024² 3.71 / 7.46; Life (wrapping around) 256² 2.63 / 2.38, 512² 3.75 / 4.13;
 #: Jacobi (a reduction every step) 512² 5.06 / 5.30, 1024² 6.20 / 8.47; on the H200
-#: (bench.py) heat 1024² 3.60 / 6.91, Life 1024² 7.53 / 10.50, Jacobi 256² 4.86 / 3.78.
+#: (bench.py) heat 1024² 3.60 / 6.91, Life 1024² 7.53 / 10.50, Jacobi 256² 4.86 / 3.78. With
+#: Jacobi's exchange passing its reduction's barrier (codegen._fused_exchange_at; H100,
+#: 2026-12-07, bench-results/session37): 256² 3.71 / 2.93 at 132 blocks (3.17 at 66), 512²
+#: 4.31 / 4.06 (4.05 at 66): the grid scope still wins below 512², about even at 512².
 AUTO_TILE_2D_MIN_ELEMENTS = 1 << 18
 #: scope="auto" leaves a stencil on the grid scope when its halo along the first dimension is
 #: longer than this share of that dimension (1/32): tiles at least a halo long would then be

@@ -250,6 +250,107 @@ def test_jacobi_to_tolerance_in_tile_mode_stops_where_the_grid_scope_does(mode, 
     np.testing.assert_allclose(states[mode], ref, rtol=0, atol=1e-9)
 
 
+def smooth_carried(t, u, v, tol, last):
+    """1-D Jacobi smoothing to a tolerance with its error carried as ``lk.while_loop`` carries a
+    reduction: assigned, stored into a write-only array, then the verdict."""
+    n = u.shape[0]
+    err = 0.0
+    for i in lk.range(1, n - 1):
+        new = 0.5 * (u[i - 1] + u[i + 1])
+        v[i] = new
+        err = max(err, abs(new - u[i]))
+    r = lk.max(err)
+    for q in lk.range(1):
+        last[0] = r
+    return r > tol
+
+
+def smooth_ref(u0, tol, max_steps):
+    u, steps, err = u0.astype(np.float64), 0, np.inf
+    while steps < max_steps:
+        v = u.copy()
+        v[1:-1] = 0.5 * (u[:-2] + u[2:])
+        err = np.abs(v - u).max()
+        u, steps = v, steps + 1
+        if not err > tol:
+            break
+    return u, steps, err
+
+
+# (shape, blocks, dtype): the step's edge rows published before its reduction, whose grid
+# barrier is the exchange's (codegen._tile_lines): tiles of 1 to 43 rows, the last shorter
+@pytest.mark.parametrize("shape,blocks,dtype", [((300, 49), 7, np.float64), ((300, 49), 33, np.float64),
+                                                ((256, 256), None, np.float32), ((257, 131), 132, np.float32),
+                                                ((300, 49), 120, np.float64)])
+def test_jacobi_whose_exchange_passes_its_reductions_barrier(shape, blocks, dtype, rng):
+    from loopkern import codegen
+    cuda = _cuda()
+    k = lk.megakernel(W.jacobi_step, swap=[("u", "v")])
+    src = k.source("cuda", "tile")
+    assert "_lk_rt.grid_sync(" not in src, "the exchange should pass the reduction's barrier"
+    assert codegen.reduction_barrier_at(k.spec.step) is not None
+    u0 = rng.random(shape).astype(dtype)
+    tol = dtype(1e-3)
+    runs, states = {}, {}
+    for scope in ("tile", "grid"):
+        u, v = cuda.to_device(u0), cuda.to_device(u0)
+        runs[scope] = k(u, v, tol, max_steps=20000, backend="cuda", scope=scope,
+                        blocks=blocks if scope == "tile" else None)
+        states[scope] = (u.copy_to_host(), v.copy_to_host())
+    assert runs["tile"].scope == "tile" and runs["tile"].stopped == "condition"
+    assert runs["tile"].steps == runs["grid"].steps
+    np.testing.assert_array_equal(states["tile"][0], states["grid"][0])
+    np.testing.assert_array_equal(states["tile"][1], states["grid"][1])
+    ref, ref_steps = W.jacobi_ref(u0, float(tol), 20000)
+    assert abs(runs["tile"].steps - ref_steps) <= (1 if dtype == np.float64 else 40)
+    np.testing.assert_allclose(states["tile"][0], ref, rtol=0, atol=1e-9 if dtype == np.float64 else 2e-3)
+
+
+@pytest.mark.parametrize("blocks", [5, 64, None])
+def test_a_carried_reduction_whose_exchange_passes_its_barrier(blocks, rng):
+    cuda = _cuda()
+    k = lk.megakernel(smooth_carried, swap=[("u", "v")])
+    assert "_lk_rt.grid_sync(" not in k.source("cuda", "tile")
+    u0 = rng.random(4099)
+    u0[0], u0[-1] = 0.0, 1.0
+    tol = 1e-7
+    runs, states = {}, {}
+    for scope in ("tile", "grid"):
+        u, v, last = cuda.to_device(u0), cuda.to_device(u0), cuda.to_device(np.full(1, -1.0))
+        runs[scope] = k(u, v, tol, last, max_steps=3001, backend="cuda", scope=scope,
+                        blocks=blocks if scope == "tile" else None)
+        states[scope] = (u.copy_to_host(), v.copy_to_host(), last.copy_to_host())
+    assert runs["tile"].scope == "tile" and runs["tile"].steps == runs["grid"].steps
+    for a, b in zip(states["tile"], states["grid"]):
+        np.testing.assert_array_equal(a, b)
+    ref, ref_steps, err = smooth_ref(u0, tol, 3001)
+    assert runs["tile"].steps == ref_steps
+    np.testing.assert_allclose(states["tile"][0], ref, rtol=0, atol=1e-12)
+    np.testing.assert_allclose(states["tile"][2][0], err, rtol=1e-12)
+
+
+@pytest.mark.parametrize("stop", ["timeout", "cancel"])
+def test_a_fused_exchange_stopped_mid_run_leaves_exactly_run_steps_steps(stop, rng):
+    import time
+    cuda = _cuda()
+    k = lk.megakernel(W.jacobi_step, swap=[("u", "v")])
+    u0 = rng.random((301, 67))
+    u, v = cuda.to_device(u0), cuda.to_device(u0)
+    # a negative tolerance never converges: only the stop ends the run
+    if stop == "timeout":
+        run = k(u, v, -1.0, max_steps=10 ** 9, backend="cuda", scope="tile", blocks=17, timeout=0.3)
+    else:
+        h = k.start(u, v, -1.0, max_steps=10 ** 9, backend="cuda", scope="tile", blocks=17)
+        time.sleep(0.2)
+        h.cancel()
+        run = h.wait(timeout=30)
+    assert run.stopped == {"timeout": "timeout", "cancel": "cancelled"}[stop] and 0 < run.steps < 10 ** 9, run
+    a, b = cuda.to_device(u0), cuda.to_device(u0)
+    k(a, b, -1.0, steps=run.steps, backend="cuda", scope="grid")
+    np.testing.assert_array_equal(u.copy_to_host(), a.copy_to_host())
+    np.testing.assert_array_equal(v.copy_to_host(), b.copy_to_host())
+
+
 def test_a_field_too_large_for_the_chip_is_refused_before_anything_runs(rng):
     # 2048² float32, two buffers: 32 MiB, more than all SMs' shared memory together
     from loopkern.errors import LaunchError
