@@ -411,18 +411,6 @@ def _kernel_loop(src):
 def test_a_step_ending_in_a_reduction_exchanges_its_edges_at_that_reductions_barrier():
     # the step publishes its edge rows before the reduction, whose grid barrier is the
     # exchange's; the kernel gathers after the step with no barrier of its own
-    def carried(t, u, v, tol, last):
-        n = u.shape[0]
-        err = 0.0
-        for i in lk.range(1, n - 1):
-            new = 0.5 * (u[i - 1] + u[i + 1])
-            v[i] = new
-            err = max(err, abs(new - u[i]))
-        r = lk.max(err)
-        for q in lk.range(1):
-            last[0] = r
-        return r > tol
-
     def skipped(t, u, v, tol):
         n = u.shape[0]
         err = 0.0
@@ -431,7 +419,7 @@ def test_a_step_ending_in_a_reduction_exchanges_its_edges_at_that_reductions_bar
             err = max(err, abs(v[i] - u[i]))
         return t < 5 or lk.max(err) > tol            # no reduction on steps 0-4
 
-    for fn, fused in ((W.jacobi_step, True), (carried, True), (skipped, False)):
+    for fn, fused in ((W.jacobi_step, True), (W.smooth_carried_step, True), (skipped, False)):
         k = lk.megakernel(fn, swap=[("u", "v")])
         src = k.source("cuda", "tile")
         step = src[src.index("def _lk_step"):src.index("@cuda.jit(", src.index("def _lk_step"))]
@@ -455,29 +443,11 @@ def test_a_step_ending_in_a_reduction_exchanges_its_edges_at_that_reductions_bar
 def test_a_carried_reduction_in_tile_mode_on_one_block(rng):
     from numba import cuda
 
-    def carried(t, u, v, tol, last):
-        n = u.shape[0]
-        err = 0.0
-        for i in lk.range(1, n - 1):
-            new = 0.5 * (u[i - 1] + u[i + 1])
-            v[i] = new
-            err = max(err, abs(new - u[i]))
-        r = lk.max(err)
-        for q in lk.range(1):
-            last[0] = r
-        return r > tol
-    k = lk.megakernel(carried, swap=[("u", "v")])
+    k = lk.megakernel(W.smooth_carried_step, swap=[("u", "v")])
     u0 = rng.random(17)
     u, v, last = cuda.to_device(u0), cuda.to_device(u0), cuda.to_device(np.zeros(1))
     run = k(u, v, 1e-3, last, max_steps=3000, backend="cuda", scope="tile")
-    ref, steps, err = u0.copy(), 0, np.inf
-    while steps < 3000:
-        new = ref.copy()
-        new[1:-1] = 0.5 * (ref[:-2] + ref[2:])
-        err = np.abs(new - ref).max()
-        ref, steps = new, steps + 1
-        if not err > 1e-3:
-            break
+    ref, steps, err = W.smooth_carried_ref(u0, 1e-3, 3000)
     assert (run.scope, run.steps, run.stopped) == ("tile", steps, "condition")
     np.testing.assert_allclose(u.copy_to_host(), ref, rtol=0, atol=1e-12)
     np.testing.assert_allclose(last.copy_to_host()[0], err, rtol=1e-12)

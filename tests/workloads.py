@@ -36,6 +36,34 @@ def jacobi_step(t, u, v, tol):
     return lk.max(err) > tol
 
 
+def smooth_carried_step(t, u, v, tol, last):
+    """1-D Jacobi smoothing to a tolerance with its error carried as ``lk.while_loop`` carries a
+    reduction: assigned, stored into a write-only array, then the verdict."""
+    n = u.shape[0]
+    err = 0.0
+    for i in lk.range(1, n - 1):
+        new = 0.5 * (u[i - 1] + u[i + 1])
+        v[i] = new
+        err = max(err, abs(new - u[i]))
+    r = lk.max(err)
+    for q in lk.range(1):
+        last[0] = r
+    return r > tol
+
+
+def smooth_carried_ref(u0, tol, max_steps):
+    """(state, steps, last error) of smooth_carried_step in float64 NumPy."""
+    u, steps, err = u0.astype(np.float64), 0, np.inf
+    while steps < max_steps:
+        v = u.copy()
+        v[1:-1] = 0.5 * (u[:-2] + u[2:])
+        err = np.abs(v - u).max()
+        u, steps = v, steps + 1
+        if not err > tol:
+            break
+    return u, steps, err
+
+
 def jacobi_ref(u0, tol, max_steps):
     u = u0.astype(np.float64).copy()
     steps = 0

@@ -250,33 +250,6 @@ def test_jacobi_to_tolerance_in_tile_mode_stops_where_the_grid_scope_does(mode, 
     np.testing.assert_allclose(states[mode], ref, rtol=0, atol=1e-9)
 
 
-def smooth_carried(t, u, v, tol, last):
-    """1-D Jacobi smoothing to a tolerance with its error carried as ``lk.while_loop`` carries a
-    reduction: assigned, stored into a write-only array, then the verdict."""
-    n = u.shape[0]
-    err = 0.0
-    for i in lk.range(1, n - 1):
-        new = 0.5 * (u[i - 1] + u[i + 1])
-        v[i] = new
-        err = max(err, abs(new - u[i]))
-    r = lk.max(err)
-    for q in lk.range(1):
-        last[0] = r
-    return r > tol
-
-
-def smooth_ref(u0, tol, max_steps):
-    u, steps, err = u0.astype(np.float64), 0, np.inf
-    while steps < max_steps:
-        v = u.copy()
-        v[1:-1] = 0.5 * (u[:-2] + u[2:])
-        err = np.abs(v - u).max()
-        u, steps = v, steps + 1
-        if not err > tol:
-            break
-    return u, steps, err
-
-
 # (shape, blocks, dtype): the step's edge rows published before its reduction, whose grid
 # barrier is the exchange's (codegen._tile_lines): tiles of 1 to 43 rows, the last shorter
 @pytest.mark.parametrize("shape,blocks,dtype", [((300, 49), 7, np.float64), ((300, 49), 33, np.float64),
@@ -309,7 +282,7 @@ def test_jacobi_whose_exchange_passes_its_reductions_barrier(shape, blocks, dtyp
 @pytest.mark.parametrize("blocks", [5, 64, None])
 def test_a_carried_reduction_whose_exchange_passes_its_barrier(blocks, rng):
     cuda = _cuda()
-    k = lk.megakernel(smooth_carried, swap=[("u", "v")])
+    k = lk.megakernel(W.smooth_carried_step, swap=[("u", "v")])
     assert "_lk_rt.grid_sync(" not in k.source("cuda", "tile")
     u0 = rng.random(4099)
     u0[0], u0[-1] = 0.0, 1.0
@@ -323,7 +296,7 @@ def test_a_carried_reduction_whose_exchange_passes_its_barrier(blocks, rng):
     assert runs["tile"].scope == "tile" and runs["tile"].steps == runs["grid"].steps
     for a, b in zip(states["tile"], states["grid"]):
         np.testing.assert_array_equal(a, b)
-    ref, ref_steps, err = smooth_ref(u0, tol, 3001)
+    ref, ref_steps, err = W.smooth_carried_ref(u0, tol, 3001)
     assert runs["tile"].steps == ref_steps
     np.testing.assert_allclose(states["tile"][0], ref, rtol=0, atol=1e-12)
     np.testing.assert_allclose(states["tile"][2][0], err, rtol=1e-12)
