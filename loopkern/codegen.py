@@ -1439,8 +1439,9 @@ def _fused_exchange_at(spec, tile, written) -> int | None:
 
 
 def _touches_memory(e) -> bool:
-    """``e`` reads an array element or calls a helper (which may)."""
-    return any(is_helper_call(n) or isinstance(n, ast.Subscript) for n in ast.walk(e))
+    """``e`` reads an array element, updates one (``lk.atomic``) or calls a helper (which may)."""
+    return any(is_helper_call(n) or isinstance(n, ast.Subscript) or (marker_of(n) or "").startswith("atomic")
+               for n in ast.walk(e))
 
 
 def _register_tail(before: list, tail: list, partners: dict) -> bool:

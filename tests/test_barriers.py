@@ -89,6 +89,26 @@ def test_a_reduction_followed_by_write_only_stores_matches_numpy(backend, scope,
             assert en[0] == -1.0
 
 
+@pytest.mark.parametrize("backend,scope", BACKENDS)
+def test_an_atomic_update_after_the_reduction_keeps_the_step_barrier(backend, scope):
+    # every thread adds 1 to the counter each step, after the step's reduction; the next step
+    # reads it: t * threads at step t only if every update of the step before has landed
+    k = lk.megakernel(W.reduce_then_count, swap=[("u", "v")])
+    for sc in ("grid", "block", "tile"):
+        src = k.source("cuda", sc)
+        loop = src.split("while _lk_t < _lk_nsteps:")[1].split("_lk_t += 1")[0]
+        assert "_sync(_lk_bar)" in loop, sc
+    steps, threads = 12, 64
+    u0 = np.linspace(0.0, 1.0, 40) ** 2
+    u, v, cnt, seen = u0.copy(), u0.copy(), np.zeros(1, np.int64), np.zeros(steps, np.int64)
+    kw = dict(threads=threads) if backend == "cuda" else {}
+    run = k(u, v, cnt, seen, max_steps=steps, backend=backend, scope=scope, **kw)
+    per_step = threads if backend == "cuda" else 1
+    assert run.steps == steps
+    np.testing.assert_array_equal(seen, np.arange(steps) * per_step)
+    assert cnt[0] == steps * per_step
+
+
 def _expr(text):
     """A normalized expression: lk.sum/max/min become their markers."""
     for name in ("sum", "max", "min"):
