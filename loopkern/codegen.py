@@ -451,9 +451,10 @@ class _BodyWriter:
                  sites: "_Sites | None" = None, function: str = "", float_type: str | None = None,
                  arrays: frozenset = frozenset(), index_bits: int | None = None,
                  tile_arrays: frozenset | None = None, shared_arrays: frozenset = frozenset(),
-                 stencil=None):
+                 stencil=None, clip: tuple = (f"{_P}tlo", f"{_P}thi")):
         self.out = out
         self.tile = tile_arrays is not None
+        self.clip = clip
         self.fn_body = list(fn_body)
         self.backend = backend
         self.sites = sites
@@ -497,6 +498,15 @@ class _BodyWriter:
             pass
         else:
             out.add(depth, _src(self.lower.visit(s)), s)
+
+    def clip_of(self, loop) -> tuple:
+        """Tile mode: the bounds a block clips ``loop``'s first dimension to. A loop over a
+        tile's cells keeps to the tile; any other (over another array's extent, from a
+        negative start) to ``self.clip``, which a depth-1 kernel widens for the first and last
+        blocks so that every index runs (render_kernel)."""
+        if any(isinstance(n, ast.Name) and n.id in self.lower.tile_arrays for n in ast.walk(loop)):
+            return f"{_P}tlo", f"{_P}thi"
+        return self.clip
 
     def block_aggregated(self, call) -> bool:
         """Whether ``call``, a statement at the top level of a CUDA step, is an
@@ -586,7 +596,8 @@ class _BodyWriter:
             # tile mode: this block's threads take the range's values inside its tile
             st_t = self._bind(depth, f"{_P}r{k}_st", st, s)
             first, stop = f"{_P}r{k}_first", f"{_P}r{k}_stop"
-            self.out.add(depth, f"{first}, {stop} = {_P}rt.tile_range({lo_t}, {hi_t}, {st_t}, {_P}tlo, {_P}thi)", s)
+            clo, chi = self.clip_of(s)
+            self.out.add(depth, f"{first}, {stop} = {_P}rt.tile_range({lo_t}, {hi_t}, {st_t}, {clo}, {chi})", s)
             # the cell's own index (_Lower._own_row: an access at it plus a literal never wraps)
             outer = self.lower.tile_cell
             if _is_one(st):
@@ -710,10 +721,11 @@ class _BodyWriter:
         if self.tile:
             # tile mode: this block's threads take the rows of its tile
             lo0, hi0 = dims[0]
-            dims[0] = (ast.Call(func=ast.Name(id="max", ctx=ast.Load()), args=[lo0, ast.Name(id=f"{_P}tlo", ctx=ast.Load())],
-                                keywords=[]),
-                       ast.Call(func=ast.Name(id="min", ctx=ast.Load()), args=[hi0, ast.Name(id=f"{_P}thi", ctx=ast.Load())],
-                                keywords=[]))
+            clo, chi = self.clip_of(s)
+            dims[0] = (ast.Call(func=ast.Name(id="max", ctx=ast.Load()),
+                                args=[lo0, ast.Name(id=clo, ctx=ast.Load())], keywords=[]),
+                       ast.Call(func=ast.Name(id="min", ctx=ast.Load()),
+                                args=[hi0, ast.Name(id=chi, ctx=ast.Load())], keywords=[]))
         nd = len(dims)
         single = isinstance(s.target, ast.Name)
         names = [f"{_P}g{k}_i{d}" for d in range(nd)] if single else [_src(e) for e in s.target.elts]
@@ -998,9 +1010,11 @@ def _render_function(fs: FunctionSpec, home: str, backend: str, scope: str, is_s
                      ctx_params: list[str], decorator: str, sites: _Sites | None = None,
                      float_type: str | None = None, index_bits: int | None = None,
                      tile_arrays: frozenset | None = None, shared_arrays: frozenset = frozenset(),
-                     stencil=None, before: tuple = (None, ())) -> _Lines:
-    """The lines of a step or helper function. ``before``: (k, lines) puts ``lines`` (source
-    text, indented for the top level) before the function's top-level statement ``k``."""
+                     stencil=None, before: dict | None = None, clip: tuple | None = None) -> _Lines:
+    """The lines of a step or helper function. ``before``: {k: lines} puts ``lines`` (source
+    text, indented for the top level) before the function's top-level statement ``k``.
+    ``clip``: (tile mode) the names of the bounds a block's parallel loops are clipped to
+    (``_lk_tlo``, ``_lk_thi`` by default)."""
     out = _Lines(fs.filename, home)
     if sites is None:
         body = mark_nonneg_indices(fs.body, fs.params, fs.array_params, fs.params[0] if is_step else None)
@@ -1011,12 +1025,10 @@ def _render_function(fs: FunctionSpec, home: str, backend: str, scope: str, is_s
     out.add(0, f"def {fs.symbol}({', '.join(params)}):", ast.Pass(lineno=fs.lineno, col_offset=0))
     w = _BodyWriter(out, backend, scope, is_step, body, fs.params[0] if fs.params else "t", sites, fs.name,
                     float_type, frozenset(fs.params[i] for i in fs.array_params), index_bits, tile_arrays,
-                    shared_arrays, stencil)
-    at, lines = before
+                    shared_arrays, stencil, clip or (f"{_P}tlo", f"{_P}thi"))
     for k, st in enumerate(body):
-        if k == at:
-            for line in lines:
-                out.add(0, line, st)
+        for line in (before or {}).get(k, ()):
+            out.add(0, line, st)
         w.stmt(st, 1)
     if is_step and not (body and isinstance(body[-1], ast.Return)):
         out.add(1, "return True")
@@ -1179,9 +1191,20 @@ def render_kernel(spec: StepSpec, backend: str, scope: str = "grid", *, cache: b
             step_names = {i: spec.params[i].name for i in resident}
             publish_in_step = _tile_lines(tile, kparams, resident, written, sync, step_names)[3]
             edge_params = [f"{_P}e{i}" for i in written]
+    before, clip = {}, None
+    if tile is not None and depth == 1 and not tiles:
+        # a block's loops take the indices in its tile; in a loop that touches no tile the
+        # first block also takes those below 0 and the last those from n on, so a loop over
+        # another array's extent, or from a negative start, runs every index as the grid scope
+        # does (_BodyWriter.clip_of)
+        clip = (f"{_P}clo", f"{_P}chi")
+        before[0] = [f"{_INDENT}{_P}clo = {_P}tlo if cuda.blockIdx.x > 0 else _lk_np.int64(-(1 << 62))",
+                     f"{_INDENT}{_P}chi = {_P}thi if cuda.blockIdx.x < cuda.gridDim.x - 1 else "
+                     f"_lk_np.int64(1 << 62)"]
+    if fused_at is not None:
+        before[fused_at] = before.get(fused_at, []) + publish_in_step
     step_lines = _render_function(spec.step, spec.filename, backend, sync, True, ctx_params + edge_params, "", sites,
-                                  float_type, index_bits, tile_names, staged_names, tile,
-                                  before=(fused_at, publish_in_step))
+                                  float_type, index_bits, tile_names, staged_names, tile, before=before, clip=clip)
     if by_ref is not None and backend != "cuda":
         raise ValueError("by_ref kernels exist for the CUDA backend only")
     refs = sorted(by_ref or ())

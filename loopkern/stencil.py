@@ -258,10 +258,16 @@ class _Analysis:
             for k, o in enumerate(off):
                 # x_k + c with c < 0 may be a negative index, which in Python counts from the end
                 # of the dimension (as the grid scope's kernel reads it): the access wraps
-                # around unless the loop starts at -c or above
+                # around unless the loop starts at -c or above; so does x_k itself in a loop
+                # whose literal start is negative (a start computed at run time is taken as
+                # non-negative: README, Backends, scope "tile")
                 low = self.lows.get(k)
-                if min(o) < 0 and not proven[k] and (low is None or low + min(o) < 0):
+                if not proven[k] and ((min(o) < 0 and low is None) or (low is not None and low + min(o) < 0)):
                     self._wrapped.add(k)
+                    if write and a in self.swapped and low is not None:
+                        # the block that runs the index holds a copy of that cell, not the cell
+                        raise _Reject(f"'{node.value.id}' is written at a negative index (counted from the "
+                                      f"end of the array in Python)", node)
             for k in self._wrapped:
                 self.wraps.setdefault(a, set()).add(k)
         self._wrapped = set()

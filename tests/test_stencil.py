@@ -70,6 +70,14 @@ def back_from_a_name(t, u, v, k):
         v[i] = u[i - 1]                 # k may be 0
 
 
+def negative_start(t, u, v):
+    n = u.shape[0]
+    for i in lk.range(1, n - 1):
+        v[i] = u[i]
+    for i in lk.range(-1, 1):
+        v[i] = u[i]                     # v[-1] is the last cell in Python
+
+
 def columns_from_zero(t, u, v):
     n = u.shape[0]
     m = u.shape[1]
@@ -235,6 +243,9 @@ def extent_rebound(t, u, v):
     (through_helper, [("u", "v")], "passed to a helper function"),
     (no_loop, [], "no parallel loop"),
     (wrap_other_extent, [("u", "v")], "not its loop index plus a constant"),
+    # a loop that starts below 0 writes a swapped array's last cells in Python; in tile mode
+    # the block running that index holds only a copy of them
+    (negative_start, [("u", "v")], "'v' is written at a negative index"),
 ])
 def test_what_is_not_a_stencil_says_why_and_where(fn, swap, reason):
     s = stencil_of(fn, swap)

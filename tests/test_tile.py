@@ -453,6 +453,26 @@ def test_a_carried_reduction_in_tile_mode_on_one_block(rng):
     np.testing.assert_allclose(last.copy_to_host()[0], err, rtol=1e-12)
 
 
+BEYOND = [(W.smooth_and_count_longer, (12,), 16), (W.smooth_and_count_below_zero, (12,), 16),
+          (W.smooth_until_a_longer_sum, (12,), 16), (W.smooth2d_and_count_longer, (5, 4), (8, 4))]
+
+
+@pytest.mark.parametrize("fn,shape,wshape", BEYOND, ids=[b[0].__name__ for b in BEYOND])
+def test_loops_past_the_pairs_extent_run_every_index_in_tile_mode(fn, shape, wshape, rng):
+    # the first block takes the indices below 0 and the last those from n on (one block here:
+    # both); they were skipped, silently
+    from numba import cuda
+    k = lk.megakernel(fn, swap=[("u", "v")])
+    u0 = rng.random(shape)
+    w0 = np.ones(wshape) if fn is W.smooth_until_a_longer_sum else np.zeros(wshape)
+    u, v, w = cuda.to_device(u0), cuda.to_device(u0), cuda.to_device(w0)
+    run = k(u, v, w, max_steps=10, backend="cuda", scope="tile")
+    ref_u, ref_w, ref_steps = W.beyond_the_pair_refs(fn, u0, w0, 10)
+    assert run.scope == "tile" and run.steps == ref_steps
+    np.testing.assert_allclose(u.copy_to_host(), ref_u, rtol=0, atol=1e-12)
+    np.testing.assert_array_equal(w.copy_to_host(), ref_w)
+
+
 def test_scope_auto_tries_tile_mode_for_stencils_on_a_gpu():
     from loopkern.dispatch.config import AUTO_TILE_MIN_ELEMENTS
 

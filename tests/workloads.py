@@ -36,34 +36,6 @@ def jacobi_step(t, u, v, tol):
     return lk.max(err) > tol
 
 
-def smooth_carried_step(t, u, v, tol, last):
-    """1-D Jacobi smoothing to a tolerance with its error carried as ``lk.while_loop`` carries a
-    reduction: assigned, stored into a write-only array, then the verdict."""
-    n = u.shape[0]
-    err = 0.0
-    for i in lk.range(1, n - 1):
-        new = 0.5 * (u[i - 1] + u[i + 1])
-        v[i] = new
-        err = max(err, abs(new - u[i]))
-    r = lk.max(err)
-    for q in lk.range(1):
-        last[0] = r
-    return r > tol
-
-
-def smooth_carried_ref(u0, tol, max_steps):
-    """(state, steps, last error) of smooth_carried_step in float64 NumPy."""
-    u, steps, err = u0.astype(np.float64), 0, np.inf
-    while steps < max_steps:
-        v = u.copy()
-        v[1:-1] = 0.5 * (u[:-2] + u[2:])
-        err = np.abs(v - u).max()
-        u, steps = v, steps + 1
-        if not err > tol:
-            break
-    return u, steps, err
-
-
 def jacobi_ref(u0, tol, max_steps):
     u = u0.astype(np.float64).copy()
     steps = 0
@@ -456,6 +428,34 @@ def reduce_then_store_moving(t, u, v, e, en, tol):
     return r > tol
 
 
+def smooth_carried_step(t, u, v, tol, last):
+    """1-D Jacobi smoothing to a tolerance with its error carried as ``lk.while_loop`` carries a
+    reduction: assigned, stored into a write-only array, then the verdict."""
+    n = u.shape[0]
+    err = 0.0
+    for i in lk.range(1, n - 1):
+        new = 0.5 * (u[i - 1] + u[i + 1])
+        v[i] = new
+        err = max(err, abs(new - u[i]))
+    r = lk.max(err)
+    for q in lk.range(1):
+        last[0] = r
+    return r > tol
+
+
+def smooth_carried_ref(u0, tol, max_steps):
+    """(state, steps, last error) of smooth_carried_step in float64 NumPy."""
+    u, steps, err = u0.astype(np.float64), 0, np.inf
+    while steps < max_steps:
+        v = u.copy()
+        v[1:-1] = 0.5 * (u[:-2] + u[2:])
+        err = np.abs(v - u).max()
+        u, steps = v, steps + 1
+        if not err > tol:
+            break
+    return u, steps, err
+
+
 def reduce_then_count(t, u, v, cnt, seen):
     # an lk.atomic update after the reduction: the counter is read by one thread next step, so
     # the barrier between steps must stay (every thread's update of step t lands before it)
@@ -469,6 +469,68 @@ def reduce_then_count(t, u, v, cnt, seen):
     r = lk.max(err)
     old = lk.atomic.add(cnt, 0, 1)
     return r > -1.0
+
+
+# Tile mode keeps the swap pair's tiles on chip and gives each block the loop indices in its
+# tile; loops over other arrays may run past the pair's extent or start below 0 (Python's
+# w[-2], w[-1]): every index must still run once, as in the grid scope.
+def smooth_and_count_longer(t, u, v, w):
+    n = u.shape[0]
+    for i in lk.range(1, n - 1):
+        v[i] = 0.5 * (u[i - 1] + u[i + 1])
+    for i in lk.range(w.shape[0]):
+        w[i] = w[i] + 1.0
+
+
+def smooth_and_count_below_zero(t, u, v, w):
+    n = u.shape[0]
+    for i in lk.range(1, n - 1):
+        v[i] = 0.5 * (u[i - 1] + u[i + 1])
+    for i in lk.range(-2, 0):
+        w[i] = w[i] + 1.0
+
+
+def smooth_until_a_longer_sum(t, u, v, w):
+    n = u.shape[0]
+    for i in lk.range(1, n - 1):
+        v[i] = 0.5 * (u[i - 1] + u[i + 1])
+    s = 0.0
+    for i in lk.range(w.shape[0]):
+        s += w[i]
+    return lk.sum(s) + t < w.shape[0] + 4.0
+
+
+def smooth2d_and_count_longer(t, u, v, w):
+    n = u.shape[0]
+    m = u.shape[1]
+    for i, j in lk.grid((1, n - 1), (1, m - 1)):
+        v[i, j] = 0.25 * (u[i - 1, j] + u[i + 1, j] + u[i, j - 1] + u[i, j + 1])
+    for i, j in lk.grid(w.shape[0], w.shape[1]):
+        w[i, j] = w[i, j] + 1.0
+
+
+def beyond_the_pair_refs(fn, u0, w0, steps):
+    """(u, w, steps run) of one of the steps above in float64 NumPy; w0 all ones for
+    smooth_until_a_longer_sum (the run stops once t + w's length reaches len + 4: 5 steps)."""
+    u, w = u0.astype(np.float64).copy(), w0.astype(np.float64).copy()
+    done = 0
+    for t in range(steps):
+        v = u.copy()
+        if u.ndim == 1:
+            v[1:-1] = 0.5 * (u[:-2] + u[2:])
+        else:
+            v[1:-1, 1:-1] = 0.25 * (u[:-2, 1:-1] + u[2:, 1:-1] + u[1:-1, :-2] + u[1:-1, 2:])
+        go = True
+        if fn is smooth_and_count_below_zero:
+            w[-2:] += 1.0
+        elif fn is smooth_until_a_longer_sum:
+            go = w.sum() + t < w.shape[0] + 4.0
+        else:
+            w += 1.0
+        u, done = v, done + 1
+        if not go:
+            break
+    return u, w, done
 
 
 def smooth_ref(u0, tol, max_steps, keep_going):

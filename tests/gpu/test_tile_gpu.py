@@ -324,6 +324,27 @@ def test_a_fused_exchange_stopped_mid_run_leaves_exactly_run_steps_steps(stop, r
     np.testing.assert_array_equal(v.copy_to_host(), b.copy_to_host())
 
 
+BEYOND = [(W.smooth_and_count_longer, (4099,), 6000), (W.smooth_and_count_below_zero, (4099,), 6000),
+          (W.smooth_until_a_longer_sum, (4099,), 6000), (W.smooth2d_and_count_longer, (301, 67), (403, 67))]
+
+
+@pytest.mark.parametrize("blocks", [7, 64, None])
+@pytest.mark.parametrize("fn,shape,wshape", BEYOND, ids=[b[0].__name__ for b in BEYOND])
+def test_loops_past_the_pairs_extent_run_every_index_on_every_block_count(fn, shape, wshape, blocks, rng):
+    # the first block takes a loop's indices below 0 and the last block those from the pair's
+    # extent on: every index runs once
+    cuda = _cuda()
+    k = lk.megakernel(fn, swap=[("u", "v")])
+    u0 = rng.random(shape)
+    w0 = np.ones(wshape) if fn is W.smooth_until_a_longer_sum else np.zeros(wshape)
+    u, v, w = cuda.to_device(u0), cuda.to_device(u0), cuda.to_device(w0)
+    run = k(u, v, w, max_steps=50, backend="cuda", scope="tile", blocks=blocks)
+    ref_u, ref_w, ref_steps = W.beyond_the_pair_refs(fn, u0, w0, 50)
+    assert run.scope == "tile" and run.steps == ref_steps
+    np.testing.assert_allclose(u.copy_to_host(), ref_u, rtol=0, atol=1e-12)
+    np.testing.assert_array_equal(w.copy_to_host(), ref_w)
+
+
 def test_a_field_too_large_for_the_chip_is_refused_before_anything_runs(rng):
     # 2048² float32, two buffers: 32 MiB, more than all SMs' shared memory together
     from loopkern.errors import LaunchError
