@@ -388,6 +388,9 @@ def test_many_thread_scopes_refused_for_a_sequential_step(scope):
             lk.megakernel(_count_up, scope=scope)(x, steps=10, backend="cuda")
         with pytest.raises(lk.ArgumentError, match="no parallel construct"):
             lk.megakernel(_count_up).source("cuda", scope)
+    # the CPU backend refuses it too: a call it runs is one a GPU runs
+    with pytest.raises(lk.ArgumentError, match="no parallel construct"):
+        lk.megakernel(_count_up)(x, steps=10, backend="cpu", scope=scope)
     assert x[0] == 0.0
     run = lk.megakernel(_count_up)(x, steps=10, backend="cuda")
     assert run.scope == "thread" and x[0] == 10.0

@@ -241,6 +241,8 @@ class Dispatcher:
             float_type = "float64"
         argv = apply_weak_floats(argv, float_type)
         run_values = [a.value for a in argv]
+        # on both backends, so that a call the CPU runs is one a GPU runs too
+        checks.check_thread_scope(spec, o.scope)
         if o.backend == "cpu":
             for a in argv:
                 if isinstance(a, ArrayArg) and a.where != "host":
@@ -257,7 +259,6 @@ class Dispatcher:
         from ..compile import simulator_enabled
         sim = simulator_enabled()
         work = max([a.size for a in argv if isinstance(a, ArrayArg)] or [1])
-        checks.check_thread_scope(spec, o.scope)
         scope = resolve_scope(o.scope, work, spec.parallel, spec.light_elements)
         if scope in ("tile", "cluster") and any(isinstance(argv[i], ArrayArg) and argv[i].size == 0
                                                 for pair in spec.swap for i in pair):
