@@ -1181,18 +1181,12 @@ def render_kernel(spec: StepSpec, backend: str, scope: str = "grid", *, cache: b
     staged_names = frozenset(spec.params[i].name for i in staged) if backend == "cuda" else frozenset()
     n = len(spec.params)
     kparams = [f"{_P}a{i}" for i in range(n)]
-    # tile mode, one step per exchange: a step whose last barrier is a reduction's publishes its
-    # edge cells before that reduction (see _tile_lines)
-    fused_at, publish_in_step, edge_params = None, [], []
+    tile_parts, edge_params, before, clip = None, [], {}, None
     if tile is not None and depth == 1 and not tiles:
         written = [i for i in resident if spec.params[i].written]
         fused_at = _fused_exchange_at(spec, tile, written)
-        if fused_at is not None:
-            step_names = {i: spec.params[i].name for i in resident}
-            publish_in_step = _tile_lines(tile, kparams, resident, written, sync, step_names)[3]
-            edge_params = [f"{_P}e{i}" for i in written]
-    before, clip = {}, None
-    if tile is not None and depth == 1 and not tiles:
+        tile_parts = _tile_lines(tile, kparams, resident, written, sync,
+                                 {i: spec.params[i].name for i in resident} if fused_at is not None else None)
         # a block's loops take the indices in its tile; in a loop that touches no tile the
         # first block also takes those below 0 and the last those from n on, so a loop over
         # another array's extent, or from a negative start, runs every index as the grid scope
@@ -1201,8 +1195,10 @@ def render_kernel(spec: StepSpec, backend: str, scope: str = "grid", *, cache: b
         before[0] = [f"{_INDENT}{_P}clo = {_P}tlo if cuda.blockIdx.x > 0 else _lk_np.int64(-(1 << 62))",
                      f"{_INDENT}{_P}chi = {_P}thi if cuda.blockIdx.x < cuda.gridDim.x - 1 else "
                      f"_lk_np.int64(1 << 62)"]
-    if fused_at is not None:
-        before[fused_at] = before.get(fused_at, []) + publish_in_step
+        if fused_at is not None:
+            # the step publishes its edge cells before its last reduction (see _tile_lines)
+            before[fused_at] = before.get(fused_at, []) + tile_parts[3]
+            edge_params = [f"{_P}e{i}" for i in written]
     step_lines = _render_function(spec.step, spec.filename, backend, sync, True, ctx_params + edge_params, "", sites,
                                   float_type, index_bits, tile_names, staged_names, tile, before=before, clip=clip)
     if by_ref is not None and backend != "cuda":
@@ -1241,10 +1237,7 @@ def render_kernel(spec: StepSpec, backend: str, scope: str = "grid", *, cache: b
                       gather="\n".join(gather) or f"{_INDENT * 2}pass", depth=str(depth),
                       halo_lo=str(tile.halo[0][0]), halo_hi=str(tile.halo[0][1]))
     elif tile is not None:
-        written = [i for i in resident if spec.params[i].written]
-        tile_pro, tile_barrier, tile_copy, _ = _tile_lines(
-            tile, kparams, resident, written, sync,
-            {i: spec.params[i].name for i in resident} if fused_at is not None else None)
+        tile_pro, tile_barrier, tile_copy, _ = tile_parts
         prologue += tile_pro
         # the global buffers the edge cells go through swap with the tiles
         swap_lines += [f"{_INDENT * 2}{_P}e{a}, {_P}e{b} = {_P}e{b}, {_P}e{a}" for a, b in spec.swap]
