@@ -119,7 +119,7 @@ def _make_packed_core(op):
     arrive, and each release store with the relaxed load that saw it and the fence after
     (joined by the block's syncthreads on both sides) orders every memory access before
     the reduction before every access after it, as :func:`grid_sync` does: a step that ends in such a
-    reduction still needs no barrier of its own (codegen.ends_in_reduction). Where the
+    reduction still needs no barrier of its own (codegen.reduction_barrier_at). Where the
     barrier's counter and the partials each took an L2 round trip after the last block
     arrived, this takes one.
 

@@ -1181,10 +1181,12 @@ def render_kernel(spec: StepSpec, backend: str, scope: str = "grid", *, cache: b
     staged_names = frozenset(spec.params[i].name for i in staged) if backend == "cuda" else frozenset()
     n = len(spec.params)
     kparams = [f"{_P}a{i}" for i in range(n)]
+    # the step's statement whose reduction passes its last barrier (None: none does)
+    reduced_at = reduction_barrier_at(spec.step, swap_partners(spec))
     tile_parts, edge_params, before, clip = None, [], {}, None
     if tile is not None and depth == 1 and not tiles:
         written = [i for i in resident if spec.params[i].written]
-        fused_at = _fused_exchange_at(spec, tile, written)
+        fused_at = _fused_exchange_at(spec, tile, written, reduced_at)
         tile_parts = _tile_lines(tile, kparams, resident, written, sync,
                                  {i: spec.params[i].name for i in resident} if fused_at is not None else None)
         # a block's loops take the indices in its tile; in a loop that touches no tile the
@@ -1246,7 +1248,7 @@ def render_kernel(spec: StepSpec, backend: str, scope: str = "grid", *, cache: b
     # run split into calls continues exactly. After an odd count the names point at each
     # other's buffers; the contents are exchanged in place, each thread its share. The
     # exchange reads elements other threads wrote in the last step, so a barrier comes first
-    # whatever the step's own barrier was (it may have been elided, see ends_in_reduction).
+    # whatever the step's own barrier was (it may have been elided, see reduction_barrier_at).
     copy_lines = []
     swapped = {i for pair in spec.swap for i in pair}
     fence = f"{_INDENT * 2}{_P}rt.{sync}_sync({_P}bar)" if backend == "cuda" and scope != "thread" else ""
@@ -1308,7 +1310,7 @@ def render_kernel(spec: StepSpec, backend: str, scope: str = "grid", *, cache: b
         thread_count = "cuda.gridsize(1)" if scope == "grid" else "cuda.blockDim.x"
         # a step that ends by returning a reduction's verdict already passed a barrier after
         # its last array access: the one inside the reduction
-        barrier = "" if ends_in_reduction(spec.step, swap_partners(spec)) else f"{_P}rt.{sync}_sync({_P}bar)"
+        barrier = "" if reduced_at is not None else f"{_P}rt.{sync}_sync({_P}bar)"
         if tile is not None:
             # never elided: the halo exchange needs a grid barrier between the publish and the
             # gather (the reduction's, when the step publishes before it: _tile_lines)
@@ -1377,13 +1379,6 @@ def swap_partners(spec) -> dict:
     return out
 
 
-def ends_in_reduction(fs: FunctionSpec, partners: dict | None = None) -> bool:
-    """Every thread evaluates a reduction on every step after the step's last access of
-    memory that another thread of the run reads or writes (:func:`reduction_barrier_at`
-    finds the statement)."""
-    return reduction_barrier_at(fs, partners) is not None
-
-
 def reduction_barrier_at(fs: FunctionSpec, partners: dict | None = None) -> int | None:
     """The index of the step's top-level statement whose evaluation passes a reduction's
     barrier after the step's last access of memory that another thread of the run reads or
@@ -1430,10 +1425,10 @@ def reduction_barrier_at(fs: FunctionSpec, partners: dict | None = None) -> int 
 FUSE_EXCHANGE_WITH_REDUCTION = True
 
 
-def _fused_exchange_at(spec, tile, written) -> int | None:
+def _fused_exchange_at(spec, tile, written, at: int | None) -> int | None:
     """Tile mode, one step per exchange: the top-level statement of the step before which it
     can publish its edge cells so that a reduction's grid barrier is also the exchange's
-    (:func:`_tile_lines`), or None.
+    (:func:`_tile_lines`), or None. ``at``: the step's :func:`reduction_barrier_at`.
 
     That statement passes the step's last barrier (:func:`reduction_barrier_at`: every
     thread, every step, after the step's last access of memory another thread reads or
@@ -1441,10 +1436,7 @@ def _fused_exchange_at(spec, tile, written) -> int | None:
     carried reduction's write-only array may be stored, never a resident one). The gather
     after the step then writes only the halo cells of the arrays the step wrote, which no
     thread touches again before the barrier after the gather."""
-    if not FUSE_EXCHANGE_WITH_REDUCTION or not written or not any(tile.halo[0]):
-        return None
-    at = reduction_barrier_at(spec.step, swap_partners(spec))
-    if at is None:
+    if at is None or not FUSE_EXCHANGE_WITH_REDUCTION or not written or not any(tile.halo[0]):
         return None
     tiles = {spec.params[i].name for i in tile.resident}
     for st in list(spec.step.body)[at:]:
@@ -1462,7 +1454,7 @@ def _touches_memory(e) -> bool:
 
 def _register_tail(before: list, tail: list, partners: dict) -> bool:
     """``tail`` (the statements after a step's last reduction, before its return) touches no
-    memory another thread reads or writes (see :func:`ends_in_reduction`): assignments of
+    memory another thread reads or writes (see :func:`reduction_barrier_at`): assignments of
     locals from locals, and ``lk.range`` loops with constant bounds whose bodies only store
     such values into write-only arrays at constant indices or the loop index."""
     stored = set()

@@ -59,7 +59,7 @@ TAIL_CASES = [(W.reduce_then_store, True), (W.reduce_then_store_read, False), (W
 
 @pytest.mark.parametrize("fn,elided", TAIL_CASES, ids=[c[0].__name__ for c in TAIL_CASES])
 def test_a_reduction_followed_by_write_only_stores_replaces_the_barrier(fn, elided):
-    """lk.while_loop's form of a carried reduction (codegen.ends_in_reduction): elided only when
+    """lk.while_loop's form of a carried reduction (codegen.reduction_barrier_at): elided only when
     every store after the reduction goes, from a fixed thread, to an array that no thread reads."""
     k = lk.megakernel(fn, swap=[("u", "v"), ("e", "en")])
     for scope in ("grid", "block"):

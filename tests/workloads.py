@@ -369,7 +369,7 @@ def reduce_every_step(t, u, v, tol):
 
 # The form lk.while_loop lowers a carried reduction to: the reduction assigned to a local, its
 # value stored by one iteration into a write-only swap pair, the verdict returned. Its barrier
-# replaces the one between steps (codegen.ends_in_reduction); each variant below breaks one
+# replaces the one between steps (codegen.reduction_barrier_at); each variant below breaks one
 # condition of that proof and keeps the barrier.
 def reduce_then_store(t, u, v, e, en, tol):
     n = u.shape[0]
