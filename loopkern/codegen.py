@@ -603,11 +603,12 @@ class _BodyWriter:
             if _is_one(st):
                 def take_tile(c, rn):
                     return [f"{rn(target)} = {cur}" + (f" + {c} * {_P}bnt" if c else "")]
-                if not self.unrolled(s, [target], depth, k, cur, f"{first} + {_P}btid", stop, take_tile,
-                                     stride=f"{_P}bnt", cells=lambda rn: (rn(target),)):
+                rest = self.unrolled(s, [target], depth, k, cur, f"{first} + {_P}btid", stop, take_tile,
+                                     stride=f"{_P}bnt", cells=lambda rn: (rn(target),))
+                if rest is None:
                     self.out.add(depth, f"{cur} = {first} + {_P}btid", s)
                 self.lower.tile_cell = (target,)
-                self.strided_loop(s, depth, f"{cur} < {stop}", [f"{target} = {cur}", f"{cur} += {_P}bnt"])
+                self.strided_loop(s, depth, f"{cur} < {stop}", [f"{target} = {cur}", f"{cur} += {_P}bnt"], rest)
                 self.lower.tile_cell = outer
                 return
             self.out.add(depth, f"{cur} = {first} + {_P}btid * {st_t}", s)
@@ -627,9 +628,10 @@ class _BodyWriter:
 
         def take(c, rn):
             return [f"{rn(target)} = {cur}" + (f" + {c} * {_P}nt" if c else "")]
-        if not self.unrolled(s, [target], depth, k, cur, start, hi_t, take):
+        rest = self.unrolled(s, [target], depth, k, cur, start, hi_t, take)
+        if rest is None:
             self.out.add(depth, f"{cur} = {start}", s)
-        self.strided_loop(s, depth, f"{cur} < {hi_t}", [f"{target} = {cur}", f"{cur} += {_P}nt"])
+        self.strided_loop(s, depth, f"{cur} < {hi_t}", [f"{target} = {cur}", f"{cur} += {_P}nt"], rest)
 
     def warp_split_loop(self, s, split, k, lo_t, hi_t, depth) -> int:
         """The warp-split form of a parallel loop (``loopkern/warpsplit.py``), taken at run
@@ -698,15 +700,16 @@ class _BodyWriter:
         self.out.add(depth, "else:", s)
         return depth + 1
 
-    def strided_loop(self, s, depth, test, head):
+    def strided_loop(self, s, depth, test, head, body=None):
         """A grid-stride loop as ``while``: ``for ... in range(a, b, stride)`` would make Numba
         divide (a 64-bit division, tens of instructions) to count the trips each time the loop
         starts. ``head`` binds the index and advances the counter before the body, so a
-        ``continue`` in the body still advances."""
+        ``continue`` in the body still advances. ``body``: statements to run instead of the
+        loop's own (the unrolled form's, see :meth:`unrolled`)."""
         self.out.add(depth, f"while {test}:", s)
         for line in head:
             self.out.add(depth + 1, line, s)
-        self.body(s.body, depth + 1)
+        self.body(s.body if body is None else body, depth + 1)
 
     def parallel_grid(self, s, args, depth):
         """This thread's share of an n-D index space, flattened and grid-strided.
@@ -800,10 +803,11 @@ class _BodyWriter:
         # a 2-D tile's accesses by the cell's row and column (_Lower._tile_flat)
         cells = (lambda rn: (rn(names[0]), rn(names[1]))) if self.tile and nd == 2 and not single else None
         outer = self.lower.tile_cell
-        if not self.unrolled(s, index_names, depth, k, cur, start, total, take, stride=nt, cells=cells):
+        rest = self.unrolled(s, index_names, depth, k, cur, start, total, take, stride=nt, cells=cells)
+        if rest is None:
             self.out.add(depth, f"{cur} = {start}", s)
         self.lower.tile_cell = cells(lambda n: n) if cells else outer
-        self.strided_loop(s, depth, f"{cur} < {total}", take(0, lambda n: n) + [f"{cur} += {nt}"])
+        self.strided_loop(s, depth, f"{cur} < {total}", take(0, lambda n: n) + [f"{cur} += {nt}"], rest)
         self.lower.tile_cell = outer
 
     def tile_rows(self, s, k, depth, names, los, ns, single):
@@ -834,10 +838,11 @@ class _BodyWriter:
         index_names = names + ([_src(s.target)] if single else [])
         cells = (lambda rn: (rn(names[0]), rn(names[1]))) if not single else None
         outer = self.lower.tile_cell
-        if not self.unrolled(s, index_names, d, k, cur, r0, ns[0], take, stride=rows, cells=cells):
+        rest = self.unrolled(s, index_names, d, k, cur, r0, ns[0], take, stride=rows, cells=cells)
+        if rest is None:
             self.out.add(d, f"{cur} = {r0}", s)
         self.lower.tile_cell = cells(lambda n: n) if cells else outer
-        self.strided_loop(s, d, f"{cur} < {ns[0]}", take(0, lambda n: n) + [f"{cur} += {rows}"])
+        self.strided_loop(s, d, f"{cur} < {ns[0]}", take(0, lambda n: n) + [f"{cur} += {rows}"], rest)
         self.lower.tile_cell = outer
 
     def unrolled(self, s, index_names, depth, k, cur, start, stop, take, stride: str = f"{_P}nt", cells=None):
@@ -847,32 +852,46 @@ class _BodyWriter:
         the loads of several iterations may be issued before their stores. The compiler cannot
         prove that itself (arrays may alias), so for straight-line bodies the loop is unrolled
         here with each statement interleaved across the copies and stores split from the
-        values they store: several loads in flight per thread instead of one. Returns whether
-        it emitted the loop (``cur`` then holds where the remainder loop starts). ``stride``:
+        values they store: several loads in flight per thread instead of one. Returns None
+        when it emitted nothing, else the statements for the remainder loop (the body in the
+        unrolled form, its temporaries renamed apart from other loops'), which starts where
+        ``cur`` then holds. ``stride``:
         the distance between a thread's indices (the grid's threads, or in tile mode the
         block's). ``cells``: given a renaming, the (row, column) index names of a 2-D tile's
         cell (``_Lower.tile_cell``).
         """
         if self.sites is not None:   # debug: keep each access where the user wrote it
-            return False
+            return None
         plan = _unroll_plan(list(s.body), index_names, self.outside_names(s))
         if plan is None:
-            return False
+            return None
         temps, split = plan
+        if HOIST_LOADS:
+            split, hoisted = _hoist_loads(split)
+            temps = temps | hoisted
         self.out.add(depth, f"{cur} = {start}", s)
-        self.out.add(depth, f"while {cur} + {UNROLL - 1} * {stride} < {stop}:", s)
-        for c in range(UNROLL):
-            for line in take(c, lambda n, c=c: _rename(n, c, k)):
-                self.out.add(depth + 1, line, s)
+        # UNROLL copies while that many iterations remain, then (TAIL_PAIR) two while two do:
+        # a thread with two or three iterations left (at most one such trip) issues the loads
+        # of two at once instead of one after the other, which at a few iterations per thread
+        # (a 256² Jacobi at 132 x 256 threads: two) is most of its loads' latency. Not in tile
+        # mode, whose threads take a tile's cells (tens each at the sizes it runs): there the
+        # two more copies would only lengthen the compile (by about 40% for a 1-D heat step)
+        groups = [(UNROLL, 0)] + ([(2, UNROLL)] if TAIL_PAIR and not self.tile else [])
         outer = self.lower.tile_cell
-        for stmt in split:
-            for c in range(UNROLL):
-                if cells is not None:
-                    self.lower.tile_cell = cells(lambda n, c=c: _rename(n, c, k))
-                self.stmt(_Renamer({n: _rename(n, c, k) for n in temps}).visit(copy.deepcopy(stmt)), depth + 1)
-        self.lower.tile_cell = outer
-        self.out.add(depth + 1, f"{cur} += {UNROLL} * {stride}", s)
-        return True
+        for width, first in groups:
+            self.out.add(depth, f"while {cur} + {width - 1} * {stride} < {stop}:", s)
+            for c in range(width):
+                for line in take(c, lambda n, c=c: _rename(n, first + c, k)):
+                    self.out.add(depth + 1, line, s)
+            for stmt in split:
+                for c in range(first, first + width):
+                    if cells is not None:
+                        self.lower.tile_cell = cells(lambda n, c=c: _rename(n, c, k))
+                    self.stmt(_Renamer({n: _rename(n, c, k) for n in temps}).visit(copy.deepcopy(stmt)), depth + 1)
+            self.lower.tile_cell = outer
+            self.out.add(depth + 1, f"{cur} += {width} * {stride}", s)
+        made = {n: _rename(n, "r", k) for n in temps - set(index_names) if n.startswith(_P)}
+        return [_Renamer(made).visit(copy.deepcopy(st)) for st in split]
 
     def outside_names(self, loop):
         """Names the function uses outside ``loop`` (those must keep their meaning after it).
@@ -892,6 +911,10 @@ class _BodyWriter:
 
 
 UNROLL = 4
+#: after the unrolled loop, a loop of two copies (see ``_BodyWriter.unrolled``)
+TAIL_PAIR = True
+#: loads that follow a store in an unrolled body are issued before it (``_hoist_loads``)
+HOIST_LOADS = True
 MEMO_LOOPS = 4      # n-D parallel loops per step whose index digits the kernel keeps (parallel_grid)
 
 
@@ -989,6 +1012,154 @@ def _unroll_plan(body, index_names, outside):
     for st in split:
         ast.fix_missing_locations(st)
     return temps, split
+
+
+def _stmt_target(st):
+    """The name or element a statement of an unroll plan's body assigns (None: a guarded store)."""
+    if isinstance(st, ast.Assign):
+        return st.targets[0]
+    return st.target if isinstance(st, ast.AugAssign) else None
+
+
+def _written_in(body) -> set:
+    """Names of what a straight-line body may write to memory through: arrays it stores into,
+    and every name passed to a call or whose method it calls (a helper or an ``lk.atomic``
+    may write it), plus the names it assigns (an array name rebound is another array)."""
+    out = set()
+    for st in body:
+        for node in ast.walk(st):
+            if isinstance(node, ast.Subscript) and isinstance(node.ctx, ast.Store) and isinstance(node.value, ast.Name):
+                out.add(node.value.id)
+            elif isinstance(node, ast.Call):
+                out |= {a.id for a in node.args if isinstance(a, ast.Name)}
+                out |= {kw.value.id for kw in node.keywords if isinstance(kw.value, ast.Name)}
+                f = node.func
+                while isinstance(f, ast.Attribute):
+                    f = f.value
+                if isinstance(f, ast.Name) and isinstance(node.func, ast.Attribute):
+                    out.add(f.id)
+            elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                out.add(node.id)
+    return out
+
+
+def _unconditional_loads(e, out):
+    """The element loads ``name[index]`` that evaluating ``e`` always performs, innermost first:
+    not those under a conditional expression's branches, after the first operand of ``and`` /
+    ``or`` or the first comparison of a chain, or inside a lambda or comprehension."""
+    if isinstance(e, ast.IfExp):
+        _unconditional_loads(e.test, out)
+        return out
+    if isinstance(e, ast.BoolOp):
+        _unconditional_loads(e.values[0], out)
+        return out
+    if isinstance(e, ast.Compare):
+        _unconditional_loads(e.left, out)
+        _unconditional_loads(e.comparators[0], out)
+        return out
+    if isinstance(e, (ast.Lambda, ast.GeneratorExp, ast.ListComp, ast.SetComp, ast.DictComp, ast.NamedExpr)):
+        return out
+    for child in ast.iter_child_nodes(e):
+        _unconditional_loads(child, out)
+    if isinstance(e, ast.Subscript) and isinstance(e.ctx, ast.Load) and isinstance(e.value, ast.Name):
+        out.append(e)
+    return out
+
+
+def _hoist_loads(split):
+    """Issue the loads of an unrolled body that follow a store before it.
+
+    A GPU thread keeps issuing loads while earlier ones are in flight, but not past a store the
+    compiler cannot tell apart from them (arrays may alias, as far as it knows): in a Jacobi
+    step (``v[i, j] = new``, then ``err = max(err, abs(new - u[i, j]))``) the load of ``u[i, j]``
+    waited for the neighbours' loads, the arithmetic and the store, a second trip to memory per
+    iteration. An element of an array that the body never writes (no store, no call taking
+    it) cannot change within the iteration, and no other iteration writes what this one reads
+    (iterations of a parallel loop are independent, and an array the step writes never shares
+    memory with another argument: the dispatcher refuses the call), so such a load that the
+    statement always evaluates reads the same value anywhere after its index's names are bound.
+    Each one that a store or call precedes moves into a temporary right after the last
+    statement binding a name its index reads (or to the top), only when that is before the
+    first store or call that precedes it; loads that no store precedes stay where they are.
+
+    Returns the new statements and the temporaries' names.
+    """
+    written = _written_in(split)
+    body, hoisted = list(split), set()
+    serial = 0
+    j = 0
+    while j < len(body):
+        st = body[j]
+        barrier = [i for i in range(j) if _writes_memory(body[i])]
+        if not barrier or _guarded_store(st):
+            j += 1
+            continue
+        exprs = [st.value] + ([st.targets[0].slice] if isinstance(_stmt_target(st), ast.Subscript) else [])
+        if isinstance(st, ast.AugAssign) and isinstance(st.target, ast.Subscript):
+            exprs.append(st.target.slice)
+        for e in exprs:
+            for load in _unconditional_loads(e, []):
+                if load.value.id in written or not _pure_index(load.slice):
+                    continue
+                reads = _loaded(load.slice)
+                at = max([i + 1 for i in range(j) if _binds(body[i], reads)], default=0)
+                if at > barrier[0]:
+                    continue
+                name = f"{_P}ld{serial}"
+                serial += 1
+                hoisted.add(name)
+                tmp = ast.copy_location(ast.Assign(targets=[ast.Name(id=name, ctx=ast.Store())],
+                                                   value=copy.deepcopy(load)), st)
+                ast.fix_missing_locations(tmp)
+                _replace_node(st, load, ast.copy_location(ast.Name(id=name, ctx=ast.Load()), load))
+                body.insert(at, tmp)
+                j += 1
+                barrier = [i + 1 if i >= at else i for i in barrier]
+        j += 1
+    return body, hoisted
+
+
+_PURE_CALLS = {"min", "max", "abs", "int", "float", "bool"}
+
+
+def _pure_index(e) -> bool:
+    """An index made of names, constants, arithmetic and conversions (``_lk_np.uint64(i - 1)``,
+    ``min``, ``abs``): no element load and no call that could touch memory."""
+    return not any(isinstance(n, ast.Subscript) or (isinstance(n, ast.Call) and not _pure_call(n))
+                   for n in ast.walk(e))
+
+
+def _pure_call(call) -> bool:
+    """A call of a builtin that only computes (``min``, ``abs``, ...) or a NumPy scalar type."""
+    f = call.func
+    return ((isinstance(f, ast.Name) and f.id in _PURE_CALLS)
+            or (isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id == f"{_P}np"))
+
+
+def _writes_memory(st) -> bool:
+    """A statement of an unroll plan's body that stores an element or calls something other
+    than arithmetic and conversions."""
+    return (_guarded_store(st) or isinstance(_stmt_target(st), ast.Subscript)
+            or any(isinstance(n, ast.Call) and not _pure_call(n) for n in ast.walk(st)))
+
+
+def _binds(st, names) -> bool:
+    t = _stmt_target(st)
+    return isinstance(t, ast.Name) and t.id in names
+
+
+def _replace_node(tree, old, new):
+    """Replace the node ``old`` (by identity) inside ``tree``."""
+    for parent in ast.walk(tree):
+        for field, value in ast.iter_fields(parent):
+            if value is old:
+                setattr(parent, field, new)
+                return
+            if isinstance(value, list):
+                for i, item in enumerate(value):
+                    if item is old:
+                        value[i] = new
+                        return
 
 
 def _guarded_store(st) -> bool:

@@ -204,6 +204,28 @@ def unroll_index_read_by_a_later_loop_header(t, u, v):
         v[0] = i
 
 
+def hoist_loads_past_stores(t, u, v, w):
+    n = u.shape[0]
+    for i in lk.range(n):
+        v[i] = u[i] * 2.0
+        x = v[i] + u[n - 1 - i]               # v[i]: the value just stored; u[n - 1 - i] moves up
+        y = u[i + 1] if i + 1 < n else 0.5    # read only where its test holds: stays under it
+        w[i] = x * y
+
+
+def test_loads_after_a_store_move_above_it_only_when_nothing_can_change_them():
+    """_hoist_loads: in the unrolled copies and the remainder, the load of u (never written)
+    after the store to v is issued before the store; v[i] (just written) and u[i + 1] (read
+    only under its condition) stay where they are."""
+    src = _step_source(hoist_loads_past_stores)
+    moved = [ln for ln in src.splitlines() if "__lk_ld" in ln.split("=")[0]]
+    # 4 + 2 unrolled copies and the remainder; each the load of u[n - 1 - i]
+    assert len(moved) == 7 and all(ln.split("=")[1].lstrip().startswith("u[n - 1 - ") for ln in moved)
+    body = src.split("while _lk_u1 + 3 * _lk_nt")[1].split("_lk_u1 += 4 * _lk_nt")[0].splitlines()
+    first_store = min(k for k, ln in enumerate(body) if ln.lstrip().startswith("v["))
+    assert max(k for k, ln in enumerate(body) if "__lk_ld" in ln.split("=")[0]) < first_store
+
+
 @pytest.mark.parametrize("fn,unrolled", [(unroll_ok, True), (unroll_carried_twice, False),
                                          (unroll_control_flow, True), (unroll_guarded_read, True),
                                          (unroll_if_else, False), (unroll_guarded_name, False),
@@ -260,8 +282,12 @@ UNROLL_BACKENDS = [pytest.param("cpu", None, id="cpu"), pytest.param("cuda", 32,
 
 
 @pytest.mark.parametrize("backend,threads", UNROLL_BACKENDS)
-def test_every_unrolling_case_computes_what_numpy_does(backend, threads, rng):
-    n = 4 * 32 * 2 + int(rng.integers(1, 32))
+@pytest.mark.parametrize("per_thread", [1, 2, 3, 8])
+def test_every_unrolling_case_computes_what_numpy_does(backend, threads, per_thread, rng):
+    """``per_thread``: about how many indices each of the 32 threads takes: 1 (the remainder
+    loop only), 2 and 3 (the two-copy loop, then the remainder or not), 8 or 9 (the unrolled
+    loop twice, then the remainder)."""
+    n = 32 * per_thread + int(rng.integers(1, 32))
     u = rng.random(n)
     nt = 1 if backend == "cpu" else threads
     shares = _shares(n, nt)
@@ -303,6 +329,11 @@ def test_every_unrolling_case_computes_what_numpy_does(backend, threads, rng):
     lk.megakernel(unroll_index_reused_by_a_later_loop)(u, v, **opts)
     sevens = np.arange(n) % 7 == 0
     np.testing.assert_array_equal(v, 2 * u + sevens)
+
+    v, w = np.zeros(n), np.zeros(n)
+    lk.megakernel(hoist_loads_past_stores)(u, v, w, **opts)
+    np.testing.assert_array_equal(v, 2 * u)
+    np.testing.assert_array_equal(w, (2 * u + u[::-1]) * np.append(u[1:], 0.5))
 
 
 
@@ -348,12 +379,17 @@ def test_own_element_accesses_only_where_every_index_is_proven_non_negative(bits
         if "  # line " in ln:
             lines.setdefault(int(ln.rsplit("# line ", 1)[1]) - first, []).append(ln)
     text = {no: "\n".join(ls) for no, ls in lines.items()}
-    assert f"_lk_rt.store{sfx}(v, _lk_np.uint64(i), _lk_rt.load{sfx}(u, _lk_np.uint64(i - 1)) + " \
-           f"_lk_rt.load{sfx}(u, _lk_np.uint64(i + 1)))" in text[3]
+    # (the remainder loop, unrolled form: each store's value in a temporary first)
+    assert f" = _lk_rt.load{sfx}(u, _lk_np.uint64(i - 1)) + _lk_rt.load{sfx}(u, _lk_np.uint64(i + 1))" in text[3]
+    assert f"_lk_rt.store{sfx}(v, _lk_np.uint64(i), _lk_u1_r__lk_v0)" in text[3]
     # v[i] += u[k]: the store and the load of v are loopkern's, the load of u[k] is Numba's
-    assert f"_lk_rt.store{sfx}(v, _lk_np.uint64(i), _lk_rt.load{sfx}(v, _lk_np.uint64(i)) + u[k])" in text[4]
+    # (issued before the first store, _hoist_loads)
+    assert f" = _lk_rt.load{sfx}(v, _lk_np.uint64(i)) + _lk_u1_r__lk_ld0" in text[4]
+    assert "_lk_u1_r__lk_ld0 = u[k]" in text[4]
+    assert f"_lk_rt.store{sfx}(v, _lk_np.uint64(i), _lk_u1_r__lk_v1)" in text[4]
     assert "w[i - 1] = " in text[7] and "_lk_rt.store" not in text[7]
-    assert f"_lk_rt.store{sfx}(m2, (_lk_np.uint64(i), _lk_np.uint64(j)), _lk_rt.load{sfx}(m2, " in text[9]
+    assert f"_lk_rt.store{sfx}(m2, (_lk_np.uint64(i), _lk_np.uint64(j)), " in text[9]
+    assert f" = _lk_rt.load{sfx}(m2, (_lk_np.uint64(i), _lk_np.uint64(j))) + " in text[9]
     # without index_bits (and in the golden sources) every access is Numba's
     plain = codegen.render_kernel(k.spec, "cuda", "grid", cache=False).text
     assert "_lk_rt.load" not in plain and "_lk_rt.store" not in plain

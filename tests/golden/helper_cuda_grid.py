@@ -36,10 +36,19 @@ def _lk_step(t, u, v, alpha, _lk_tid, _lk_nt, _lk_redf, _lk_redi, _lk_st, _lk_ba
         v[_lk_np.uint64(_lk_u1_2_i)] = _lk_u1_2__lk_v0  # line 160
         v[_lk_np.uint64(_lk_u1_3_i)] = _lk_u1_3__lk_v0  # line 160
         _lk_u1 += 4 * _lk_nt  # line 159
+    while _lk_u1 + 1 * _lk_nt < _lk_r1_hi:  # line 159
+        _lk_u1_4_i = _lk_u1  # line 159
+        _lk_u1_5_i = _lk_u1 + 1 * _lk_nt  # line 159
+        _lk_u1_4__lk_v0 = _lk_fn_damp(u[_lk_np.uint64(_lk_u1_4_i)] + alpha * _lk_fn_laplacian(u, _lk_u1_4_i, _lk_tid, _lk_nt), 0.5, _lk_tid, _lk_nt)  # line 160
+        _lk_u1_5__lk_v0 = _lk_fn_damp(u[_lk_np.uint64(_lk_u1_5_i)] + alpha * _lk_fn_laplacian(u, _lk_u1_5_i, _lk_tid, _lk_nt), 0.5, _lk_tid, _lk_nt)  # line 160
+        v[_lk_np.uint64(_lk_u1_4_i)] = _lk_u1_4__lk_v0  # line 160
+        v[_lk_np.uint64(_lk_u1_5_i)] = _lk_u1_5__lk_v0  # line 160
+        _lk_u1 += 2 * _lk_nt  # line 159
     while _lk_u1 < _lk_r1_hi:  # line 159
         i = _lk_u1  # line 159
         _lk_u1 += _lk_nt  # line 159
-        v[_lk_np.uint64(i)] = _lk_fn_damp(u[_lk_np.uint64(i)] + alpha * _lk_fn_laplacian(u, i, _lk_tid, _lk_nt), 0.5, _lk_tid, _lk_nt)  # line 160
+        _lk_u1_r__lk_v0 = _lk_fn_damp(u[_lk_np.uint64(i)] + alpha * _lk_fn_laplacian(u, i, _lk_tid, _lk_nt), 0.5, _lk_tid, _lk_nt)  # line 160
+        v[_lk_np.uint64(i)] = _lk_u1_r__lk_v0  # line 160
     _lk_r2_st = n - 1  # line 161
     _lk_u2 = 0 + _lk_tid * _lk_r2_st  # line 161
     while (_lk_u2 < n) if _lk_r2_st > 0 else (_lk_u2 > n if _lk_r2_st < 0 else False):  # line 161

@@ -65,6 +65,10 @@ def _lk_step(t, u, v, tol, _lk_tid, _lk_nt, _lk_redf, _lk_redi, _lk_st, _lk_bar,
             _lk_g1_c1 -= _lk_g1_n1  # line 32
             _lk_g1_c0 += 1  # line 32
         _lk_g1_c0 += _lk_g1_s0  # line 32
+        _lk_u1_0__lk_ld0 = u[_lk_np.uint64(_lk_u1_0_i), _lk_np.uint64(_lk_u1_0_j)]  # line 35
+        _lk_u1_1__lk_ld0 = u[_lk_np.uint64(_lk_u1_1_i), _lk_np.uint64(_lk_u1_1_j)]  # line 35
+        _lk_u1_2__lk_ld0 = u[_lk_np.uint64(_lk_u1_2_i), _lk_np.uint64(_lk_u1_2_j)]  # line 35
+        _lk_u1_3__lk_ld0 = u[_lk_np.uint64(_lk_u1_3_i), _lk_np.uint64(_lk_u1_3_j)]  # line 35
         _lk_u1_0_new = 0.25 * (u[_lk_np.uint64(_lk_u1_0_i - 1), _lk_np.uint64(_lk_u1_0_j)] + u[_lk_np.uint64(_lk_u1_0_i + 1), _lk_np.uint64(_lk_u1_0_j)] + u[_lk_np.uint64(_lk_u1_0_i), _lk_np.uint64(_lk_u1_0_j - 1)] + u[_lk_np.uint64(_lk_u1_0_i), _lk_np.uint64(_lk_u1_0_j + 1)])  # line 33
         _lk_u1_1_new = 0.25 * (u[_lk_np.uint64(_lk_u1_1_i - 1), _lk_np.uint64(_lk_u1_1_j)] + u[_lk_np.uint64(_lk_u1_1_i + 1), _lk_np.uint64(_lk_u1_1_j)] + u[_lk_np.uint64(_lk_u1_1_i), _lk_np.uint64(_lk_u1_1_j - 1)] + u[_lk_np.uint64(_lk_u1_1_i), _lk_np.uint64(_lk_u1_1_j + 1)])  # line 33
         _lk_u1_2_new = 0.25 * (u[_lk_np.uint64(_lk_u1_2_i - 1), _lk_np.uint64(_lk_u1_2_j)] + u[_lk_np.uint64(_lk_u1_2_i + 1), _lk_np.uint64(_lk_u1_2_j)] + u[_lk_np.uint64(_lk_u1_2_i), _lk_np.uint64(_lk_u1_2_j - 1)] + u[_lk_np.uint64(_lk_u1_2_i), _lk_np.uint64(_lk_u1_2_j + 1)])  # line 33
@@ -77,11 +81,37 @@ def _lk_step(t, u, v, tol, _lk_tid, _lk_nt, _lk_redf, _lk_redi, _lk_st, _lk_bar,
         v[_lk_np.uint64(_lk_u1_1_i), _lk_np.uint64(_lk_u1_1_j)] = _lk_u1_1__lk_v1  # line 34
         v[_lk_np.uint64(_lk_u1_2_i), _lk_np.uint64(_lk_u1_2_j)] = _lk_u1_2__lk_v1  # line 34
         v[_lk_np.uint64(_lk_u1_3_i), _lk_np.uint64(_lk_u1_3_j)] = _lk_u1_3__lk_v1  # line 34
-        err = max(err, abs(_lk_u1_0_new - u[_lk_np.uint64(_lk_u1_0_i), _lk_np.uint64(_lk_u1_0_j)]))  # line 35
-        err = max(err, abs(_lk_u1_1_new - u[_lk_np.uint64(_lk_u1_1_i), _lk_np.uint64(_lk_u1_1_j)]))  # line 35
-        err = max(err, abs(_lk_u1_2_new - u[_lk_np.uint64(_lk_u1_2_i), _lk_np.uint64(_lk_u1_2_j)]))  # line 35
-        err = max(err, abs(_lk_u1_3_new - u[_lk_np.uint64(_lk_u1_3_i), _lk_np.uint64(_lk_u1_3_j)]))  # line 35
+        err = max(err, abs(_lk_u1_0_new - _lk_u1_0__lk_ld0))  # line 35
+        err = max(err, abs(_lk_u1_1_new - _lk_u1_1__lk_ld0))  # line 35
+        err = max(err, abs(_lk_u1_2_new - _lk_u1_2__lk_ld0))  # line 35
+        err = max(err, abs(_lk_u1_3_new - _lk_u1_3__lk_ld0))  # line 35
         _lk_g1 += 4 * _lk_nt  # line 32
+    while _lk_g1 + 1 * _lk_nt < _lk_g1_total:  # line 32
+        _lk_u1_4_i = 1 + _lk_g1_c0  # line 32
+        _lk_u1_4_j = 1 + _lk_g1_c1  # line 32
+        _lk_g1_c1 += _lk_g1_s1  # line 32
+        if _lk_g1_c1 >= _lk_g1_n1:  # line 32
+            _lk_g1_c1 -= _lk_g1_n1  # line 32
+            _lk_g1_c0 += 1  # line 32
+        _lk_g1_c0 += _lk_g1_s0  # line 32
+        _lk_u1_5_i = 1 + _lk_g1_c0  # line 32
+        _lk_u1_5_j = 1 + _lk_g1_c1  # line 32
+        _lk_g1_c1 += _lk_g1_s1  # line 32
+        if _lk_g1_c1 >= _lk_g1_n1:  # line 32
+            _lk_g1_c1 -= _lk_g1_n1  # line 32
+            _lk_g1_c0 += 1  # line 32
+        _lk_g1_c0 += _lk_g1_s0  # line 32
+        _lk_u1_4__lk_ld0 = u[_lk_np.uint64(_lk_u1_4_i), _lk_np.uint64(_lk_u1_4_j)]  # line 35
+        _lk_u1_5__lk_ld0 = u[_lk_np.uint64(_lk_u1_5_i), _lk_np.uint64(_lk_u1_5_j)]  # line 35
+        _lk_u1_4_new = 0.25 * (u[_lk_np.uint64(_lk_u1_4_i - 1), _lk_np.uint64(_lk_u1_4_j)] + u[_lk_np.uint64(_lk_u1_4_i + 1), _lk_np.uint64(_lk_u1_4_j)] + u[_lk_np.uint64(_lk_u1_4_i), _lk_np.uint64(_lk_u1_4_j - 1)] + u[_lk_np.uint64(_lk_u1_4_i), _lk_np.uint64(_lk_u1_4_j + 1)])  # line 33
+        _lk_u1_5_new = 0.25 * (u[_lk_np.uint64(_lk_u1_5_i - 1), _lk_np.uint64(_lk_u1_5_j)] + u[_lk_np.uint64(_lk_u1_5_i + 1), _lk_np.uint64(_lk_u1_5_j)] + u[_lk_np.uint64(_lk_u1_5_i), _lk_np.uint64(_lk_u1_5_j - 1)] + u[_lk_np.uint64(_lk_u1_5_i), _lk_np.uint64(_lk_u1_5_j + 1)])  # line 33
+        _lk_u1_4__lk_v1 = _lk_u1_4_new  # line 34
+        _lk_u1_5__lk_v1 = _lk_u1_5_new  # line 34
+        v[_lk_np.uint64(_lk_u1_4_i), _lk_np.uint64(_lk_u1_4_j)] = _lk_u1_4__lk_v1  # line 34
+        v[_lk_np.uint64(_lk_u1_5_i), _lk_np.uint64(_lk_u1_5_j)] = _lk_u1_5__lk_v1  # line 34
+        err = max(err, abs(_lk_u1_4_new - _lk_u1_4__lk_ld0))  # line 35
+        err = max(err, abs(_lk_u1_5_new - _lk_u1_5__lk_ld0))  # line 35
+        _lk_g1 += 2 * _lk_nt  # line 32
     while _lk_g1 < _lk_g1_total:  # line 32
         i = 1 + _lk_g1_c0  # line 32
         j = 1 + _lk_g1_c1  # line 32
@@ -91,9 +121,11 @@ def _lk_step(t, u, v, tol, _lk_tid, _lk_nt, _lk_redf, _lk_redi, _lk_st, _lk_bar,
             _lk_g1_c0 += 1  # line 32
         _lk_g1_c0 += _lk_g1_s0  # line 32
         _lk_g1 += _lk_nt  # line 32
+        _lk_u1_r__lk_ld0 = u[_lk_np.uint64(i), _lk_np.uint64(j)]  # line 35
         new = 0.25 * (u[_lk_np.uint64(i - 1), _lk_np.uint64(j)] + u[_lk_np.uint64(i + 1), _lk_np.uint64(j)] + u[_lk_np.uint64(i), _lk_np.uint64(j - 1)] + u[_lk_np.uint64(i), _lk_np.uint64(j + 1)])  # line 33
-        v[_lk_np.uint64(i), _lk_np.uint64(j)] = new  # line 34
-        err = max(err, abs(new - u[_lk_np.uint64(i), _lk_np.uint64(j)]))  # line 35
+        _lk_u1_r__lk_v1 = new  # line 34
+        v[_lk_np.uint64(i), _lk_np.uint64(j)] = _lk_u1_r__lk_v1  # line 34
+        err = max(err, abs(new - _lk_u1_r__lk_ld0))  # line 35
     return bool(_lk_rt.grid_max(err, _lk_redf, _lk_redi, _lk_st, _lk_bar, _lk_shf, _lk_shi) > tol)  # line 36
 
 @cuda.jit(cache=True)
