@@ -1151,9 +1151,9 @@ def _binds(st, names) -> bool:
 def _replace_node(tree, old, new):
     """Replace the node ``old`` (by identity) inside ``tree``."""
     for parent in ast.walk(tree):
-        for field, value in ast.iter_fields(parent):
+        for attr, value in ast.iter_fields(parent):
             if value is old:
-                setattr(parent, field, new)
+                setattr(parent, attr, new)
                 return
             if isinstance(value, list):
                 for i, item in enumerate(value):
