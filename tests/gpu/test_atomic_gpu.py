@@ -80,3 +80,21 @@ def test_top_level_atomics_summed_per_block_on_the_gpu(scope, blocks, threads):
     assert count[1, 0] == want_count and count.sum() == want_count
     np.testing.assert_array_equal(slots, want_slots)
     np.testing.assert_array_equal(x, np.full(10_000, float(steps)))
+
+
+@pytest.mark.parametrize("scope,blocks,threads", [("grid", 7, 128), ("grid", 64, 256), ("grid", None, None),
+                                                  ("block", None, 1024), ("tile", None, None)])
+def test_an_atomic_update_after_the_last_reduction_lands_before_the_next_step(scope, blocks, threads):
+    """W.reduce_then_count: every thread adds 1 to a counter after the step's lk.max, and one
+    thread records the counter at the start of the next step. Without the barrier between steps
+    (before cf93aec the reduction's barrier was taken for the step's last one) the record runs
+    ahead of updates still in flight from other blocks."""
+    k = lk.megakernel(W.reduce_then_count, swap=[("u", "v")])
+    steps = 3000
+    u0 = np.linspace(0.0, 1.0, 5000) ** 2
+    u, v, cnt, seen = u0.copy(), u0.copy(), np.zeros(1, np.int64), np.zeros(steps, np.int64)
+    run = k(u, v, cnt, seen, max_steps=steps, backend="cuda", scope=scope, blocks=blocks, threads=threads)
+    nt = run.blocks * run.threads
+    assert run.steps == steps
+    np.testing.assert_array_equal(seen, np.arange(steps) * nt)
+    assert cnt[0] == steps * nt
