@@ -866,8 +866,11 @@ class _BodyWriter:
         if plan is None:
             return None
         temps, split = plan
-        if HOIST_LOADS:
-            split, hoisted = _hoist_loads(split)
+        # only in the step itself: the dispatcher's guarantee that a written array shares no
+        # memory with another argument is about the step's arguments; a helper may be passed
+        # one array for two of its parameters
+        if HOIST_LOADS and self.is_step:
+            split, hoisted = _hoist_loads(split, temps)
             temps = temps | hoisted
         self.out.add(depth, f"{cur} = {start}", s)
         # UNROLL copies while that many iterations remain, then (TAIL_PAIR) two while two do:
@@ -1066,7 +1069,7 @@ def _unconditional_loads(e, out):
     return out
 
 
-def _hoist_loads(split):
+def _hoist_loads(split, temps):
     """Issue the loads of an unrolled body that follow a store before it.
 
     A GPU thread keeps issuing loads while earlier ones are in flight, but not past a store the
@@ -1081,10 +1084,17 @@ def _hoist_loads(split):
     Each one that a store or call precedes moves into a temporary right after the last
     statement binding a name its index reads (or to the top), only when that is before the
     first store or call that precedes it; loads that no store precedes stay where they are.
+    An index that reads a name carried from one iteration to the next (``acc = f(acc,
+    a[acc])``), or one the statement itself or a later one assigns, keeps its load in place:
+    the copies of an unrolled loop run each statement in turn, so such a name has another
+    value at the top than where the load was (an adversarial trial's wrong answer).
 
-    Returns the new statements and the temporaries' names.
+    Only for the step's own body (see ``unrolled``). ``temps``: the names private to one
+    iteration (``_unroll_plan``). Returns the new statements and the temporaries' names.
     """
     written = _written_in(split)
+    assigned = {t.id for st in split for t in [_stmt_target(st)] if isinstance(t, ast.Name)}
+    carried = assigned - temps
     body, hoisted = list(split), set()
     serial = 0
     j = 0
@@ -1102,6 +1112,8 @@ def _hoist_loads(split):
                 if load.value.id in written or not _pure_index(load.slice):
                     continue
                 reads = _loaded(load.slice)
+                if reads & carried or any(_binds(later, reads) for later in body[j:]):
+                    continue
                 at = max([i + 1 for i in range(j) if _binds(body[i], reads)], default=0)
                 if at > barrier[0]:
                     continue

@@ -213,6 +213,32 @@ def hoist_loads_past_stores(t, u, v, w):
         w[i] = x * y
 
 
+def hoist_carried_index(t, idx, u, v, out):
+    # idx[acc] reads the name the statement updates: each copy of the unrolled loop has its
+    # own acc there, so the load stays in place (moved to the top, every copy read idx at the
+    # acc of before the first copy's update: found by an adversarial trial)
+    n = u.shape[0]
+    acc = 0
+    for i in lk.range(n):
+        v[i] = u[i] * 2.0
+        acc = (acc * 3 + 1 + idx[acc]) % n
+    out[lk.thread_id()] = acc
+
+
+def _bump_then_scale(a, b, c):
+    # called with one array for a and b: a helper's arguments may share memory (the dispatcher
+    # checks only the step's), so its loads after the store to b stay in place
+    for i in lk.range(a.shape[0]):
+        b[i] = a[i] + 1.0
+        x = a[i] * 10.0
+        c[i] = x
+    return 0.0
+
+
+def hoist_helper_aliased(t, u, w):
+    z = _bump_then_scale(u, u, w)
+
+
 def test_loads_after_a_store_move_above_it_only_when_nothing_can_change_them():
     """_hoist_loads: in the unrolled copies and the remainder, the load of u (never written)
     after the store to v is issued before the store; v[i] (just written) and u[i + 1] (read
@@ -224,6 +250,9 @@ def test_loads_after_a_store_move_above_it_only_when_nothing_can_change_them():
     body = src.split("while _lk_u1 + 3 * _lk_nt")[1].split("_lk_u1 += 4 * _lk_nt")[0].splitlines()
     first_store = min(k for k, ln in enumerate(body) if ln.lstrip().startswith("v["))
     assert max(k for k, ln in enumerate(body) if "__lk_ld" in ln.split("=")[0]) < first_store
+    # a carried index, and a helper's body: nothing moves
+    assert "__lk_ld" not in _step_source(hoist_carried_index)
+    assert "__lk_ld" not in lk.megakernel(hoist_helper_aliased).source("cuda")
 
 
 @pytest.mark.parametrize("fn,unrolled", [(unroll_ok, True), (unroll_carried_twice, False),
@@ -334,6 +363,23 @@ def test_every_unrolling_case_computes_what_numpy_does(backend, threads, per_thr
     lk.megakernel(hoist_loads_past_stores)(u, v, w, **opts)
     np.testing.assert_array_equal(v, 2 * u)
     np.testing.assert_array_equal(w, (2 * u + u[::-1]) * np.append(u[1:], 0.5))
+
+    idx = rng.integers(0, n, n)
+    v, out = np.zeros(n), np.zeros(nt, np.int64)
+    lk.megakernel(hoist_carried_index)(idx, u, v, out, **opts)
+    expect = np.zeros(nt, np.int64)
+    for k, share in enumerate(shares):       # each thread's acc over its own indices, in order
+        acc = 0
+        for _ in share:
+            acc = (acc * 3 + 1 + int(idx[acc])) % n
+        expect[k] = acc
+    np.testing.assert_array_equal(out, expect)
+    np.testing.assert_array_equal(v, 2 * u)
+
+    x, w = u.copy(), np.zeros(n)
+    lk.megakernel(hoist_helper_aliased)(x, w, **opts)
+    np.testing.assert_array_equal(x, u + 1.0)
+    np.testing.assert_array_equal(w, (u + 1.0) * 10.0)
 
 
 
