@@ -436,3 +436,40 @@ def test_shifts_by_any_count_follow_numpy(scope, blocks, rng):
     out = np.zeros((5, n), np.int64)
     lk.megakernel(W.constant_shifts_step)(a, out, steps=1, scope=scope, blocks=blocks)
     np.testing.assert_array_equal(out, W.constant_shifts_ref(a))
+
+
+@pytest.mark.parametrize("scope,blocks,threads", [("grid", 4, 64), ("grid", None, None), ("block", None, 256)])
+@pytest.mark.parametrize("per_thread", [1, 2, 3, 9])
+def test_unrolled_loops_with_loads_after_stores_follow_numpy(scope, blocks, threads, per_thread, rng):
+    """The unrolled loops' forms compiled for the GPU (codegen._hoist_loads, the two-copy loop):
+    a load moved above a store, a load indexed by a carried value and a helper called with one
+    array for two parameters (both left in place), at about 1, 2, 3 and 9 indices per thread,
+    against NumPy and a plain-Python run of each thread's share."""
+    import test_codegen as C
+    probe = lk.megakernel(C.hoist_loads_past_stores)
+    run = probe(np.zeros(64), np.zeros(64), np.zeros(64), steps=1, backend="cuda", scope=scope, blocks=blocks,
+                threads=threads)
+    nt = run.blocks * run.threads
+    n = nt * per_thread + int(rng.integers(1, 32))
+    u = rng.random(n)
+    v, w = np.zeros(n), np.zeros(n)
+    opts = dict(steps=1, backend="cuda", scope=scope, blocks=run.blocks, threads=run.threads)
+    probe(u, v, w, **opts)
+    np.testing.assert_array_equal(v, 2 * u)
+    np.testing.assert_array_equal(w, (2 * u + u[::-1]) * np.append(u[1:], 0.5))
+
+    idx = rng.integers(0, n, n)
+    v, out = np.zeros(n), np.zeros(nt, np.int64)
+    lk.megakernel(C.hoist_carried_index)(idx, u, v, out, **opts)
+    expect = np.zeros(nt, np.int64)
+    for k in range(nt):
+        acc = 0
+        for _ in range(k, n, nt):
+            acc = (acc * 3 + 1 + int(idx[acc])) % n
+        expect[k] = acc
+    np.testing.assert_array_equal(out, expect)
+
+    x, w = u.copy(), np.zeros(n)
+    lk.megakernel(C.hoist_helper_aliased)(x, w, **opts)
+    np.testing.assert_array_equal(x, u + 1.0)
+    np.testing.assert_array_equal(w, (u + 1.0) * 10.0)
