@@ -970,6 +970,11 @@ class _Normalizer(ast.NodeTransformer):
             if target is len and node.args and isinstance(node.args[0], ast.Name):
                 self._use_array(node.args[0])
             return node
+        if target is builtins.sum:
+            return self.reject(node, "sum() cannot be called in step code (it takes a sequence, and step code "
+                                     "works on one number at a time)",
+                               "accumulate in a loop ('s = 0.0', then 'for k in range(n): s += a[k]'); "
+                               "lk.sum(x) adds one value from every thread of a parallel step")
         if isinstance(target, types.BuiltinFunctionType) or isinstance(target, type):
             return self.reject(node, f"'{label}' ({self._describe(target)}) cannot be called in step code",
                                "allowed: arithmetic, math.*, abs/min/max/int/float/bool/len, NumPy casts, "

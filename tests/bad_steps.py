@@ -486,3 +486,7 @@ def parallel_index_read_after_its_loop(t, u):
         u[i] = 1.0
     lk.sync()
     u[0] = i  # ERR: is read after the parallel loop at line
+
+
+def sums_a_sequence(t, u):
+    u[0] = sum(u)  # ERR: sum() cannot be called in step code
