@@ -975,7 +975,7 @@ def _unroll_plan(body, index_names, outside):
             tgt = None      # (stores an element: binds no name)
             reads = _loaded(st.test) | _loaded(st.body[0].value) | _loaded(st.body[0].targets[0].slice)
         else:
-            tgt = st.targets[0] if isinstance(st, ast.Assign) else st.target
+            tgt = _stmt_target(st)
             reads = _loaded(st.value) | (_loaded(tgt.slice) | {tgt.value.id} if isinstance(tgt, ast.Subscript)
                                          else set())
             if isinstance(st, ast.AugAssign) and isinstance(tgt, ast.Name):
@@ -989,9 +989,7 @@ def _unroll_plan(body, index_names, outside):
             if tgt.id not in carried:
                 temps.add(tgt.id)
     for c in carried:
-        writes_in = {i for i, st in enumerate(body) if not _guarded_store(st)
-                     and isinstance(st.targets[0] if isinstance(st, ast.Assign) else st.target, ast.Name)
-                     and (st.targets[0] if isinstance(st, ast.Assign) else st.target).id == c}
+        writes_in = {i for i, st in enumerate(body) if _binds(st, {c})}
         if len(uses[c]) != 1 or uses[c] != writes_in:
             return None
     if temps & outside or temps & carried:
@@ -1001,7 +999,7 @@ def _unroll_plan(body, index_names, outside):
         if _guarded_store(st):
             split.append(st)
             continue
-        tgt = st.targets[0] if isinstance(st, ast.Assign) else st.target
+        tgt = _stmt_target(st)
         if isinstance(tgt, ast.Subscript):
             value = st.value if isinstance(st, ast.Assign) else ast.copy_location(
                 ast.BinOp(left=ast.Subscript(value=tgt.value, slice=tgt.slice, ctx=ast.Load()), op=st.op,
@@ -1100,14 +1098,14 @@ def _hoist_loads(split, temps):
     j = 0
     while j < len(body):
         st = body[j]
-        barrier = [i for i in range(j) if _writes_memory(body[i])]
-        if not barrier or _guarded_store(st):
+        # the first statement that stores or calls, before this one (split stores are plain
+        # assignments: an element's augmented store became a value and a store)
+        first_write = next((i for i in range(j) if _writes_memory(body[i])), None)
+        if first_write is None or _guarded_store(st):
             j += 1
             continue
-        exprs = [st.value] + ([st.targets[0].slice] if isinstance(_stmt_target(st), ast.Subscript) else [])
-        if isinstance(st, ast.AugAssign) and isinstance(st.target, ast.Subscript):
-            exprs.append(st.target.slice)
-        for e in exprs:
+        target = _stmt_target(st)
+        for e in [st.value] + ([target.slice] if isinstance(target, ast.Subscript) else []):
             for load in _unconditional_loads(e, []):
                 if load.value.id in written or not _pure_index(load.slice):
                     continue
@@ -1115,7 +1113,7 @@ def _hoist_loads(split, temps):
                 if reads & carried or any(_binds(later, reads) for later in body[j:]):
                     continue
                 at = max([i + 1 for i in range(j) if _binds(body[i], reads)], default=0)
-                if at > barrier[0]:
+                if at > first_write:
                     continue
                 name = f"{_P}ld{serial}"
                 serial += 1
@@ -1126,7 +1124,7 @@ def _hoist_loads(split, temps):
                 _replace_node(st, load, ast.copy_location(ast.Name(id=name, ctx=ast.Load()), load))
                 body.insert(at, tmp)
                 j += 1
-                barrier = [i + 1 if i >= at else i for i in barrier]
+                first_write += 1        # (at <= first_write: the store moved down one)
         j += 1
     return body, hoisted
 
