@@ -268,9 +268,10 @@ class RunHandle:
             if timeout is not None and now - start >= timeout:
                 raise TimeoutError(f"{self.name}: still running after {timeout} s "
                                    f"({self.steps_done} steps done); wait() again or cancel()")
-            # spin briefly (short runs return fast), then sleep a little longer each time
+            # spin briefly (short runs return fast), then sleep a little longer each time, but
+            # never more than SLEEP_FRACTION of the time waited (it bounds how late wait() returns)
             if now - start > 1e-3:
-                pause = min(max(pause * 1.5, 1e-4), 2e-3)
+                pause = min(max(pause * 1.5, 1e-4), 2e-3, SLEEP_FRACTION * (now - start))
                 time.sleep(pause if timeout is None else max(0.0, min(pause, timeout - (now - start))))
 
     def _tick(self, watchdog) -> float:
@@ -379,16 +380,22 @@ def note_cancelled(exc: BaseException, name: str, run: Run):
 
 
 # -- a blocking call on a GPU --------------------------------------------------------------------
-#: a blocking wait spins this long on the done flag (a short run returns without a sleep)...
-SPIN_S = 2e-3
-#: ...then sleeps, a little longer each time, up to this long between looks
+#: a blocking wait spins this long on the done flag: a run of a few ms returns within µs of its
+#: end (as CUDA's own blocking calls spin while the CPU has cores to spare)...
+SPIN_S = 1e-2
+#: ...then sleeps, a little longer each time, up to this long between looks...
 MAX_SLEEP_S = 5e-4
+#: ...and never longer than this fraction of the time waited so far: the call returns at most
+#: about this fraction (plus the OS's timer slack, ~50 µs on Linux) after the kernel ends. A
+#: geometric back-off alone after a 2 ms spin returned a 3 ms Jacobi run ~0.1-0.2 ms late.
+SLEEP_FRACTION = 0.02
 
 
 def wait_cuda(host, event, name: str, watchdog, interruptible=True):
     """Wait until the kernel behind ``host`` (a mapped control block) is done; returns nothing.
 
-    Spins on the done flag for SPIN_S, then sleeps up to MAX_SLEEP_S between looks and asks
+    Spins on the done flag for SPIN_S, then sleeps up to MAX_SLEEP_S between looks (at most
+    SLEEP_FRACTION of the time waited so far, which bounds how late the call returns) and asks
     every EventWaiter.QUERY_EVERY_S whether the kernel ended without marking itself done (it
     faulted): the launch's ``event``, or with ``event=None`` the legacy default stream it was
     launched on. The watchdog (``watchdog`` seconds without a new step) cancels the run, waits
@@ -422,7 +429,7 @@ def wait_cuda(host, event, name: str, watchdog, interruptible=True):
                     last_steps, last_change = steps, now
                 elif interruptible and watchdog is not None and steps >= 0 and now - last_change > watchdog:
                     _cuda_stalled(host, query, name, watchdog, int(steps), now - last_change)
-            pause = min(max(pause * 1.5, 2e-5), MAX_SLEEP_S)
+            pause = min(max(pause * 1.5, 2e-5), MAX_SLEEP_S, SLEEP_FRACTION * (now - begin))
             time.sleep(pause)
     if event is not None:
         r = d.event_synchronize(event)

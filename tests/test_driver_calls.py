@@ -121,6 +121,46 @@ def test_a_kernel_that_ended_without_its_flag_raises_launch_error(wait_with):
         wait_cuda(host, None, "step", watchdog=None)
 
 
+class _FakeClock:
+    """time.monotonic and time.sleep on a clock that moves 1 µs per look and by each sleep; the
+    kernel's done flag goes up when the clock passes ``finish``."""
+
+    def __init__(self, host, finish):
+        self.host, self.finish, self.now, self.sleeps = host, finish, 0.0, []
+
+    def _advance(self, dt):
+        self.now += dt
+        if self.now >= self.finish:
+            self.host[DONE] = 1
+
+    def monotonic(self):
+        self._advance(1e-6)
+        return self.now
+
+    def sleep(self, pause):
+        self.sleeps.append((self.now, pause))
+        self._advance(pause)
+
+
+@pytest.mark.parametrize("spans", [0.3, 1.45, 5.5, 125])
+def test_a_blocking_wait_returns_soon_after_the_kernel_ends(wait_with, monkeypatch, spans):
+    # the wait spins for SPIN_S, then sleeps at most SLEEP_FRACTION of the time waited between
+    # looks, so a run ending at any time is seen at most that fraction late (a geometric
+    # back-off alone saw a 3 ms run's flag ~0.1-0.2 ms after it went up)
+    from loopkern import runs
+    wait_with(600)                               # CUDA_ERROR_NOT_READY: still running
+    host = np.zeros(HOST_SIZE, np.int64)
+    finish = spans * runs.SPIN_S
+    clock = _FakeClock(host, finish)
+    monkeypatch.setattr(runs.time, "monotonic", clock.monotonic)
+    monkeypatch.setattr(runs.time, "sleep", clock.sleep)
+    runs.wait_cuda(host, None, "step", watchdog=None)
+    assert bool(clock.sleeps) == (spans > 1), "slept while spinning, or never slept after"
+    late = 0.02                                  # runs.SLEEP_FRACTION's promise, spelled out
+    assert all(pause <= late * now + 1e-9 for now, pause in clock.sleeps)
+    assert finish <= clock.now <= finish * (1 + late) + 1e-5
+
+
 class _FakeAttributeDriver:
     """cuKernelSetAttribute / cuFuncSetAttribute stand-ins returning the given codes."""
 
