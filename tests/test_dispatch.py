@@ -304,3 +304,32 @@ def test_the_same_arrays_with_bad_values_or_options_are_still_refused(rng):
     np.testing.assert_array_equal(a.copy_to_host(), W.counter_ref(a0, 3, 7))
     k(a, b, np.int64(5), steps=2, threads=32)             # another kind of number: another plan
     np.testing.assert_array_equal(a.copy_to_host(), W.counter_ref(W.counter_ref(a0, 3, 7), 2, 5))
+
+
+@pytest.mark.sim
+def test_max_steps_calls_take_the_warm_path_and_stop_where_numpy_does(monkeypatch, rng):
+    # max_steps= is as common as steps= (a step that returns a condition): repeated calls on the
+    # same arrays go straight to the remembered plan, and still stop at the condition or the count
+    from numba import cuda
+    k = lk.megakernel(W.jacobi_step, swap=[("u", "v")])
+    u0 = np.zeros((12, 12))
+    u0[0, :] = rng.random(12)
+    u, v = cuda.to_device(u0), cuda.to_device(u0)
+    first = k(u, v, 1e-3, max_steps=3, threads=32)         # the full path, remembered
+    keys = []
+    real_key = dispatch_mod.call_key
+    monkeypatch.setattr(dispatch_mod, "call_key", lambda values: keys.append(1) or real_key(values))
+    state = u.copy_to_host()
+    for tol, max_steps in ((1e-3, 5), (1e-3, 10_000), (0.0, 4)):
+        run = k(u, v, tol, max_steps=max_steps, threads=32)
+        ref, ref_steps = W.jacobi_ref(state, tol, max_steps)
+        assert run.steps == ref_steps
+        assert run.stopped == ("condition" if ref_steps < max_steps else "steps")
+        np.testing.assert_allclose(u.copy_to_host(), ref, rtol=1e-12, atol=1e-12)
+        state = ref
+    assert first.steps == 3 and keys == [], "a max_steps= call on the same arrays computed the signature"
+    for bad, match in ((dict(max_steps=-1), "max_steps=-1"), (dict(max_steps=2, steps=2), "either steps"),
+                       (dict(max_steps=2.0), "max_steps=2.0")):
+        with pytest.raises(lk.ArgumentError, match=match):
+            k(u, v, 1e-3, threads=32, **bad)
+    np.testing.assert_allclose(u.copy_to_host(), state, rtol=1e-12, atol=1e-12)

@@ -437,10 +437,14 @@ class Dispatcher:
              debug, watchdog, control) -> Run:
         """A blocking call (see ``MegaKernel.__call__``).
 
-        The common call (positional arguments, ``steps=``, no progress) with a signature seen
-        before goes straight to its plan; anything else takes :meth:`options` and :meth:`plan`.
+        The common call (positional arguments, ``steps=`` or ``max_steps=``, no progress) with a
+        signature seen before goes straight to its plan; anything else takes :meth:`options` and
+        :meth:`plan`.
         """
-        common = (progress is False and max_steps is None and type(steps) is int and 0 <= steps < 2 ** 63
+        # steps= and max_steps= both only bound the count (a step returning a condition may end
+        # sooner either way); exactly one of them is given in the common call
+        count = steps if max_steps is None else max_steps if steps is None else None
+        common = (progress is False and type(count) is int and 0 <= count < 2 ** 63
                   and type(start) is int and 0 <= start < _START_LIMIT and type(seed) is int
                   and 0 <= seed < _SEED_LIMIT and (watchdog is None or type(watchdog) is float and watchdog > 0)
                   and (timeout is None or type(timeout) is float and timeout > 0)
@@ -449,7 +453,7 @@ class Dispatcher:
             opts = (backend, scope, threads, blocks, debug, control)
             last = self._last
             if last is not None and last.match(opts, args) and (last.ctx == 0 or driver.current_context() == last.ctx):
-                return self._run(last.plan, args, last.ptrs, Options(steps, start, seed, timeout, watchdog))
+                return self._run(last.plan, args, last.ptrs, Options(count, start, seed, timeout, watchdog))
             try:
                 launch = self._launch_options[_options_key(opts)]
                 sig = call_key(args)
@@ -465,7 +469,7 @@ class Dispatcher:
                     ptrs = plan.check_values(args)
                     if ptrs is not None:
                         self._last = LastCall.remember(opts, ctx, args, plan, ptrs)
-                        return self._run(plan, args, ptrs, Options(steps, start, seed, timeout, watchdog))
+                        return self._run(plan, args, ptrs, Options(count, start, seed, timeout, watchdog))
         o = self.options(steps, max_steps, start, backend, scope, threads, blocks, seed, progress, timeout, debug,
                          watchdog, control)
         if o.progress is not False:
