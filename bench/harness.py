@@ -130,7 +130,12 @@ class Bench:
         Timed one variant after another, drift of the machine (the host's clock, the GPU's
         state) between variants showed up as differences of 10-20% between variants that ran
         the same kernel (bench/jax_path_probe.py, session 25); interleaved, each variant's
-        median comes from the same stretch of time as the others'."""
+        median comes from the same stretch of time as the others'. Each round starts one
+        variant later than the one before, so that no variant always holds the same place: in
+        each of the seven Jacobi 256² runs of sessions 26-39 the first variant of every round
+        (loopkern's ``auto``, which followed the per-step launch loop that ended the round
+        before) ran 0.07-0.3 µs/step slower than the second (``grid``: the same kernel on the
+        same grid)."""
         rows, timed = [], []
         for name, make in variants:
             row = dict(workload=case.workload, n=case.n, variant=name)
@@ -155,7 +160,8 @@ class Bench:
             except Exception as exc:   # one broken variant must not hide the others
                 row["error"] = f"{type(exc).__name__}: {exc}"[:400]
         for rnd in range(self.args.reps + 1):          # round 0 is the warm-up
-            for row, _, once, _, samples in timed:
+            shift = rnd % max(len(timed), 1)
+            for row, _, once, _, samples in timed[shift:] + timed[:shift]:
                 if "error" in row:
                     continue
                 try:
