@@ -34,34 +34,30 @@ k = jacobi_kernel()
 du, dv = cuda.to_device(u0), cuda.to_device(u0)
 
 
-def direct():
-    du.copy_to_device(u0)
-    dv.copy_to_device(u0)
-    cuda.synchronize()
-    t = time.perf_counter()
-    r = k(du, dv, tol, max_steps=steps)
-    dt = time.perf_counter() - t
-    return dt, du.copy_to_host(), (r.scope, r.blocks, r.threads)
+def direct_on(u, v):
+    """The direct call on the device arrays ``u`` and ``v``, reset to the problem first."""
+    def run():
+        u.copy_to_device(u0)
+        v.copy_to_device(u0)
+        cuda.synchronize()
+        t = time.perf_counter()
+        r = k(u, v, tol, max_steps=steps)
+        dt = time.perf_counter() - t
+        return dt, u.copy_to_host(), (r.scope, r.blocks, r.threads)
+    return run
 
 
 def direct_on_jax_buffers():
     # the direct call on memory XLA allocated (Numba views of two JAX arrays' buffers): if this
     # is as slow as kernel.jax, the memory is the cause; if as fast as direct, the launch path
     ju, jv = jnp.asarray(u0), jnp.asarray(u0)
+    if not hasattr(ju, "__cuda_array_interface__"):     # JAX on the CPU (a smoke test)
+        return None
     nu = cuda.from_cuda_array_interface(ju.__cuda_array_interface__, owner=ju)
     nv = cuda.from_cuda_array_interface(jv.__cuda_array_interface__, owner=jv)
     print(f"JAX buffers at {ju.__cuda_array_interface__['data'][0]:#x}, {jv.__cuda_array_interface__['data'][0]:#x}; "
           f"Numba's at {du.__cuda_array_interface__['data'][0]:#x}, {dv.__cuda_array_interface__['data'][0]:#x}")
-
-    def run():
-        nu.copy_to_device(u0)
-        nv.copy_to_device(u0)
-        cuda.synchronize()
-        t = time.perf_counter()
-        r = k(nu, nv, tol, max_steps=steps)
-        dt = time.perf_counter() - t
-        return dt, nu.copy_to_host(), (r.scope, r.blocks, r.threads)
-    return run
+    return direct_on(nu, nv)
 
 
 def through_jax(blocks):
@@ -78,8 +74,9 @@ def through_jax(blocks):
     return run
 
 
-variants = {"direct": direct, "direct on JAX's buffers": direct_on_jax_buffers(),
+variants = {"direct": direct_on(du, dv), "direct on JAX's buffers": direct_on_jax_buffers(),
             "kernel.jax auto": through_jax(None)}
+variants = {name: run for name, run in variants.items() if run is not None}
 for b in block_counts:
     variants[f"kernel.jax blocks={b}"] = through_jax(b)
 times = {name: [] for name in variants}
