@@ -376,6 +376,11 @@ def test_heat2d_and_jacobi_to_tolerance(rng):
     interior = re.match(r"((?: {8}.*\n)*)", step.split("for i8_0, i8_1 in lk.grid((1, 19), (1, 16)):\n")[1])[1]
     assert " if " not in interior and "c0n[i8_0, i8_1] = " in interior, step
     assert "while i8_v < 70:" in step, step
+    # the rim's loads of a thread's first rim cell are issued before the interior loop, its
+    # max taken after it (Lowering._prefetch_rim): the two loops' loads are in flight together
+    head, tail = step.split("for i8_0, i8_1 in lk.grid(")
+    rim_loads = re.findall(r"(l\d+) = c0\[", head)
+    assert rim_loads and all(f"abs(({n} - {n}))" in tail.split("while i8_v < 70:")[0] for n in rim_loads), step
     # its neighbour reads are in the interior loop (the loop's bounds keep them inside the
     # grid) or at a literal edge row or column: index_bounds proves each index non-negative,
     # so no read keeps Python's wraparound

@@ -596,3 +596,39 @@ def test_cond_on_a_carried_element_around_a_nested_while_loop(backend):
             while x.max() < 5.0:
                 x = x + 0.75
     np.testing.assert_allclose(got, x, rtol=1e-6)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("shape, threads", [((40, 30), 32), ((12, 9), 64)])
+def test_a_reduction_over_the_rim_with_its_loads_issued_early(backend, shape, threads, monkeypatch):
+    """A max and a sum over the whole new field, whose rim holds the old values (the largest
+    ones here; the sum counts every rim cell once): the rim's first cell per thread has its
+    loads before the interior loop and its reductions after (Lowering._prefetch_rim), later
+    rim cells run in the loop after it (136 rim cells on 32 threads; 38 on 64). Against a
+    float64 NumPy loop, and bit for bit the form without the early loads. Dropping the early
+    cells' reductions, or counting them twice, fails it."""
+    from loopkern.jaxloops import lower
+
+    def body(i, x):
+        new = x.at[1:-1, 1:-1].set(0.25 * (x[:-2, 1:-1] + x[2:, 1:-1] + x[1:-1, :-2] + x[1:-1, 2:]))
+        return new.at[0, 0].set(jnp.max(new) + 0.001 * jnp.sum(new))
+    rng = np.random.default_rng(sum(shape) + threads)
+    x0 = rng.random(shape).astype(np.float32)
+    x0[0, :] += 9.0 * rng.random(shape[1]).astype(np.float32)     # the rim holds the maxima
+    x0[1:, -1] += 9.0 * rng.random(shape[0] - 1).astype(np.float32)
+    steps = 5
+    scope = dict(scope="grid") if backend == "cuda" else {}
+    got, plan, _ = run_lowered(body, x0, steps, backend, threads=threads, split=True, **scope)
+    head, tail = plan.source.split(" in lk.grid(", 1)
+    assert "= c0[0, " in head and "while " in tail, plan.source
+    ref = x0.astype(np.float64)
+    for _ in range(steps):
+        new = ref.copy()
+        new[1:-1, 1:-1] = 0.25 * (ref[:-2, 1:-1] + ref[2:, 1:-1] + ref[1:-1, :-2] + ref[1:-1, 2:])
+        new[0, 0] = new.max() + 0.001 * new.sum()
+        ref = new
+    np.testing.assert_allclose(got, ref, rtol=1e-6, atol=1e-6)
+    monkeypatch.setattr(lower, "PREFETCH_RIM", False)
+    late, plan_late, _ = run_lowered(body, x0, steps, backend, threads=threads, split=True, **scope)
+    assert plan_late.source.split(" in lk.grid(", 1)[0].count("= c0[") == 0, plan_late.source
+    np.testing.assert_array_equal(got, late)
