@@ -271,7 +271,7 @@ class RunHandle:
             # spin briefly (short runs return fast), then sleep a little longer each time, but
             # never more than SLEEP_FRACTION of the time waited (it bounds how late wait() returns)
             if now - start > 1e-3:
-                pause = min(max(pause * 1.5, 1e-4), 2e-3, SLEEP_FRACTION * (now - start))
+                pause = _next_pause(pause, now - start, 1e-4, 2e-3)
                 time.sleep(pause if timeout is None else max(0.0, min(pause, timeout - (now - start))))
 
     def _tick(self, watchdog) -> float:
@@ -391,6 +391,12 @@ MAX_SLEEP_S = 5e-4
 SLEEP_FRACTION = 0.02
 
 
+def _next_pause(pause: float, waited: float, shortest: float, longest: float) -> float:
+    """A waiting loop's next sleep: 1.5x its last one, within [shortest, longest], and never
+    more than SLEEP_FRACTION of the time ``waited`` (which bounds how late the wait returns)."""
+    return min(max(pause * 1.5, shortest), longest, SLEEP_FRACTION * waited)
+
+
 def wait_cuda(host, event, name: str, watchdog, interruptible=True):
     """Wait until the kernel behind ``host`` (a mapped control block) is done; returns nothing.
 
@@ -429,7 +435,7 @@ def wait_cuda(host, event, name: str, watchdog, interruptible=True):
                     last_steps, last_change = steps, now
                 elif interruptible and watchdog is not None and steps >= 0 and now - last_change > watchdog:
                     _cuda_stalled(host, query, name, watchdog, int(steps), now - last_change)
-            pause = min(max(pause * 1.5, 2e-5), MAX_SLEEP_S, SLEEP_FRACTION * (now - begin))
+            pause = _next_pause(pause, now - begin, 2e-5, MAX_SLEEP_S)
             time.sleep(pause)
     if event is not None:
         r = d.event_synchronize(event)
