@@ -1661,7 +1661,7 @@ class Lowering:
         pieces = [(_parallel_for(L.names, tuple(inner)), body.lines or ["pass"])]
         v = f"{li}_v"
         names = tuple(f"{li}_r{d}" for d in range(nd))
-        branches, parts, first, stores = [], [], 0, 0
+        cells, first, stores = [], 0, 0     # per slab: the end of its run of rim cells, its decode, its work
         for box in slabs:
             count = math.prod(b - a for a, b in box)
             decode, q = [], f"{v} - {first}" if first else v
@@ -1676,10 +1676,9 @@ class Lowering:
             ix = tuple(const_ix(a) if b - a == 1 else Ix(names[d], 0, a, b - 1) for d, (a, b) in enumerate(box))
             slab = Block(L.stage, "        ", loop=L)
             stores += self.render_items(L, ix, slab)
-            branches.append((first + count, decode + (slab.lines or ["pass"])))
-            parts.append((decode, slab.lines))
+            cells.append((first + count, decode, slab.lines))
             first += count
-        rim = _chain(v, branches)
+        rim = _chain(v, [(end, decode + (lines or ["pass"])) for end, decode, lines in cells])
         if stores:
             # cells stored into: a parallel loop, whose stores the race check proves apart from
             # the interior's (a slab's index along its dimension is a constant outside it)
@@ -1690,7 +1689,7 @@ class Lowering:
             # (they are those with one interior cell less when the threads do not divide it)
             start = (f"{v} = lk.num_threads() - 1 - lk.thread_id()", None)
             stored = {it.target for it in L.items if it.kind == "store"}
-            early = self._prefetch_rim(v, branches, parts, stored) if PREFETCH_RIM else None
+            early = self._prefetch_rim(v, cells, stored) if PREFETCH_RIM else None
             if early is None:
                 pieces += [start, (f"while {v} < {first}:", rim + [f"{v} += lk.num_threads()"])]
             else:
@@ -1700,10 +1699,11 @@ class Lowering:
                            (f"while {v} < {first}:", rim + [f"{v} += lk.num_threads()"])]
         L.pieces = pieces
 
-    def _prefetch_rim(self, v: str, branches: list, parts: list, stored: set):
+    def _prefetch_rim(self, v: str, cells: list, stored: set):
         """A reads-only rim's first cell per thread with its loads issued before the interior
         loop: (default assignments, the loads' branch chain, the rest's branch chain), or None
-        when no load can move.
+        when no load can move. ``cells``: per slab, the end of its run of rim cells, the lines
+        decoding a cell's indices, and the cell's work.
 
         A thread that takes rim cells (the last ones, each with one interior cell or two) ran
         them after its interior cells: the rim's loads waited for the interior's to come back,
@@ -1722,17 +1722,13 @@ class Lowering:
         the same branch as the one that loaded it.
         """
         moved, early, late = {}, [], []
-        for (end, _), (decode, lines) in zip(branches, parts):
+        for end, decode, lines in cells:
             known = {ln.split(" = ", 1)[0] for ln in decode}
             pre, rest = list(decode), []
             for ln in lines:
-                name = ln.split(" = ", 1)[0] if " = " in ln and not ln[0].isspace() else None
-                node = None
-                if name in self.load_dtypes:
-                    node = ast.parse(ln).body[0]
-                if node is not None and isinstance(node, ast.Assign) and isinstance(node.value, ast.Subscript) \
-                        and isinstance(node.value.value, ast.Name) and node.value.value.id not in stored \
-                        and {n.id for n in ast.walk(node.value.slice) if isinstance(n, ast.Name)} <= known:
+                # (a nested line starts with spaces, so its name is no load's)
+                name = ln.split(" = ", 1)[0]
+                if name in self.load_dtypes and _loads_only_at(ln, known, stored):
                     pre.append(ln)
                     moved[name] = zero(self.load_dtypes[name])
                 else:
@@ -2012,6 +2008,15 @@ class PhasedLoop:
                                          + indent(second))
         copy = self._copy_back()
         return lines + loop + ([f"if {odd}:"] + indent(copy) if copy else [])
+
+
+def _loads_only_at(line: str, names: set, stored: set) -> bool:
+    """Whether ``line`` is ``x = array[index]`` for an array not in ``stored`` and an index
+    that reads no name outside ``names`` (only literals besides)."""
+    node = ast.parse(line).body[0]
+    return (isinstance(node, ast.Assign) and isinstance(node.value, ast.Subscript)
+            and isinstance(node.value.value, ast.Name) and node.value.value.id not in stored
+            and {n.id for n in ast.walk(node.value.slice) if isinstance(n, ast.Name)} <= names)
 
 
 def _chain(v: str, branches: list) -> list:
