@@ -2,7 +2,8 @@
 ``ncu --clock-control none python bench/ncu_heat.py N STEPS SCOPE [nopoll] [blocks=B] [threads=T] [bits=numba|64|32] [time=1]``
 (``N``: elements of 1-D heat, or ``ROWSxCOLS`` for 2-D heat, ``lifeSIDE`` for the bench's Game
 of Life on SIDE x SIDE int32 cells, ``jacobiSIDE`` for its Jacobi step on SIDE x SIDE float32
-cells with the tolerance -1, so that every step reduces its update and none stops the run)
+cells with the tolerance -1, so that every step reduces its update and none stops the run,
+``jaxjacobiSIDE`` for that step through kernel.jax inside jax.jit)
 (``bits``: force the element-access lowering, see ``codegen.render_kernel``'s ``index_bits``).
 
 Runs the bench's heat kernel once (compile) and once more (the profiled launch) on N float32
@@ -28,7 +29,19 @@ if "bits" in opts:
     forced = None if opts["bits"] == "numba" else int(opts["bits"])
     dispatcher.index_bits_for = lambda sizes, debug, staged: forced
 what = sys.argv[1]
-if what.startswith("life"):
+if what.startswith("jaxjacobi"):
+    # the same Jacobi step through kernel.jax inside jax.jit (the custom call's launch)
+    import jax
+    import jax.numpy as jnp
+
+    from bench.jacobi import jacobi_kernel, jacobi_problem
+    k = jacobi_kernel()
+    u0 = jacobi_problem(int(what[9:]), np.random.default_rng(0))
+    f = jax.jit(lambda u, v: k.jax(u, v, np.float32(-1.0), steps=steps, scope=scope, blocks=blocks,
+                                   threads=threads))
+    ju, jv = jnp.asarray(u0), jnp.asarray(u0)
+    call = lambda: jax.block_until_ready(f(ju, jv))  # noqa: E731
+elif what.startswith("life"):
     from bench.life import life_kernel
     side = int(what[4:])
     k = life_kernel()
@@ -51,7 +64,7 @@ elif "x" in what:
     k = heat2d_kernel()
 else:
     shape, k, alpha = (int(what),), bench.heat_kernel(), bench.ALPHA
-if not what.startswith(("life", "jacobi")):
+if not what.startswith(("life", "jacobi", "jaxjacobi")):
     u0 = np.random.default_rng(0).random(shape).astype(np.float32)
     u, v = bench.on_device(True, u0), bench.on_device(True, u0)
     call = lambda: k(u, v, alpha, steps=steps, backend="cuda", scope=scope, blocks=blocks,  # noqa: E731
@@ -68,5 +81,6 @@ if opts.get("time") == "1":
         t0 = time.perf_counter()
         call()
         times.append((time.perf_counter() - t0) / steps * 1e6)
-    print(f"n={sys.argv[1]} scope={scope} blocks={r.blocks} threads={r.threads} bits={opts.get('bits', 'auto')}: "
+    shown = f"blocks={getattr(r, 'blocks', blocks)} threads={getattr(r, 'threads', threads)}"
+    print(f"n={sys.argv[1]} scope={scope} {shown} bits={opts.get('bits', 'auto')}: "
           f"{statistics.median(times):.3f} us/step (median of 5 runs of {steps} steps)")
