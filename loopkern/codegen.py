@@ -1191,17 +1191,20 @@ def _render_function(fs: FunctionSpec, home: str, backend: str, scope: str, is_s
                      ctx_params: list[str], decorator: str, sites: _Sites | None = None,
                      float_type: str | None = None, index_bits: int | None = None,
                      tile_arrays: frozenset | None = None, shared_arrays: frozenset = frozenset(),
-                     stencil=None, before: dict | None = None, clip: tuple | None = None) -> _Lines:
+                     stencil=None, before: dict | None = None, clip: tuple | None = None,
+                     param_names: dict | None = None) -> _Lines:
     """The lines of a step or helper function. ``before``: {k: lines} puts ``lines`` (source
     text, indented for the top level) before the function's top-level statement ``k``.
     ``clip``: (tile mode) the names of the bounds a block's parallel loops are clipped to
-    (``_lk_tlo``, ``_lk_thi`` by default)."""
+    (``_lk_tlo``, ``_lk_thi`` by default). ``param_names``: {parameter: name} renames
+    parameters in the ``def`` line only (the body binds the old names itself, see
+    :func:`_scalar_reads_at_use`)."""
     out = _Lines(fs.filename, home)
     if sites is None:
         body = mark_nonneg_indices(fs.body, fs.params, fs.array_params, fs.params[0] if is_step else None)
     else:   # debug: the bounds checks see the index as written
         body = copy.deepcopy(list(fs.body))
-    params = list(fs.params) + ctx_params
+    params = [(param_names or {}).get(p, p) for p in fs.params] + ctx_params
     out.add(0, decorator)
     out.add(0, f"def {fs.symbol}({', '.join(params)}):", ast.Pass(lineno=fs.lineno, col_offset=0))
     w = _BodyWriter(out, backend, scope, is_step, body, fs.params[0] if fs.params else "t", sites, fs.name,
@@ -1215,6 +1218,38 @@ def _render_function(fs: FunctionSpec, home: str, backend: str, scope: str, is_s
         out.add(1, "return True")
     out.memo_slots = w.memo_slots
     return out
+
+
+def _scalar_reads_at_use(fs: FunctionSpec, names: list[str]) -> tuple[dict, dict]:
+    """Where a step reads the scalars it is passed by reference (``kernel.jax``'s 1-element
+    buffers): before each of its top-level statements that uses one, rather than once in the
+    kernel's prologue.
+
+    A value read in the prologue holds a register through the whole kernel, every step's
+    parallel loops included; the direct call's scalars are kernel parameters, which live in the
+    constant bank and hold none. That register cost loads in flight: with the Jacobi step's
+    tolerance (used only after its loop) and step count read up front, ptxas 13.0 gave the
+    kernel 80 registers instead of 96 and issued 14 of the interior loop's 20 loads after its
+    first sums, two more trips to memory per pass (H100, 2026-12-07: 23.6 against 17.4 µs per
+    step at 2048², bench-results/session40). Read before each statement that uses it, a
+    scalar's register lives through that statement only. The buffers are inputs the kernel
+    never writes, so every read gives the same value. A parameter the step assigns to keeps
+    the prologue's one read.
+
+    Returns:
+        ({statement index: lines that read the scalars it uses}, {parameter: the name the
+        step's ``def`` gives the buffer}).
+    """
+    tree = ast.Module(body=list(fs.body), type_ignores=[])
+    assigned = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and not isinstance(n.ctx, ast.Load)}
+    late = [n for n in names if n not in assigned]
+    reads = {}
+    for k, st in enumerate(fs.body):
+        used = {n.id for n in ast.walk(st) if isinstance(n, ast.Name)}
+        lines = [f"{_INDENT}{n} = {_P}ref_{n}[0]" for n in late if n in used]
+        if lines:
+            reads[k] = lines
+    return reads, {n: f"{_P}ref_{n}" for n in late}
 
 
 def _jit_options(backend: str, cache: bool, debug: bool = False) -> tuple[str, str]:
@@ -1382,13 +1417,18 @@ def render_kernel(spec: StepSpec, backend: str, scope: str = "grid", *, cache: b
             # the step publishes its edge cells before its last reduction (see _tile_lines)
             before[fused_at] = before.get(fused_at, []) + tile_parts[3]
             edge_params = [f"{_P}e{i}" for i in written]
-    step_lines = _render_function(spec.step, spec.filename, backend, sync, True, ctx_params + edge_params, "", sites,
-                                  float_type, index_bits, tile_names, staged_names, tile, before=before, clip=clip)
     if by_ref is not None and backend != "cuda":
         raise ValueError("by_ref kernels exist for the CUDA backend only")
     refs = sorted(by_ref or ())
+    reads, step_refs = _scalar_reads_at_use(spec.step, [spec.params[i].name for i in refs])
+    for k, lines in reads.items():
+        before[k] = lines + before.get(k, [])
+    step_lines = _render_function(spec.step, spec.filename, backend, sync, True, ctx_params + edge_params, "", sites,
+                                  float_type, index_bits, tile_names, staged_names, tile, before=before, clip=clip,
+                                  param_names=step_refs)
+    late = {i for i in refs if spec.params[i].name in step_refs}
     sig_params = [f"{k}_ref" if i in refs else k for i, k in enumerate(kparams)]
-    prologue = [f"{_INDENT}{kparams[i]} = {kparams[i]}_ref[0]" for i in refs]
+    prologue = [f"{_INDENT}{kparams[i]} = {kparams[i]}_ref[0]" for i in refs if i not in late]
     if by_ref is not None:
         # the seed arrives as two uint32 words (JAX without x64 has no uint64)
         prologue[:0] = [f"{_INDENT}{_P}nsteps = {_P}nsteps_ref[0]",
@@ -1401,7 +1441,8 @@ def render_kernel(spec: StepSpec, backend: str, scope: str = "grid", *, cache: b
     if staged and (backend != "cuda" or scope != "block"):
         raise ValueError("staging in shared memory exists for the CUDA block scope only")
     # the names the loop works on: the arguments, or their shared-memory copies
-    work = [f"{_P}w{i}" if i in staged or i in resident else k for i, k in enumerate(kparams)]
+    work = [f"{_P}w{i}" if i in staged or i in resident else f"{k}_ref" if i in late else k
+            for i, k in enumerate(kparams)]
     if staged:
         prologue += _staging_lines(staged, kparams)
     swap_lines = [f"{_INDENT * 2}{work[a]}, {work[b]} = {work[b]}, {work[a]}" for a, b in spec.swap]

@@ -51,6 +51,10 @@ CASES = [
     ("helper", W.helper_step, [("u", "v")], [np.zeros(8), np.zeros(8), 0.3], ("grid",)),
     ("random", R.draws, [], [0, 0, 7, np.zeros((2, 8)), np.zeros((2, 8, 2))], ("grid",)),
     ("logistic", W.logistic_step, [], [np.zeros(8), 2.9], ("thread",)),
+    # scalars used inside a loop, before it through a helper, and after its reduction only:
+    # kernel.jax's form reads each where it is used (codegen._scalar_reads_at_use)
+    ("scalars", W.scalars_step, [("u", "v")], [np.zeros(8, f32), np.zeros(8, f32), f32(0.2), f32(1e-3), 3,
+                                               f32(-1.0)], ("grid", "block")),
     # a warp-split loop (loopkern/warpsplit.py): its accumulators summed with shuffles
     ("warpsplit", WS.forces, [], [np.zeros((4, 2)), np.zeros((4, 2)), 1e-2], ("grid", "block")),
     # groups of warps exchange partial sums of every type: int64 and float32 accumulators

@@ -473,3 +473,32 @@ def test_own_element_accesses_compute_what_numpy_does(rng):
     assert k.dispatcher.kernels.variants and all(key[7] == 32 for key in k.dispatcher.kernels.variants)
     for got, want in zip(args, (u0, v, w, m0, m2)):
         np.testing.assert_allclose(got.copy_to_host(), want, rtol=1e-12)
+
+
+def test_kernel_jax_reads_each_scalar_where_the_step_uses_it():
+    # kernel.jax passes scalars as 1-element buffers (by_ref). Read once in the kernel's
+    # prologue, each held a register through every loop of every step (ptxas then gave the
+    # Jacobi kernel 80 registers, not 96, and issued most of its interior loads late); each is
+    # now read before the step's top-level statement that uses it. The buffers are inputs the
+    # kernel never writes, so the reads all give the value the prologue read
+    k = lk.megakernel(W.scalars_step, swap=[("u", "v")])
+    text = codegen.render_kernel(k.spec, "cuda", "grid", cache=False, by_ref=frozenset({2, 3, 4, 5})).text
+    step = text[text.index("def _lk_step("):text.index("@cuda.jit", text.index("def _lk_step("))]
+    kernel = text[text.index("def _lk_kernel("):]
+    lines = [ln.split("  #")[0].strip() for ln in step.splitlines()]
+    assert lines[0].startswith("def _lk_step(t, u, v, _lk_ref_a, _lk_ref_b, _lk_ref_k, _lk_ref_tol, ")
+    at = {name: lines.index(f"{name} = _lk_ref_{name}[0]") for name in "abk"}
+    assert lines.count("tol = _lk_ref_tol[0]") == 1
+    first_loop = next(i for i, ln in enumerate(lines) if ln.startswith("while "))
+    last_max = max(i for i, ln in enumerate(lines) if ln.startswith("err = max("))
+    ret = next(i for i, ln in enumerate(lines) if ln.startswith("return "))
+    # b and k before the helper's call that uses them, a just before the loop, tol after the
+    # loop's last use of err and before the return that compares with it
+    helper_call = next(i for i, ln in enumerate(lines) if "_lk_fn_bias(b, k + 1" in ln)
+    assert at["b"] < helper_call and at["k"] < helper_call < at["a"] < first_loop
+    assert last_max < lines.index("tol = _lk_ref_tol[0]") < ret
+    assert all(lines.count(f"{name} = _lk_ref_{name}[0]") == 1 for name in "abk")
+    # the kernel reads none of them up front and hands the step the buffers
+    assert "_lk_ref_" not in kernel and "_ref[0]" not in kernel.replace("_lk_nsteps_ref[0]", "").replace(
+        "_lk_t0_ref[0]", "").replace("_lk_seed_ref[0]", "").replace("_lk_seed_ref[1]", "")
+    assert "_lk_step(_lk_t0 + _lk_t, _lk_a0, _lk_a1, _lk_a2_ref, _lk_a3_ref, _lk_a4_ref, _lk_a5_ref, " in kernel

@@ -747,3 +747,35 @@ def constant_shifts_ref(a):
     left = [shifts_ref(a, np.full(a.size, k, np.int64))[0] for k in counts]
     right = [shifts_ref(a, np.full(a.size, k, np.int64))[1] for k in counts]
     return np.stack([left[0], right[1], left[2], right[3], left[4]])
+
+
+# ---------------------------------------------------------------- scalars used here and there
+def bias(b, k):
+    return b * k
+
+
+def scalars_step(t, u, v, a, b, k, tol):
+    # a scalar used inside a parallel loop (a), before it and through a helper (b, k), and only
+    # in the return, after the loop's reduction (tol): kernel.jax reads each where it is used
+    n = u.shape[0]
+    c = bias(b, k + 1)
+    err = 0.0
+    for i in lk.range(1, n - 1):
+        new = u[i] + a * (u[i - 1] - 2.0 * u[i] + u[i + 1]) + c
+        v[i] = new
+        err = max(err, abs(new - u[i]))
+    for i in lk.range(0, n, n - 1):
+        v[i] = u[i]
+    return lk.max(err) > tol
+
+
+def scalars_ref(u0, steps, a, b, k, tol):
+    """(the field, steps done) of ``scalars_step`` in float64."""
+    u = u0.astype(np.float64).copy()
+    for done in range(1, steps + 1):
+        new = u[1:-1] + a * (u[:-2] - 2 * u[1:-1] + u[2:]) + b * (k + 1)
+        err = np.abs(new - u[1:-1]).max()
+        u = np.concatenate([u[:1], new, u[-1:]])
+        if not err > tol:
+            return u, done
+    return u, steps

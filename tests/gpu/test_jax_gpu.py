@@ -84,6 +84,38 @@ def test_traced_scalar_and_steps_and_while_count(rng):
     assert rel_err(u, ref) < 1e-3
 
 
+SCALARS = lk.megakernel(W.scalars_step, swap=[("u", "v")])
+
+
+@pytest.mark.parametrize("n,scope", [(4096, "block"), (4096, "grid"), (1 << 16, "grid"), (1 << 16, None)])
+def test_scalars_read_where_the_step_uses_them(n, scope, rng):
+    # kernel.jax reads each scalar buffer before the step's statement that uses it: inside a
+    # loop (a), through a helper (b, k) and after the loop's reduction only (tol), traced or not
+    u0 = rng.random(n).astype(np.float32)
+    a, b, k = 0.2, 1e-4, 3
+    f = jax.jit(lambda u, a, b, k, tol, s: SCALARS.jax(u, u, a, b, k, tol, max_steps=s, scope=scope))
+    # tol -1 never stops the run: every step's field against float64
+    u, _, done = f(jnp.asarray(u0), jnp.float32(a), jnp.float32(b), jnp.int32(k), jnp.float32(-1.0), 57)
+    ref, ref_done = W.scalars_ref(u0, 57, a, b, k, -1.0)
+    assert int(done) == ref_done == 57
+    assert rel_err(u, ref) < 1e-5
+    # a tolerance between the first step's change and the second's stops it after two steps
+    # (the first step's change is about 0.2 * |laplacian|, which decays as the field smooths)
+    ref1, _ = W.scalars_ref(u0, 1, a, b, k, -1.0)
+    ref2, _ = W.scalars_ref(u0, 2, a, b, k, -1.0)
+    change1 = np.abs(ref1 - u0).max()
+    change2 = np.abs(ref2 - ref1).max()
+    assert change2 < 0.9 * change1
+    tol = 0.5 * (change1 + change2)
+    u, _, done = f(jnp.asarray(u0), jnp.float32(a), jnp.float32(b), jnp.int32(k), jnp.float32(tol), 57)
+    assert int(done) == W.scalars_ref(u0, 57, a, b, k, tol)[1] == 2
+    assert rel_err(u, ref2) < 1e-5
+    # the same scalars as Python numbers (concrete, not traced)
+    u, _, done = jax.jit(lambda u: SCALARS.jax(u, u, np.float32(a), np.float32(b), k, np.float32(-1.0),
+                                               max_steps=57, scope=scope))(jnp.asarray(u0))
+    assert int(done) == 57 and rel_err(u, ref) < 1e-5
+
+
 def test_concrete_zero_d_gpu_arrays_are_scalars(rng):
     # a 0-d JAX array on the GPU has a CUDA array interface: it is still a number (eagerly, and
     # as the reverse sweep passes scalars to its segment runs)
