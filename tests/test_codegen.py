@@ -502,3 +502,34 @@ def test_kernel_jax_reads_each_scalar_where_the_step_uses_it():
     assert "_lk_ref_" not in kernel and "_ref[0]" not in kernel.replace("_lk_nsteps_ref[0]", "").replace(
         "_lk_t0_ref[0]", "").replace("_lk_seed_ref[0]", "").replace("_lk_seed_ref[1]", "")
     assert "_lk_step(_lk_t0 + _lk_t, _lk_a0, _lk_a1, _lk_a2_ref, _lk_a3_ref, _lk_a4_ref, _lk_a5_ref, " in kernel
+
+
+@pytest.mark.sim
+@pytest.mark.parametrize("scope,staged", [("grid", ()), ("block", ()), ("block", (0, 1))])
+def test_kernel_jax_form_with_scalars_read_at_use_follows_numpy(scope, staged, rng):
+    # kernel.jax's form of the kernel (step count, start, seed and scalars as 1-element buffers,
+    # laid out as the FFI shim passes them) run by Numba's CUDA simulator, one block, against
+    # float64 NumPy: a scalar inside a loop, through a helper and after a reduction only
+    from loopkern.compile import compile_kernel
+    from loopkern.runtime.layout import HOST_SIZE, STEPS, WHY
+    k = lk.megakernel(W.scalars_step, swap=[("u", "v")])
+    src = codegen.render_kernel(k.spec, "cuda", scope, cache=False, by_ref=frozenset({2, 3, 4, 5}),
+                                staged=staged)
+    kernel = compile_kernel(src).dispatcher
+    n, a, b, kk = 301, 0.2, 1e-4, 3
+    u0 = rng.random(n).astype(np.float32)
+    r1, _ = W.scalars_ref(u0, 1, a, b, kk, -1.0)
+    r2, _ = W.scalars_ref(u0, 2, a, b, kk, -1.0)
+    between = 0.5 * (np.abs(r1 - u0).max() + np.abs(r2 - r1).max())
+    for steps, tol in ((9, -1.0), (9, between)):
+        u, v = u0.copy(), u0.copy()
+        host = np.zeros(HOST_SIZE, np.int64)
+        args = [np.array([steps], np.int32), np.array([0], np.int32), u, v, np.array([a], np.float32),
+                np.array([b], np.float32), np.array([kk], np.int32), np.array([tol], np.float32),
+                np.zeros((2, 1)), np.zeros((2, 1), np.int64), np.zeros(2, np.uint32),
+                np.array([5, 0, 4], np.uint32), np.zeros(2, np.int64), host]
+        kernel[1, 64, 0, 4 * 2 * n if staged else 0](*args)
+        ref, done = W.scalars_ref(u0, steps, a, b, kk, tol)
+        assert host[STEPS] == done and done == (steps if tol < 0 else 2)
+        assert host[WHY] == (0 if tol < 0 else 1)
+        np.testing.assert_allclose(u, ref, rtol=2e-6, atol=2e-6)
