@@ -3,8 +3,11 @@ and compiled to PTX by Numba for a stand-in sm_90 device, assembled by ``ptxas``
 disassembled by ``cuobjdump``; each backward branch is reported with the instructions of the
 loop it closes (and how many of them are shared/global loads and stores).
 
-    python bench/sass_loops.py heat2d|jacobi|life|heat tile|grid [depth]
-    python bench/sass_loops.py jacobi|jacobi_lowered block|grid
+    python bench/sass_loops.py heat2d|jacobi|life|heat tile|grid [depth] [bounds=THREADS/BLOCKS]
+    python bench/sass_loops.py jacobi|jacobi_lowered block|grid [bounds=THREADS/BLOCKS]
+
+``bounds=256/2`` assembles the kernel with launch bounds (``.maxntid 256``, ``.minnctapersm
+2``), as ``cuda.jit(launch_bounds=...)`` would compile it.
 
 ``jacobi_lowered`` is the Jacobi body of bench.py's jaxloops workload as ``lk.while_loop``
 lowers it, in kernel.jax's form (step count, start and scalars by reference); ``block`` is
@@ -195,12 +198,27 @@ def loops(lines: list[str]) -> list[str]:
     return found
 
 
+def with_launch_bounds(ptx: str, threads: int, min_blocks: int) -> str:
+    """``ptx`` with ``.maxntid threads`` and ``.minnctapersm min_blocks`` on its kernel (what
+    ``cuda.jit(launch_bounds=(threads, min_blocks))`` writes): ptxas then knows how many
+    registers each thread may have."""
+    out, n = re.subn(r"^(\.visible \.entry [^(]*\((?:[^)]*)\n\))", rf"\1\n.maxntid {threads}, 1, 1\n.minnctapersm {min_blocks}",
+                     ptx, count=1, flags=re.M)
+    if n != 1:
+        raise SystemExit("no kernel entry found in the PTX")
+    return out
+
+
 def main():
     which, mode = sys.argv[1], sys.argv[2]
-    depth = int(sys.argv[3]) if len(sys.argv) > 3 else 1
+    depth = int(sys.argv[3]) if len(sys.argv) > 3 and sys.argv[3].isdigit() else 1
+    bounds = next((a.split("=", 1)[1] for a in sys.argv[3:] if a.startswith("bounds=")), None)
     _, ptx = kernel_ptx(which, mode, depth)
+    if bounds:
+        threads, min_blocks = (int(x) for x in bounds.split("/"))
+        ptx = with_launch_bounds(ptx, threads, min_blocks)
     lines = sass(ptx)
-    print(f"{which} {mode} depth={depth}: {len(lines)} SASS instructions in all")
+    print(f"{which} {mode} depth={depth}{f' bounds={bounds}' if bounds else ''}: {len(lines)} SASS instructions in all")
     for ln in loops(lines):
         print(" ", ln)
 
