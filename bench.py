@@ -58,6 +58,20 @@ def workload_list(text):
     return ",".join(dict.fromkeys(names))
 
 
+def launch_bounds(text: str):
+    """``THREADS/BLOCKS`` as (threads, blocks per SM), or None for an empty string."""
+    if not text:
+        return None
+    try:
+        threads, blocks = (int(x) for x in text.split("/"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--launch-bounds wants THREADS/BLOCKS, e.g. 256/2; got {text!r}") from None
+    if not (32 <= threads <= 1024 and threads % 32 == 0 and blocks >= 1):
+        raise argparse.ArgumentTypeError(f"--launch-bounds: threads a multiple of 32 up to 1024 and blocks >= 1; "
+                                         f"got {text!r}")
+    return threads, blocks
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="small sizes on the CPU backend (CI smoke test)")
@@ -71,6 +85,8 @@ def main(argv=None):
     p.add_argument("--no-cmdbuf", action="store_true", help="leave out the command-buffer subprocess")
     p.add_argument("--jax-only", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--json", default="", help=argparse.SUPPRESS)
+    p.add_argument("--launch-bounds", default="", type=launch_bounds, metavar="THREADS/BLOCKS",
+                   help="an experiment: compile grid-scope kernels with these launch bounds (e.g. 256/2)")
     p.add_argument("--merge", nargs="+", default=[], metavar="JSON",
                    help="write one table from the JSON files of several runs (same device and date)")
     args = p.parse_args(argv)
@@ -81,6 +97,9 @@ def main(argv=None):
         md = write_outputs(results, meta, Path(args.out))
         print(md.read_text())
         return report_wrong_results(results)
+    if args.launch_bounds:
+        from loopkern.dispatch import kernels
+        kernels.LAUNCH_BOUNDS = args.launch_bounds
     gpu = gpu_available() and not args.quick
     b = Bench(args, gpu)
     meta = dict(device=device_name(gpu), date=_dt.date.today().isoformat(), reps=args.reps,

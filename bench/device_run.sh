@@ -3,6 +3,7 @@
 # each part's JSON and log under $OUT (merge them here with `python bench.py --merge ...`).
 #   sh bench/device_run.sh [tests|tests-a|tests-b] [ncu:N:SCOPE] [PART:WORKLOADS[:FLAG+FLAG...] ...]
 # e.g.  sh bench/device_run.sh tests heat:heat,control:--sweep+--no-cmdbuf quad:quadratic
+#       sh bench/device_run.sh h2:heat2d:--no-cmdbuf h2lb:heat2d:--no-cmdbuf+--launch-bounds+256/2  (an A/B)
 # .whl/ (not in git; carried along) holds wheels the machine's Python lacks (see DEVICE.md).
 # The GPU tests run with LOOPKERN_REQUIRE_GPU=1 (a skipped GPU test fails: this machine has a GPU);
 # bench.py exits 1 when a variant fails its check. The script's exit status is 1 if any part failed.

@@ -1272,7 +1272,7 @@ def render_kernel(spec: StepSpec, backend: str, scope: str = "grid", *, cache: b
                   fingerprint: str = "", by_ref: frozenset | None = None, debug: bool = False,
                   staged: tuple = (), control: bool = True, float_type: str | None = None,
                   index_bits: int | None = None, tile=None, cluster: bool = False,
-                  depth: int = 1, tiles: int = 0) -> KernelSource:
+                  depth: int = 1, tiles: int = 0, launch_bounds: tuple | None = None) -> KernelSource:
     """Render the kernel module for ``spec``.
 
     Args:
@@ -1331,6 +1331,14 @@ def render_kernel(spec: StepSpec, backend: str, scope: str = "grid", *, cache: b
             capability 9.0+, ``scope="cluster"``): every barrier, the ones inside grid
             reductions and ``lk.sync()`` included, is the cluster's hardware barrier
             (``cuda_rt.cluster_sync``) instead of the grid barrier.
+        launch_bounds: (CUDA grid scope, not tile mode or debug) (threads per block, blocks
+            per SM) for ``cuda.jit``'s ``launch_bounds``: the kernel then runs at most that
+            many threads per block, and ptxas gives each thread up to 65536 / (threads *
+            blocks) registers. An experiment (``dispatch.kernels.LAUNCH_BOUNDS``, bench.py
+            ``--launch-bounds``): without bounds ptxas 13.0 leaves the 2-D heat kernel at 72
+            registers with its interior loop's 20 loads in four waits, and with (256, 2) at 94
+            with all 20 issued first (``bench/sass_loops.py ... bounds=256/2``); whether that
+            pays against fewer resident blocks is for the GPU to say.
 
     Returns:
         The :class:`KernelSource`.
@@ -1347,6 +1355,12 @@ def render_kernel(spec: StepSpec, backend: str, scope: str = "grid", *, cache: b
         raise ValueError(f"scope='thread' runs one thread without barriers; step '{spec.name}' uses "
                          f"parallel loops, lk.thread_id/num_threads, lk.sync or reductions")
     dev_opts, ker_opts = _jit_options(backend, cache, debug)
+    if launch_bounds is not None:
+        if (backend != "cuda" or scope != "grid" or tile is not None or debug or len(launch_bounds) != 2
+                or not all(isinstance(x, int) and x > 0 for x in launch_bounds) or launch_bounds[0] > 1024):
+            raise ValueError(f"launch_bounds is (threads <= 1024, blocks per SM) for CUDA grid-scope kernels "
+                             f"without tile mode or debug; got {launch_bounds!r} for {backend} {scope}")
+        ker_opts = ", ".join(o for o in (ker_opts, f"launch_bounds={tuple(launch_bounds)!r}") if o)
     dbg_ctx = list(_DEBUG_CTX) if debug else []
     ctx_params = [f"{_P}tid", f"{_P}nt"] + ([f"{_P}redf", f"{_P}redi", f"{_P}st", f"{_P}bar", f"{_P}shf", f"{_P}shi"]
                                           if backend == "cuda"

@@ -311,3 +311,23 @@ if jax is not None:
         except Exception as exc:
             rec.update(ok=False, error=f"{type(exc).__name__}: {exc}"[:2000])
         print(json.dumps(rec), flush=True)
+
+# launch bounds (dispatch.kernels.LAUNCH_BOUNDS, an experiment): the option the rendered
+# decorator gives Numba's dispatcher, and the PTX directives it compiles to
+k = lk.megakernel(W.heat_step, swap=[("u", "v")])
+args = [np.zeros(8, f32), np.zeros(8, f32), f32(0.25)]
+rec = dict(kernel="heat_bounds", scope="grid", by_ref=False, debug=False, staged=False, atomics=False,
+           index_bits=None)
+try:
+    src = codegen.render_kernel(k.spec, "cuda", "grid", cache=False, launch_bounds=(256, 2))
+    dispatcher = compile_kernel(src).dispatcher
+    bounds = dispatcher.targetoptions.get("launch_bounds")
+    sig = (types.int64, types.int64, *[typeof(a) for a in args[:2]], scalar_type(args[2]), *SCRATCH, types.uint64,
+           types.int64[::1], types.int64[::1])
+    ptx, _ = cuda.compile_ptx(dispatcher.py_func, sig, cc=(9, 0), launch_bounds=bounds)
+    rec.update(ok=True, lto=dispatcher.targetoptions.get("lto"), launch_bounds=list(bounds) if bounds else None,
+               maxntid=re.findall(r"\.maxntid\s+(\d+)", ptx), minnctapersm=re.findall(r"\.minnctapersm\s+(\d+)", ptx),
+               **measure(ptx))
+except Exception as exc:
+    rec.update(ok=False, error=f"{type(exc).__name__}: {exc}"[:2000])
+print(json.dumps(rec), flush=True)

@@ -14,6 +14,7 @@ import pytest
 import loopkern as lk
 import workloads as W
 from loopkern import codegen
+from loopkern.stencil import find_stencil
 
 GOLDEN = Path(__file__).parent / "golden"
 WORKLOADS_FILE = inspect.getsourcefile(W)
@@ -102,7 +103,7 @@ def test_disk_cache_is_reused_by_a_new_process(tmp_path, rng):
         k = lk.megakernel(W.heat_step, swap=[("u", "v")])
         u0 = np.random.default_rng({seed}).random(64); u = u0.copy(); v = u.copy()
         k(u, v, 0.25, steps=3, backend="cpu")
-        d = k.dispatcher.kernels.variants[("cpu", "grid", None, False, (), True, None, None, None, False, 1, 0)].dispatcher
+        d = k.dispatcher.kernels.variants[("cpu", "grid", None, False, (), True, None, None, None, False, 1, 0, None)].dispatcher
         print(sum(d.stats.cache_hits.values()), sum(d.stats.cache_misses.values()),
               float(np.abs(u - W.heat_ref(u0, 3, 0.25)).max()))
     """)
@@ -533,3 +534,33 @@ def test_kernel_jax_form_with_scalars_read_at_use_follows_numpy(scope, staged, r
         assert host[STEPS] == done and done == (steps if tol < 0 else 2)
         assert host[WHY] == (0 if tol < 0 else 1)
         np.testing.assert_allclose(u, ref, rtol=2e-6, atol=2e-6)
+
+
+def test_launch_bounds_are_a_grid_kernels_decorator_option():
+    # an experiment (dispatch.kernels.LAUNCH_BOUNDS, bench.py --launch-bounds): the bounds go
+    # to cuda.jit as they are; tests/test_ptx.py shows Numba compiling them into the PTX
+    k = lk.megakernel(W.heat_step, swap=[("u", "v")])
+    text = codegen.render_kernel(k.spec, "cuda", "grid", cache=True, launch_bounds=(256, 2)).text
+    assert "@cuda.jit(cache=True, launch_bounds=(256, 2))\ndef _lk_kernel(" in text
+    plain = codegen.render_kernel(k.spec, "cuda", "grid", cache=True).text
+    assert "launch_bounds" not in plain and "@cuda.jit(cache=True)\ndef _lk_kernel(" in plain
+    for scope, extra in (("block", {}), ("grid", {"debug": True}), ("grid", {"tile": find_stencil(k.spec)})):
+        with pytest.raises(ValueError, match="launch_bounds is"):
+            codegen.render_kernel(k.spec, "cuda", scope, launch_bounds=(256, 2), **extra)
+    for bad in ((2048, 1), (256,), (256, 0), (256.0, 2)):
+        with pytest.raises(ValueError, match="launch_bounds is"):
+            codegen.render_kernel(k.spec, "cuda", "grid", launch_bounds=bad)
+    with pytest.raises(ValueError, match="launch_bounds is"):
+        codegen.render_kernel(k.spec, "cpu", "grid", launch_bounds=(256, 2))
+
+
+def test_launch_bounds_experiment_is_off_by_default_and_stays_off_under_the_simulator(monkeypatch):
+    from loopkern.dispatch import kernels
+    assert kernels.LAUNCH_BOUNDS is None
+    monkeypatch.setattr(kernels, "LAUNCH_BOUNDS", (256, 2))
+    k = lk.megakernel(W.heat_step, swap=[("u", "v")])
+    from loopkern.compile import simulator_enabled
+    text = k.dispatcher.kernels.source("cuda", "grid").text
+    assert ("launch_bounds=(256, 2)" in text) != simulator_enabled()
+    assert "launch_bounds" not in k.dispatcher.kernels.source("cuda", "block").text
+    assert "launch_bounds" not in k.dispatcher.kernels.source("cpu", "grid").text

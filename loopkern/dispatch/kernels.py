@@ -11,6 +11,13 @@ from .. import codegen
 from ..errors import ArgumentError
 from .checks import describe_array
 
+#: An experiment, off by default: (threads per block, blocks per SM) compiled into every CUDA
+#: grid-scope kernel that is not tile mode or debug (``codegen.render_kernel``'s
+#: ``launch_bounds``), so that ptxas knows the registers each thread may have. Such a kernel
+#: runs at most that many threads per block. Set before the first call (bench.py
+#: ``--launch-bounds 256/2``); not under Numba's simulator, whose ``cuda.jit`` has no bounds.
+LAUNCH_BOUNDS: tuple | None = None
+
 
 class KernelCache:
     """The variants of one step's kernel that calls have needed so far."""
@@ -27,17 +34,21 @@ class KernelCache:
         compiling it: ``kernel.jax`` looks its cubin up on disk by it first
         (``interop/ffi_kernels.py``)."""
         from ..compile import runtime_fingerprint, simulator_enabled
-        key = (backend, scope, by_ref, debug, staged, control, float_type, index_bits, tile, cluster, depth, tiles)
+        simulated = backend == "cuda" and simulator_enabled()
+        bounds = LAUNCH_BOUNDS if (backend == "cuda" and scope == "grid" and tile is None and not debug
+                                   and not simulated) else None
+        key = (backend, scope, by_ref, debug, staged, control, float_type, index_bits, tile, cluster, depth, tiles,
+               bounds)
         src = self.sources.get(key)
         if src is None:
             with self._lock:
                 src = self.sources.get(key)
                 if src is None:
-                    cache = not (backend == "cuda" and simulator_enabled())
                     src = self.sources[key] = codegen.render_kernel(
-                        self.spec, backend, scope, cache=cache, fingerprint=f"runtime {runtime_fingerprint()}",
-                        by_ref=by_ref, debug=debug, staged=staged, control=control, float_type=float_type,
-                        index_bits=index_bits, tile=tile, cluster=cluster, depth=depth, tiles=tiles)
+                        self.spec, backend, scope, cache=not simulated,
+                        fingerprint=f"runtime {runtime_fingerprint()}", by_ref=by_ref, debug=debug, staged=staged,
+                        control=control, float_type=float_type, index_bits=index_bits, tile=tile, cluster=cluster,
+                        depth=depth, tiles=tiles, launch_bounds=bounds)
         return src
 
     def get(self, backend, scope, by_ref=None, debug=False, staged=(), control=True, float_type=None,
@@ -45,7 +56,8 @@ class KernelCache:
         """The :class:`~loopkern.compile.CompiledKernel` of one variant (rendered and loaded on
         first use; Numba compiles it per argument types in ``specialize``)."""
         from ..compile import compile_kernel
-        key = (backend, scope, by_ref, debug, staged, control, float_type, index_bits, tile, cluster, depth, tiles)
+        key = (backend, scope, by_ref, debug, staged, control, float_type, index_bits, tile, cluster, depth, tiles,
+               LAUNCH_BOUNDS)
         k = self.variants.get(key)
         if k is None:
             src = self.source(backend, scope, by_ref=by_ref, debug=debug, staged=staged, control=control,
