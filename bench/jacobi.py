@@ -65,6 +65,22 @@ def jacobi_kernel():
     return jacobi
 
 
+def timed_direct_call(k, u, v, u0, tol, steps):
+    """One blocking direct call of the Jacobi kernel ``k`` for ``steps`` steps on the device
+    arrays ``u`` and ``v``, both reset to ``u0`` first (the probes' timing): (host wall seconds
+    of the call alone, ``u`` after it, (scope, blocks, threads))."""
+    import time
+
+    from numba import cuda
+    u.copy_to_device(u0)
+    v.copy_to_device(u0)
+    cuda.synchronize()
+    t = time.perf_counter()
+    r = k(u, v, tol, max_steps=steps)
+    dt = time.perf_counter() - t
+    return dt, u.copy_to_host(), (r.scope, r.blocks, r.threads)
+
+
 def jax_jacobi_while(u0, tol):
     import jax
     import jax.numpy as jnp

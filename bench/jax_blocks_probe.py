@@ -20,7 +20,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from numba import cuda  # noqa: E402
 
-from bench.jacobi import jacobi_kernel, jacobi_problem  # noqa: E402
+from bench.jacobi import jacobi_kernel, jacobi_problem, timed_direct_call  # noqa: E402
 from loopkern.interop.jax_bridge import call_cache  # noqa: E402
 
 side = int(sys.argv[1]) if len(sys.argv) > 1 else 2048
@@ -36,15 +36,7 @@ du, dv = cuda.to_device(u0), cuda.to_device(u0)
 
 def direct_on(u, v):
     """The direct call on the device arrays ``u`` and ``v``, reset to the problem first."""
-    def run():
-        u.copy_to_device(u0)
-        v.copy_to_device(u0)
-        cuda.synchronize()
-        t = time.perf_counter()
-        r = k(u, v, tol, max_steps=steps)
-        dt = time.perf_counter() - t
-        return dt, u.copy_to_host(), (r.scope, r.blocks, r.threads)
-    return run
+    return lambda: timed_direct_call(k, u, v, u0, tol, steps)
 
 
 def direct_on_jax_buffers():

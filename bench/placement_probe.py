@@ -11,14 +11,13 @@ of host wall time per blocking call; every variant must end bit for bit where th
 import os
 import statistics
 import sys
-import time
 
 import numpy as np
 
 sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from numba import cuda  # noqa: E402
 
-from bench.jacobi import jacobi_kernel, jacobi_problem  # noqa: E402
+from bench.jacobi import jacobi_kernel, jacobi_problem, timed_direct_call  # noqa: E402
 
 side = int(sys.argv[1]) if len(sys.argv) > 1 else 2048
 steps = int(sys.argv[2]) if len(sys.argv) > 2 else 600
@@ -53,14 +52,7 @@ out, cfg = {}, {}
 
 
 def run(name):
-    u, v = bufs[name]
-    u.copy_to_device(u0)
-    v.copy_to_device(u0)
-    cuda.synchronize()
-    t = time.perf_counter()
-    r = k(u, v, tol, max_steps=steps)
-    dt = time.perf_counter() - t
-    out[name], cfg[name] = u.copy_to_host(), (r.scope, r.blocks, r.threads)
+    dt, out[name], cfg[name] = timed_direct_call(k, *bufs[name], u0, tol, steps)
     return dt
 
 
