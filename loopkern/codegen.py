@@ -1233,23 +1233,20 @@ def _scalar_reads_at_use(fs: FunctionSpec, names: list[str]) -> tuple[dict, dict
     first sums, two more trips to memory per pass (H100, 2026-12-07: 23.6 against 17.4 µs per
     step at 2048², bench-results/session40). Read before each statement that uses it, a
     scalar's register lives through that statement only. The buffers are inputs the kernel
-    never writes, so every read gives the same value. A parameter the step assigns to keeps
-    the prologue's one read.
+    never writes, and a step never assigns to its parameters (``validate_step`` refuses it),
+    so every read gives the value the name has throughout the step.
 
     Returns:
         ({statement index: lines that read the scalars it uses}, {parameter: the name the
         step's ``def`` gives the buffer}).
     """
-    tree = ast.Module(body=list(fs.body), type_ignores=[])
-    assigned = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and not isinstance(n.ctx, ast.Load)}
-    late = [n for n in names if n not in assigned]
     reads = {}
     for k, st in enumerate(fs.body):
         used = {n.id for n in ast.walk(st) if isinstance(n, ast.Name)}
-        lines = [f"{_INDENT}{n} = {_P}ref_{n}[0]" for n in late if n in used]
+        lines = [f"{_INDENT}{n} = {_P}ref_{n}[0]" for n in names if n in used]
         if lines:
             reads[k] = lines
-    return reads, {n: f"{_P}ref_{n}" for n in late}
+    return reads, {n: f"{_P}ref_{n}" for n in names}
 
 
 def _jit_options(backend: str, cache: bool, debug: bool = False) -> tuple[str, str]:
@@ -1440,22 +1437,22 @@ def render_kernel(spec: StepSpec, backend: str, scope: str = "grid", *, cache: b
     step_lines = _render_function(spec.step, spec.filename, backend, sync, True, ctx_params + edge_params, "", sites,
                                   float_type, index_bits, tile_names, staged_names, tile, before=before, clip=clip,
                                   param_names=step_refs)
-    late = {i for i in refs if spec.params[i].name in step_refs}
     sig_params = [f"{k}_ref" if i in refs else k for i, k in enumerate(kparams)]
-    prologue = [f"{_INDENT}{kparams[i]} = {kparams[i]}_ref[0]" for i in refs if i not in late]
+    prologue = []
     if by_ref is not None:
-        # the seed arrives as two uint32 words (JAX without x64 has no uint64)
-        prologue[:0] = [f"{_INDENT}{_P}nsteps = {_P}nsteps_ref[0]",
-                        f"{_INDENT}{_P}t0 = {_P}t0_ref[0]",
-                        # a traced negative start runs no step, as a negative step count does
-                        f"{_INDENT}{_P}nsteps = {_P}nsteps if {_P}t0 >= 0 else 0",
-                        f"{_INDENT}{_P}seed = _lk_np.uint64(_lk_seed_ref[0]) | (_lk_np.uint64(_lk_seed_ref[1]) << "
-                        f"_lk_np.uint64(32))"]
+        # the seed arrives as two uint32 words (JAX without x64 has no uint64); the scalars
+        # are read where the step uses them (_scalar_reads_at_use)
+        prologue = [f"{_INDENT}{_P}nsteps = {_P}nsteps_ref[0]",
+                    f"{_INDENT}{_P}t0 = {_P}t0_ref[0]",
+                    # a traced negative start runs no step, as a negative step count does
+                    f"{_INDENT}{_P}nsteps = {_P}nsteps if {_P}t0 >= 0 else 0",
+                    f"{_INDENT}{_P}seed = _lk_np.uint64(_lk_seed_ref[0]) | (_lk_np.uint64(_lk_seed_ref[1]) << "
+                    f"_lk_np.uint64(32))"]
     staged = sorted(staged)
     if staged and (backend != "cuda" or scope != "block"):
         raise ValueError("staging in shared memory exists for the CUDA block scope only")
     # the names the loop works on: the arguments, or their shared-memory copies
-    work = [f"{_P}w{i}" if i in staged or i in resident else f"{k}_ref" if i in late else k
+    work = [f"{_P}w{i}" if i in staged or i in resident else f"{k}_ref" if i in refs else k
             for i, k in enumerate(kparams)]
     if staged:
         prologue += _staging_lines(staged, kparams)
