@@ -1871,8 +1871,15 @@ def _tile_lines(tile, kparams, resident, written, sync: str = "grid",
         # its first rows (every one of them some tile's edge: each tile is at least a halo long)
         guard = "True" if wrap else f"0 <= {_P}c < {_P}n and not ({_P}tlo <= {_P}c < {_P}thi)"
         row = f"{_P}c % max({_P}n, 1)" if wrap else f"{_P}c"
-        bar += cells(0, hl + hr, f"{_P}tb + {_P}r if {_P}r < {hl} else {_P}thi + ({_P}r - {hl})", guard,
-                     [put(f"{_P}w{i}", f"{_P}c - {_P}tb", get(f"{_P}e{i}", row, False), True) for i in written])
+        first = f"{_P}tb + {_P}r if {_P}r < {hl} else {_P}thi + ({_P}r - {hl})"
+        if tt.two:
+            # a row outside the array (the first tile's lower halo, the last one's upper) is
+            # read from the nearest row in it and not kept: every load is then unconditional
+            safe = row if wrap else f"min(max({_P}c, 0), {_P}n - 1)"
+            bar += tt.gather_rows(hl + hr, first, guard, safe, written)
+        else:
+            bar += cells(0, hl + hr, first, guard,
+                         [put(f"{_P}w{i}", f"{_P}c - {_P}tb", get(f"{_P}e{i}", row, False), True) for i in written])
         bar.append("cuda.syncthreads()")
     barrier = ("\n" + i2).join(bar)
     copy_back = [f"{i1}cuda.syncthreads()"] + tt.copy_rows(1, f"{_P}thi - {_P}tlo", f"{_P}tlo + {_P}r", "True",
@@ -1929,6 +1936,37 @@ class _TileText:
                 [f"{ind}{_INDENT * 3}{b}" for b in body] + [f"{ind}{_INDENT * 3}{_P}j += {_P}bnt"]
         return [f"{ind}{_P}r = {_P}btid", f"{ind}while {_P}r < {count}:", f"{ind}{i1}{_P}c = {first}",
                 f"{ind}{i1}if {guard}:"] + [f"{ind}{i2}{b}" for b in body] + [f"{ind}{i1}{_P}r += {_P}bnt"]
+
+    def gather_rows(self, count, first, guard, safe, written) -> list[str]:
+        """Lines (at the step barrier's indentation) copying the 2-D halo rows ``_lk_c =
+        first`` (``_lk_r`` in range(count)) that pass ``guard`` from the global buffers
+        ``_lk_e<i>`` (``i`` in ``written``) into the shared tiles, every load of a trip issued
+        before any store: a trip that stored each value before loading the next waited on L2
+        once per row and column stride, just after the grid barrier, where every block waits
+        for its slowest trip. Each row is read at ``safe`` (a row inside the array, equal to
+        ``_lk_c`` where ``guard`` holds; nothing is read from an array without rows) and kept
+        only where ``guard`` holds, so no load is behind a branch. One column per trip: two
+        (four loads in flight for the 5-point stencil) gave the device's ptxas (13.0) a kernel
+        of 80 registers instead of 47 whose step loop waits on shared memory more often
+        (``bench/sass_loops.py heat2d tile``: load waves [6, 7, 4, 3] against [10, 7, 3])."""
+        i1, i2 = _INDENT, _INDENT * 2
+        lines = []
+        for r in range(count):
+            lines += [f"{_P}r = {r}", f"{_P}c = {first}", f"{_P}hr{r} = {_P}c", f"{_P}hk{r} = {guard}",
+                      f"{_P}hq{r} = {safe}"]
+        lines += [f"{_P}hm = {_P}m if {_P}n > 0 else 0", f"{_P}j = {_P}btid", f"while {_P}j < {_P}hm:"]
+        stores = []
+        for r in range(count):
+            for i in written:
+                v = f"{_P}hv{r}_{i}"
+                lines.append(f"{i1}{v} = {_P}rt.load({_P}e{i}, (_lk_np.uint64({_P}hq{r}), _lk_np.uint64({_P}j)))")
+                stores.append(f"{i2}{_P}rt.sstore({_P}w{i}, (_lk_np.uint64({_P}hr{r} - {_P}tb), "
+                              f"_lk_np.uint64({_P}j)), {v})")
+        for r in range(count):
+            lines.append(f"{i1}if {_P}hk{r}:")
+            lines += stores[r * len(written):(r + 1) * len(written)]
+        lines.append(f"{i1}{_P}j += {_P}bnt")
+        return lines
 
     def _index(self, row):
         # every index these lines use is proven in range by the guards around them: unsigned,
