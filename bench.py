@@ -87,6 +87,9 @@ def main(argv=None):
     p.add_argument("--json", default="", help=argparse.SUPPRESS)
     p.add_argument("--launch-bounds", default="", type=launch_bounds, metavar="THREADS/BLOCKS",
                    help="an experiment: compile grid-scope kernels with these launch bounds (e.g. 256/2)")
+    p.add_argument("--split-exchange", action="store_true",
+                   help="an experiment: tile-mode stencils split the exchange's grid barrier and compute the "
+                        "rows that read no halo between its halves")
     p.add_argument("--merge", nargs="+", default=[], metavar="JSON",
                    help="write one table from the JSON files of several runs (same device and date)")
     args = p.parse_args(argv)
@@ -100,6 +103,9 @@ def main(argv=None):
     if args.launch_bounds:
         from loopkern.dispatch import kernels
         kernels.LAUNCH_BOUNDS = args.launch_bounds
+    if args.split_exchange:
+        from loopkern.dispatch import kernels
+        kernels.SPLIT_EXCHANGE = True
     gpu = gpu_available() and not args.quick
     b = Bench(args, gpu)
     meta = dict(device=device_name(gpu), date=_dt.date.today().isoformat(), reps=args.reps,

@@ -1269,7 +1269,8 @@ def render_kernel(spec: StepSpec, backend: str, scope: str = "grid", *, cache: b
                   fingerprint: str = "", by_ref: frozenset | None = None, debug: bool = False,
                   staged: tuple = (), control: bool = True, float_type: str | None = None,
                   index_bits: int | None = None, tile=None, cluster: bool = False,
-                  depth: int = 1, tiles: int = 0, launch_bounds: tuple | None = None) -> KernelSource:
+                  depth: int = 1, tiles: int = 0, launch_bounds: tuple | None = None,
+                  split: bool = False) -> KernelSource:
     """Render the kernel module for ``spec``.
 
     Args:
@@ -1337,6 +1338,13 @@ def render_kernel(spec: StepSpec, backend: str, scope: str = "grid", *, cache: b
             with all 20 issued first (``bench/sass_loops.py ... bounds=256/2``); whether that
             pays against fewer resident blocks is for the GPU to say.
 
+        split: (tile mode, one step per exchange) split each step's grid barrier in two and
+            work between the halves: after a step a block publishes its edge rows and arrives
+            at the barrier, computes the next step's rows that read no halo row, then waits,
+            gathers its halo and computes the rest (``cuda_tile_split_kernel.py.tmpl``). Only
+            for steps whose effect is a function of the cells they read
+            (``stencil.split_exchange_refusal``).
+
     Returns:
         The :class:`KernelSource`.
     """
@@ -1392,6 +1400,14 @@ def render_kernel(spec: StepSpec, backend: str, scope: str = "grid", *, cache: b
         raise ValueError(f"depth must be 1, or more in tile mode without a cluster; got {depth!r}")
     if not isinstance(tiles, int) or tiles < 0 or (tiles and (tile is None or cluster)):
         raise ValueError(f"tiles must be 0, or more in tile mode without a cluster; got {tiles!r}")
+    if split:
+        from .stencil import split_exchange_refusal
+        if tile is None or depth != 1 or tiles or cluster:
+            raise ValueError("split is for tile mode with one step per halo exchange, without a cluster or "
+                             "streamed tiles")
+        refusal = split_exchange_refusal(spec, tile)
+        if refusal is not None:
+            raise ValueError(f"step '{spec.name}' cannot split its exchange: {refusal.reason} (line {refusal.line})")
     if depth > 1 or tiles:
         from .stencil import fused_steps_refusal
         refusal = fused_steps_refusal(spec, tile)
@@ -1415,7 +1431,8 @@ def render_kernel(spec: StepSpec, backend: str, scope: str = "grid", *, cache: b
         written = [i for i in resident if spec.params[i].written]
         fused_at = _fused_exchange_at(spec, tile, written, reduced_at)
         tile_parts = _tile_lines(tile, kparams, resident, written, sync,
-                                 {i: spec.params[i].name for i in resident} if fused_at is not None else None)
+                                 {i: spec.params[i].name for i in resident} if fused_at is not None else None,
+                                 tuple(spec.swap))
         # a block's loops take the indices in its tile; in a loop that touches no tile the
         # first block also takes those below 0 and the last those from n on, so a loop over
         # another array's extent, or from a negative start, runs every index as the grid scope
@@ -1472,7 +1489,7 @@ def render_kernel(spec: StepSpec, backend: str, scope: str = "grid", *, cache: b
                       gather="\n".join(gather) or f"{_INDENT * 2}pass", depth=str(depth),
                       halo_lo=str(tile.halo[0][0]), halo_hi=str(tile.halo[0][1]))
     elif tile is not None:
-        tile_pro, tile_barrier, tile_copy, _ = tile_parts
+        tile_pro, tile_barrier, tile_copy = tile_parts[:3]
         prologue += tile_pro
         # the global buffers the edge cells go through swap with the tiles
         swap_lines += [f"{_INDENT * 2}{_P}e{a}, {_P}e{b} = {_P}e{b}, {_P}e{a}" for a, b in spec.swap]
@@ -1581,6 +1598,18 @@ def render_kernel(spec: StepSpec, backend: str, scope: str = "grid", *, cache: b
         # the stop decision's slots go by round: one grid barrier per round
         mapping.update(rounds, swap="\n".join(_INDENT + line for line in swap_lines))
         template = load_template("cuda_tile_rounds_kernel.py.tmpl")
+    elif split:
+        mapping.update(publish="\n".join(_INDENT * 2 + ln for ln in tile_parts[4]["publish"]) or f"{_INDENT * 2}pass",
+                       gather="\n".join(_INDENT * 3 + ln for ln in tile_parts[4]["gather"]),
+                       reach=str(max(tile.halo[0])), poll=poll,
+                       # wrapping around, a row is found modulo the array's extent
+                       # (rt.tile_row), and a tile longer than the extent less its lower halo
+                       # finds some of its own rows in their copies in the halo: all its rows
+                       # then wait for the gather
+                       interior=f"{_P}T + {tile.halo[0][0]} <= {_P}n" if tile.periodic[0] else "True",
+                       step_call=f"{_P}step({_P}t0 + {_P}t, {mapping['step_args']}{_P}tid, {_P}nt, {_P}redf, "
+                                 f"{_P}redi, {_P}st, {_P}bar, {_P}shf, {_P}shi, {_P}seed")
+        template = load_template("cuda_tile_split_kernel.py.tmpl")
     elif backend == "cuda" and scope == "thread":
         mapping["poll"] = thread_poll
         mapping["swap"] = "\n".join(_INDENT + line for line in swap_lines)
@@ -1792,9 +1821,9 @@ def _row_offset(e, row: str) -> bool:
 
 
 def _tile_lines(tile, kparams, resident, written, sync: str = "grid",
-                step_names: dict | None = None) -> tuple[list, str, list, list]:
-    """(prologue lines, the step barrier's text, copy-back lines, publish lines for the step) of
-    a tile-mode kernel.
+                step_names: dict | None = None, swap: tuple = ()) -> tuple[list, str, list, list, dict]:
+    """(prologue lines, the step barrier's text, copy-back lines, publish lines for the step,
+    the split exchange's lines) of a tile-mode kernel.
 
     Each block keeps its tile of every resident array in shared memory for the whole run: one
     contiguous range of the first dimension (cells of a 1-D array, whole rows of a 2-D one),
@@ -1813,6 +1842,10 @@ def _tile_lines(tile, kparams, resident, written, sync: str = "grid",
     stop plan reaching every block within blocks + 1 steps) measured slower on the H200 (1M
     heat, 512 threads: 3.02 µs/step against 2.80; bench-results/session7) and was taken out
     (commit 5595242 has it).
+
+    The split exchange's lines (render_kernel's ``split``) are the publish alone, and the
+    gather as it runs after the names of each swap pair (``swap``) were exchanged: into the
+    halo of each written array's partner, which then names the step's result.
 
     ``step_names`` (array index -> the step's parameter name) fuses the exchange into a step
     whose last barrier is a reduction's (:func:`reduction_barrier_at`): the step publishes its
@@ -1851,6 +1884,10 @@ def _tile_lines(tile, kparams, resident, written, sync: str = "grid",
                      f"{_P}tlo <= {_P}c < {_P}thi",
                      [put(f"{_P}e{i}", f"{_P}c", get(tiles[i], f"{_P}c - {_P}tb", True), False) for i in written])
     in_step = []
+    # (split exchange, see render_kernel: the publish before the barrier's arrival, and the
+    # gather after its wait, which comes after the names were swapped)
+    split = {"publish": publish(0, {i: f"{_P}w{i}" for i in written}) if hl + hr and written else [],
+             "gather": []}
     if step_names is not None:
         if not (hl + hr and written):
             raise ValueError("fusing the exchange into the step needs a halo and an array the step writes")
@@ -1872,19 +1909,22 @@ def _tile_lines(tile, kparams, resident, written, sync: str = "grid",
         guard = "True" if wrap else f"0 <= {_P}c < {_P}n and not ({_P}tlo <= {_P}c < {_P}thi)"
         row = f"{_P}c % max({_P}n, 1)" if wrap else f"{_P}c"
         first = f"{_P}tb + {_P}r if {_P}r < {hl} else {_P}thi + ({_P}r - {hl})"
-        if tt.two:
-            # a row outside the array (the first tile's lower halo, the last one's upper) is
-            # read from the nearest row in it and not kept: every load is then unconditional
-            safe = row if wrap else f"min(max({_P}c, 0), {_P}n - 1)"
-            bar += tt.gather_rows(hl + hr, first, guard, safe, written)
-        else:
-            bar += cells(0, hl + hr, first, guard,
-                         [put(f"{_P}w{i}", f"{_P}c - {_P}tb", get(f"{_P}e{i}", row, False), True) for i in written])
-        bar.append("cuda.syncthreads()")
+        # a row outside the array (the first tile's lower halo, the last one's upper) is read
+        # from the nearest row in it and not kept: every load of a 2-D gather is unconditional
+        safe = row if wrap else f"min(max({_P}c, 0), {_P}n - 1)"
+
+        def gather(arrays):
+            if tt.two:
+                return tt.gather_rows(hl + hr, first, guard, safe, arrays)
+            return cells(0, hl + hr, first, guard,
+                         [put(f"{_P}w{i}", f"{_P}c - {_P}tb", get(f"{_P}e{i}", row, False), True) for i in arrays])
+        bar += gather(written) + ["cuda.syncthreads()"]
+        partner = {a: b for pair in swap for a, b in (pair, pair[::-1])}
+        split["gather"] = gather([partner.get(i, i) for i in written]) + ["cuda.syncthreads()"]
     barrier = ("\n" + i2).join(bar)
     copy_back = [f"{i1}cuda.syncthreads()"] + tt.copy_rows(1, f"{_P}thi - {_P}tlo", f"{_P}tlo + {_P}r", "True",
                                                           to_shared=False)
-    return pro, barrier, copy_back, in_step
+    return pro, barrier, copy_back, in_step, split
 
 
 class _TileText:

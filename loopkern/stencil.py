@@ -527,7 +527,26 @@ def _first_indices(it: ast.Call, kind: str, ndim: int) -> dict:
     return lows
 
 
-def fused_steps_refusal(spec, stencil: Stencil) -> NotStencil | None:
+def split_exchange_refusal(spec, stencil: Stencil) -> NotStencil | None:
+    """Why tile mode cannot split the grid barrier of ``spec``'s halo exchange (one step per
+    exchange), or None if it can.
+
+    With the barrier split, a block computes the next step's rows that read no halo row
+    before the other blocks have published their edges, then waits, gathers its halo and
+    computes its remaining rows: each step runs in three windows of the block's tile. That is
+    sound under :func:`fused_steps_refusal`'s conditions but the last (a step's effect on
+    memory is a function of the cells it reads; it writes only its swap pairs, so nothing it
+    writes is read by another block before the barrier, and it neither returns a stop
+    decision nor needs every block at once): each cell is computed once, by the same rules,
+    in some window. A stencil that wraps around along the first dimension may split: its
+    halo rows come through the exchange like any other. There must be an exchange (a halo
+    and a written array)."""
+    if not any(stencil.halo[0]):
+        return NotStencil("the stencil has no halo along its first dimension (nothing to exchange)", spec.lineno)
+    return fused_steps_refusal(spec, stencil, wrap=True)
+
+
+def fused_steps_refusal(spec, stencil: Stencil, wrap: bool = False) -> NotStencil | None:
     """Why tile mode cannot run several of ``spec``'s steps per halo exchange, or None if it can.
 
     Running ``K`` steps between exchanges (temporal blocking) widens each block's halo to ``K``
@@ -546,11 +565,11 @@ def fused_steps_refusal(spec, stencil: Stencil) -> NotStencil | None:
     - ``stencil`` already holds (every read of a swap pair's array is its loop index plus a
       constant; a written array is accessed only at its own cell);
     - the stencil does not wrap around along its first dimension (a halo widened across the
-      wrap is not built).
+      wrap is not built), unless ``wrap`` (:func:`split_exchange_refusal`, which widens no halo).
     """
     if spec.returns_condition:
         return NotStencil("the step returns a condition (a stop decision every step)", spec.lineno)
-    if stencil.periodic[0]:
+    if stencil.periodic[0] and not wrap:
         return NotStencil("the stencil wraps around along its first dimension", spec.lineno)
     swapped = {i for pair in spec.swap for i in pair}
     for i, p in enumerate(spec.params):

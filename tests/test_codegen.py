@@ -103,7 +103,7 @@ def test_disk_cache_is_reused_by_a_new_process(tmp_path, rng):
         k = lk.megakernel(W.heat_step, swap=[("u", "v")])
         u0 = np.random.default_rng({seed}).random(64); u = u0.copy(); v = u.copy()
         k(u, v, 0.25, steps=3, backend="cpu")
-        d = k.dispatcher.kernels.variants[("cpu", "grid", None, False, (), True, None, None, None, False, 1, 0, None)].dispatcher
+        d = k.dispatcher.kernels.variants[("cpu", "grid", None, False, (), True, None, None, None, False, 1, 0, None, False)].dispatcher
         print(sum(d.stats.cache_hits.values()), sum(d.stats.cache_misses.values()),
               float(np.abs(u - W.heat_ref(u0, 3, 0.25)).max()))
     """)

@@ -19,6 +19,22 @@ from .checks import describe_array
 LAUNCH_BOUNDS: tuple | None = None
 
 
+#: An experiment, off by default: tile-mode kernels with one step per exchange split the
+#: exchange's grid barrier and compute the rows that read no halo between its halves
+#: (``codegen.render_kernel``'s ``split``), for the steps ``stencil.split_exchange_refusal``
+#: allows. Set before the first call (bench.py ``--split-exchange``).
+SPLIT_EXCHANGE: bool = False
+
+
+def _splits(spec, backend, tile, debug, cluster, depth, tiles) -> bool:
+    """Whether a variant's kernel splits its exchange's barrier (``SPLIT_EXCHANGE``)."""
+    if not (SPLIT_EXCHANGE and backend == "cuda" and tile is not None and depth == 1 and not tiles
+            and not cluster and not debug):
+        return False
+    from ..stencil import split_exchange_refusal
+    return split_exchange_refusal(spec, tile) is None
+
+
 class KernelCache:
     """The variants of one step's kernel that calls have needed so far."""
 
@@ -37,8 +53,9 @@ class KernelCache:
         simulated = backend == "cuda" and simulator_enabled()
         bounds = LAUNCH_BOUNDS if (backend == "cuda" and scope == "grid" and tile is None and not debug
                                    and not simulated) else None
+        split = _splits(self.spec, backend, tile, debug, cluster, depth, tiles)
         key = (backend, scope, by_ref, debug, staged, control, float_type, index_bits, tile, cluster, depth, tiles,
-               bounds)
+               bounds, split)
         src = self.sources.get(key)
         if src is None:
             with self._lock:
@@ -48,7 +65,7 @@ class KernelCache:
                         self.spec, backend, scope, cache=not simulated,
                         fingerprint=f"runtime {runtime_fingerprint()}", by_ref=by_ref, debug=debug, staged=staged,
                         control=control, float_type=float_type, index_bits=index_bits, tile=tile, cluster=cluster,
-                        depth=depth, tiles=tiles, launch_bounds=bounds)
+                        depth=depth, tiles=tiles, launch_bounds=bounds, split=split)
         return src
 
     def get(self, backend, scope, by_ref=None, debug=False, staged=(), control=True, float_type=None,
@@ -57,7 +74,7 @@ class KernelCache:
         first use; Numba compiles it per argument types in ``specialize``)."""
         from ..compile import compile_kernel
         key = (backend, scope, by_ref, debug, staged, control, float_type, index_bits, tile, cluster, depth, tiles,
-               LAUNCH_BOUNDS)
+               LAUNCH_BOUNDS, SPLIT_EXCHANGE)
         k = self.variants.get(key)
         if k is None:
             src = self.source(backend, scope, by_ref=by_ref, debug=debug, staged=staged, control=control,

@@ -74,6 +74,17 @@ if SIMULATOR:
         cuda.cg.this_grid().sync()
 
     @cuda.jit(device=True)
+    def grid_arrive(bar):
+        """The first half of a split grid barrier (the simulator runs one block)."""
+        cuda.syncthreads()
+        return np.uint32(0)
+
+    @cuda.jit(device=True)
+    def grid_wait(bar, old):
+        """The second half of a split grid barrier (the simulator runs one block)."""
+        cuda.syncthreads()
+
+    @cuda.jit(device=True)
     def cluster_sync(bar):
         """Barrier across every thread of the grid launched as one cluster (the simulator runs
         one block)."""
@@ -131,6 +142,30 @@ else:
             nb = uint32(cuda.gridDim.x)
             inc = uint32(1) if cuda.blockIdx.x != 0 else uint32(uint32(0x80000000) - (nb - uint32(1)))
             old = _atom_add_release(bar, inc)
+            while ((old ^ _ld_acquire(bar)) & uint32(0x80000000)) == 0:
+                pass
+        cuda.syncthreads()
+
+    @cuda.jit(device=True)
+    def grid_arrive(bar):
+        """The first half of :func:`grid_sync`, split so that a block can work between the two:
+        every write of the block before it is released to the grid; returns what the block's
+        thread 0 must pass to :func:`grid_wait` (the counter before its add; 0 elsewhere).
+        Every block must arrive exactly once per barrier, and wait before arriving again."""
+        cuda.syncthreads()
+        old = uint32(0)
+        if cuda.threadIdx.x == 0:
+            nb = uint32(cuda.gridDim.x)
+            inc = uint32(1) if cuda.blockIdx.x != 0 else uint32(uint32(0x80000000) - (nb - uint32(1)))
+            old = _atom_add_release(bar, inc)
+        return old
+
+    @cuda.jit(device=True)
+    def grid_wait(bar, old):
+        """The second half of :func:`grid_sync`: returns once every block has arrived (the
+        counter's top bit has flipped since this block's add), with every write released
+        before any block's arrival visible to every thread of this one."""
+        if cuda.threadIdx.x == 0:
             while ((old ^ _ld_acquire(bar)) & uint32(0x80000000)) == 0:
                 pass
         cuda.syncthreads()
