@@ -44,6 +44,7 @@ from pathlib import Path
 # ``import bench`` finds the package bench/ next to this file (a package wins over this module)
 from bench import (ALIASES, DEFAULT_WORKLOADS, WORKLOADS, Bench, device_name, gpu_available, have,
                    report_wrong_results, run_cmdbuf_subprocess, write_outputs)
+from bench.variants import EXPERIMENTS
 
 HERE = Path(__file__).resolve().parent
 
@@ -86,10 +87,11 @@ def main(argv=None):
     p.add_argument("--jax-only", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--json", default="", help=argparse.SUPPRESS)
     p.add_argument("--launch-bounds", default="", type=launch_bounds, metavar="THREADS/BLOCKS",
-                   help="an experiment: compile grid-scope kernels with these launch bounds (e.g. 256/2)")
+                   help="an experiment: also time loopkern's grid scope with these launch bounds (e.g. 256/2), "
+                        "a variant of its own in the same rounds")
     p.add_argument("--split-exchange", action="store_true",
-                   help="an experiment: tile-mode stencils split the exchange's grid barrier and compute the "
-                        "rows that read no halo between its halves")
+                   help="an experiment: also time tile mode with the exchange's grid barrier split (the rows "
+                        "that read no halo computed between its halves), a variant of its own")
     p.add_argument("--merge", nargs="+", default=[], metavar="JSON",
                    help="write one table from the JSON files of several runs (same device and date)")
     args = p.parse_args(argv)
@@ -101,11 +103,9 @@ def main(argv=None):
         print(md.read_text())
         return report_wrong_results(results)
     if args.launch_bounds:
-        from loopkern.dispatch import kernels
-        kernels.LAUNCH_BOUNDS = args.launch_bounds
+        EXPERIMENTS["bounds"] = args.launch_bounds
     if args.split_exchange:
-        from loopkern.dispatch import kernels
-        kernels.SPLIT_EXCHANGE = True
+        EXPERIMENTS["split"] = True
     gpu = gpu_available() and not args.quick
     b = Bench(args, gpu)
     meta = dict(device=device_name(gpu), date=_dt.date.today().isoformat(), reps=args.reps,

@@ -1,9 +1,11 @@
 #!/bin/sh
 # One batch on the GPU machine (through the device tool): the GPU tests, then bench.py parts,
 # each part's JSON and log under $OUT (merge them here with `python bench.py --merge ...`).
-#   sh bench/device_run.sh [tests|tests-a|tests-b] [ncu:N:SCOPE] [PART:WORKLOADS[:FLAG+FLAG...] ...]
+#   sh bench/device_run.sh [tests|tests-a|tests-b] [gpu:FILE[,FILE...]] [ncu:N:SCOPE] [PART:WORKLOADS[:FLAG+FLAG...] ...]
 # e.g.  sh bench/device_run.sh tests heat:heat,control:--sweep+--no-cmdbuf quad:quadratic
-#       sh bench/device_run.sh h2:heat2d:--no-cmdbuf h2lb:heat2d:--no-cmdbuf+--launch-bounds+256/2  (an A/B)
+#       sh bench/device_run.sh gpu:tests/gpu/test_tile_split_gpu.py,tests/gpu/test_tile_gpu.py
+#       sh bench/device_run.sh h2:heat2d:--no-cmdbuf+--launch-bounds+256/2+--split-exchange
+#       (the experiments are variants of their own, timed in the same interleaved rounds)
 # .whl/ (not in git; carried along) holds wheels the machine's Python lacks (see DEVICE.md).
 # The GPU tests run with LOOPKERN_REQUIRE_GPU=1 (a skipped GPU test fails: this machine has a GPU);
 # bench.py exits 1 when a variant fails its check. The script's exit status is 1 if any part failed.
@@ -42,6 +44,20 @@ for part in "$@"; do
         rc=$?; [ $rc -ne 0 ] && status=1
         echo "$part: rc=$rc $start-$(date -u +%H:%M:%S)" | tee -a "$OUT/parts.txt"
         tail -3 "$OUT/gpu-$part.log"
+        continue;;
+    esac
+    case $part in gpu:*)
+        # chosen GPU test files (with -m gpu: without it the GPU tests refuse to run)
+        files=$(echo "${part#gpu:}" | tr ',' ' ')
+        marks=gpu
+        [ "$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')" -lt 2 ] && marks="gpu and not multi_gpu"
+        log="$OUT/gpu-$(echo "${part#gpu:}" | tr ',/' '__' | sed 's/\.py//g').log"
+        # shellcheck disable=SC2086
+        LOOPKERN_REQUIRE_GPU=1 python3 -m pytest -m "$marks" -q -rfEs $files -p no:warnings -s \
+            > "$log" 2>&1
+        rc=$?; [ $rc -ne 0 ] && status=1
+        echo "$part: rc=$rc $start-$(date -u +%H:%M:%S)" | tee -a "$OUT/parts.txt"
+        tail -3 "$log"
         continue;;
     esac
     case $part in ncu:*)

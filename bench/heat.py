@@ -205,7 +205,9 @@ def bench_heat(b: Bench):
                                      lambda c: (ALPHA,), ["u", "v"], scopes,
                                      sweep_blocks=[x for x in (16, 64, 132, 264, 528) if x * 256 <= 2 * n]
                                      if gpu and args.sweep else (),
-                                     sweep_threads=(128, 256, 512, 1024) if gpu and args.sweep and n <= 16384 else ())
+                                     sweep_threads=(128, 256, 512, 1024) if gpu and args.sweep and n <= 16384 else (),
+                                     # (its tile mode runs several steps per exchange: nothing to split)
+                                     experiments=("bounds",))
         if have("jax") and not args.no_jax:
             if not args.jax_only:
                 variants.append(loopkern_jax_variant(heat_kernel, lambda c: [c.data["u0"], c.data["u0"]],

@@ -3,13 +3,39 @@ jitted JAX loops."""
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import numpy as np
 
 from .harness import Impl, on_device, to_host
 
 
-def loopkern_impl(gpu, kernel, arrays: dict, scalars: tuple, order, swap_first=None, **opts):
-    """An Impl that calls ``kernel`` on device copies of ``arrays`` (in ``order``)."""
+#: Experiments that bench.py times as variants of their own, in the same interleaved rounds as
+#: the rest (an A/B that separate runs cannot give: those moved untouched rows by 1-4% in
+#: session 41): ``bounds`` (threads, blocks per SM) adds ``loopkern[grid,bounds=T/B]``
+#: (``dispatch.kernels.LAUNCH_BOUNDS``), ``split`` adds ``loopkern[tile,split]``
+#: (``dispatch.kernels.SPLIT_EXCHANGE``). Set by bench.py's --launch-bounds and --split-exchange.
+EXPERIMENTS: dict = {}
+
+
+@contextmanager
+def _knobs(values: dict):
+    """``dispatch.kernels``'s experiment switches set to ``values`` for the duration (a
+    kernel's variant is chosen, and keyed, by them when a call first needs it)."""
+    from loopkern.dispatch import kernels
+    old = {k: getattr(kernels, k) for k in values}
+    for k, v in values.items():
+        setattr(kernels, k, v)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            setattr(kernels, k, v)
+
+
+def loopkern_impl(gpu, kernel, arrays: dict, scalars: tuple, order, swap_first=None, knobs=None, **opts):
+    """An Impl that calls ``kernel`` on device copies of ``arrays`` (in ``order``), with
+    ``dispatch.kernels``'s switches set to ``knobs`` during each call."""
     init = {k: np.array(v) for k, v in arrays.items()}
     dev = {k: on_device(gpu, v) for k, v in init.items()}
     info = {}
@@ -17,11 +43,15 @@ def loopkern_impl(gpu, kernel, arrays: dict, scalars: tuple, order, swap_first=N
     def run(steps):
         args = [dev[k] for k in order] + list(scalars)
         kw = dict(opts)
-        if kernel.spec.returns_condition:
-            r = kernel(*args, max_steps=steps, **kw)
-        else:
-            r = kernel(*args, steps=steps, **kw)
+        with _knobs(knobs or {}):
+            if kernel.spec.returns_condition:
+                r = kernel(*args, max_steps=steps, **kw)
+            else:
+                r = kernel(*args, steps=steps, **kw)
         info.update(scope=r.scope, blocks=r.blocks, threads=r.threads)
+        if knobs and knobs.get("SPLIT_EXCHANGE"):
+            # whether the kernel that ran split its barrier (one step per exchange only)
+            info["split"] = any("barrier split in two" in src.text for src in kernel.dispatcher.kernels.sources.values())
         return r.steps
 
     def reset():
@@ -34,13 +64,26 @@ def loopkern_impl(gpu, kernel, arrays: dict, scalars: tuple, order, swap_first=N
     return Impl(run, lambda: to_host(gpu, dev[swap_first or order[0]]), reset, None, info)
 
 
-def loopkern_variants(gpu, make_kernel, arrays, scalars, order, scopes, sweep_blocks=(), sweep_threads=()):
+def loopkern_variants(gpu, make_kernel, arrays, scalars, order, scopes, sweep_blocks=(), sweep_threads=(),
+                      experiments=("bounds", "split")):
+    """loopkern's variants of a workload: one per scope, the block and thread sweeps, and the
+    ``EXPERIMENTS`` set (of those in ``experiments``) beside the scope they change."""
     out = []
     for scope in scopes:
         out.append((f"loopkern[{scope}]" if gpu else "loopkern[cpu]",
                     lambda case, s=scope: loopkern_impl(gpu, make_kernel(), arrays(case), scalars(case), order,
                                                         scope=s if gpu else None,
                                                         backend="cuda" if gpu else "cpu")))
+        bounds = EXPERIMENTS.get("bounds") if "bounds" in experiments else None
+        if gpu and scope == "grid" and bounds:
+            out.append((f"loopkern[grid,bounds={bounds[0]}/{bounds[1]}]",
+                        lambda case: loopkern_impl(gpu, make_kernel(), arrays(case), scalars(case), order,
+                                                   knobs={"LAUNCH_BOUNDS": tuple(bounds)}, scope="grid",
+                                                   backend="cuda")))
+        if gpu and scope == "tile" and EXPERIMENTS.get("split") and "split" in experiments:
+            out.append(("loopkern[tile,split]",
+                        lambda case: loopkern_impl(gpu, make_kernel(), arrays(case), scalars(case), order,
+                                                   knobs={"SPLIT_EXCHANGE": True}, scope="tile", backend="cuda")))
     for b in sweep_blocks:
         out.append((f"loopkern[grid,blocks={b}]",
                     lambda case, b=b: loopkern_impl(gpu, make_kernel(), arrays(case), scalars(case), order,
