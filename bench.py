@@ -92,6 +92,9 @@ def main(argv=None):
     p.add_argument("--split-exchange", action="store_true",
                    help="an experiment: also time tile mode with the exchange's grid barrier split (the rows "
                         "that read no halo computed between its halves), a variant of its own")
+    p.add_argument("--tile-row-literal", action="store_true",
+                   help="an experiment: also time 2-D tile mode with literal row strides where a row is as "
+                        "wide as the block (codegen.TILE_ROW_LITERAL), a variant of its own")
     p.add_argument("--merge", nargs="+", default=[], metavar="JSON",
                    help="write one table from the JSON files of several runs (same device and date)")
     args = p.parse_args(argv)
@@ -106,6 +109,8 @@ def main(argv=None):
         EXPERIMENTS["bounds"] = args.launch_bounds
     if args.split_exchange:
         EXPERIMENTS["split"] = True
+    if args.tile_row_literal:
+        EXPERIMENTS["rows"] = True
     gpu = gpu_available() and not args.quick
     b = Bench(args, gpu)
     meta = dict(device=device_name(gpu), date=_dt.date.today().isoformat(), reps=args.reps,

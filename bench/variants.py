@@ -14,23 +14,29 @@ from .harness import Impl, on_device, to_host
 #: the rest (an A/B that separate runs cannot give: those moved untouched rows by 1-4% in
 #: session 41): ``bounds`` (threads, blocks per SM) adds ``loopkern[grid,bounds=T/B]``
 #: (``dispatch.kernels.LAUNCH_BOUNDS``), ``split`` adds ``loopkern[tile,split]``
-#: (``dispatch.kernels.SPLIT_EXCHANGE``). Set by bench.py's --launch-bounds and --split-exchange.
+#: (``dispatch.kernels.SPLIT_EXCHANGE``), ``rows`` adds ``loopkern[tile,row-literal]``
+#: (``codegen.TILE_ROW_LITERAL``). Set by bench.py's --launch-bounds, --split-exchange and
+#: --tile-row-literal.
 EXPERIMENTS: dict = {}
 
 
 @contextmanager
 def _knobs(values: dict):
-    """``dispatch.kernels``'s experiment switches set to ``values`` for the duration (a
-    kernel's variant is chosen, and keyed, by them when a call first needs it)."""
+    """Experiment switches (``"kernels.NAME"`` of ``loopkern.dispatch.kernels``,
+    ``"codegen.NAME"`` of ``loopkern.codegen``) set to ``values`` for the duration: a kernel's
+    source is rendered with them when a call of a new kernel instance first needs it."""
+    from loopkern import codegen
     from loopkern.dispatch import kernels
-    old = {k: getattr(kernels, k) for k in values}
-    for k, v in values.items():
-        setattr(kernels, k, v)
+    modules = {"kernels": kernels, "codegen": codegen}
+    targets = {k: (modules[k.split(".")[0]], k.split(".")[1]) for k in values}
+    old = {k: getattr(m, n) for k, (m, n) in targets.items()}
+    for k, (m, n) in targets.items():
+        setattr(m, n, values[k])
     try:
         yield
     finally:
-        for k, v in old.items():
-            setattr(kernels, k, v)
+        for k, (m, n) in targets.items():
+            setattr(m, n, old[k])
 
 
 def loopkern_impl(gpu, kernel, arrays: dict, scalars: tuple, order, swap_first=None, knobs=None, **opts):
@@ -49,7 +55,7 @@ def loopkern_impl(gpu, kernel, arrays: dict, scalars: tuple, order, swap_first=N
             else:
                 r = kernel(*args, steps=steps, **kw)
         info.update(scope=r.scope, blocks=r.blocks, threads=r.threads)
-        if knobs and knobs.get("SPLIT_EXCHANGE"):
+        if knobs and knobs.get("kernels.SPLIT_EXCHANGE"):
             # whether the kernel that ran split its barrier (one step per exchange only)
             info["split"] = any("barrier split in two" in src.text for src in kernel.dispatcher.kernels.sources.values())
         return r.steps
@@ -65,7 +71,7 @@ def loopkern_impl(gpu, kernel, arrays: dict, scalars: tuple, order, swap_first=N
 
 
 def loopkern_variants(gpu, make_kernel, arrays, scalars, order, scopes, sweep_blocks=(), sweep_threads=(),
-                      experiments=("bounds", "split")):
+                      experiments=("bounds", "split", "rows")):
     """loopkern's variants of a workload: one per scope, the block and thread sweeps, and the
     ``EXPERIMENTS`` set (of those in ``experiments``) beside the scope they change."""
     out = []
@@ -78,12 +84,18 @@ def loopkern_variants(gpu, make_kernel, arrays, scalars, order, scopes, sweep_bl
         if gpu and scope == "grid" and bounds:
             out.append((f"loopkern[grid,bounds={bounds[0]}/{bounds[1]}]",
                         lambda case: loopkern_impl(gpu, make_kernel(), arrays(case), scalars(case), order,
-                                                   knobs={"LAUNCH_BOUNDS": tuple(bounds)}, scope="grid",
+                                                   knobs={"kernels.LAUNCH_BOUNDS": tuple(bounds)}, scope="grid",
                                                    backend="cuda")))
         if gpu and scope == "tile" and EXPERIMENTS.get("split") and "split" in experiments:
             out.append(("loopkern[tile,split]",
                         lambda case: loopkern_impl(gpu, make_kernel(), arrays(case), scalars(case), order,
-                                                   knobs={"SPLIT_EXCHANGE": True}, scope="tile", backend="cuda")))
+                                                   knobs={"kernels.SPLIT_EXCHANGE": True}, scope="tile",
+                                                   backend="cuda")))
+        if gpu and scope == "tile" and EXPERIMENTS.get("rows") and "rows" in experiments:
+            out.append(("loopkern[tile,row-literal]",
+                        lambda case: loopkern_impl(gpu, make_kernel(), arrays(case), scalars(case), order,
+                                                   knobs={"codegen.TILE_ROW_LITERAL": True}, scope="tile",
+                                                   backend="cuda")))
     for b in sweep_blocks:
         out.append((f"loopkern[grid,blocks={b}]",
                     lambda case, b=b: loopkern_impl(gpu, make_kernel(), arrays(case), scalars(case), order,

@@ -828,8 +828,8 @@ class _BodyWriter:
         self.out.add(d, f"{col} = {c}" if los[1] == "0" else f"{col} = {los[1]} + {c}", s)
         self.out.add(d, f"{c} += {width}", s)
 
-        def take(q, rn):
-            row = cur + (f" + {q} * {rows}" if q else "")
+        def take(q, rn, stride=rows):
+            row = cur + ((f" + {q}" if stride == "1" else f" + {q} * {stride}") if q else "")
             lines = [f"{rn(names[0])} = {row}" if los[0] == "0" else f"{rn(names[0])} = {los[0]} + {row}",
                      f"{rn(names[1])} = {col}"]
             if single:
@@ -838,12 +838,23 @@ class _BodyWriter:
         index_names = names + ([_src(s.target)] if single else [])
         cells = (lambda rn: (rn(names[0]), rn(names[1]))) if not single else None
         outer = self.lower.tile_cell
-        rest = self.unrolled(s, index_names, d, k, cur, r0, ns[0], take, stride=rows, cells=cells)
-        if rest is None:
-            self.out.add(d, f"{cur} = {r0}", s)
-        self.lower.tile_cell = cells(lambda n: n) if cells else outer
-        self.strided_loop(s, d, f"{cur} < {ns[0]}", take(0, lambda n: n) + [f"{cur} += {rows}"], rest)
-        self.lower.tile_cell = outer
+
+        def rows_of(depth, take, stride):
+            rest = self.unrolled(s, index_names, depth, k, cur, r0, ns[0], take, stride=stride, cells=cells)
+            if rest is None:
+                self.out.add(depth, f"{cur} = {r0}", s)
+            self.lower.tile_cell = cells(lambda n: n) if cells else outer
+            self.strided_loop(s, depth, f"{cur} < {ns[0]}", take(0, lambda n: n) + [f"{cur} += {stride}"], rest)
+            self.lower.tile_cell = outer
+        if TILE_ROW_LITERAL:
+            # a row as wide as the block: one row per pass, and the unrolled copies' cells are
+            # consecutive rows, their neighbours' loads the same addresses (shared by LLVM)
+            self.out.add(d, f"if {rows} == 1:", s)
+            rows_of(d + 1, lambda q, rn: take(q, rn, "1"), "1")
+            self.out.add(d, "else:", s)
+            rows_of(d + 1, take, rows)
+        else:
+            rows_of(d, take, rows)
 
     def unrolled(self, s, index_names, depth, k, cur, start, stop, take, stride: str = f"{_P}nt", cells=None):
         """Emit an unrolled loop over this thread's indices when that cannot change the result.
@@ -862,7 +873,9 @@ class _BodyWriter:
         """
         if self.sites is not None:   # debug: keep each access where the user wrote it
             return None
-        plan = _unroll_plan(list(s.body), index_names, self.outside_names(s))
+        # (on copies: the hoisting below rewrites statements in place, and a loop may be
+        # emitted more than once, see tile_rows)
+        plan = _unroll_plan(copy.deepcopy(list(s.body)), index_names, self.outside_names(s))
         if plan is None:
             return None
         temps, split = plan
@@ -914,6 +927,11 @@ class _BodyWriter:
 
 
 UNROLL = 4
+#: An experiment, off by default (bench.py --tile-row-literal): a 2-D tile loop whose rows are
+#: at least as wide as the block (one row per pass) gets a copy with literal row strides, in
+#: which the unrolled cells' shared neighbours are loaded once (device compilers, heat 1024²:
+#: 14 shared loads per four cells in one wait instead of 20 in three; 72 registers against 47)
+TILE_ROW_LITERAL = False
 #: after the unrolled loop, a loop of two copies (see ``_BodyWriter.unrolled``)
 TAIL_PAIR = True
 #: loads that follow a store in an unrolled body are issued before it (``_hoist_loads``)
