@@ -779,3 +779,28 @@ def scalars_ref(u0, steps, a, b, k, tol):
         if not err > tol:
             return u, done
     return u, steps
+
+
+def coupled_rings_step(t, a, b, c, d):
+    # two fields on a torus, each reading the other's rows above and below (weights summing to
+    # one: the fields keep their scale): a 2-D tile exchanges the edge rows of both swap pairs
+    # (each wrapped row is found modulo its own array's extent: the stencil analysis asks it)
+    n = a.shape[0]
+    m = a.shape[1]
+    nc = c.shape[0]
+    for i, j in lk.grid(n, m):
+        up = i - 1 if i > 0 else n - 1
+        dn = i + 1 if i < n - 1 else 0
+        upc = i - 1 if i > 0 else nc - 1
+        dnc = i + 1 if i < nc - 1 else 0
+        b[i, j] = 0.5 * a[i, j] + 0.25 * (c[upc, j] + c[dnc, j])
+        d[i, j] = 0.4 * c[i, j] + 0.3 * a[up, j] + 0.2 * a[dn, j] + 0.1 * a[i, (j + 1) % m]
+
+
+def coupled_rings_ref(a0, c0, steps):
+    a, c = a0.astype(np.float64), c0.astype(np.float64)
+    for _ in range(steps):
+        up_c, dn_c = np.roll(c, 1, axis=0), np.roll(c, -1, axis=0)
+        up_a, dn_a = np.roll(a, 1, axis=0), np.roll(a, -1, axis=0)
+        a, c = 0.5 * a + 0.25 * (up_c + dn_c), 0.4 * c + 0.3 * up_a + 0.2 * dn_a + 0.1 * np.roll(a, -1, axis=1)
+    return a, c

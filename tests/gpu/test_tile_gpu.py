@@ -672,3 +672,23 @@ def test_an_argument_sharing_memory_with_a_tile_is_refused_and_a_copy_runs(rng):
     ref_out[1:-1] = u0[1:-1]
     np.testing.assert_allclose(out.copy_to_host(), ref_out, rtol=1e-15)
     np.testing.assert_allclose(u.copy_to_host(), cur, rtol=1e-12)
+
+
+@pytest.mark.parametrize("shape,blocks", [((517, 333), 7), ((1024, 1024), None), ((40, 64), 13), ((9, 700), 4)])
+def test_two_swap_pairs_exchanged_between_two_dimensional_tiles(shape, blocks, rng):
+    # both pairs' edge rows go through the exchange (one gather loop loads both arrays' rows)
+    cuda = _cuda()
+    k = lk.megakernel(W.coupled_rings_step, swap=[("a", "b"), ("c", "d")])
+    a0, c0 = rng.random(shape), rng.random(shape)
+    steps = 501
+    out = {}
+    for scope in ("tile", "grid"):
+        arrs = [cuda.to_device(x.astype(np.float32)) for x in (a0, a0, c0, c0)]
+        run = k(*arrs, steps=steps, backend="cuda", scope=scope, blocks=blocks if scope == "tile" else None)
+        assert run.scope == scope and run.steps == steps
+        out[scope] = [x.copy_to_host() for x in arrs]
+    for x, y in zip(out["tile"], out["grid"]):
+        np.testing.assert_array_equal(x, y)
+    ra, rc = W.coupled_rings_ref(a0.astype(np.float32), c0.astype(np.float32), steps)
+    np.testing.assert_allclose(out["tile"][0], ra, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(out["tile"][2], rc, rtol=1e-4, atol=1e-5)

@@ -10,7 +10,8 @@ from loopkern import codegen
 from .test_tile_gpu import (test_a_one_sided_wrapping_stencil_in_tile_mode,  # noqa: F401
                             test_game_of_life_in_tile_mode_equals_the_grid_scope,
                             test_jacobi_whose_exchange_passes_its_reductions_barrier,
-                            test_two_dimensional_heat_in_tile_mode_equals_the_grid_scope)
+                            test_two_dimensional_heat_in_tile_mode_equals_the_grid_scope,
+                            test_two_swap_pairs_exchanged_between_two_dimensional_tiles)
 
 pytestmark = pytest.mark.gpu
 

@@ -16,7 +16,8 @@ from loopkern.dispatch import config, kernels
 from .test_tile_gpu import (test_a_one_sided_wrapping_stencil_in_tile_mode,  # noqa: F401
                             test_game_of_life_in_tile_mode_equals_the_grid_scope,
                             test_one_dimensional_wrapping_stencils_in_tile_mode,
-                            test_two_dimensional_heat_in_tile_mode_equals_the_grid_scope)
+                            test_two_dimensional_heat_in_tile_mode_equals_the_grid_scope,
+                            test_two_swap_pairs_exchanged_between_two_dimensional_tiles)
 
 pytestmark = pytest.mark.gpu
 
