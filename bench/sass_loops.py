@@ -3,9 +3,11 @@ and compiled to PTX by Numba for a stand-in sm_90 device, assembled by ``ptxas``
 disassembled by ``cuobjdump``; each backward branch is reported with the instructions of the
 loop it closes (and how many of them are shared/global loads and stores).
 
-    python bench/sass_loops.py heat2d|jacobi|life|heat tile|grid [depth] [bounds=THREADS/BLOCKS]
+    python bench/sass_loops.py heat2d|jacobi|life|heat tile|grid [depth] [bounds=THREADS/BLOCKS] [split] [row-literal]
     python bench/sass_loops.py jacobi|jacobi_lowered block|grid [bounds=THREADS/BLOCKS]
 
+``split`` renders tile mode with the exchange's barrier split (``render_kernel(split=True)``),
+``row-literal`` with ``codegen.TILE_ROW_LITERAL`` (both experiments, off by default).
 ``bounds=256/2`` assembles the kernel with launch bounds (``.maxntid 256``, ``.minnctapersm
 2``), as ``cuda.jit(launch_bounds=...)`` would compile it.
 
@@ -73,7 +75,7 @@ def _jacobi_lowered():
     return made[-1]
 
 
-def kernel_ptx(which: str, mode: str, depth: int) -> tuple[str, str]:
+def kernel_ptx(which: str, mode: str, depth: int, split: bool = False) -> tuple[str, str]:
     """(generated Python source, PTX) of bench kernel ``which`` in ``mode`` (grid: with 32-bit
     indices, as the dispatcher picks for these sizes; tile: ``depth`` steps per exchange;
     block: the swap pair staged in shared memory, kernel.jax's form)."""
@@ -124,7 +126,7 @@ def kernel_ptx(which: str, mode: str, depth: int) -> tuple[str, str]:
         raise SystemExit(f"unknown kernel {which!r}: heat2d, jacobi, jacobi_lowered, life or heat")
     k = make()
     tile = find_stencil(k.spec) if mode == "tile" else None
-    src = codegen.render_kernel(k.spec, "cuda", "grid", cache=False, tile=tile, float_type=float_type,
+    src = codegen.render_kernel(k.spec, "cuda", "grid", cache=False, tile=tile, float_type=float_type, split=split,
                                 index_bits=None if tile is not None else 32, depth=depth)
     sig = (types.int64, types.int64, *[typeof(a) for a in args], *scratch, types.uint64, types.int64[::1],
            types.int64[::1])
@@ -148,7 +150,11 @@ def sass(ptx: str) -> list[str]:
     with tempfile.TemporaryDirectory() as tmp:
         src, cubin = Path(tmp) / "k.ptx", Path(tmp) / "k.cubin"
         src.write_text(ptx)
-        subprocess.run([ptxas, "-arch=sm_90a", "-O3", str(src), "-o", str(cubin)], check=True)
+        done = subprocess.run([ptxas, "-arch=sm_90a", "-O3", "-v", str(src), "-o", str(cubin)], check=True,
+                              capture_output=True, text=True)
+        regs = re.findall(r"Used (\d+) registers", done.stderr)
+        if regs:
+            print(f"registers: {', '.join(regs)}")
         out = subprocess.run([cuobjdump, "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
     return [re.sub(r"\s*/\* 0x[0-9a-f]+ \*/", "", ln).strip() for ln in out.splitlines()
             if re.match(r"\s+/\*[0-9a-f]{4,}\*/", ln)]
@@ -213,7 +219,10 @@ def main():
     which, mode = sys.argv[1], sys.argv[2]
     depth = int(sys.argv[3]) if len(sys.argv) > 3 and sys.argv[3].isdigit() else 1
     bounds = next((a.split("=", 1)[1] for a in sys.argv[3:] if a.startswith("bounds=")), None)
-    _, ptx = kernel_ptx(which, mode, depth)
+    if "row-literal" in sys.argv[3:]:
+        from loopkern import codegen
+        codegen.TILE_ROW_LITERAL = True
+    _, ptx = kernel_ptx(which, mode, depth, split="split" in sys.argv[3:])
     if bounds:
         threads, min_blocks = (int(x) for x in bounds.split("/"))
         ptx = with_launch_bounds(ptx, threads, min_blocks)
