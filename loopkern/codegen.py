@@ -1420,9 +1420,9 @@ def render_kernel(spec: StepSpec, backend: str, scope: str = "grid", *, cache: b
         raise ValueError(f"tiles must be 0, or more in tile mode without a cluster; got {tiles!r}")
     if split:
         from .stencil import split_exchange_refusal
-        if tile is None or depth != 1 or tiles or cluster:
+        if tile is None or depth != 1 or tiles or cluster or not control:
             raise ValueError("split is for tile mode with one step per halo exchange, without a cluster or "
-                             "streamed tiles")
+                             "streamed tiles, with run control")
         refusal = split_exchange_refusal(spec, tile)
         if refusal is not None:
             raise ValueError(f"step '{spec.name}' cannot split its exchange: {refusal.reason} (line {refusal.line})")

@@ -150,6 +150,8 @@ def test_which_steps_split_their_exchange(split, rng):
             codegen.render_kernel(heat.spec, "cuda", "grid", cache=False, tile=st, split=True, **kw)
     with pytest.raises(ValueError, match="split is for tile mode"):
         codegen.render_kernel(heat.spec, "cuda", "grid", cache=False, split=True)
+    with pytest.raises(ValueError, match="with run control"):
+        codegen.render_kernel(heat.spec, "cuda", "grid", cache=False, tile=st, split=True, control=False)
 
 
 def test_the_split_kernel_waits_before_writing_its_tiles_back():

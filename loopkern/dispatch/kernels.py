@@ -26,10 +26,11 @@ LAUNCH_BOUNDS: tuple | None = None
 SPLIT_EXCHANGE: bool = False
 
 
-def _splits(spec, backend, tile, debug, cluster, depth, tiles) -> bool:
-    """Whether a variant's kernel splits its exchange's barrier (``SPLIT_EXCHANGE``)."""
+def _splits(spec, backend, tile, debug, cluster, depth, tiles, control) -> bool:
+    """Whether a variant's kernel splits its exchange's barrier (``SPLIT_EXCHANGE``; not for
+    the measurement-only kernels without run control, whose template polls anyway)."""
     if not (SPLIT_EXCHANGE and backend == "cuda" and tile is not None and depth == 1 and not tiles
-            and not cluster and not debug):
+            and not cluster and not debug and control):
         return False
     from ..stencil import split_exchange_refusal
     return split_exchange_refusal(spec, tile) is None
@@ -53,7 +54,7 @@ class KernelCache:
         simulated = backend == "cuda" and simulator_enabled()
         bounds = LAUNCH_BOUNDS if (backend == "cuda" and scope == "grid" and tile is None and not debug
                                    and not simulated) else None
-        split = _splits(self.spec, backend, tile, debug, cluster, depth, tiles)
+        split = _splits(self.spec, backend, tile, debug, cluster, depth, tiles, control)
         key = (backend, scope, by_ref, debug, staged, control, float_type, index_bits, tile, cluster, depth, tiles,
                bounds, split)
         src = self.sources.get(key)
