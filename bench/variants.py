@@ -39,6 +39,18 @@ def _knobs(values: dict):
             setattr(m, n, old[k])
 
 
+def with_knobs(impl: Impl, knobs: dict) -> Impl:
+    """``impl`` with the experiment switches ``knobs`` (see :func:`_knobs`) set during each of
+    its runs: for a JAX variant, the trace that builds its kernel happens in the first."""
+    run = impl.run
+
+    def knobbed(steps):
+        with _knobs(knobs):
+            return run(steps)
+    impl.run = knobbed
+    return impl
+
+
 def loopkern_impl(gpu, kernel, arrays: dict, scalars: tuple, order, swap_first=None, knobs=None, **opts):
     """An Impl that calls ``kernel`` on device copies of ``arrays`` (in ``order``), with
     ``dispatch.kernels``'s switches set to ``knobs`` during each call."""
