@@ -24,14 +24,22 @@ else
 fi
 export XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv > "$OUT/nvidia-smi.txt" 2>&1
+# GPU tests: run_gpu_tests LOG FILE_OR_OPTION...; tests that need two or more GPUs are left out
+# on a machine with one; the GPU tests run only with -m gpu (without it they refuse to run)
+run_gpu_tests() {
+    log=$1; shift
+    marks=gpu
+    [ "$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')" -lt 2 ] && marks="gpu and not multi_gpu"
+    LOOPKERN_REQUIRE_GPU=1 python3 -m pytest -m "$marks" -q -rfEs "$@" -p no:warnings -s > "$log" 2>&1
+    rc=$?; [ $rc -ne 0 ] && status=1
+    echo "$part: rc=$rc $start-$(date -u +%H:%M:%S)" | tee -a "$OUT/parts.txt"
+    tail -3 "$log"
+}
 for part in "$@"; do
     start=$(date -u +%H:%M:%S)
     case $part in tests|tests-a|tests-b)
-        # tests that need two or more GPUs are left out on a machine with one; all of tests/gpu
-        # takes longer than one device call (10 minutes), so tests-a (the JAX, drop-in loop and
-        # tile files, ~5 min on an H200) and tests-b (the rest, ~7.5 min) split it
-        marks=gpu
-        [ "$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')" -lt 2 ] && marks="gpu and not multi_gpu"
+        # all of tests/gpu takes longer than one device call (10 minutes), so tests-a (the JAX,
+        # drop-in loop and tile files, ~5 min on an H200) and tests-b (the rest, ~7.5 min) split it
         heavy="tests/gpu/test_jaxloops_gpu.py tests/gpu/test_jax_gpu.py tests/gpu/test_tile_gpu.py"
         case $part in
             tests) files=tests/gpu;;
@@ -39,25 +47,14 @@ for part in "$@"; do
             *) files="tests/gpu $(for f in $heavy; do printf -- '--ignore=%s ' "$f"; done)";;
         esac
         # shellcheck disable=SC2086
-        LOOPKERN_REQUIRE_GPU=1 python3 -m pytest -m "$marks" -q -rfEs $files -p no:warnings -s \
-            > "$OUT/gpu-$part.log" 2>&1
-        rc=$?; [ $rc -ne 0 ] && status=1
-        echo "$part: rc=$rc $start-$(date -u +%H:%M:%S)" | tee -a "$OUT/parts.txt"
-        tail -3 "$OUT/gpu-$part.log"
+        run_gpu_tests "$OUT/gpu-$part.log" $files
         continue;;
     esac
     case $part in gpu:*)
-        # chosen GPU test files (with -m gpu: without it the GPU tests refuse to run)
-        files=$(echo "${part#gpu:}" | tr ',' ' ')
-        marks=gpu
-        [ "$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')" -lt 2 ] && marks="gpu and not multi_gpu"
-        log="$OUT/gpu-$(echo "${part#gpu:}" | tr ',/' '__' | sed 's/\.py//g').log"
-        # shellcheck disable=SC2086
-        LOOPKERN_REQUIRE_GPU=1 python3 -m pytest -m "$marks" -q -rfEs $files -p no:warnings -s \
-            > "$log" 2>&1
-        rc=$?; [ $rc -ne 0 ] && status=1
-        echo "$part: rc=$rc $start-$(date -u +%H:%M:%S)" | tee -a "$OUT/parts.txt"
-        tail -3 "$log"
+        # chosen GPU test files
+        # shellcheck disable=SC2046
+        run_gpu_tests "$OUT/gpu-$(echo "${part#gpu:}" | tr ',/' '__' | sed 's/\.py//g').log" \
+            $(echo "${part#gpu:}" | tr ',' ' ')
         continue;;
     esac
     case $part in ncu:*)

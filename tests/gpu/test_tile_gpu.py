@@ -692,3 +692,24 @@ def test_two_swap_pairs_exchanged_between_two_dimensional_tiles(shape, blocks, r
     ra, rc = W.coupled_rings_ref(a0.astype(np.float32), c0.astype(np.float32), steps)
     np.testing.assert_allclose(out["tile"][0], ra, rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(out["tile"][2], rc, rtol=1e-4, atol=1e-5)
+
+
+def switch_on(monkeypatch, module, name, marker):
+    """For an experiment's re-run of these tests (test_tile_split_gpu.py,
+    test_tile_row_literal_gpu.py): set ``module.name`` for the test and watch the kernels it
+    renders; returns the check, for after the test, that one of them shows ``marker`` (the
+    experiment's mark in the source), so that no re-run passes without it."""
+    from loopkern import codegen
+    monkeypatch.setattr(module, name, True)
+    seen = []
+    render = codegen.render_kernel
+
+    def spy(*args, **kw):
+        src = render(*args, **kw)
+        seen.append(marker in src.text)
+        return src
+    monkeypatch.setattr(codegen, "render_kernel", spy)
+
+    def check():
+        assert any(seen), f"no kernel rendered with {name} showed {marker!r}"
+    return check

@@ -11,21 +11,13 @@ from .test_tile_gpu import (test_a_one_sided_wrapping_stencil_in_tile_mode,  # n
                             test_game_of_life_in_tile_mode_equals_the_grid_scope,
                             test_jacobi_whose_exchange_passes_its_reductions_barrier,
                             test_two_dimensional_heat_in_tile_mode_equals_the_grid_scope,
-                            test_two_swap_pairs_exchanged_between_two_dimensional_tiles)
+                            test_two_swap_pairs_exchanged_between_two_dimensional_tiles, switch_on)
 
 pytestmark = pytest.mark.gpu
 
 
 @pytest.fixture(autouse=True)
 def row_literal(monkeypatch):
-    monkeypatch.setattr(codegen, "TILE_ROW_LITERAL", True)
-    seen = []
-    render = codegen.render_kernel
-
-    def spy(*args, **kw):
-        src = render(*args, **kw)
-        seen.append("_rows == 1:" in src.text)
-        return src
-    monkeypatch.setattr(codegen, "render_kernel", spy)
+    check = switch_on(monkeypatch, codegen, "TILE_ROW_LITERAL", "_rows == 1:")
     yield
-    assert any(seen), "no kernel with literal row strides was built"
+    check()
