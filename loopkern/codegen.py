@@ -1904,8 +1904,8 @@ def _tile_lines(tile, kparams, resident, written, sync: str = "grid",
     in_step = []
     # (split exchange, see render_kernel: the publish before the barrier's arrival, and the
     # gather after its wait, which comes after the names were swapped)
-    split = {"publish": publish(0, {i: f"{_P}w{i}" for i in written}) if hl + hr and written else [],
-             "gather": []}
+    edges = publish(0, {i: f"{_P}w{i}" for i in written}) if hl + hr and written else []
+    split = {"publish": edges, "gather": []}
     if step_names is not None:
         if not (hl + hr and written):
             raise ValueError("fusing the exchange into the step needs a halo and an array the step writes")
@@ -1916,10 +1916,7 @@ def _tile_lines(tile, kparams, resident, written, sync: str = "grid",
         in_step += publish(1, step_names)
         bar = []
     else:
-        bar = ["cuda.syncthreads()"]
-        if hl + hr and written:
-            bar += publish(0, {i: f"{_P}w{i}" for i in written})
-        bar.append(f"{_P}rt.{sync}_sync({_P}bar)")
+        bar = ["cuda.syncthreads()"] + edges + [f"{_P}rt.{sync}_sync({_P}bar)"]
     if hl + hr and written:
         # the halo rows, from the neighbours' edges; wrapping around along dimension 0, the
         # first tile's lower halo is the last rows of the array and the last tile's upper halo
