@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from .harness import Bench, Case, Impl, have
-from .variants import EXPERIMENTS, jax_impl, loopkern_jax_variant, loopkern_variants, with_knobs
+from .variants import bounds_variant, jax_impl, loopkern_jax_variant, loopkern_variants
 
 
 JACOBI_TOL = np.float32(1e-5)
@@ -167,12 +167,9 @@ def bench_jacobi(b: Bench):
             if not args.jax_only:
                 variants.append(loopkern_jax_variant(jacobi_kernel, lambda c: [c.data["u0"], c.data["u0"]],
                                                      lambda c: (tol,)))
-                bounds = EXPERIMENTS.get("bounds")
-                if gpu and bounds:
-                    name, make = loopkern_jax_variant(jacobi_kernel, lambda c: [c.data["u0"], c.data["u0"]],
-                                                      lambda c: (tol,))
-                    variants.append((f"{name} [bounds={bounds[0]}/{bounds[1]}]", lambda c, make=make: with_knobs(
-                        make(c), {"kernels.LAUNCH_BOUNDS": tuple(bounds)})))
+                bounded = bounds_variant(*variants[-1])
+                if gpu and bounded:
+                    variants.append(bounded)
             variants.append(("jax.lax.while_loop", lambda c: jax_jacobi_while(c.data["u0"], tol)))
         if gpu and not args.jax_only:
             variants.append(("numba launch per step (+ host check)", lambda c: numba_jacobi_per_step(c.data["u0"], tol)))

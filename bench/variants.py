@@ -51,9 +51,33 @@ def with_knobs(impl: Impl, knobs: dict) -> Impl:
     return impl
 
 
-def loopkern_impl(gpu, kernel, arrays: dict, scalars: tuple, order, swap_first=None, knobs=None, **opts):
-    """An Impl that calls ``kernel`` on device copies of ``arrays`` (in ``order``), with
-    ``dispatch.kernels``'s switches set to ``knobs`` during each call."""
+def bounds_variant(name: str, make):
+    """With ``EXPERIMENTS["bounds"]`` set: the variant ``make`` (case -> Impl) again under
+    launch bounds, as (name, make); else None."""
+    bounds = EXPERIMENTS.get("bounds")
+    if not bounds:
+        return None
+    return (f"{name} [bounds={bounds[0]}/{bounds[1]}]",
+            lambda case: with_knobs(make(case), {"kernels.LAUNCH_BOUNDS": tuple(bounds)}))
+
+
+def _experiments(scope: str, experiments) -> list:
+    """(label, switches) of the ``EXPERIMENTS`` set, of those in ``experiments``, that change
+    ``scope``'s kernels."""
+    out = []
+    bounds = EXPERIMENTS.get("bounds")
+    if scope == "grid" and bounds and "bounds" in experiments:
+        out.append((f"grid,bounds={bounds[0]}/{bounds[1]}", {"kernels.LAUNCH_BOUNDS": tuple(bounds)}))
+    if scope == "tile":
+        for name, label, switch in (("split", "tile,split", "kernels.SPLIT_EXCHANGE"),
+                                    ("rows", "tile,row-literal", "codegen.TILE_ROW_LITERAL")):
+            if EXPERIMENTS.get(name) and name in experiments:
+                out.append((label, {switch: True}))
+    return out
+
+
+def loopkern_impl(gpu, kernel, arrays: dict, scalars: tuple, order, swap_first=None, **opts):
+    """An Impl that calls ``kernel`` on device copies of ``arrays`` (in ``order``)."""
     init = {k: np.array(v) for k, v in arrays.items()}
     dev = {k: on_device(gpu, v) for k, v in init.items()}
     info = {}
@@ -61,15 +85,16 @@ def loopkern_impl(gpu, kernel, arrays: dict, scalars: tuple, order, swap_first=N
     def run(steps):
         args = [dev[k] for k in order] + list(scalars)
         kw = dict(opts)
-        with _knobs(knobs or {}):
-            if kernel.spec.returns_condition:
-                r = kernel(*args, max_steps=steps, **kw)
-            else:
-                r = kernel(*args, steps=steps, **kw)
+        if kernel.spec.returns_condition:
+            r = kernel(*args, max_steps=steps, **kw)
+        else:
+            r = kernel(*args, steps=steps, **kw)
+        if not info and gpu:
+            # (once, in the untimed check run) a kernel that split its exchange's barrier
+            # (bench.py --split-exchange, one step per exchange only) says so in its row
+            if any("barrier split in two" in src.text for src in kernel.dispatcher.kernels.sources.values()):
+                info["split"] = True
         info.update(scope=r.scope, blocks=r.blocks, threads=r.threads)
-        if knobs and knobs.get("kernels.SPLIT_EXCHANGE"):
-            # whether the kernel that ran split its barrier (one step per exchange only)
-            info["split"] = any("barrier split in two" in src.text for src in kernel.dispatcher.kernels.sources.values())
         return r.steps
 
     def reset():
@@ -92,22 +117,11 @@ def loopkern_variants(gpu, make_kernel, arrays, scalars, order, scopes, sweep_bl
                     lambda case, s=scope: loopkern_impl(gpu, make_kernel(), arrays(case), scalars(case), order,
                                                         scope=s if gpu else None,
                                                         backend="cuda" if gpu else "cpu")))
-        bounds = EXPERIMENTS.get("bounds") if "bounds" in experiments else None
-        if gpu and scope == "grid" and bounds:
-            out.append((f"loopkern[grid,bounds={bounds[0]}/{bounds[1]}]",
-                        lambda case: loopkern_impl(gpu, make_kernel(), arrays(case), scalars(case), order,
-                                                   knobs={"kernels.LAUNCH_BOUNDS": tuple(bounds)}, scope="grid",
-                                                   backend="cuda")))
-        if gpu and scope == "tile" and EXPERIMENTS.get("split") and "split" in experiments:
-            out.append(("loopkern[tile,split]",
-                        lambda case: loopkern_impl(gpu, make_kernel(), arrays(case), scalars(case), order,
-                                                   knobs={"kernels.SPLIT_EXCHANGE": True}, scope="tile",
-                                                   backend="cuda")))
-        if gpu and scope == "tile" and EXPERIMENTS.get("rows") and "rows" in experiments:
-            out.append(("loopkern[tile,row-literal]",
-                        lambda case: loopkern_impl(gpu, make_kernel(), arrays(case), scalars(case), order,
-                                                   knobs={"codegen.TILE_ROW_LITERAL": True}, scope="tile",
-                                                   backend="cuda")))
+        for label, switches in (_experiments(scope, experiments) if gpu else ()):
+            out.append((f"loopkern[{label}]",
+                        lambda case, s=scope, sw=switches: with_knobs(
+                            loopkern_impl(gpu, make_kernel(), arrays(case), scalars(case), order, scope=s,
+                                          backend="cuda"), sw)))
     for b in sweep_blocks:
         out.append((f"loopkern[grid,blocks={b}]",
                     lambda case, b=b: loopkern_impl(gpu, make_kernel(), arrays(case), scalars(case), order,
