@@ -60,9 +60,12 @@ def workload_list(text):
 
 
 def launch_bounds(text: str):
-    """``THREADS/BLOCKS`` as (threads, blocks per SM), or None for an empty string."""
+    """``THREADS/BLOCKS`` as (threads, blocks per SM), "off" as itself (no bounds), or None for
+    an empty string."""
     if not text:
         return None
+    if text == "off":
+        return text
     try:
         threads, blocks = (int(x) for x in text.split("/"))
     except ValueError:
@@ -87,14 +90,12 @@ def main(argv=None):
     p.add_argument("--jax-only", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--json", default="", help=argparse.SUPPRESS)
     p.add_argument("--launch-bounds", default="", type=launch_bounds, metavar="THREADS/BLOCKS",
-                   help="an experiment: also time loopkern's grid scope with these launch bounds (e.g. 256/2), "
-                        "a variant of its own in the same rounds")
+                   help="also time loopkern's grid scope with these launch bounds (e.g. 512/1), or with none "
+                        "('off'; the default is dispatch.kernels.LAUNCH_BOUNDS), a variant of its own in the same "
+                        "rounds")
     p.add_argument("--split-exchange", action="store_true",
                    help="an experiment: also time tile mode with the exchange's grid barrier split (the rows "
                         "that read no halo computed between its halves), a variant of its own")
-    p.add_argument("--tile-row-literal", action="store_true",
-                   help="an experiment: also time 2-D tile mode with literal row strides where a row is as "
-                        "wide as the block (codegen.TILE_ROW_LITERAL), a variant of its own")
     p.add_argument("--merge", nargs="+", default=[], metavar="JSON",
                    help="write one table from the JSON files of several runs (same device and date)")
     args = p.parse_args(argv)
@@ -109,8 +110,6 @@ def main(argv=None):
         EXPERIMENTS["bounds"] = args.launch_bounds
     if args.split_exchange:
         EXPERIMENTS["split"] = True
-    if args.tile_row_literal:
-        EXPERIMENTS["rows"] = True
     gpu = gpu_available() and not args.quick
     b = Bench(args, gpu)
     meta = dict(device=device_name(gpu), date=_dt.date.today().isoformat(), reps=args.reps,

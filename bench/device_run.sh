@@ -5,7 +5,7 @@
 # e.g.  sh bench/device_run.sh tests heat:heat,control:--sweep+--no-cmdbuf quad:quadratic
 #       sh bench/device_run.sh gpu:tests/gpu/test_tile_split_gpu.py,tests/gpu/test_tile_gpu.py
 #       sh bench/device_run.sh h2:heat2d:--no-cmdbuf+--launch-bounds+256/2+--split-exchange
-#       (the experiments, with --tile-row-literal, are variants of their own, timed in the same rounds)
+#       (the experiments are variants of their own, timed in the same interleaved rounds)
 # .whl/ (not in git; carried along) holds wheels the machine's Python lacks (see DEVICE.md).
 # The GPU tests run with LOOPKERN_REQUIRE_GPU=1 (a skipped GPU test fails: this machine has a GPU);
 # bench.py exits 1 when a variant fails its check. The script's exit status is 1 if any part failed.

@@ -3,11 +3,11 @@ and compiled to PTX by Numba for a stand-in sm_90 device, assembled by ``ptxas``
 disassembled by ``cuobjdump``; each backward branch is reported with the instructions of the
 loop it closes (and how many of them are shared/global loads and stores).
 
-    python bench/sass_loops.py heat2d|jacobi|life|heat tile|grid [depth] [bounds=THREADS/BLOCKS] [split] [row-literal]
+    python bench/sass_loops.py heat2d|jacobi|life|heat tile|grid [depth] [bounds=THREADS/BLOCKS] [split]
     python bench/sass_loops.py jacobi|jacobi_lowered block|grid [bounds=THREADS/BLOCKS]
 
-``split`` renders tile mode with the exchange's barrier split (``render_kernel(split=True)``),
-``row-literal`` with ``codegen.TILE_ROW_LITERAL`` (both experiments, off by default).
+``split`` renders tile mode with the exchange's barrier split (``render_kernel(split=True)``,
+an experiment, off by default).
 ``bounds=256/2`` assembles the kernel with launch bounds (``.maxntid 256``, ``.minnctapersm
 2``), as ``cuda.jit(launch_bounds=...)`` would compile it.
 
@@ -219,9 +219,6 @@ def main():
     which, mode = sys.argv[1], sys.argv[2]
     depth = int(sys.argv[3]) if len(sys.argv) > 3 and sys.argv[3].isdigit() else 1
     bounds = next((a.split("=", 1)[1] for a in sys.argv[3:] if a.startswith("bounds=")), None)
-    if "row-literal" in sys.argv[3:]:
-        from loopkern import codegen
-        codegen.TILE_ROW_LITERAL = True
     _, ptx = kernel_ptx(which, mode, depth, split="split" in sys.argv[3:])
     if bounds:
         threads, min_blocks = (int(x) for x in bounds.split("/"))

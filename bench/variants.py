@@ -12,11 +12,9 @@ from .harness import Impl, on_device, to_host
 
 #: Experiments that bench.py times as variants of their own, in the same interleaved rounds as
 #: the rest (an A/B that separate runs cannot give: those moved untouched rows by 1-4% in
-#: session 41): ``bounds`` (threads, blocks per SM) adds ``loopkern[grid,bounds=T/B]``
-#: (``dispatch.kernels.LAUNCH_BOUNDS``), ``split`` adds ``loopkern[tile,split]``
-#: (``dispatch.kernels.SPLIT_EXCHANGE``), ``rows`` adds ``loopkern[tile,row-literal]``
-#: (``codegen.TILE_ROW_LITERAL``). Set by bench.py's --launch-bounds, --split-exchange and
-#: --tile-row-literal.
+#: session 41): ``bounds`` (threads, blocks per SM), or "off", adds ``loopkern[grid,bounds=T/B]``
+#: or ``loopkern[grid,bounds=off]`` (``dispatch.kernels.LAUNCH_BOUNDS``), ``split`` adds ``loopkern[tile,split]``
+#: (``dispatch.kernels.SPLIT_EXCHANGE``). Set by bench.py's --launch-bounds and --split-exchange.
 EXPERIMENTS: dict = {}
 
 
@@ -51,28 +49,36 @@ def with_knobs(impl: Impl, knobs: dict) -> Impl:
     return impl
 
 
-def bounds_variant(name: str, make):
-    """With ``EXPERIMENTS["bounds"]`` set: the variant ``make`` (case -> Impl) again under
-    launch bounds, as (name, make); else None."""
+def _bounds_knob():
+    """(label, switches) of ``EXPERIMENTS["bounds"]`` ((threads, blocks per SM), or "off" for
+    kernels without launch bounds), or None when it is not set."""
     bounds = EXPERIMENTS.get("bounds")
     if not bounds:
         return None
-    return (f"{name} [bounds={bounds[0]}/{bounds[1]}]",
-            lambda case: with_knobs(make(case), {"kernels.LAUNCH_BOUNDS": tuple(bounds)}))
+    if bounds == "off":
+        return "bounds=off", {"kernels.LAUNCH_BOUNDS": None}
+    return f"bounds={bounds[0]}/{bounds[1]}", {"kernels.LAUNCH_BOUNDS": tuple(bounds)}
+
+
+def bounds_variant(name: str, make):
+    """With ``EXPERIMENTS["bounds"]`` set: the variant ``make`` (case -> Impl) again under
+    those launch bounds, as (name, make); else None."""
+    knob = _bounds_knob()
+    if knob is None:
+        return None
+    label, switches = knob
+    return f"{name} [{label}]", lambda case: with_knobs(make(case), switches)
 
 
 def _experiments(scope: str, experiments) -> list:
     """(label, switches) of the ``EXPERIMENTS`` set, of those in ``experiments``, that change
     ``scope``'s kernels."""
     out = []
-    bounds = EXPERIMENTS.get("bounds")
-    if scope == "grid" and bounds and "bounds" in experiments:
-        out.append((f"grid,bounds={bounds[0]}/{bounds[1]}", {"kernels.LAUNCH_BOUNDS": tuple(bounds)}))
-    if scope == "tile":
-        for name, label, switch in (("split", "tile,split", "kernels.SPLIT_EXCHANGE"),
-                                    ("rows", "tile,row-literal", "codegen.TILE_ROW_LITERAL")):
-            if EXPERIMENTS.get(name) and name in experiments:
-                out.append((label, {switch: True}))
+    knob = _bounds_knob()
+    if scope == "grid" and knob and "bounds" in experiments:
+        out.append((f"grid,{knob[0]}", knob[1]))
+    if scope == "tile" and EXPERIMENTS.get("split") and "split" in experiments:
+        out.append(("tile,split", {"kernels.SPLIT_EXCHANGE": True}))
     return out
 
 
@@ -108,7 +114,7 @@ def loopkern_impl(gpu, kernel, arrays: dict, scalars: tuple, order, swap_first=N
 
 
 def loopkern_variants(gpu, make_kernel, arrays, scalars, order, scopes, sweep_blocks=(), sweep_threads=(),
-                      experiments=("bounds", "split", "rows")):
+                      experiments=("bounds", "split")):
     """loopkern's variants of a workload: one per scope, the block and thread sweeps, and the
     ``EXPERIMENTS`` set (of those in ``experiments``) beside the scope they change."""
     out = []

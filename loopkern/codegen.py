@@ -828,8 +828,8 @@ class _BodyWriter:
         self.out.add(d, f"{col} = {c}" if los[1] == "0" else f"{col} = {los[1]} + {c}", s)
         self.out.add(d, f"{c} += {width}", s)
 
-        def take(q, rn, stride=rows):
-            row = cur + ((f" + {q}" if stride == "1" else f" + {q} * {stride}") if q else "")
+        def take(q, rn):
+            row = cur + (f" + {q} * {rows}" if q else "")
             lines = [f"{rn(names[0])} = {row}" if los[0] == "0" else f"{rn(names[0])} = {los[0]} + {row}",
                      f"{rn(names[1])} = {col}"]
             if single:
@@ -839,22 +839,12 @@ class _BodyWriter:
         cells = (lambda rn: (rn(names[0]), rn(names[1]))) if not single else None
         outer = self.lower.tile_cell
 
-        def rows_of(depth, take, stride):
-            rest = self.unrolled(s, index_names, depth, k, cur, r0, ns[0], take, stride=stride, cells=cells)
-            if rest is None:
-                self.out.add(depth, f"{cur} = {r0}", s)
-            self.lower.tile_cell = cells(lambda n: n) if cells else outer
-            self.strided_loop(s, depth, f"{cur} < {ns[0]}", take(0, lambda n: n) + [f"{cur} += {stride}"], rest)
-            self.lower.tile_cell = outer
-        if TILE_ROW_LITERAL:
-            # a row as wide as the block: one row per pass, and the unrolled copies' cells are
-            # consecutive rows, their neighbours' loads the same addresses (shared by LLVM)
-            self.out.add(d, f"if {rows} == 1:", s)
-            rows_of(d + 1, lambda q, rn: take(q, rn, "1"), "1")
-            self.out.add(d, "else:", s)
-            rows_of(d + 1, take, rows)
-        else:
-            rows_of(d, take, rows)
+        rest = self.unrolled(s, index_names, d, k, cur, r0, ns[0], take, stride=rows, cells=cells)
+        if rest is None:
+            self.out.add(d, f"{cur} = {r0}", s)
+        self.lower.tile_cell = cells(lambda n: n) if cells else outer
+        self.strided_loop(s, d, f"{cur} < {ns[0]}", take(0, lambda n: n) + [f"{cur} += {rows}"], rest)
+        self.lower.tile_cell = outer
 
     def unrolled(self, s, index_names, depth, k, cur, start, stop, take, stride: str = f"{_P}nt", cells=None):
         """Emit an unrolled loop over this thread's indices when that cannot change the result.
@@ -873,8 +863,8 @@ class _BodyWriter:
         """
         if self.sites is not None:   # debug: keep each access where the user wrote it
             return None
-        # (on copies: the hoisting below rewrites statements in place, and a loop may be
-        # emitted more than once, see tile_rows)
+        # (on copies: the hoisting below rewrites statements in place, which a second emission
+        # of the same loop would read back)
         plan = _unroll_plan(copy.deepcopy(list(s.body)), index_names, self.outside_names(s))
         if plan is None:
             return None
@@ -927,11 +917,6 @@ class _BodyWriter:
 
 
 UNROLL = 4
-#: An experiment, off by default (bench.py --tile-row-literal): a 2-D tile loop whose rows are
-#: at least as wide as the block (one row per pass) gets a copy with literal row strides, in
-#: which the unrolled cells' shared neighbours are loaded once (device compilers, heat 1024²:
-#: 14 shared loads per four cells in one wait instead of 20 in three; 72 registers against 47)
-TILE_ROW_LITERAL = False
 #: after the unrolled loop, a loop of two copies (see ``_BodyWriter.unrolled``)
 TAIL_PAIR = True
 #: loads that follow a store in an unrolled body are issued before it (``_hoist_loads``)
@@ -1350,11 +1335,10 @@ def render_kernel(spec: StepSpec, backend: str, scope: str = "grid", *, cache: b
         launch_bounds: (CUDA grid scope, not tile mode or debug) (threads per block, blocks
             per SM) for ``cuda.jit``'s ``launch_bounds``: the kernel then runs at most that
             many threads per block, and ptxas gives each thread up to 65536 / (threads *
-            blocks) registers. An experiment (``dispatch.kernels.LAUNCH_BOUNDS``, bench.py
-            ``--launch-bounds``): without bounds ptxas 13.0 leaves the 2-D heat kernel at 72
-            registers with its interior loop's 20 loads in four waits, and with (256, 2) at 94
-            with all 20 issued first (``bench/sass_loops.py ... bounds=256/2``); whether that
-            pays against fewer resident blocks is for the GPU to say.
+            blocks) registers. The dispatcher asks for ``dispatch.kernels.LAUNCH_BOUNDS`` where
+            it sizes a grid launch itself: without bounds ptxas 13.0 leaves the 2-D heat kernel
+            at 72 registers with its interior loop's 20 loads in four waits, and with (256, 2)
+            at 94 with all 20 issued first (``bench/sass_loops.py ... bounds=256/2``).
 
         split: (tile mode, one step per exchange) split each step's grid barrier in two and
             work between the halves: after a step a block publishes its edge rows and arrives

@@ -312,7 +312,7 @@ if jax is not None:
             rec.update(ok=False, error=f"{type(exc).__name__}: {exc}"[:2000])
         print(json.dumps(rec), flush=True)
 
-# launch bounds (dispatch.kernels.LAUNCH_BOUNDS, an experiment): the option the rendered
+# launch bounds (dispatch.kernels.LAUNCH_BOUNDS, on loopkern-sized grid launches): the option the rendered
 # decorator gives Numba's dispatcher, and the PTX directives it compiles to
 k = lk.megakernel(W.heat_step, swap=[("u", "v")])
 args = [np.zeros(8, f32), np.zeros(8, f32), f32(0.25)]

@@ -537,8 +537,8 @@ def test_kernel_jax_form_with_scalars_read_at_use_follows_numpy(scope, staged, r
 
 
 def test_launch_bounds_are_a_grid_kernels_decorator_option():
-    # an experiment (dispatch.kernels.LAUNCH_BOUNDS, bench.py --launch-bounds): the bounds go
-    # to cuda.jit as they are; tests/test_ptx.py shows Numba compiling them into the PTX
+    # (dispatch.kernels.LAUNCH_BOUNDS): the bounds go to cuda.jit as they are;
+    # tests/test_ptx.py shows Numba compiling them into the PTX
     k = lk.megakernel(W.heat_step, swap=[("u", "v")])
     text = codegen.render_kernel(k.spec, "cuda", "grid", cache=True, launch_bounds=(256, 2)).text
     assert "@cuda.jit(cache=True, launch_bounds=(256, 2))\ndef _lk_kernel(" in text
@@ -554,13 +554,46 @@ def test_launch_bounds_are_a_grid_kernels_decorator_option():
         codegen.render_kernel(k.spec, "cpu", "grid", launch_bounds=(256, 2))
 
 
-def test_launch_bounds_experiment_is_off_by_default_and_stays_off_under_the_simulator(monkeypatch):
+def test_launch_bounds_only_where_loopkern_sizes_a_grid_launch(monkeypatch):
+    # a grid-scope CUDA kernel carries dispatch.kernels.LAUNCH_BOUNDS when the call names
+    # neither threads nor blocks (any size a call asks for still launches without them), never
+    # under the simulator, in debug, tile mode or another scope or backend
+    from loopkern import compile as lk_compile
     from loopkern.dispatch import kernels
-    assert kernels.LAUNCH_BOUNDS is None
-    monkeypatch.setattr(kernels, "LAUNCH_BOUNDS", (256, 2))
+    assert kernels.LAUNCH_BOUNDS == (256, 2)
+    simulated = lk_compile.simulator_enabled()
+
+    def source(scope="grid", backend="cuda", **kw):
+        return lk.megakernel(W.heat_step, swap=[("u", "v")]).dispatcher.kernels.source(backend, scope, **kw).text
+    # the simulator's cuda.jit has no bounds
+    assert "launch_bounds" not in source(sized=True) or not simulated
+    monkeypatch.setattr(lk_compile, "simulator_enabled", lambda: False)
+    assert "@cuda.jit(cache=True, launch_bounds=(256, 2))" in source(sized=True)
+    assert "launch_bounds" not in source()
+    tile = find_stencil(lk.megakernel(W.heat_step, swap=[("u", "v")]).spec)
+    for scope, extra in (("block", {}), ("grid", {"debug": True}), ("grid", {"tile": tile})):
+        assert "launch_bounds" not in source(scope, sized=True, **extra)
+    assert "launch_bounds" not in source(backend="cpu", sized=True)
+    monkeypatch.setattr(kernels, "LAUNCH_BOUNDS", None)
+    assert "launch_bounds" not in source(sized=True)
+    monkeypatch.setattr(kernels, "LAUNCH_BOUNDS", (512, 1))
+    assert "launch_bounds=(512, 1)" in source(sized=True)
+
+
+def test_a_call_that_names_threads_or_blocks_gets_the_kernel_without_bounds(monkeypatch):
+    # the dispatcher asks for the bounded variant only when it sizes the launch itself (seen
+    # through the cache's requests; under the simulator none of them carries bounds)
+    from loopkern.dispatch import kernels
+    asked = []
+    get = kernels.KernelCache.get
+
+    def spy(self, backend, scope, **kw):
+        asked.append((scope, kw.get("sized", False)))
+        return get(self, backend, scope, **kw)
+    monkeypatch.setattr(kernels.KernelCache, "get", spy)
     k = lk.megakernel(W.heat_step, swap=[("u", "v")])
-    from loopkern.compile import simulator_enabled
-    text = k.dispatcher.kernels.source("cuda", "grid").text
-    assert ("launch_bounds=(256, 2)" in text) != simulator_enabled()
-    assert "launch_bounds" not in k.dispatcher.kernels.source("cuda", "block").text
-    assert "launch_bounds" not in k.dispatcher.kernels.source("cpu", "grid").text
+    x = np.linspace(0.0, 1.0, 64)
+    for opts, sized in (({}, True), ({"threads": 64}, False), ({"blocks": 1}, False)):
+        asked.clear()
+        k(x.copy(), x.copy(), 0.1, steps=3, backend="cuda", scope="grid", **opts)
+        assert asked == [("grid", sized)], opts

@@ -55,7 +55,7 @@ def test_cuda_kernels_compile_to_ptx():
     assert [r for r in recs if "lto" in r] and all(r["lto"] is False for r in recs if "lto" in r)
     assert any(r["shuffles"] for r in recs if r["kernel"] in ("jacobi", "normalize"))
     assert all(r["shuffles"] >= 5 for r in recs if r["kernel"] == "warpsplit")     # 5 xor steps per sum
-    # launch bounds (an experiment, off by default) reach Numba's dispatcher and the PTX
+    # launch bounds (dispatch.kernels.LAUNCH_BOUNDS) reach Numba's dispatcher and the PTX
     bounded = [r for r in recs if r["kernel"] == "heat_bounds"]
     assert len(bounded) == 1 and bounded[0]["launch_bounds"] == [256, 2], bounded
     assert bounded[0]["maxntid"] == ["256"] and bounded[0]["minnctapersm"] == ["2"], bounded

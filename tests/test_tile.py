@@ -582,52 +582,16 @@ def test_scope_cluster_says_why_it_cannot_run(rng):
         heat.source("cpu", "cluster")
 
 
-# codegen.TILE_ROW_LITERAL (an experiment, off by default): a 2-D tile loop whose rows are at
-# least as wide as the block gets a copy with literal row strides. Widths of 9 inner cells at
-# 32 threads (three rows per pass: the general copy) and of 38 and 98 (one row per pass: the
-# literal copy), Jacobi's reduction inside the loop, and Life's wrapped rows
-@pytest.mark.parametrize("shape,threads,steps", [((13, 11), 32, 6), ((7, 40), 32, 5), ((9, 100), 64, 7),
-                                                 ((5, 33), 32, 4)])
-def test_two_dimensional_tile_loops_with_literal_row_strides(shape, threads, steps, rng, monkeypatch):
-    from numba import cuda
-    monkeypatch.setattr(codegen, "TILE_ROW_LITERAL", True)
-    u0 = rng.random(shape)
-    k = lk.megakernel(heat2d_step, swap=[("u", "v")])
-    u, v = cuda.to_device(u0), cuda.to_device(u0)
-    k(u, v, 0.2, steps=steps, backend="cuda", scope="tile", threads=threads)
-    assert any("_lk_g1_rows == 1:" in s.text for s in k.dispatcher.kernels.sources.values())
-    np.testing.assert_allclose(u.copy_to_host(), heat2d_ref(u0, steps, 0.2), rtol=1e-12)
-    np.testing.assert_allclose(v.copy_to_host(), heat2d_ref(u0, steps - 1, 0.2), rtol=1e-12)
-    a0 = (rng.random(shape) < 0.4).astype(np.int32)
-    from bench.life import life_kernel
-    life = life_kernel()
-    a, b = cuda.to_device(a0), cuda.to_device(a0)
-    life(a, b, steps=steps, backend="cuda", scope="tile", threads=threads)
-    np.testing.assert_array_equal(a.copy_to_host(), W.life_ref(a0, steps)[0])
-    jac = lk.megakernel(W.jacobi_step, swap=[("u", "v")])
-    u, v = cuda.to_device(u0), cuda.to_device(u0)
-    run = jac(u, v, 1e-3, max_steps=50, backend="cuda", scope="tile", threads=threads)
-    ref = u0.copy()
-    for _ in range(run.steps):
-        new = ref.copy()
-        new[1:-1, 1:-1] = 0.25 * (ref[:-2, 1:-1] + ref[2:, 1:-1] + ref[1:-1, :-2] + ref[1:-1, 2:])
-        err, ref = np.abs(new - ref).max(), new
-    assert run.steps == 50 or err <= 1e-3
-    np.testing.assert_allclose(u.copy_to_host(), ref, rtol=1e-12)
-
-
 @pytest.mark.parametrize("shape,steps", [((6, 10), 5), ((9, 40), 4), ((2, 3), 3)])
-@pytest.mark.parametrize("knob", [None, "split", "rows"])
+@pytest.mark.parametrize("knob", [None, "split"])
 def test_two_swap_pairs_exchanged_in_a_two_dimensional_tile(shape, steps, knob, rng, monkeypatch):
     # one block: each wrapped halo row of both pairs comes back through the exchange from the
-    # buffer the last step wrote (the split and literal-row experiments too)
+    # buffer the last step wrote (the split experiment too)
     from numba import cuda
 
     from loopkern.dispatch import kernels
     if knob == "split":
         monkeypatch.setattr(kernels, "SPLIT_EXCHANGE", True)
-    elif knob == "rows":
-        monkeypatch.setattr(codegen, "TILE_ROW_LITERAL", True)
     k = lk.megakernel(W.coupled_rings_step, swap=[("a", "b"), ("c", "d")])
     st = find_stencil(k.spec)
     assert st.halo[0] == (1, 1) and st.periodic == (True, True)

@@ -282,7 +282,8 @@ class Dispatcher:
         staged, stage_bytes = plan_staging(spec, argv) if scope == "block" else ((), 0)
         bits = index_bits_for([a.size for a in argv if isinstance(a, ArrayArg)], o.debug, staged)
         compiled = self.kernels.get("cuda", scope, debug=o.debug, staged=staged, control=o.control,
-                                    float_type=float_type, index_bits=bits)
+                                    float_type=float_type, index_bits=bits,
+                                    sized=o.threads is None and o.blocks is None)
         types = _cuda_param_types(compiled, argv)
         check_types(spec, compiled, types, run_values)
         kernel = compiled.specialize_types(_cuda_kernel_types(types, o.debug))

@@ -11,12 +11,20 @@ from .. import codegen
 from ..errors import ArgumentError
 from .checks import describe_array
 
-#: An experiment, off by default: (threads per block, blocks per SM) compiled into every CUDA
-#: grid-scope kernel that is not tile mode or debug (``codegen.render_kernel``'s
-#: ``launch_bounds``), so that ptxas knows the registers each thread may have. Such a kernel
-#: runs at most that many threads per block. Set before the first call (bench.py
-#: ``--launch-bounds 256/2``); not under Numba's simulator, whose ``cuda.jit`` has no bounds.
-LAUNCH_BOUNDS: tuple | None = None
+#: (threads per block, blocks per SM) compiled into CUDA grid-scope kernels (not tile mode or
+#: debug, not under Numba's simulator, whose ``cuda.jit`` has no bounds) whose launch loopkern
+#: sizes itself, the call naming neither ``threads`` nor ``blocks`` (``codegen.render_kernel``'s
+#: ``launch_bounds``): ptxas then knows the registers each thread may have (65536 / 512 = 128)
+#: and issues a stencil loop's loads together instead of in waits (``bench/sass_loops.py ...
+#: bounds=256/2``). Such a kernel runs at most 256 threads per block, which is what loopkern
+#: picks for the grid scope (``config.DEFAULT_THREADS``); a call that names ``threads`` or
+#: ``blocks`` gets the kernel without bounds, so any size it could ask before still launches.
+#: H100, bench.py in one interleaved run (2026-12-07, bench-results/session42/), µs/step
+#: without / with: 2-D heat grid scope 512² 3.09 / 2.73, 1024² 6.35 / 4.55, 2048² 16.6 / 14.7;
+#: Jacobi 2048² 16.4 / 16.0 (256²: 2.50 / 2.52); kernel.jax Jacobi 256² 3.12 / 2.93; the
+#: ``lk.while_loop`` Jacobi body 256² 3.11 / 3.06. None for no bounds (bench.py
+#: ``--launch-bounds off`` times that as a variant of its own).
+LAUNCH_BOUNDS: tuple | None = (256, 2)
 
 
 #: An experiment, off by default: tile-mode kernels with one step per exchange split the
@@ -24,6 +32,13 @@ LAUNCH_BOUNDS: tuple | None = None
 #: (``codegen.render_kernel``'s ``split``), for the steps ``stencil.split_exchange_refusal``
 #: allows. Set before the first call (bench.py ``--split-exchange``).
 SPLIT_EXCHANGE: bool = False
+
+
+def _bounds(backend, scope, tile, debug, sized, simulated):
+    """The launch bounds a variant's kernel carries (``LAUNCH_BOUNDS``), or None."""
+    if backend == "cuda" and scope == "grid" and tile is None and not debug and sized and not simulated:
+        return LAUNCH_BOUNDS
+    return None
 
 
 def _splits(spec, backend, tile, debug, cluster, depth, tiles, control) -> bool:
@@ -46,14 +61,14 @@ class KernelCache:
         self._lock = threading.Lock()
 
     def source(self, backend, scope, by_ref=None, debug=False, staged=(), control=True, float_type=None,
-               index_bits=None, tile=None, cluster=False, depth=1, tiles=0):
+               index_bits=None, tile=None, cluster=False, depth=1, tiles=0, sized=False):
         """The :class:`~loopkern.codegen.KernelSource` of one variant (rendered once), without
         compiling it: ``kernel.jax`` looks its cubin up on disk by it first
-        (``interop/ffi_kernels.py``)."""
+        (``interop/ffi_kernels.py``). ``sized``: loopkern picks the launch's threads and blocks
+        (the call named neither), so a grid-scope kernel may carry ``LAUNCH_BOUNDS``."""
         from ..compile import runtime_fingerprint, simulator_enabled
         simulated = backend == "cuda" and simulator_enabled()
-        bounds = LAUNCH_BOUNDS if (backend == "cuda" and scope == "grid" and tile is None and not debug
-                                   and not simulated) else None
+        bounds = _bounds(backend, scope, tile, debug, sized, simulated)
         split = _splits(self.spec, backend, tile, debug, cluster, depth, tiles, control)
         key = (backend, scope, by_ref, debug, staged, control, float_type, index_bits, tile, cluster, depth, tiles,
                bounds, split)
@@ -70,17 +85,18 @@ class KernelCache:
         return src
 
     def get(self, backend, scope, by_ref=None, debug=False, staged=(), control=True, float_type=None,
-            index_bits=None, tile=None, cluster=False, depth=1, tiles=0):
+            index_bits=None, tile=None, cluster=False, depth=1, tiles=0, sized=False):
         """The :class:`~loopkern.compile.CompiledKernel` of one variant (rendered and loaded on
         first use; Numba compiles it per argument types in ``specialize``)."""
-        from ..compile import compile_kernel
+        from ..compile import compile_kernel, simulator_enabled
+        bounds = _bounds(backend, scope, tile, debug, sized, backend == "cuda" and simulator_enabled())
         key = (backend, scope, by_ref, debug, staged, control, float_type, index_bits, tile, cluster, depth, tiles,
-               LAUNCH_BOUNDS, SPLIT_EXCHANGE)
+               bounds, SPLIT_EXCHANGE)
         k = self.variants.get(key)
         if k is None:
             src = self.source(backend, scope, by_ref=by_ref, debug=debug, staged=staged, control=control,
                               float_type=float_type, index_bits=index_bits, tile=tile, cluster=cluster,
-                              depth=depth, tiles=tiles)
+                              depth=depth, tiles=tiles, sized=sized)
             with self._lock:
                 k = self.variants.get(key)
                 if k is None:

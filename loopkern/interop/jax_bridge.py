@@ -1055,7 +1055,8 @@ def _cuda_core(mk, sig, n_dtype, t0_dtype, scope, threads, blocks, seed, timeout
         if scope == "block" and stage:
             staged, stage_bytes = plan_staging(spec, _device_argv(spec, sig), check_overlap=False)
         variant = dict(scope=scope, by_ref=by_ref, staged=staged, float_type=float_type,
-                       index_bits=index_bits_for([math.prod(sig[i][0]) for i in arr_idx], False, staged))
+                       index_bits=index_bits_for([math.prod(sig[i][0]) for i in arr_idx], False, staged),
+                       sized=threads is None and blocks is None)
         device, cc, sms = xla_ffi.current_device()
         kernel, image_id = _ffi_kernel(mk, variant, n_dtype, t0_dtype, sig, types_key, device, cc, stage_bytes)
         if mk.dispatcher.warp_split:

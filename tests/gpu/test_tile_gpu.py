@@ -674,7 +674,9 @@ def test_an_argument_sharing_memory_with_a_tile_is_refused_and_a_copy_runs(rng):
     np.testing.assert_allclose(u.copy_to_host(), cur, rtol=1e-12)
 
 
-@pytest.mark.parametrize("shape,blocks", [((517, 333), 7), ((1024, 1024), None), ((40, 64), 13), ((9, 700), 4)])
+# (517 rows over 17 tiles of 31 rows, the last one of 21: four float32 arrays of 33 rows of 333
+# fit in a block's shared memory; 7 tiles of 75 rows did not)
+@pytest.mark.parametrize("shape,blocks", [((517, 333), 17), ((1024, 1024), None), ((40, 64), 13), ((9, 700), 4)])
 def test_two_swap_pairs_exchanged_between_two_dimensional_tiles(shape, blocks, rng):
     # both pairs' edge rows go through the exchange (one gather loop loads both arrays' rows)
     cuda = _cuda()
@@ -695,10 +697,10 @@ def test_two_swap_pairs_exchanged_between_two_dimensional_tiles(shape, blocks, r
 
 
 def switch_on(monkeypatch, module, name, marker):
-    """For an experiment's re-run of these tests (test_tile_split_gpu.py,
-    test_tile_row_literal_gpu.py): set ``module.name`` for the test and watch the kernels it
-    renders; returns the check, for after the test, that one of them shows ``marker`` (the
-    experiment's mark in the source), so that no re-run passes without it."""
+    """For an experiment's re-run of these tests (test_tile_split_gpu.py): set ``module.name``
+    for the test and watch the kernels it renders; returns the check, for after the test, that
+    one of them shows ``marker`` (the experiment's mark in the source), so that no re-run
+    passes without it."""
     from loopkern import codegen
     monkeypatch.setattr(module, name, True)
     seen = []
