@@ -197,6 +197,31 @@ def test_race_catcher_many_blocks_many_steps(per_sm, rng):
         np.testing.assert_array_equal(a, ref)
 
 
+def test_sized_grid_launches_carry_launch_bounds_and_named_ones_do_not(rng):
+    # dispatch.kernels.LAUNCH_BOUNDS: a call that leaves threads and blocks to loopkern runs the
+    # bounded kernel (at most 256 threads per block); one that names threads above that, or more
+    # blocks than two per SM, runs the kernel without bounds, so the launch it asks for fits
+    from loopkern.dispatch import kernels
+    bounds = kernels.LAUNCH_BOUNDS
+    assert bounds is not None
+    sms = _sms()
+    k = lk.megakernel(W.heat_step, swap=[("u", "v")])
+    n, steps = (1 << 20) + 77, 201
+    u0 = rng.random(n).astype(np.float32)
+    ref = W.heat_ref(u0, steps, 0.25)
+    for opts in ({}, {"threads": 512}, {"threads": 128, "blocks": 4 * sms}):
+        u, v = u0.copy(), u0.copy()
+        run = k(u, v, np.float32(0.25), steps=steps, backend="cuda", scope="grid", **opts)
+        assert run.scope == "grid" and run.steps == steps
+        assert run.threads == opts.get("threads", bounds[0]), (opts, run)
+        if "blocks" in opts:
+            assert run.blocks == opts["blocks"]
+        assert rel_err(u, ref) < 1e-5, opts
+    texts = [src.text for src in k.dispatcher.kernels.sources.values()]
+    assert any(f"launch_bounds={tuple(bounds)!r}" in t for t in texts)
+    assert any("launch_bounds" not in t for t in texts)
+
+
 @pytest.mark.parametrize("scope,blocks", LAUNCHES)
 def test_shift_is_exact_at_every_block_count(scope, blocks, rng):
     # every element reads its neighbour's previous value: a thread a step ahead or behind, or a

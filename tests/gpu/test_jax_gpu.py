@@ -30,6 +30,23 @@ def rel_err(a, ref):
     return float(np.linalg.norm(np.asarray(a, np.float64) - ref) / np.linalg.norm(ref))
 
 
+def test_kernel_jax_grid_launch_bounds_only_where_loopkern_sizes_the_launch(rng):
+    # kernel.jax's grid kernels carry dispatch.kernels.LAUNCH_BOUNDS when threads and blocks are
+    # left to loopkern, and not where the call names threads above the bound
+    from loopkern.dispatch import kernels
+    k = lk.megakernel(W.heat_step, swap=[("u", "v")])
+    n, steps = (1 << 20) + 77, 57
+    u0 = rng.random(n).astype(np.float32)
+    ref = W.heat_ref(u0, steps, 0.25)
+    for opts in ({}, {"threads": 512}):
+        f = jax.jit(lambda u, v, opts=opts: k.jax(u, v, np.float32(0.25), steps=steps, scope="grid", **opts))
+        u, _ = f(jnp.asarray(u0), jnp.asarray(u0))
+        assert rel_err(u, ref) < 1e-5, opts
+    texts = [src.text for src in k.dispatcher.kernels.sources.values()]
+    assert any(f"launch_bounds={tuple(kernels.LAUNCH_BOUNDS)!r}" in t for t in texts)
+    assert any("launch_bounds" not in t for t in texts)
+
+
 @pytest.mark.parametrize("n,steps", [(4096, 333), (1 << 20, 41)])
 def test_heat_in_jit_matches_reference(n, steps, rng):
     u0 = rng.random(n).astype(np.float32)
