@@ -1,6 +1,6 @@
 """The compiled kernels of one step: rendered and loaded once per variant (backend, scope,
 scalars by reference, debug, staged arrays, run control, float type, element access lowering,
-tile mode, cluster launch, steps per halo exchange, streamed tiles),
+tile mode, cluster launch, steps per halo exchange, streamed tiles, launch bounds),
 compiled by Numba once per argument-type signature."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from .checks import describe_array
 #: (threads per block, blocks per SM) compiled into CUDA grid-scope kernels (not tile mode or
 #: debug, not under Numba's simulator, whose ``cuda.jit`` has no bounds) whose launch loopkern
 #: sizes itself, the call naming neither ``threads`` nor ``blocks`` (``codegen.render_kernel``'s
-#: ``launch_bounds``): ptxas then knows the registers each thread may have (65536 / 512 = 128)
+#: ``launch_bounds``): ptxas then knows the registers each thread may have (65536 / (256 * 2))
 #: and issues a stencil loop's loads together instead of in waits (``bench/sass_loops.py ...
 #: bounds=256/2``). Such a kernel runs at most 256 threads per block, which is what loopkern
 #: picks for the grid scope (``config.DEFAULT_THREADS``); a call that names ``threads`` or
