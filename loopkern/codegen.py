@@ -838,7 +838,6 @@ class _BodyWriter:
         index_names = names + ([_src(s.target)] if single else [])
         cells = (lambda rn: (rn(names[0]), rn(names[1]))) if not single else None
         outer = self.lower.tile_cell
-
         rest = self.unrolled(s, index_names, d, k, cur, r0, ns[0], take, stride=rows, cells=cells)
         if rest is None:
             self.out.add(d, f"{cur} = {r0}", s)

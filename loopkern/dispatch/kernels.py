@@ -60,6 +60,14 @@ class KernelCache:
         self.sources: dict = {}
         self._lock = threading.Lock()
 
+    def _key(self, backend, scope, by_ref, debug, staged, control, float_type, index_bits, tile, cluster, depth,
+             tiles, sized, simulated) -> tuple:
+        """A variant's key in ``sources`` and ``variants``: the options as given, then the launch
+        bounds and the split that the switches give it (one source, one compiled kernel)."""
+        return (backend, scope, by_ref, debug, staged, control, float_type, index_bits, tile, cluster, depth, tiles,
+                _bounds(backend, scope, tile, debug, sized, simulated),
+                _splits(self.spec, backend, tile, debug, cluster, depth, tiles, control))
+
     def source(self, backend, scope, by_ref=None, debug=False, staged=(), control=True, float_type=None,
                index_bits=None, tile=None, cluster=False, depth=1, tiles=0, sized=False):
         """The :class:`~loopkern.codegen.KernelSource` of one variant (rendered once), without
@@ -68,10 +76,9 @@ class KernelCache:
         (the call named neither), so a grid-scope kernel may carry ``LAUNCH_BOUNDS``."""
         from ..compile import runtime_fingerprint, simulator_enabled
         simulated = backend == "cuda" and simulator_enabled()
-        bounds = _bounds(backend, scope, tile, debug, sized, simulated)
-        split = _splits(self.spec, backend, tile, debug, cluster, depth, tiles, control)
-        key = (backend, scope, by_ref, debug, staged, control, float_type, index_bits, tile, cluster, depth, tiles,
-               bounds, split)
+        key = self._key(backend, scope, by_ref, debug, staged, control, float_type, index_bits, tile, cluster, depth,
+                        tiles, sized, simulated)
+        bounds, split = key[-2:]
         src = self.sources.get(key)
         if src is None:
             with self._lock:
@@ -89,9 +96,8 @@ class KernelCache:
         """The :class:`~loopkern.compile.CompiledKernel` of one variant (rendered and loaded on
         first use; Numba compiles it per argument types in ``specialize``)."""
         from ..compile import compile_kernel, simulator_enabled
-        bounds = _bounds(backend, scope, tile, debug, sized, backend == "cuda" and simulator_enabled())
-        key = (backend, scope, by_ref, debug, staged, control, float_type, index_bits, tile, cluster, depth, tiles,
-               bounds, SPLIT_EXCHANGE)
+        key = self._key(backend, scope, by_ref, debug, staged, control, float_type, index_bits, tile, cluster, depth,
+                        tiles, sized, backend == "cuda" and simulator_enabled())
         k = self.variants.get(key)
         if k is None:
             src = self.source(backend, scope, by_ref=by_ref, debug=debug, staged=staged, control=control,
