@@ -13,28 +13,25 @@ from .harness import Impl, on_device, to_host
 #: Experiments that bench.py times as variants of their own, in the same interleaved rounds as
 #: the rest (an A/B that separate runs cannot give: those moved untouched rows by 1-4% in
 #: session 41): ``bounds`` (threads, blocks per SM), or "off", adds ``loopkern[grid,bounds=T/B]``
-#: or ``loopkern[grid,bounds=off]`` (``dispatch.kernels.LAUNCH_BOUNDS``), ``split`` adds ``loopkern[tile,split]``
-#: (``dispatch.kernels.SPLIT_EXCHANGE``). Set by bench.py's --launch-bounds and --split-exchange.
+#: or ``loopkern[grid,bounds=off]`` (``dispatch.kernels.LAUNCH_BOUNDS``), ``split`` adds
+#: ``loopkern[tile,split]`` (``dispatch.kernels.SPLIT_EXCHANGE``). Set by bench.py's
+#: --launch-bounds and --split-exchange.
 EXPERIMENTS: dict = {}
 
 
 @contextmanager
 def _knobs(values: dict):
-    """Experiment switches (``"kernels.NAME"`` of ``loopkern.dispatch.kernels``,
-    ``"codegen.NAME"`` of ``loopkern.codegen``) set to ``values`` for the duration: a kernel's
-    source is rendered with them when a call of a new kernel instance first needs it."""
-    from loopkern import codegen
+    """``loopkern.dispatch.kernels``'s switches (by name) set to ``values`` for the duration: a
+    kernel's source is rendered with them when a call of a new kernel instance first needs it."""
     from loopkern.dispatch import kernels
-    modules = {"kernels": kernels, "codegen": codegen}
-    targets = {k: (modules[k.split(".")[0]], k.split(".")[1]) for k in values}
-    old = {k: getattr(m, n) for k, (m, n) in targets.items()}
-    for k, (m, n) in targets.items():
-        setattr(m, n, values[k])
+    old = {k: getattr(kernels, k) for k in values}
+    for k, v in values.items():
+        setattr(kernels, k, v)
     try:
         yield
     finally:
-        for k, (m, n) in targets.items():
-            setattr(m, n, old[k])
+        for k, v in old.items():
+            setattr(kernels, k, v)
 
 
 def with_knobs(impl: Impl, knobs: dict) -> Impl:
@@ -56,8 +53,8 @@ def _bounds_knob():
     if not bounds:
         return None
     if bounds == "off":
-        return "bounds=off", {"kernels.LAUNCH_BOUNDS": None}
-    return f"bounds={bounds[0]}/{bounds[1]}", {"kernels.LAUNCH_BOUNDS": tuple(bounds)}
+        return "bounds=off", {"LAUNCH_BOUNDS": None}
+    return f"bounds={bounds[0]}/{bounds[1]}", {"LAUNCH_BOUNDS": tuple(bounds)}
 
 
 def bounds_variant(name: str, make):
@@ -78,7 +75,7 @@ def _experiments(scope: str, experiments) -> list:
     if scope == "grid" and knob and "bounds" in experiments:
         out.append((f"grid,{knob[0]}", knob[1]))
     if scope == "tile" and EXPERIMENTS.get("split") and "split" in experiments:
-        out.append(("tile,split", {"kernels.SPLIT_EXCHANGE": True}))
+        out.append(("tile,split", {"SPLIT_EXCHANGE": True}))
     return out
 
 
