@@ -1,7 +1,7 @@
 #!/bin/sh
 # One batch on the GPU machine (through the device tool): the GPU tests, then bench.py parts,
 # each part's JSON and log under $OUT (merge them here with `python bench.py --merge ...`).
-#   sh bench/device_run.sh [tests|tests-a|tests-b] [gpu:FILE[,FILE...]] [ncu:N:SCOPE] [PART:WORKLOADS[:FLAG+FLAG...] ...]
+#   sh bench/device_run.sh [tests|tests-a|tests-b|tests-c] [gpu:FILE[,FILE...]] [ncu:N:SCOPE] [PART:WORKLOADS[:FLAG+FLAG...] ...]
 # e.g.  sh bench/device_run.sh tests heat:heat,control:--sweep+--no-cmdbuf quad:quadratic
 #       sh bench/device_run.sh gpu:tests/gpu/test_tile_split_gpu.py,tests/gpu/test_tile_gpu.py
 #       sh bench/device_run.sh h2:heat2d:--no-cmdbuf+--launch-bounds+256/2+--split-exchange
@@ -37,14 +37,19 @@ run_gpu_tests() {
 }
 for part in "$@"; do
     start=$(date -u +%H:%M:%S)
-    case $part in tests|tests-a|tests-b)
-        # all of tests/gpu takes longer than one device call (10 minutes), so tests-a (the JAX,
-        # drop-in loop and tile files, ~5 min on an H200) and tests-b (the rest, ~7.5 min) split it
+    case $part in tests|tests-a|tests-b|tests-c)
+        # all of tests/gpu takes longer than one device call (10 minutes), so three parts split
+        # it: tests-a (the JAX, drop-in loop and tile files: 7.2 min on an H100, session 43),
+        # tests-c (test_gpu.py and the files after it) and tests-b (the rest; b and c together
+        # took over 9.5 min on an H100 in session 43, more than one call gives)
         heavy="tests/gpu/test_jaxloops_gpu.py tests/gpu/test_jax_gpu.py tests/gpu/test_tile_gpu.py"
+        third="tests/gpu/test_gpu.py tests/gpu/test_sharded_gpu.py tests/gpu/test_tangent_gpu.py
+               tests/gpu/test_tile_split_gpu.py tests/gpu/test_warpsplit_gpu.py"
         case $part in
             tests) files=tests/gpu;;
             tests-a) files=$heavy;;
-            *) files="tests/gpu $(for f in $heavy; do printf -- '--ignore=%s ' "$f"; done)";;
+            tests-c) files=$third;;
+            *) files="tests/gpu $(for f in $heavy $third; do printf -- '--ignore=%s ' "$f"; done)";;
         esac
         # shellcheck disable=SC2086
         run_gpu_tests "$OUT/gpu-$part.log" $files
