@@ -96,6 +96,9 @@ def main(argv=None):
     p.add_argument("--split-exchange", action="store_true",
                    help="an experiment: also time tile mode with the exchange's grid barrier split (the rows "
                         "that read no halo computed between its halves), a variant of its own")
+    p.add_argument("--prefetch-rim", choices=("on", "off"), default="on",
+                   help="'off': also time the drop-in Jacobi body lowered without its rim's early loads "
+                        "(jaxloops.lower.PREFETCH_RIM), a variant of its own in the same rounds")
     p.add_argument("--merge", nargs="+", default=[], metavar="JSON",
                    help="write one table from the JSON files of several runs (same device and date)")
     args = p.parse_args(argv)
@@ -110,6 +113,8 @@ def main(argv=None):
         EXPERIMENTS["bounds"] = args.launch_bounds
     if args.split_exchange:
         EXPERIMENTS["split"] = True
+    if args.prefetch_rim == "off":
+        EXPERIMENTS["prefetch_rim"] = False
     gpu = gpu_available() and not args.quick
     b = Bench(args, gpu)
     meta = dict(device=device_name(gpu), date=_dt.date.today().isoformat(), reps=args.reps,

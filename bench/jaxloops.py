@@ -23,7 +23,7 @@ from .harness import ROOT, Bench, Case, Impl, have, jax_x64, rel_err
 from .heat import ALPHA, heat_kernel, heat_ref, jax_heat_step
 from .jacobi import JACOBI_TOL, jacobi_kernel, jacobi_problem, jacobi_ref
 from .quadratic import quadratic_ref
-from .variants import bounds_variant, jax_impl, loopkern_jax_variant, loopkern_variants
+from .variants import bounds_variant, jax_impl, loopkern_jax_variant, loopkern_variants, prefetch_rim_variant
 
 
 def lk_heat(u, steps):
@@ -96,10 +96,11 @@ def bench_jaxloops(b: Bench):
                                      lambda c: (tol,), ["u", "v"], ["auto"])
         variants.append(("lk.while_loop in jax.jit", lambda c: jax_impl(jacobi_loop(lk.while_loop, tol), [c.data["u0"]],
                                                                           result_index=0, steps_index=2)))
-        # the lowered body's grid kernel with launch bounds (bench.py --launch-bounds)
-        bounded = bounds_variant(*variants[-1])
-        if gpu and bounded:
-            variants.append(bounded)
+        # the lowered body's grid kernel with launch bounds (bench.py --launch-bounds), and the
+        # body lowered without its rim's early loads (bench.py --prefetch-rim off)
+        lowered = variants[-1]
+        bounded, unfetched = bounds_variant(*lowered), prefetch_rim_variant(*lowered)
+        variants += [v for v in (bounded if gpu else None, unfetched) if v]
         variants.append(("jax.lax.while_loop", lambda c: jax_impl(jacobi_loop(jax.lax.while_loop, tol), [c.data["u0"]],
                                                                     result_index=0, steps_index=2)))
         b.measure(case, variants)

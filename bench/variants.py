@@ -14,24 +14,31 @@ from .harness import Impl, on_device, to_host
 #: the rest (an A/B that separate runs cannot give: those moved untouched rows by 1-4% in
 #: session 41): ``bounds`` (threads, blocks per SM), or "off", adds ``loopkern[grid,bounds=T/B]``
 #: or ``loopkern[grid,bounds=off]`` (``dispatch.kernels.LAUNCH_BOUNDS``), ``split`` adds
-#: ``loopkern[tile,split]`` (``dispatch.kernels.SPLIT_EXCHANGE``). Set by bench.py's
-#: --launch-bounds and --split-exchange.
+#: ``loopkern[tile,split]`` (``dispatch.kernels.SPLIT_EXCHANGE``), ``prefetch_rim`` False adds
+#: the drop-in Jacobi body without its rim's early loads (``jaxloops.lower.PREFETCH_RIM``). Set
+#: by bench.py's --launch-bounds, --split-exchange and --prefetch-rim off.
 EXPERIMENTS: dict = {}
+
+#: the module that holds each switch an experiment sets
+_KNOB_MODULES = {"LAUNCH_BOUNDS": "loopkern.dispatch.kernels", "SPLIT_EXCHANGE": "loopkern.dispatch.kernels",
+                 "PREFETCH_RIM": "loopkern.jaxloops.lower"}
 
 
 @contextmanager
 def _knobs(values: dict):
-    """``loopkern.dispatch.kernels``'s switches (by name) set to ``values`` for the duration: a
-    kernel's source is rendered with them when a call of a new kernel instance first needs it."""
-    from loopkern.dispatch import kernels
-    old = {k: getattr(kernels, k) for k in values}
+    """The switches named in ``values`` (keys of ``_KNOB_MODULES``) set for the duration: a
+    kernel's source is rendered with them when a call of a new kernel instance first needs it,
+    and a drop-in loop body is lowered with them when it is first traced."""
+    import importlib
+    mods = {k: importlib.import_module(_KNOB_MODULES[k]) for k in values}
+    old = {k: getattr(mods[k], k) for k in values}
     for k, v in values.items():
-        setattr(kernels, k, v)
+        setattr(mods[k], k, v)
     try:
         yield
     finally:
         for k, v in old.items():
-            setattr(kernels, k, v)
+            setattr(mods[k], k, v)
 
 
 def with_knobs(impl: Impl, knobs: dict) -> Impl:
@@ -65,6 +72,15 @@ def bounds_variant(name: str, make):
         return None
     label, switches = knob
     return f"{name} [{label}]", lambda case: with_knobs(make(case), switches)
+
+
+def prefetch_rim_variant(name: str, make):
+    """With ``EXPERIMENTS["prefetch_rim"]`` False: the drop-in variant ``make`` (case -> Impl)
+    again with its body lowered without the rim's early loads, as (name, make); else None. (The
+    lowered kernels are cached by their source, so the two variants get kernels of their own.)"""
+    if EXPERIMENTS.get("prefetch_rim", True):
+        return None
+    return f"{name} [prefetch-rim=off]", lambda case: with_knobs(make(case), {"PREFETCH_RIM": False})
 
 
 def _experiments(scope: str, experiments) -> list:
