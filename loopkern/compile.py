@@ -17,6 +17,7 @@ import re
 import sys
 import tempfile
 import threading
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -152,7 +153,8 @@ class CompiledKernel:
             return hit
         with _translate_errors(self):
             if self.source.backend == "cpu":
-                self.dispatcher.compile(types)
+                with _cpu_unroll_capped():
+                    self.dispatcher.compile(types)
                 kernel = self.dispatcher.overloads[types].entry_point
             elif simulator_enabled():
                 kernel = self.dispatcher   # the simulator runs Python: nothing to compile
@@ -345,6 +347,43 @@ def _without_loop_peeling() -> None:
         import llvmlite.binding as llvm
         llvm.set_option("loopkern", "-unroll-peel-max-count=0")
         _peeling_off = True
+
+
+#: the most trips of a constant-count loop that LLVM fully unrolls in a CPU kernel (see
+#: :func:`_cpu_unroll_capped`)
+CPU_FULL_UNROLL_MAX = 8
+# LLVM's options while loopkern compiles a CPU kernel, and the values that give LLVM's defaults
+# back afterwards (no cap on full unrolling; partial unrolling, which the X86 target enables)
+_CPU_UNROLL_OPTIONS = (f"-unroll-full-max-count={CPU_FULL_UNROLL_MAX}", "-unroll-allow-partial=false")
+_CPU_UNROLL_DEFAULTS = (f"-unroll-full-max-count={2 ** 32 - 1}", "-unroll-allow-partial=true")
+
+
+@contextmanager
+def _cpu_unroll_capped():
+    """Around the compile of a CPU kernel: LLVM unrolls no loop of constant count fully beyond
+    CPU_FULL_UNROLL_MAX trips, nor partially, and gets its defaults back afterwards.
+
+    With llvmlite 0.50's LLVM (22.1), a loop of 18 to 23 constant trips inside a parallel loop
+    (a lowered ``jnp.max(x, axis=1)`` over 18 columns: a running maximum with NaN tests) is
+    unrolled whole (fully in the step's own compile; partially, by its trip count, once the
+    step is inlined into the kernel's loop over steps), and the loop vectorizer then spends time
+    exponential in the trip count on the enclosing loop: minutes, or no end, to compile
+    (tests/test_cpu_compile_time.py). 24 trips and more are not unrolled and compile in a
+    second, as does every count with the vectorizer off. Capping the unrolling keeps the
+    vectorizer for the loops it speeds up (the 1-D heat step runs 3.7x slower on the CPU
+    without it); a vectorized loop is still interleaved by the vectorizer. The options are
+    process-wide in LLVM, so they are set under Numba's compiler lock, which every Numba compile
+    of the process takes: other code's compiles keep LLVM's defaults."""
+    import llvmlite.binding as llvm
+    from numba.core.compiler_lock import global_compiler_lock
+    with global_compiler_lock:
+        for option in _CPU_UNROLL_OPTIONS:
+            llvm.set_option("loopkern", option)
+        try:
+            yield
+        finally:
+            for option in _CPU_UNROLL_DEFAULTS:
+                llvm.set_option("loopkern", option)
 
 
 def _without_link_time_optimisation(dispatcher) -> None:
