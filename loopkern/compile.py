@@ -373,7 +373,8 @@ def _cpu_unroll_capped():
     vectorizer for the loops it speeds up (the 1-D heat step runs 3.7x slower on the CPU
     without it); a vectorized loop is still interleaved by the vectorizer. The options are
     process-wide in LLVM, so they are set under Numba's compiler lock, which every Numba compile
-    of the process takes: other code's compiles keep LLVM's defaults."""
+    of the process takes, and put back afterwards for other code's compiles: no cap, partial
+    unrolling on (LLVM's defaults on x86, whose target turns it on; forced on elsewhere)."""
     import llvmlite.binding as llvm
     from numba.core.compiler_lock import global_compiler_lock
     with global_compiler_lock:
