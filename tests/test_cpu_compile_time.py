@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -132,15 +133,12 @@ def test_a_cpu_kernel_is_compiled_under_the_cap(monkeypatch, tmp_path):
     seen = []
     real = lk_compile._cpu_unroll_capped
 
-    class Spy:
-        def __enter__(self):
-            self.inner = real()
-            self.inner.__enter__()
+    @contextmanager
+    def spy():
+        with real():
             seen.append("compile")
-
-        def __exit__(self, *exc):
-            return self.inner.__exit__(*exc)
-    monkeypatch.setattr(lk_compile, "_cpu_unroll_capped", Spy)
+            yield
+    monkeypatch.setattr(lk_compile, "_cpu_unroll_capped", spy)
     options = []
     set_option = llvm.set_option
     monkeypatch.setattr(llvm, "set_option", lambda name, option: (options.append(option), set_option(name, option)))
