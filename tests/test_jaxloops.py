@@ -376,11 +376,23 @@ def test_heat2d_and_jacobi_to_tolerance(rng):
     interior = re.match(r"((?: {8}.*\n)*)", step.split("for i8_0, i8_1 in lk.grid((1, 19), (1, 16)):\n")[1])[1]
     assert " if " not in interior and "c0n[i8_0, i8_1] = " in interior, step
     assert "while i8_v < 70:" in step, step
-    # the rim's loads of a thread's first rim cell are issued before the interior loop, its
-    # max taken after it (Lowering._prefetch_rim): the two loops' loads are in flight together
-    head, tail = step.split("for i8_0, i8_1 in lk.grid(")
+    # a field this small runs in one block with its arrays in shared memory (scope="auto"):
+    # the rim's loads stay in the rim loop (lower.PREFETCH_RIM_MIN_CELLS)
+    assert not re.findall(r"(l\d+) = c0\[", step.split("for i8_0, i8_1 in lk.grid(")[0]), step
+    # past that size the loads of a thread's first rim cell are issued before the interior
+    # loop, its max taken after it (Lowering._prefetch_rim): the two loops' loads are in flight
+    # together
+    from loopkern.jaxloops import lower
+    saved = lower.PREFETCH_RIM_MIN_CELLS
+    lower.PREFETCH_RIM_MIN_CELLS = 20 * 17 - 1
+    try:
+        early = _source_of(lambda: lk.while_loop(cond, body, init, fallback="error"))
+        same(lk.while_loop(cond, body, init, fallback="error"), ref)
+    finally:
+        lower.PREFETCH_RIM_MIN_CELLS = saved
+    head, tail = early.split("for i8_0, i8_1 in lk.grid(")
     rim_loads = re.findall(r"(l\d+) = c0\[", head)
-    assert rim_loads and all(f"abs(({n} - {n}))" in tail.split("while i8_v < 70:")[0] for n in rim_loads), step
+    assert rim_loads and all(f"abs(({n} - {n}))" in tail.split("while i8_v < 70:")[0] for n in rim_loads), early
     # its neighbour reads are in the interior loop (the loop's bounds keep them inside the
     # grid) or at a literal edge row or column: index_bounds proves each index non-negative,
     # so no read keeps Python's wraparound
@@ -1608,3 +1620,11 @@ def test_a_vmapped_while_loop_runs_the_lax_loop():
         return lax.while_loop(lambda v: jnp.max(v) < 5.0, lambda v: v + np.float32(0.75), v)
     x0 = jnp.asarray(np.linspace(0.0, 3.0, 64, dtype=np.float32).reshape(4, 16))
     assert_falls_back(lambda i, x: jax.vmap(grow)(x), x0, 2, "while", error_match="vmapped while_loop")
+
+
+def test_rim_prefetch_threshold_is_the_auto_block_scope_size():
+    """The lowering keeps a rim's loads in the rim loop up to the size that scope="auto" runs in
+    one block (where its arrays are staged in shared memory); the two numbers must move together."""
+    from loopkern.dispatch.config import AUTO_BLOCK_SCOPE_MAX_ELEMENTS
+    from loopkern.jaxloops import lower
+    assert lower.PREFETCH_RIM_MIN_CELLS == AUTO_BLOCK_SCOPE_MAX_ELEMENTS

@@ -608,6 +608,8 @@ def test_a_reduction_over_the_rim_with_its_loads_issued_early(backend, shape, th
     float64 NumPy loop, and bit for bit the form without the early loads. Dropping the early
     cells' reductions, or counting them twice, fails it."""
     from loopkern.jaxloops import lower
+    # (fields of at most PREFETCH_RIM_MIN_CELLS cells keep their rim loads in the rim loop)
+    monkeypatch.setattr(lower, "PREFETCH_RIM_MIN_CELLS", 0)
 
     def body(i, x):
         new = x.at[1:-1, 1:-1].set(0.25 * (x[:-2, 1:-1] + x[2:, 1:-1] + x[1:-1, :-2] + x[1:-1, 2:]))

@@ -51,8 +51,15 @@ LINALG = ("lu", "triangular_solve", "cholesky")
 #: a parallel loop whose rim (Lowering.split_loop) has more slabs than this is not split
 MAX_RIM_SLABS = 8
 #: a rim that only reads and reduces issues its first cell's loads before the interior loop
-#: (Lowering._prefetch_rim); False only to measure what that saves
+#: (Lowering._prefetch_rim) when its loop has more than PREFETCH_RIM_MIN_CELLS cells; False only
+#: to measure what that saves
 PREFETCH_RIM = True
+#: at most this many cells, scope="auto" runs a light step in one block with its arrays staged
+#: in shared memory (dispatch.config.AUTO_BLOCK_SCOPE_MAX_ELEMENTS; the lowering imports nothing
+#: of the call path): there the early loads bought nothing and cost time. The drop-in Jacobi body
+#: (H100, bench.py run of 2026-12-07 21:53 UTC, same rounds): 64x64 (block scope) 2.235 µs/step
+#: with them, 2.043 without; 256x256 (grid scope) 3.065 with, 3.158 without
+PREFETCH_RIM_MIN_CELLS = 4096
 _UNROLL_HINT = (f"(a nested loop runs per element when it updates its array carries elementwise, and unrolled "
                 f"when its count is static and at most {UNROLL_MAX})")
 
@@ -1689,7 +1696,8 @@ class Lowering:
             # (they are those with one interior cell less when the threads do not divide it)
             start = (f"{v} = lk.num_threads() - 1 - lk.thread_id()", None)
             stored = {it.target for it in L.items if it.kind == "store"}
-            early = self._prefetch_rim(v, cells, stored) if PREFETCH_RIM else None
+            big = math.prod(hi - lo for lo, hi in L.box) > PREFETCH_RIM_MIN_CELLS
+            early = self._prefetch_rim(v, cells, stored) if PREFETCH_RIM and big else None
             if early is None:
                 pieces += [start, (f"while {v} < {first}:", rim + [f"{v} += lk.num_threads()"])]
             else:
