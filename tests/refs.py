@@ -11,6 +11,8 @@ mathematics, sharing no code with loopkern.
 - ``busy_ref``, ``count_ref``: the state of workloads.py's ``busy_step`` and ``count_step``
   after any number of steps, in closed form.
 - ``jax_x64``: a context in which JAX computes in float64 (references run by ``jax.lax``).
+- ``np_threefry``: Threefry-2x32-20 (same paper) on NumPy arrays; ``np_bits`` and ``np_fold_in``:
+  ``jax.random.bits`` (32-bit, ``jax_threefry_partitionable`` on) and ``jax.random.fold_in`` from it.
 """
 
 import math
@@ -182,3 +184,37 @@ def jax_x64():
         return jax.enable_x64(True)
     from jax.experimental import enable_x64
     return enable_x64()
+
+
+# ------------------------------------------------------------------------------ Threefry-2x32
+def _rotl32(x, r):
+    return (x << np.uint32(r)) | (x >> np.uint32(32 - r))
+
+
+def np_threefry(k0, k1, c0, c1):
+    """Threefry-2x32 with 20 rounds on NumPy uint32 arrays: the two words of the hash of the
+    counters (c0, c1) under the key (k0, k1)."""
+    with np.errstate(over="ignore"):
+        k = [np.uint32(k0), np.uint32(k1), np.uint32(k0) ^ np.uint32(k1) ^ np.uint32(0x1BD11BDA)]
+        x0, x1 = np.asarray(c0, np.uint32) + k[0], np.asarray(c1, np.uint32) + k[1]
+        rot = [(13, 15, 26, 6), (17, 29, 16, 24)]
+        for block in range(5):
+            for r in rot[block % 2]:
+                x0 = x0 + x1
+                x1 = _rotl32(x1, r) ^ x0
+            x0 = x0 + k[(block + 1) % 3]
+            x1 = x1 + k[(block + 2) % 3] + np.uint32(block + 1)
+    return x0, x1
+
+
+def np_bits(key, n):
+    """jax.random.bits(key, (n,), uint32) with jax_threefry_partitionable on: per flat index the
+    xor of the two words of its hash (counter words: 0 and the index)."""
+    h0, h1 = np_threefry(key[0], key[1], np.zeros(n, np.uint32), np.arange(n, dtype=np.uint32))
+    return h0 ^ h1
+
+
+def np_fold_in(key, data):
+    """jax.random.fold_in(key, data): the hash of the counter words (0, data)."""
+    h0, h1 = np_threefry(key[0], key[1], np.zeros(1, np.uint32), np.asarray([data], np.uint32))
+    return np.array([h0[0], h1[0]], np.uint32)

@@ -634,3 +634,24 @@ def test_a_reduction_over_the_rim_with_its_loads_issued_early(backend, shape, th
     late, plan_late, _ = run_lowered(body, x0, steps, backend, threads=threads, split=True, **scope)
     assert plan_late.source.split(" in lk.grid(", 1)[0].count("= c0[") == 0, plan_late.source
     np.testing.assert_array_equal(got, late)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("n, threads, blocks", [(37, 32, 1), (203, 64, 1)])
+def test_jax_random_bits_in_a_lowered_step(backend, n, threads, blocks):
+    """jax.random.bits of a closed-over (legacy, uint32[2]) key folded with the loop index: the
+    Threefry-2x32 the lowering spells out (jaxloops.prng), run by the kernel on every thread,
+    against an independent NumPy Threefry (refs.np_bits)."""
+    from refs import np_bits, np_fold_in
+    key = jax.random.PRNGKey(n)
+
+    def body(i, x):
+        return x ^ jax.random.bits(jax.random.fold_in(key, i), x.shape, jnp.uint32)
+    x0 = np.random.default_rng(n).integers(0, 2 ** 32, n, dtype=np.uint64).astype(np.uint32)
+    scope = dict(scope="grid") if backend == "cuda" else {}
+    got, _, _ = run_lowered(body, x0, 4, backend, threads=threads, blocks=blocks if backend == "cuda" else 1,
+                            **scope)
+    ref = x0.copy()
+    for i in range(4):
+        ref ^= np_bits(np_fold_in(np.asarray(key, np.uint32), i), n)
+    np.testing.assert_array_equal(got, ref)

@@ -198,6 +198,32 @@ def _const_args(prog):
     return [val for _, val in prog.consts]
 
 
+def _key_impls(leaves) -> list:
+    """Per leaf: the jax.random implementation of a PRNG key array, else None. The kernel
+    carries a key as its uint32 words (``jax.random.key_data``); the body sees keys."""
+    import jax
+    return [jax.random.key_impl(x) if jax.dtypes.issubdtype(getattr(x, "dtype", None), jax.dtypes.prng_key)
+            else None for x in leaves]
+
+
+def _as_key_data(leaves, impls) -> list:
+    """The leaves with each key array (``impls[k]`` not None) as its uint32 words."""
+    import jax
+    return [jax.random.key_data(x) if impl is not None else x for x, impl in zip(leaves, impls)]
+
+
+def _as_keys(leaves, impls) -> list:
+    """The inverse of :func:`_as_key_data`."""
+    import jax
+    return [jax.random.wrap_key_data(x, impl=impl) if impl is not None else x for x, impl in zip(leaves, impls)]
+
+
+def _same_keys(out_leaves, impls) -> bool:
+    """Whether the body's results are keys (of the same implementation) exactly where its carry is."""
+    return [str(i) if i is not None else None for i in _key_impls(out_leaves)] == \
+        [str(i) if i is not None else None for i in impls]
+
+
 def _scalar_const(val):
     """A 0-d constant as kernel.jax takes it: a NumPy scalar if concrete, else the (traced) array."""
     import jax
@@ -208,6 +234,7 @@ def _scalar_const(val):
 
 def _launch(plan, mk, leaves, consts, *, steps=None, max_steps=None, lo=0, xs=(), ys_avals=(), length=0):
     """Run the kernel of ``plan`` through kernel.jax; returns (new leaves, ys, steps done or None)."""
+    import jax
     import jax.numpy as jnp
     args, arr_roles = [], []
     for name, role, k in plan.params:
@@ -225,7 +252,10 @@ def _launch(plan, mk, leaves, consts, *, steps=None, max_steps=None, lo=0, xs=()
             args.append(jnp.zeros((length,) + tuple(a.shape), a.dtype))
             arr_roles.append((role, k))
         elif role == "const":
-            args.append(jnp.asarray(consts[k]))
+            c = consts[k]
+            if _key_impls([c])[0] is not None:      # a closed-over PRNG key: its words
+                c = jax.random.key_data(c)
+            args.append(jnp.asarray(c))
             arr_roles.append((role, k))
         elif role == "const_scalar":
             args.append(_scalar_const(consts[k]))
@@ -334,6 +364,8 @@ def fori_loop(lower, upper, body_fun, init_val, *, unroll=None, fallback="warn")
     if _in_body():
         return lax.fori_loop(lower, upper, body_fun, init_val)
     leaves, tree = jax.tree_util.tree_flatten(init_val)
+    impls = _key_impls(leaves)
+    leaves = _as_key_data(leaves, impls)
     lo_c, hi_c = _concrete_int(lower), _concrete_int(upper)
 
     def lax_loop(lo, hi, init):
@@ -350,11 +382,11 @@ def fori_loop(lower, upper, body_fun, init_val, *, unroll=None, fallback="warn")
         return lax_loop(lower, upper, init_val)
 
     def step(i, *ls):
-        out = body_fun(i, jax.tree_util.tree_unflatten(tree, ls))
+        out = body_fun(i, jax.tree_util.tree_unflatten(tree, _as_keys(ls, impls)))
         out_leaves, out_tree = jax.tree_util.tree_flatten(out)
-        if out_tree != tree:
+        if out_tree != tree or not _same_keys(out_leaves, impls):
             raise _TreeMismatch()
-        return out_leaves
+        return _as_key_data(out_leaves, impls)
     traced = _trace_body(step, avals, lead=(index,))
     if traced is None:
         return lax_loop(lower, upper, init_val)          # lax says what is wrong
@@ -386,7 +418,7 @@ def fori_loop(lower, upper, body_fun, init_val, *, unroll=None, fallback="warn")
                                 lower if lo_c is None else lo_c, upper if hi_c is None else hi_c,
                                 loop=("fori_loop", fallback, body_fun))
     out = [_as_type(o, a) for o, a in zip(out, out_avals)]
-    return jax.tree_util.tree_unflatten(tree, out)
+    return jax.tree_util.tree_unflatten(tree, _as_keys(out, impls))
 
 
 def _weak(x) -> bool:
@@ -511,6 +543,8 @@ def while_loop(cond_fun, body_fun, init_val, *, max_steps=DEFAULT_CHUNK, fallbac
     if _in_body():
         return lax.while_loop(cond_fun, body_fun, init_val)
     leaves, tree = jax.tree_util.tree_flatten(init_val)
+    impls = _key_impls(leaves)
+    leaves = _as_key_data(leaves, impls)
 
     def lax_loop():
         with _AsLax():
@@ -520,15 +554,15 @@ def while_loop(cond_fun, body_fun, init_val, *, max_steps=DEFAULT_CHUNK, fallbac
         return lax_loop()
 
     def step(*ls):
-        out = body_fun(jax.tree_util.tree_unflatten(tree, ls))
+        out = body_fun(jax.tree_util.tree_unflatten(tree, _as_keys(ls, impls)))
         out_leaves, out_tree = jax.tree_util.tree_flatten(out)
-        if out_tree != tree:
+        if out_tree != tree or not _same_keys(out_leaves, impls):
             raise _TreeMismatch()
         c = cond_fun(out)
-        return list(out_leaves) + [c]
+        return _as_key_data(out_leaves, impls) + [c]
 
     def cond_only(*ls):
-        return cond_fun(jax.tree_util.tree_unflatten(tree, ls))
+        return cond_fun(jax.tree_util.tree_unflatten(tree, _as_keys(ls, impls)))
     traced = _trace_body(step, avals)
     if traced is None:
         return lax_loop()
@@ -576,7 +610,7 @@ def while_loop(cond_fun, body_fun, init_val, *, max_steps=DEFAULT_CHUNK, fallbac
                                 [jnp.asarray(x) if not isinstance(x, jax.Array) else x for x in leaves],
                                 loop=("while_loop", fallback, body_fun))
     out = [_as_type(o, a) for o, a in zip(out, out_avals)]
-    return jax.tree_util.tree_unflatten(tree, out)
+    return jax.tree_util.tree_unflatten(tree, _as_keys(out, impls))
 
 
 # ==================================================================================== scan
@@ -617,6 +651,8 @@ def scan(f, init, xs=None, length=None, reverse=False, unroll=1, _split_transpos
         return lax_loop()
     leaves, tree = jax.tree_util.tree_flatten(init)
     x_leaves, x_tree = jax.tree_util.tree_flatten(xs)
+    impls, x_impls = _key_impls(leaves), _key_impls(x_leaves)
+    leaves, x_leaves = _as_key_data(leaves, impls), _as_key_data(x_leaves, x_impls)
     lengths = {int(np.shape(x)[0]) for x in x_leaves if np.ndim(x) >= 1}
     if any(np.ndim(x) == 0 for x in x_leaves) or len(lengths) > 1 or (length is not None and lengths and
                                                                       lengths != {int(length)}):
@@ -631,16 +667,17 @@ def scan(f, init, xs=None, length=None, reverse=False, unroll=1, _split_transpos
     state = {}
 
     def step(*ls):
-        c = jax.tree_util.tree_unflatten(tree, ls[:len(leaves)])
-        x = jax.tree_util.tree_unflatten(x_tree, ls[len(leaves):])
+        c = jax.tree_util.tree_unflatten(tree, _as_keys(ls[:len(leaves)], impls))
+        x = jax.tree_util.tree_unflatten(x_tree, _as_keys(ls[len(leaves):], x_impls))
         new, y = f(c, x)
         out_leaves, out_tree = jax.tree_util.tree_flatten(new)
-        if out_tree != tree:
+        if out_tree != tree or not _same_keys(out_leaves, impls):
             raise _TreeMismatch()
         y_leaves, y_tree = jax.tree_util.tree_flatten(y)
         state["y_tree"] = y_tree
         state["ny"] = len(y_leaves)
-        return list(out_leaves) + list(y_leaves)
+        state["y_impls"] = _key_impls(y_leaves)
+        return _as_key_data(out_leaves, impls) + _as_key_data(y_leaves, state["y_impls"])
     traced = _trace_body(step, avals, tail=x_avals)
     if traced is None:
         return lax_loop()
@@ -683,7 +720,9 @@ def scan(f, init, xs=None, length=None, reverse=False, unroll=1, _split_transpos
     ys = [_as_type(o, jax.ShapeDtypeStruct((n_steps,) + tuple(a.shape), a.dtype,
                                            weak_type=getattr(a, "weak_type", False)))
           for o, a in zip(out[nc:], y_avals)]
-    return jax.tree_util.tree_unflatten(tree, carry), jax.tree_util.tree_unflatten(y_tree, ys)
+    # (a key y's ys: the stacked words, one key per step)
+    return (jax.tree_util.tree_unflatten(tree, _as_keys(carry, impls)),
+            jax.tree_util.tree_unflatten(y_tree, _as_keys(ys, state["y_impls"])))
 
 
 def _const_ys(atom, aval, n):

@@ -229,6 +229,90 @@ def jl_lt_to(a, b):
 
 def jl_le_to(a, b):
     return not jl_lt_to(b, a)
+
+
+def jl_erfinv32(x):
+    # M. Giles, "Approximating the erfinv function" (GPU Computing Gems, 2011): the
+    # single-precision polynomial XLA's erf_inv evaluates, in float32 as there
+    if not (x > -1 and x < 1):
+        return np.float32(math.copysign(math.inf, x)) if (x == 1 or x == -1) else np.float32(math.nan)
+    w = -math.log1p(-x * x)
+    if w < np.float32(5):
+        w = w - np.float32(2.5)
+        p = np.float32(2.81022636e-08)
+        p = np.float32(3.43273939e-07) + p * w
+        p = np.float32(-3.5233877e-06) + p * w
+        p = np.float32(-4.39150654e-06) + p * w
+        p = np.float32(0.00021858087) + p * w
+        p = np.float32(-0.00125372503) + p * w
+        p = np.float32(-0.00417768164) + p * w
+        p = np.float32(0.246640727) + p * w
+        p = np.float32(1.50140941) + p * w
+    else:
+        w = math.sqrt(w) - np.float32(3)
+        p = np.float32(-0.000200214257)
+        p = np.float32(0.000100950558) + p * w
+        p = np.float32(0.00134934322) + p * w
+        p = np.float32(-0.00367342844) + p * w
+        p = np.float32(0.00573950773) + p * w
+        p = np.float32(-0.0076224613) + p * w
+        p = np.float32(0.00943887047) + p * w
+        p = np.float32(1.00167406) + p * w
+        p = np.float32(2.83297682) + p * w
+    return np.float32(p * x)
+
+
+def jl_erfinv64(x):
+    # Giles' single-precision estimate, then Newton steps to float64 precision: on erf(z) - |x|
+    # below 0.5, on log(erfc(z)) - log(1 - |x|) above (where erf(z) - |x| cancels and the
+    # estimate is far off near 1, e.g. 12% at 1 - 2**-53); at most four steps
+    if not (x > -1 and x < 1):
+        return np.float64(math.copysign(math.inf, x)) if (x == 1 or x == -1) else np.float64(math.nan)
+    a = abs(np.float64(x))
+    if a == 0:
+        return np.float64(x)
+    z = np.float64(abs(jl_erfinv32(np.float32(a)))) if a < 0.999999 else np.float64(5.0)
+    lq = math.log(1.0 - a)
+    for _ in range(4):
+        d = 1.1283791670955126 * math.exp(-z * z)
+        if a < 0.5:
+            dz = -(math.erf(z) - a) / d
+        else:
+            c = math.erfc(z)
+            dz = (math.log(c) - lq) * c / d
+        z = z + dz
+        if abs(dz) <= 1e-15 * z:
+            break
+    return np.float64(math.copysign(z, x))
+
+
+def jl_bits_f32(b):
+    # the float32 whose bits are the 32-bit integer b, from its fields (step code has no bit
+    # reinterpretation; the value is exact, a NaN's payload is not kept)
+    u = np.int64(b) & 0xFFFFFFFF
+    e = (u >> 23) & 0xFF
+    m = u & 0x7FFFFF
+    if e == 255:
+        v = math.inf if m == 0 else math.nan
+    elif e == 0:
+        v = math.ldexp(np.float64(m), -149)
+    else:
+        v = math.ldexp(np.float64(m + 0x800000), e - 150)
+    return np.float32(-v if u >= 0x80000000 else v)
+
+
+def jl_bits_f64(b):
+    # the float64 whose bits are the 64-bit integer b (as jl_bits_f32)
+    i = np.int64(b)
+    e = (i >> 52) & 0x7FF
+    m = i & 0xFFFFFFFFFFFFF
+    if e == 2047:
+        v = math.inf if m == 0 else math.nan
+    elif e == 0:
+        v = math.ldexp(np.float64(m), -1074)
+    else:
+        v = math.ldexp(np.float64(m + 0x10000000000000), e - 1075)
+    return np.float64(-v if i < 0 else v)
 '''
 
 
@@ -2329,6 +2413,31 @@ def _convert(L, e, out, idx, ctx, B):
         return (f"({literal(0, dt)} if {x} != {x} else ({literal(info.max, dt)} if {x} >= {float(info.max)} else "
                 f"({literal(info.min, dt)} if {x} <= {float(info.min)} else {cast(x, dt)})))")
     return cast(x, dt)
+
+
+@rule("bitcast_convert_type")
+def _bitcast(L, e, out, idx, ctx, B):
+    """``lax.bitcast_convert_type`` of an integer to a float or integer of its width (how
+    ``jax.random.uniform`` makes floats from random bits): a float from the integer's sign,
+    exponent and mantissa fields (jl_bits_f32/64), an integer by a wrapping cast."""
+    x, = _args(L, e, idx, ctx, B)
+    src, dt = np.dtype(e.ins[0].dtype), np.dtype(out.dtype)
+    if src.itemsize != dt.itemsize or BOOL in (src, dt) or src.kind == "f" or dt.itemsize not in (4, 8):
+        L.unsupported(e, f"a bitcast from {src} to {dt} (loopkern bitcasts 32- and 64-bit integers to integers "
+                         f"or floats of their width)")
+    if dt.kind == "f":
+        return f"jl_bits_f{dt.itemsize * 8}({x})"
+    return cast(x, dt)          # the other integer type of that width: the cast wraps
+
+
+@rule("erf_inv")
+def _erf_inv(L, e, out, idx, ctx, B):
+    """``erf_inv`` (``jax.random.normal``'s inverse CDF): in float32 XLA's own polynomial
+    (jl_erfinv32), in float64 refined to float64 precision (jl_erfinv64)."""
+    x, = _args(L, e, idx, ctx, B)
+    if out.dtype not in FLOATS:
+        L.unsupported(e, f"erf_inv of {out.dtype}")
+    return f"jl_erfinv{out.dtype.itemsize * 8}({x})"
 
 
 @rule("copy", "copy_p", "optimization_barrier", "reduce_precision_noop", "stop_gradient")

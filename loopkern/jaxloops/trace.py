@@ -140,12 +140,19 @@ def flatten(closed) -> Program:
     """The :class:`Program` of a ``ClosedJaxpr``, calls inlined."""
     counter = [0]
 
+    from . import prng
+
     def new_var(aval, where=None):
+        if prng.key_impl(aval) is not None:
+            # a PRNG key array: its uint32 words (jax.random.key_data), a trailing axis of 2
+            shape = prng.key_data_shape(aval, where if where is not None else "the loop's carry")
+            counter[0] += 1
+            return Var(shape, prng.U32, False, counter[0])
         try:
             dtype = np.dtype(aval.dtype)
-        except TypeError:       # a PRNG key (key<fry>) or another of JAX's extended types
+        except TypeError:       # another of JAX's extended types
             raise Unsupported(f"values of type {aval.dtype}", where if where is not None else "the loop's carry",
-                              "loopkern compiles numbers and arrays of numbers: a PRNG key is neither") from None
+                              "loopkern compiles numbers, arrays of numbers and jax.random keys") from None
         counter[0] += 1
         return Var(tuple(int(d) for d in aval.shape), dtype, bool(getattr(aval, "weak_type", False)), counter[0])
 
@@ -164,6 +171,12 @@ def flatten(closed) -> Program:
             where = _where(e)
             if outer is not None and (not where.line or not where.text):
                 where = outer
+            if name in prng.PRNG_PRIMS:
+                outs = prng.lower_prng(e, [atom(env, a) for a in e.invars], emit, where)
+                for o, nv in zip(e.outvars, outs):
+                    if type(o).__name__ != "DropVar":
+                        env[o] = nv
+                continue
             if name in _CALLS and _CALLS[name] is not None and _CALLS[name] in e.params:
                 outs = inline(e.params[_CALLS[name]], [atom(env, a) for a in e.invars], where)
                 env.update(zip(e.outvars, outs))
@@ -204,8 +217,11 @@ def flatten(closed) -> Program:
                 env.update(zip(e.outvars, outs))
                 continue
             ins = [atom(env, a) for a in e.invars]
+            params = dict(e.params)
+            if any(prng.key_impl(v.aval) is not None for v in list(e.invars) + list(e.outvars)):
+                params, ins = prng.on_keys(e, ins, emit, where)
             outs = results(e, env)
-            eq = Eqn(name, dict(e.params), ins, outs, where)
+            eq = Eqn(name, params, ins, outs, where)
             for nv in outs:
                 nv.eqn = eq
             sink[-1].append(eq)

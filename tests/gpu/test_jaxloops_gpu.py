@@ -472,3 +472,36 @@ def test_session27_lowering_fixes_on_the_gpu(rng):
     got = jax.jit(lambda lo, hi: lk.fori_loop(lo, hi, lambda i, c: c + 1.0, jnp.zeros(4099, jnp.float32),
                                               fallback="error"))(np.uint8(9), np.uint8(2))
     np.testing.assert_array_equal(np.asarray(got), 0.0)
+
+
+@pytest.mark.parametrize("n", [1000, 65536 + 7])
+def test_jax_random_bits_and_draws_on_the_gpu(n, rng):
+    """jax.random in the body (a key closed over and folded with the index; a key carried and
+    split): the bits equal an independent NumPy Threefry-2x32 and XLA's own, the carried key
+    XLA's bit for bit, the uniform/normal draws XLA's to float tolerance. 1000 elements run in
+    one block, 65543 on a grid."""
+    from refs import np_bits, np_fold_in
+    key = jax.random.key(int(rng.integers(2 ** 31)))
+    x0 = rng.integers(0, 2 ** 32, n, dtype=np.uint64).astype(np.uint32)
+
+    def bits(i, x):
+        return x ^ jax.random.bits(jax.random.fold_in(key, i), x.shape, jnp.uint32)
+    got = np.asarray(jax.jit(lambda x: lk.fori_loop(0, 7, bits, x, fallback="error"))(x0))
+    ref = x0.copy()
+    raw = np.asarray(jax.random.key_data(key), np.uint32)
+    for i in range(7):
+        ref ^= np_bits(np_fold_in(raw, i), n)
+    np.testing.assert_array_equal(got, ref)
+    np.testing.assert_array_equal(got, np.asarray(jax.lax.fori_loop(0, 7, bits, jnp.asarray(x0))))
+
+    def walk(i, c):
+        x, k = c
+        k, a, b = jax.random.split(k, 3)
+        return x + 0.1 * jax.random.normal(a, x.shape) + jax.random.uniform(b, x.shape, minval=-0.05,
+                                                                             maxval=0.05), k
+    init = (jnp.zeros(n, jnp.float32), key)
+    x, k = lk.fori_loop(0, 50, walk, init, fallback="error")
+    rx, rk = jax.lax.fori_loop(0, 50, walk, init)
+    np.testing.assert_array_equal(np.asarray(jax.random.key_data(k)), np.asarray(jax.random.key_data(rk)))
+    np.testing.assert_allclose(np.asarray(x), np.asarray(rx), rtol=1e-5, atol=1e-5)
+    assert 0.5 < float(jnp.std(x)) < 0.9      # 50 steps of N(0, 0.01) + U(-0.05, 0.05): std ~0.72
