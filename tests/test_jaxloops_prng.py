@@ -351,3 +351,22 @@ def test_a_body_that_turns_a_key_into_another_type_runs_the_lax_loop():
         lk.fori_loop(0, 2, lambda i, c: (c[0], jax.random.key_data(c[1])), init, fallback="error")
     with pytest.raises(TypeError):
         lax.fori_loop(0, 2, lambda i, c: (c[0], jax.random.key_data(c[1])), init)
+
+
+def test_unstacked_keys_and_arrays(rng):
+    """lax.unstack (how some JAX versions iterate over an array: ``k, a, b = jax.random.split(k,
+    3)``): of a key array and of an array along either axis."""
+    m0 = jnp.asarray(rng.random((3, 5)).astype(np.float32))
+
+    def body(i, c):
+        m, k = c
+        k, a, b = lax.unstack(jax.random.split(k, 3))
+        r0, r1, r2 = lax.unstack(m)
+        c0, *_, c4 = lax.unstack(m, axis=1)
+        m = m + 0.1 * jax.random.uniform(a, m.shape) - 0.01 * jax.random.uniform(b, m.shape)
+        return m.at[0].set(r2 - r1 + r0).at[:, 0].add(c4 * c0), k
+    init = (m0, jax.random.key(int(rng.integers(2 ** 31))))
+    got = lk.fori_loop(0, 4, body, init, fallback="error")
+    ref = lax.fori_loop(0, 4, body, init)
+    same(got[1], ref[1])
+    same(got[0], ref[0], exact=False, rtol=1e-5, atol=1e-5)

@@ -177,6 +177,22 @@ def flatten(closed) -> Program:
                     if type(o).__name__ != "DropVar":
                         env[o] = nv
                 continue
+            if name == "unstack":
+                # lax.unstack (how some JAX versions iterate over an array: ``a, b = keys``):
+                # one slice and squeeze per result, on the value as the program holds it (a key
+                # array's words keep their trailing axis)
+                x, axis = atom(env, e.invars[0]), int(e.params["axis"])
+                rest = tuple(n for d, n in enumerate(x.shape) if d != axis)
+                for k, o in enumerate(e.outvars):
+                    lo = tuple(k if d == axis else 0 for d in range(len(x.shape)))
+                    hi = tuple(k + 1 if d == axis else n for d, n in enumerate(x.shape))
+                    part = emit("slice", {"start_indices": lo, "limit_indices": hi, "strides": None}, [x],
+                                tuple(h - l for l, h in zip(lo, hi)), x.dtype, where)
+                    one = emit("squeeze", {"dimensions": (axis,)}, [part], rest, x.dtype, where)
+                    one.weak = x.weak
+                    if type(o).__name__ != "DropVar":
+                        env[o] = one
+                continue
             if name in _CALLS and _CALLS[name] is not None and _CALLS[name] in e.params:
                 outs = inline(e.params[_CALLS[name]], [atom(env, a) for a in e.invars], where)
                 env.update(zip(e.outvars, outs))
