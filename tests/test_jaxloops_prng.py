@@ -318,15 +318,40 @@ def test_a_key_of_another_implementation_runs_the_lax_loop():
     _falls_back(body, init, "rbg")
 
 
-def test_64_bit_draws_run_the_lax_loop():
+def test_64_bit_draws_with_x64(rng):
+    """float64 uniform and normal draws and uint64 bits (64-bit random bits: the hash's first
+    word high, the second low)."""
     with jax_x64():
-        init = (jnp.zeros(8, jnp.float64), jax.random.key(3))
+        init = (jnp.zeros(23, jnp.float64), jnp.zeros(23, jnp.uint64), jax.random.key(int(rng.integers(2 ** 31))))
 
         def body(i, c):
-            x, k = c
-            k, s = jax.random.split(k)
-            return x + jax.random.uniform(s, x.shape, jnp.float64), k
-        _falls_back(body, init, "64-bit random bits")
+            x, b, k = c
+            k, s, t = jax.random.split(k, 3)
+            x = x + jax.random.uniform(s, x.shape, jnp.float64) + 1e-3 * jax.random.normal(t, x.shape, jnp.float64)
+            return x, b ^ jax.random.bits(s, b.shape, jnp.uint64), k
+        got = lk.fori_loop(0, 6, body, init, fallback="error")
+        ref = lax.fori_loop(0, 6, body, init)
+    same(got[1:], ref[1:])
+    same(got[0], ref[0], exact=False, rtol=1e-13, atol=1e-14)
+
+
+@pytest.mark.parametrize("dtype", [np.uint64, np.int64])
+def test_64_bit_shifts(dtype, rng):
+    """Left, logical and arithmetic right shifts of uint64 and int64 values by counts from 0 to
+    past 64 (and negative ones: huge as XLA reads them), bit for bit against lax."""
+    with jax_x64():
+        info = np.iinfo(dtype)
+        vals = rng.integers(info.min, info.max, 64, dtype=dtype, endpoint=True)
+        vals[:4] = [info.min, info.max, 0, 1]
+        counts = np.arange(-2, 70, dtype=np.int64)[:64].astype(dtype)
+
+        def body(i, c):
+            v, a, b, d = c
+            return (v, lax.shift_left(v, counts), lax.shift_right_logical(v, counts),
+                    lax.shift_right_arithmetic(v, counts))
+        z = jnp.zeros(64, dtype)
+        init = (jnp.asarray(vals), z, z, z)
+        same(lk.fori_loop(0, 1, body, init, fallback="error"), lax.fori_loop(0, 1, body, init))
 
 
 def test_draws_without_partitionable_threefry_run_the_lax_loop():

@@ -207,6 +207,31 @@ def jl_srl(a, s, n):
     return (np.int64(a) & ((1 << n) - 1)) >> s if 0 <= s < n else np.int64(0)
 
 
+def jl_shl64(a, s):
+    # the shifts of a 64-bit value's bits (int64 or uint64) in int64 arithmetic, whose shifts
+    # wrap (Numba makes a uint64 mixed with an int64 a float64); a count of 64 or more, or a
+    # negative one (huge as XLA reads it), gives 0, or the sign in every bit (jl_sra64)
+    i = np.int64(a)
+    k = np.int64(s)
+    return i << k if 0 <= k < 64 else np.int64(0)
+
+
+def jl_srl64(a, s):
+    i = np.int64(a)
+    k = np.int64(s)
+    if k == 0:
+        return i
+    if 0 < k < 64:
+        return (i >> k) & ~(np.int64(-1) << (64 - k))
+    return np.int64(0)
+
+
+def jl_sra64(a, s):
+    i = np.int64(a)
+    k = np.int64(s)
+    return i >> (k if 0 <= k < 64 else np.int64(63))
+
+
 def jl_cbrt(a):
     return math.copysign(abs(a) ** (1.0 / 3.0), a)
 
@@ -2372,14 +2397,15 @@ def _shift(L, e, out, idx, ctx, B):
     count counts as more) gives 0, or for an arithmetic right shift the top bit in every bit;
     an unsigned value's arithmetic shift is that of the signed value of its bits (jl_shl,
     jl_sra, jl_sra_unsigned, jl_srl). The shift runs on the value widened to int64 (a left
-    shift wraps when it is cast back); a logical right shift of a 64-bit value or any shift of
-    uint64 would need unsigned 64-bit arithmetic, which Numba types as float when it meets
-    int64, so those run the jax.lax loop."""
+    shift wraps when it is cast back); a logical right shift of a 64-bit value and any shift of
+    uint64 run on the value's bits as int64 (jl_shl64, jl_srl64, jl_sra64: unsigned 64-bit
+    arithmetic mixed with int64 is float64 in Numba), the result cast back to its type."""
     x, s = _args(L, e, idx, ctx, B)
     dt = np.dtype(out.dtype)
     bits = dt.itemsize * 8
     if dt == np.dtype(np.uint64) or (e.prim == "shift_right_logical" and bits == 64):
-        L.unsupported(e, "a logical or unsigned shift of 64-bit integers")
+        fn = {"shift_left": "jl_shl64", "shift_right_logical": "jl_srl64", "shift_right_arithmetic": "jl_sra64"}[e.prim]
+        return cast(f"{fn}({x}, {s})", dt)
     fn = {"shift_left": "jl_shl", "shift_right_logical": "jl_srl",
           "shift_right_arithmetic": "jl_sra_unsigned" if dt.kind == "u" else "jl_sra"}[e.prim]
     return cast(f"{fn}({x}, {s}, {bits})", dt)

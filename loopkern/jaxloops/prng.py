@@ -206,7 +206,11 @@ def lower_prng(e, ins, emit, where) -> list:
         o1, o2 = sp.hashed(keys, tuple(e.params["shape"]))
         shape = tuple(keys.shape[:-1]) + tuple(e.params["shape"])
         if width == 64:
-            raise Unsupported(name, where, "64-bit random bits (float64 draws with jax_enable_x64 on)")
+            # the first word high, the second low (float64 draws with jax_enable_x64 on)
+            u64 = np.dtype(np.uint64)
+            hi = sp.op("shift_left", sp.convert(o1, u64), Lit(np.asarray(32, u64)), sp.shape_of(o1), u64)
+            bits = sp.op("or", hi, sp.convert(o2, u64), sp.shape_of(o1, o2), u64)
+            return [sp.broadcast(bits, shape, ())]
         bits = sp.broadcast(sp.xor(o1, o2), shape, ())
         return [bits if width == 32 else sp.convert(bits, np.dtype(f"uint{width}"))]
     if name == "threefry2x32":

@@ -505,3 +505,23 @@ def test_jax_random_bits_and_draws_on_the_gpu(n, rng):
     np.testing.assert_array_equal(np.asarray(jax.random.key_data(k)), np.asarray(jax.random.key_data(rk)))
     np.testing.assert_allclose(np.asarray(x), np.asarray(rx), rtol=1e-5, atol=1e-5)
     assert 0.5 < float(jnp.std(x)) < 0.9      # 50 steps of N(0, 0.01) + U(-0.05, 0.05): std ~0.72
+
+
+def test_float64_jax_random_draws_on_the_gpu(rng):
+    """With jax_enable_x64: uint64 bits (the hash's two words, high then low, through the 64-bit
+    shifts) equal XLA's bit for bit; float64 uniform and normal draws equal XLA's to float64
+    rounding (normal's erf_inv refined to float64 precision, XLA's a polynomial)."""
+    from refs import jax_x64
+    with jax_x64():
+        init = (jnp.zeros(5000, jnp.float64), jnp.zeros(5000, jnp.uint64), jax.random.key(int(rng.integers(2 ** 31))))
+
+        def body(i, c):
+            x, b, k = c
+            k, s, t = jax.random.split(k, 3)
+            x = x + jax.random.uniform(s, x.shape, jnp.float64) + jax.random.normal(t, x.shape, jnp.float64)
+            return x, b ^ jax.random.bits(s, b.shape, jnp.uint64), k
+        got = lk.fori_loop(0, 20, body, init, fallback="error")
+        ref = jax.lax.fori_loop(0, 20, body, init)
+        np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(ref[1]))
+        np.testing.assert_array_equal(np.asarray(jax.random.key_data(got[2])), np.asarray(jax.random.key_data(ref[2])))
+        np.testing.assert_allclose(np.asarray(got[0]), np.asarray(ref[0]), rtol=1e-10, atol=1e-10)
