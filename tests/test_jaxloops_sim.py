@@ -655,3 +655,22 @@ def test_jax_random_bits_in_a_lowered_step(backend, n, threads, blocks):
     for i in range(4):
         ref ^= np_bits(np_fold_in(np.asarray(key, np.uint32), i), n)
     np.testing.assert_array_equal(got, ref)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_jax_random_uniform_and_normal_in_a_lowered_step(backend):
+    """uniform (random bits made a float through bitcast_convert_type: jl_bits_f32) and normal
+    (erf_inv: jl_erfinv32) draws of a closed-over key folded with the index, against the same
+    draws made by JAX (float32 rounding apart)."""
+    key = jax.random.PRNGKey(5)
+
+    def body(i, x):
+        k = jax.random.fold_in(key, i)
+        a, b = jax.random.split(k)
+        return x + jax.random.uniform(a, x.shape, minval=-1.0) + 0.5 * jax.random.normal(b, x.shape)
+    x0 = np.zeros(150, np.float32)
+    scope = dict(scope="grid") if backend == "cuda" else {}
+    got, _, _ = run_lowered(body, x0, 3, backend, threads=64, **scope)
+    ref = np.asarray(jax.lax.fori_loop(0, 3, body, jnp.asarray(x0)))
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
+    assert 0.8 < float(np.std(got)) < 1.5       # three draws of U(-1, 1) + N(0, 1/4): std ~1.12

@@ -311,33 +311,28 @@ def jl_erfinv64(x):
     return np.float64(math.copysign(z, x))
 
 
-def jl_bits_f32(b):
-    # the float32 whose bits are the 32-bit integer b, from its fields (step code has no bit
-    # reinterpretation; the value is exact, a NaN's payload is not kept)
-    u = np.int64(b) & 0xFFFFFFFF
-    e = (u >> 23) & 0xFF
-    m = u & 0x7FFFFF
-    if e == 255:
+def jl_from_fields(neg, e, m, top, mbits, lowest):
+    # the float of sign neg, biased exponent field e (top: all ones) and mantissa field m of
+    # mbits bits, whose smallest subnormal is 2**lowest: exact (a NaN's payload is not kept)
+    if e == top:
         v = math.inf if m == 0 else math.nan
     elif e == 0:
-        v = math.ldexp(np.float64(m), -149)
+        v = math.ldexp(np.float64(m), lowest)
     else:
-        v = math.ldexp(np.float64(m + 0x800000), e - 150)
-    return np.float32(-v if u >= 0x80000000 else v)
+        v = math.ldexp(np.float64(m + (1 << mbits)), int(e + lowest - 1))
+    return -v if neg else v
+
+
+def jl_bits_f32(b):
+    # the float32 whose bits are the 32-bit integer b (step code has no bit reinterpretation)
+    u = np.int64(b) & 0xFFFFFFFF
+    return np.float32(jl_from_fields(u >= 0x80000000, (u >> 23) & 0xFF, u & 0x7FFFFF, 255, 23, -149))
 
 
 def jl_bits_f64(b):
-    # the float64 whose bits are the 64-bit integer b (as jl_bits_f32)
+    # the float64 whose bits are the 64-bit integer b
     i = np.int64(b)
-    e = (i >> 52) & 0x7FF
-    m = i & 0xFFFFFFFFFFFFF
-    if e == 2047:
-        v = math.inf if m == 0 else math.nan
-    elif e == 0:
-        v = math.ldexp(np.float64(m), -1074)
-    else:
-        v = math.ldexp(np.float64(m + 0x10000000000000), e - 1075)
-    return np.float64(-v if i < 0 else v)
+    return np.float64(jl_from_fields(i < 0, (i >> 52) & 0x7FF, i & 0xFFFFFFFFFFFFF, 2047, 52, -1074))
 '''
 
 
