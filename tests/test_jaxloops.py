@@ -1628,3 +1628,72 @@ def test_rim_prefetch_threshold_is_the_auto_block_scope_size():
     from loopkern.dispatch.config import AUTO_BLOCK_SCOPE_MAX_ELEMENTS
     from loopkern.jaxloops import lower
     assert lower.PREFETCH_RIM_MIN_CELLS == AUTO_BLOCK_SCOPE_MAX_ELEMENTS
+
+
+# ------------------------------------------------------------------ convolutions (jaxloops/conv.py)
+@pytest.mark.parametrize("mode", ["same", "full", "valid"])
+def test_jnp_convolve_heat_body(mode, rng):
+    u0 = f32(rng, 50)
+    k = jnp.array([0.25, 0.5, 0.25], jnp.float32)
+
+    def body(i, x):
+        y = jnp.convolve(x, k, mode=mode)
+        off = (y.shape[0] - 48) // 2
+        return x.at[1:-1].set(y[off:off + 48])
+    got = lk.fori_loop(0, 20, body, u0, fallback="error")
+    same(got, lax.fori_loop(0, 20, body, u0), exact=False)
+    # float64 NumPy: the same smoothing of the interior
+    ref = np.asarray(u0, np.float64)
+    for _ in range(20):
+        y = np.convolve(ref, [0.25, 0.5, 0.25], mode=mode)
+        off = (y.shape[0] - 48) // 2
+        ref = ref.copy()
+        ref[1:-1] = y[off:off + 48]
+    np.testing.assert_allclose(np.asarray(got), ref, rtol=1e-5, atol=1e-6)
+
+
+def test_convolve2d_laplacian_closed_over_and_carried(rng):
+    """jax.scipy.signal.convolve2d with a 5-point Laplacian kernel: closed over (its weights
+    become literals) and carried (read from the kernel array), against lax and float64 NumPy."""
+    from jax.scipy.signal import convolve2d
+    u0 = f32(rng, 20, 17)
+    lap = np.array([[0, 1, 0], [1, -4, 1], [0, 1, 0]], np.float32)
+    got = lk.fori_loop(0, 30, lambda i, x: x + 0.2 * convolve2d(x, jnp.asarray(lap), mode="same"), u0,
+                       fallback="error")
+    ref = np.asarray(u0, np.float64)
+    for _ in range(30):
+        p = np.pad(ref, 1)
+        ref = ref + 0.2 * (p[:-2, 1:-1] + p[2:, 1:-1] + p[1:-1, :-2] + p[1:-1, 2:] - 4 * p[1:-1, 1:-1])
+    np.testing.assert_allclose(np.asarray(got), ref, rtol=1e-5, atol=1e-5)
+
+    def carried(i, c):
+        x, w = c
+        return x + 0.1 * convolve2d(x, w, mode="same"), w * np.float32(0.99)
+    init = (u0, jnp.asarray(lap))
+    same(lk.fori_loop(0, 10, carried, init, fallback="error"), lax.fori_loop(0, 10, carried, init), exact=False)
+
+
+def test_lax_conv_with_channels_and_kernel_dilation(rng):
+    x0 = f32(rng, 2, 3, 12, 11)
+    w = jnp.asarray(rng.random((4, 3, 3, 2)).astype(np.float32) * 0.1)
+
+    def body(i, x):
+        y = lax.conv_general_dilated(x, w, (1, 1), [(0, 0), (1, 0)], rhs_dilation=(2, 2))
+        return x.at[:, :, :8, :8].add(0.1 * y[:, :3, :8, :8])
+    same(lk.fori_loop(0, 3, body, x0, fallback="error"), lax.fori_loop(0, 3, body, x0), exact=False,
+         rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("what, conv", [
+    ("strided", lambda x, w: lax.conv_general_dilated(x, w, (2,), [(1, 1)])),
+    ("grouped", lambda x, w: lax.conv_general_dilated(jnp.concatenate([x, x], 1), jnp.concatenate([w, w], 0), (1,),
+                                                      [(1, 1)], feature_group_count=2)[:, :1]),
+])
+def test_convolutions_outside_the_subset_fall_back(what, conv, rng):
+    x0 = f32(rng, 1, 1, 16)
+    w = jnp.asarray(np.array([[[0.25, 0.5, 0.25]]], np.float32))
+
+    def body(i, x):
+        y = conv(x, w)
+        return x.at[:, :, :y.shape[2]].set(y)
+    assert_falls_back(body, x0, 3, "conv_general_dilated", error_match=what)

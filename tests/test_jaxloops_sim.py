@@ -674,3 +674,22 @@ def test_jax_random_uniform_and_normal_in_a_lowered_step(backend):
     ref = np.asarray(jax.lax.fori_loop(0, 3, body, jnp.asarray(x0)))
     np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
     assert 0.8 < float(np.std(got)) < 1.5       # three draws of U(-1, 1) + N(0, 1/4): std ~1.12
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_convolve2d_heat_in_a_lowered_step(backend):
+    """A 2-D heat step written with jax.scipy.signal.convolve2d (jaxloops/conv.py: the pad and the
+    kernel's nine taps as slices), against float64 NumPy."""
+    from jax.scipy.signal import convolve2d
+    lap = jnp.asarray(np.array([[0, 1, 0], [1, -4, 1], [0, 1, 0]], np.float32))
+
+    def body(i, x):
+        return x + 0.2 * convolve2d(x, lap, mode="same")
+    x0 = np.random.default_rng(3).random((13, 19)).astype(np.float32)
+    scope = dict(scope="grid") if backend == "cuda" else {}
+    got, _, _ = run_lowered(body, x0, 6, backend, threads=64, **scope)
+    ref = x0.astype(np.float64)
+    for _ in range(6):
+        p = np.pad(ref, 1)
+        ref = ref + 0.2 * (p[:-2, 1:-1] + p[2:, 1:-1] + p[1:-1, :-2] + p[1:-1, 2:] - 4 * p[1:-1, 1:-1])
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)

@@ -140,7 +140,7 @@ def flatten(closed) -> Program:
     """The :class:`Program` of a ``ClosedJaxpr``, calls inlined."""
     counter = [0]
 
-    from . import prng
+    from . import conv, prng
 
     def new_var(aval, where=None):
         if prng.key_impl(aval) is not None:
@@ -158,6 +158,7 @@ def flatten(closed) -> Program:
 
     eqns: list = []
     consts: list = []
+    const_vals: dict = {}       # Var -> the closed-over value (to fold a convolution's kernel)
     sink = [eqns]       # where equations go: the program, or the body of a nested loop
 
     def atom(env, a):
@@ -176,6 +177,9 @@ def flatten(closed) -> Program:
                 for o, nv in zip(e.outvars, outs):
                     if type(o).__name__ != "DropVar":
                         env[o] = nv
+                continue
+            if name == "conv_general_dilated":
+                env[e.outvars[0]] = conv.lower_conv(e, [atom(env, a) for a in e.invars], emit, where, const_vals)
                 continue
             if name == "unstack":
                 # lax.unstack (how some JAX versions iterate over an array: ``a, b = keys``):
@@ -339,6 +343,7 @@ def flatten(closed) -> Program:
     def _const(v, c):
         nv = new_var(v.aval)
         consts.append((nv, c))
+        const_vals[nv] = c
         return nv
 
     def emit(prim, params, ins, shape, dtype, where):
