@@ -1697,3 +1697,16 @@ def test_convolutions_outside_the_subset_fall_back(what, conv, rng):
         y = conv(x, w)
         return x.at[:, :, :y.shape[2]].set(y)
     assert_falls_back(body, x0, 3, "conv_general_dilated", error_match=what)
+
+
+def test_jnp_tile(rng):
+    x0 = f32(rng, 4, 5)
+
+    def body(i, x):
+        t = jnp.tile(x, (2, 1, 3))                    # (2, 4, 15)
+        return 0.5 * x + 0.25 * (t[1, :, 5:10] + t[0, :, 10:15]) + 0.01 * jnp.tile(x[0], 2)[3:8]
+    same(lk.fori_loop(0, 4, body, x0, fallback="error"), lax.fori_loop(0, 4, body, x0), exact=False)
+    ref = np.asarray(x0, np.float64)
+    for _ in range(4):
+        ref = 0.5 * ref + 0.5 * ref + 0.01 * np.tile(ref[0], 2)[3:8]
+    np.testing.assert_allclose(np.asarray(lk.fori_loop(0, 4, body, x0, fallback="error")), ref, rtol=1e-5)

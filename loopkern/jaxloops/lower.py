@@ -2563,6 +2563,17 @@ def _expand(L, e, out, idx, ctx, B):   # pragma: no cover - JAX emits broadcast_
     L.unsupported(e)
 
 
+@rule("tile")
+def _tile(L, e, out, idx, ctx, B):
+    """``jnp.tile``: along each repeated dimension, element i reads the operand at i mod its
+    extent (an index known to lie in the first copy is kept as it is)."""
+    x = e.ins[0]
+    sub = []
+    for i, n in zip(idx, x.shape):
+        sub.append(i if i.hi < n else opaque(f"({i.expr}) % {n}", 0, n - 1))
+    return L.E(x, tuple(sub), ctx, B)
+
+
 @rule("transpose")
 def _transpose(L, e, out, idx, ctx, B):
     perm = e.params["permutation"]
