@@ -473,11 +473,24 @@ def test_bit_shifts_at_every_count(backend, dtype):
         np.testing.assert_array_equal(got[0], np.array(want, dtype), err_msg=kind)
 
 
-def test_64_bit_logical_shift_runs_the_lax_loop():
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [np.int64, np.uint64])
+def test_64_bit_shifts_at_every_count(backend, dtype):
+    """The same for 64-bit values: the logical right shift of int64 and every shift of uint64
+    run on the bits as int64 (jl_shl64, jl_srl64, jl_sra64; they ran the lax loop before
+    session 44)."""
+    info = np.iinfo(dtype)
+    vals = np.array([0, 1, -1, 5, int(info.max), int(info.min), -3], dtype=object)
+    vals = np.array([int(v) % (1 << 64) for v in vals], np.uint64).view(dtype)
+    counts = [-1, 0, 1, 3, 31, 32, 33, 62, 63, 64, 65, 100]
+    a = np.repeat(vals, len(counts))
+    s = np.tile(np.array(counts, np.int64), len(vals)).view(np.uint64).astype(dtype) if dtype == np.uint64 \
+        else np.tile(np.array(counts, np.int64), len(vals))
     with jax_x64():
-        x = jnp.arange(4, dtype=jnp.int64) - 2
-        with pytest.raises(lk.StepSyntaxError, match="shift_right_logical"):
-            lk.fori_loop(0, 2, lambda i, v: jax.lax.shift_right_logical(v, jnp.int64(1)), x, fallback="error")
+        for kind, f in SHIFTS.items():
+            got, _, _ = run_lowered(lambda i, x, f=f: x.at[0].set(f(x[0], x[1])), np.stack([a, s]), 1, backend)
+            want = [_shift_ref(kind, int(p), int(q), dtype) for p, q in zip(a, s)]
+            np.testing.assert_array_equal(got[0], np.array(want, dtype), err_msg=kind)
 
 
 def _random_window_op(rng, shape):
