@@ -1710,3 +1710,21 @@ def test_jnp_tile(rng):
     for _ in range(4):
         ref = 0.5 * ref + 0.5 * ref + 0.01 * np.tile(ref[0], 2)[3:8]
     np.testing.assert_allclose(np.asarray(lk.fori_loop(0, 4, body, x0, fallback="error")), ref, rtol=1e-5)
+
+
+def test_jnp_prod(rng):
+    """jnp.prod along axes and of a whole array (floats to rounding, integers bit for bit with
+    their wraparound); more than lower.PROD_WHOLE_MAX elements into one value falls back."""
+    x0 = jnp.asarray(rng.uniform(0.9, 1.1, (6, 7)).astype(np.float32))
+
+    def body(i, x):
+        y = x * 1.001
+        return y * 0.5 + 0.5 * jnp.prod(y, axis=1, keepdims=True) ** (1 / 7) + 0.001 * jnp.prod(y)
+    same(lk.fori_loop(0, 5, body, x0, fallback="error"), lax.fori_loop(0, 5, body, x0), exact=False, rtol=1e-5)
+    i0 = jnp.asarray(rng.integers(-9, 10, (5, 4)).astype(np.int32))
+
+    def ints(i, x):
+        return x.at[0].set(jnp.prod(x, axis=0) % 1000 + 1).at[1, 0].set(jnp.prod(x[2:] * 7919) % 977)
+    same(lk.fori_loop(0, 3, ints, i0, fallback="error"), lax.fori_loop(0, 3, ints, i0))
+    assert_falls_back(lambda i, x: x * jnp.prod(x), jnp.ones(5000, jnp.float32), 2, "reduce_prod",
+                      error_match="5000 elements")

@@ -706,3 +706,20 @@ def test_convolve2d_heat_in_a_lowered_step(backend):
         p = np.pad(ref, 1)
         ref = ref + 0.2 * (p[:-2, 1:-1] + p[2:, 1:-1] + p[1:-1, :-2] + p[1:-1, 2:] - 4 * p[1:-1, 1:-1])
     np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_jnp_prod_of_a_field_the_step_computes(backend):
+    """jnp.prod along an axis and of the whole array (every thread multiplies all of it after the
+    barrier behind the new values) of a field computed in the same step, against float64 NumPy."""
+    def body(i, x):
+        y = x * 1.001
+        return 0.5 * y + 0.5 * jnp.prod(y, axis=1, keepdims=True) ** (1 / 7) + 0.001 * jnp.prod(y)
+    x0 = np.random.default_rng(4).uniform(0.9, 1.1, (9, 7)).astype(np.float32)
+    scope = dict(scope="grid") if backend == "cuda" else {}
+    got, _, _ = run_lowered(body, x0, 4, backend, threads=32, **scope)
+    ref = x0.astype(np.float64)
+    for _ in range(4):
+        y = ref * 1.001
+        ref = 0.5 * y + 0.5 * np.prod(y, axis=1, keepdims=True) ** (1 / 7) + 0.001 * np.prod(y)
+    np.testing.assert_allclose(got, ref, rtol=2e-5)

@@ -3061,6 +3061,22 @@ def _partial_reduce(L, e, out, idx, ctx, B):
 for _r in REDUCTIONS:
     RULES[_r] = _partial_reduce
 
+#: ``jnp.prod`` of a whole array into one value is a sequential loop that every thread runs
+#: after the barrier behind the array (loopkern's grid reductions are sums, maxima and minima),
+#: so it is compiled up to this many elements
+PROD_WHOLE_MAX = 4096
+
+
+@rule("reduce_prod")
+def _reduce_prod(L, e, out, idx, ctx, B):
+    """``jnp.prod``: along axes, a sequential loop per element (as the sums along an axis); of a
+    whole array of at most PROD_WHOLE_MAX elements, the same loop over every element."""
+    x = e.ins[0]
+    if x.shape and len(e.params["axes"]) == len(x.shape) and x.size > PROD_WHOLE_MAX:
+        L.unsupported(e, f"a product of {x.size} elements into one value (loopkern multiplies at most "
+                         f"{PROD_WHOLE_MAX} in one thread; its grid reductions are sums, maxima and minima)")
+    return _partial_reduce(L, e, out, idx, ctx, B)
+
 
 @rule("nested_loop")
 def _nested(L, e, out, idx, ctx, B):
