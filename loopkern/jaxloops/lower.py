@@ -207,29 +207,15 @@ def jl_srl(a, s, n):
     return (np.int64(a) & ((1 << n) - 1)) >> s if 0 <= s < n else np.int64(0)
 
 
-def jl_shl64(a, s):
-    # the shifts of a 64-bit value's bits (int64 or uint64) in int64 arithmetic, whose shifts
-    # wrap (Numba makes a uint64 mixed with an int64 a float64); a count of 64 or more, or a
-    # negative one (huge as XLA reads it), gives 0, or the sign in every bit (jl_sra64)
-    i = np.int64(a)
-    k = np.int64(s)
-    return i << k if 0 <= k < 64 else np.int64(0)
-
-
 def jl_srl64(a, s):
+    # a logical right shift of a 64-bit value's bits (int64 or uint64) in int64 arithmetic: the
+    # arithmetic shift with the copies of the sign bit masked off (jl_srl's mask needs 65 bits)
     i = np.int64(a)
-    k = np.int64(s)
-    if k == 0:
+    if s == 0:
         return i
-    if 0 < k < 64:
-        return (i >> k) & ~(np.int64(-1) << (64 - k))
+    if 0 < s < 64:
+        return (i >> s) & ~(np.int64(-1) << (64 - s))
     return np.int64(0)
-
-
-def jl_sra64(a, s):
-    i = np.int64(a)
-    k = np.int64(s)
-    return i >> (k if 0 <= k < 64 else np.int64(63))
 
 
 def jl_cbrt(a):
@@ -1743,8 +1729,8 @@ class Lowering:
         if any(it.kind in ("scatter", "sort") for it in L.items):
             return
         nd = len(L.box)
-        cells = math.prod(hi - lo for lo, hi in L.box)
-        if cells == 0:
+        total = math.prod(hi - lo for lo, hi in L.box)
+        if total == 0:
             return
         inner = []
         for d, (lo, hi) in enumerate(L.box):
@@ -1757,7 +1743,7 @@ class Lowering:
         for d, (lo, hi) in enumerate(L.box):
             for c in [*range(lo, inner[d][0]), *range(inner[d][1], hi)]:
                 slabs.append(tuple(inner[k] if k < d else (c, c + 1) if k == d else L.box[k] for k in range(nd)))
-        if not slabs or inside * 2 < cells or len(slabs) > MAX_RIM_SLABS:
+        if not slabs or inside * 2 < total or len(slabs) > MAX_RIM_SLABS:
             return
         for it in L.items:
             # a store at another index than the cell's own (an in-place window at a run-time
@@ -1800,7 +1786,7 @@ class Lowering:
             # (they are those with one interior cell less when the threads do not divide it)
             start = (f"{v} = lk.num_threads() - 1 - lk.thread_id()", None)
             stored = {it.target for it in L.items if it.kind == "store"}
-            big = math.prod(hi - lo for lo, hi in L.box) > PREFETCH_RIM_MIN_CELLS
+            big = total > PREFETCH_RIM_MIN_CELLS
             early = self._prefetch_rim(v, cells, stored) if PREFETCH_RIM and big else None
             if early is None:
                 pieces += [start, (f"while {v} < {first}:", rim + [f"{v} += lk.num_threads()"])]
@@ -2392,15 +2378,19 @@ def _shift(L, e, out, idx, ctx, B):
     count counts as more) gives 0, or for an arithmetic right shift the top bit in every bit;
     an unsigned value's arithmetic shift is that of the signed value of its bits (jl_shl,
     jl_sra, jl_sra_unsigned, jl_srl). The shift runs on the value widened to int64 (a left
-    shift wraps when it is cast back); a logical right shift of a 64-bit value and any shift of
-    uint64 run on the value's bits as int64 (jl_shl64, jl_srl64, jl_sra64: unsigned 64-bit
-    arithmetic mixed with int64 is float64 in Numba), the result cast back to its type."""
+    shift wraps when it is cast back). A logical right shift of a 64-bit value and any shift of
+    uint64 run on the value's bits as int64, with the count as int64 too (unsigned 64-bit
+    arithmetic mixed with int64 is float64 in Numba; a count past 2**63 turns negative, which
+    the helpers read as past the width, as XLA does): jl_shl and jl_sra at 64 bits, and
+    jl_srl64, whose mask jl_srl cannot make; the result cast back to its type."""
     x, s = _args(L, e, idx, ctx, B)
     dt = np.dtype(out.dtype)
     bits = dt.itemsize * 8
     if dt == np.dtype(np.uint64) or (e.prim == "shift_right_logical" and bits == 64):
-        fn = {"shift_left": "jl_shl64", "shift_right_logical": "jl_srl64", "shift_right_arithmetic": "jl_sra64"}[e.prim]
-        return cast(f"{fn}({x}, {s})", dt)
+        k = f"np.int64({s})"
+        text = {"shift_left": f"jl_shl({x}, {k}, 64)", "shift_right_logical": f"jl_srl64({x}, {k})",
+                "shift_right_arithmetic": f"jl_sra({x}, {k}, 64)"}[e.prim]
+        return cast(text, dt)
     fn = {"shift_left": "jl_shl", "shift_right_logical": "jl_srl",
           "shift_right_arithmetic": "jl_sra_unsigned" if dt.kind == "u" else "jl_sra"}[e.prim]
     return cast(f"{fn}({x}, {s}, {bits})", dt)

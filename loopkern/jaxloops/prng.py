@@ -24,7 +24,7 @@ import math
 
 import numpy as np
 
-from .trace import Lit, Unsupported
+from .trace import Lit, Unsupported, take
 
 THREEFRY = "threefry2x32"
 U32 = np.dtype(np.uint32)
@@ -102,10 +102,7 @@ class _Spell:
 
     def word(self, keys, w):
         """Word ``w`` (0 or 1) of every key in ``keys`` (uint32 of shape K + (2,)): shape K."""
-        k = len(keys.shape) - 1
-        part = self.emit("slice", {"start_indices": (0,) * k + (w,), "limit_indices": tuple(keys.shape[:k]) + (w + 1,),
-                                   "strides": None}, [keys], tuple(keys.shape[:k]) + (1,), U32, self.where)
-        return self.emit("squeeze", {"dimensions": (k,)}, [part], tuple(keys.shape[:k]), U32, self.where)
+        return take(self.emit, keys, len(keys.shape) - 1, w, self.where)
 
     def stack(self, parts, shape):
         """The values ``parts`` (each of ``shape``) along a new last axis."""
@@ -177,13 +174,9 @@ def lower_prng(e, ins, emit, where) -> list:
         bits = np.dtype(seed.dtype).itemsize * 8
         if np.dtype(seed.dtype).kind not in "iu":
             raise Unsupported(name, where, f"a seed of type {seed.dtype}")
-        hi = _lit(0)
-        if bits == 64:
-            # the high word: bits 32-63, which an arithmetic shift of the int64 value leaves in
-            # its low word too (the lowering has no logical shift of 64-bit values)
-            s64 = seed if np.dtype(seed.dtype) == np.dtype(np.int64) else sp.convert(seed, np.int64)
-            i64 = np.dtype(np.int64)
-            hi = sp.convert(sp.op("shift_right_arithmetic", s64, Lit(np.asarray(32, i64)), sp.shape_of(seed), i64), U32)
+        # JAX's threefry_seed: the high word is bits 32-63 (0 for a seed of 32 bits or fewer)
+        hi = sp.convert(sp.op("shift_right_logical", seed, Lit(np.asarray(32, seed.dtype)), sp.shape_of(seed),
+                              seed.dtype), U32) if bits == 64 else _lit(0)
         lo = sp.convert(seed, U32)
         shape = sp.shape_of(seed)
         return [sp.stack([sp.broadcast(hi, shape, ()), lo], shape)]
@@ -220,7 +213,6 @@ def lower_prng(e, ins, emit, where) -> list:
     raise AssertionError(name)      # pragma: no cover
 
 
-#: shape-only primitives that may move keys, and how the word axis changes their parameters
 def on_keys(e, ins, emit, where):
     """(params, ins) of the shape-only equation ``e`` that reads or makes key arrays, for the
     keys' uint32 words (a trailing axis of 2); Unsupported for any other operation on keys."""
@@ -244,7 +236,7 @@ def on_keys(e, ins, emit, where):
     if name == "reshape" and p.get("dimensions") in (None, ()):
         p["new_sizes"] = tuple(p["new_sizes"]) + (2,)
         return p, ins
-    if name == "broadcast_in_dim" and key_impl(e.invars[0].aval) is not None:
+    if name == "broadcast_in_dim":
         p["shape"] = tuple(p["shape"]) + (2,)
         p["broadcast_dimensions"] = tuple(p["broadcast_dimensions"]) + (len(out.shape),)
         return p, ins

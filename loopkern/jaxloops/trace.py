@@ -132,6 +132,19 @@ def _arg_reduction(name, x, axis, index_dtype, where, emit):
     return emit("reduce_min", {"axes": (axis,), "out_sharding": None}, [chosen], rest, index_dtype, where)
 
 
+def take(emit, x, axis: int, k: int, where):
+    """Index ``k`` of ``x`` along ``axis`` (a slice and a squeeze, emitted by ``emit`` as in
+    :func:`flatten`): a Var of x's shape without that axis, x's weak type kept."""
+    lo = tuple(k if d == axis else 0 for d in range(len(x.shape)))
+    hi = tuple(k + 1 if d == axis else n for d, n in enumerate(x.shape))
+    part = emit("slice", {"start_indices": lo, "limit_indices": hi, "strides": None}, [x],
+                tuple(h - a for a, h in zip(lo, hi)), x.dtype, where)
+    one = emit("squeeze", {"dimensions": (axis,)}, [part], tuple(n for d, n in enumerate(x.shape) if d != axis),
+               x.dtype, where)
+    one.weak = x.weak
+    return one
+
+
 def _is_literal(a) -> bool:
     return type(a).__name__ == "Literal"
 
@@ -186,16 +199,9 @@ def flatten(closed) -> Program:
                 # one slice and squeeze per result, on the value as the program holds it (a key
                 # array's words keep their trailing axis)
                 x, axis = atom(env, e.invars[0]), int(e.params["axis"])
-                rest = tuple(n for d, n in enumerate(x.shape) if d != axis)
                 for k, o in enumerate(e.outvars):
-                    lo = tuple(k if d == axis else 0 for d in range(len(x.shape)))
-                    hi = tuple(k + 1 if d == axis else n for d, n in enumerate(x.shape))
-                    part = emit("slice", {"start_indices": lo, "limit_indices": hi, "strides": None}, [x],
-                                tuple(h - l for l, h in zip(lo, hi)), x.dtype, where)
-                    one = emit("squeeze", {"dimensions": (axis,)}, [part], rest, x.dtype, where)
-                    one.weak = x.weak
                     if type(o).__name__ != "DropVar":
-                        env[o] = one
+                        env[o] = take(emit, x, axis, k, where)
                 continue
             if name in _CALLS and _CALLS[name] is not None and _CALLS[name] in e.params:
                 outs = inline(e.params[_CALLS[name]], [atom(env, a) for a in e.invars], where)
