@@ -218,3 +218,50 @@ def np_fold_in(key, data):
     """jax.random.fold_in(key, data): the hash of the counter words (0, data)."""
     h0, h1 = np_threefry(key[0], key[1], np.zeros(1, np.uint32), np.asarray([data], np.uint32))
     return np.array([h0[0], h1[0]], np.uint32)
+
+
+def np_split(key, n):
+    """jax.random.split(key, n) with jax_threefry_partitionable on: key i is the hash of the
+    counter words (0, i)."""
+    h0, h1 = np_threefry(key[0], key[1], np.zeros(n, np.uint32), np.arange(n, dtype=np.uint32))
+    return [np.array([a, b], np.uint32) for a, b in zip(h0, h1)]
+
+
+def np_uniform01(key):
+    """jax.random.uniform(key, (), float32): the 23 high bits of the draw as a float32 in [1, 2),
+    minus one (exact in float32; returned as a Python float)."""
+    b = np_bits(key, 1)[0]
+    return float(np.uint32((int(b) >> 9) | 0x3F800000).view(np.float32)) - 1.0
+
+
+def np_normal(key, erfinv):
+    """jax.random.normal(key, (), float32) in float64: sqrt(2) erfinv(u), u uniform on
+    [nextafter(-1, 0), 1) in float32 (``erfinv``: a float64 inverse error function)."""
+    lo = float(np.nextafter(np.float32(-1), np.float32(0)))
+    u = float(np.float32(np.float32(np_uniform01(key)) * np.float32(1.0 - lo) + np.float32(lo)))
+    return math.sqrt(2.0) * erfinv(max(lo, u))
+
+
+def np_gamma(key, alphas, erfinv):
+    """jax.random.gamma(key, alphas) in float64 (JAX's sampler: one key per element split from
+    ``key``, then Marsaglia and Tsang's rejection loop per element, alpha < 1 boosted to alpha + 1
+    and the sample scaled by a uniform to the power 1/alpha)."""
+    out = []
+    for k, alpha in zip(np_split(key, len(alphas)), alphas):
+        boost = alpha >= 1
+        a = alpha if boost else alpha + 1
+        d = a - 1 / 3
+        c = 1 / 3 / math.sqrt(d)
+        k, sub = np_split(k, 2)
+        X, V, U = 0.0, 1.0, 2.0
+        while U >= 1 - 0.0331 * X * X and math.log(U) >= X * 0.5 + d * (1 - V + math.log(V)):
+            k, xk, uk = np_split(k, 3)
+            x, v = 0.0, -1.0
+            while v <= 0:
+                xk, s = np_split(xk, 2)
+                x = np_normal(s, erfinv)
+                v = 1 + x * c
+            X, V, U = x * x, v * v * v, np_uniform01(uk)
+        scale = 1.0 if boost else (1 - np_uniform01(sub)) ** (1 / alpha)
+        out.append(d * V * scale)
+    return np.array(out)

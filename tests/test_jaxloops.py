@@ -1299,19 +1299,20 @@ def test_fallback_warns_once_naming_the_primitive_and_line(rng):
 
 
 def test_random_draws_outside_the_subset_fall_back_and_the_warning_names_the_error_s_place(rng):
-    """jax.random compiles (tests/test_jaxloops_prng.py) except gamma-family draws and keys of
-    other implementations than threefry2x32: those fall back (with the warning, or
-    StepSyntaxError for fallback="error"), and the warning's file:line:col is the error's."""
+    """jax.random compiles (tests/test_jaxloops_prng.py) except a few draws (truncated_normal:
+    nextafter) and keys of other implementations than threefry2x32: those fall back (with the
+    warning, or StepSyntaxError for fallback="error"), and the warning's file:line:col is the
+    error's."""
     x0 = f32(rng, 8)
 
     def drawn(i, c):
-        return c + jax.random.gamma(jax.random.fold_in(jax.random.PRNGKey(0), i), 2.0, (8,))
+        return c + jax.random.truncated_normal(jax.random.fold_in(jax.random.PRNGKey(0), i), -1.0, 2.0, (8,))
 
     def carried(i, c):
         k, x = c
         k, sub = jax.random.split(k)
         return k, x + jax.random.normal(sub, x.shape)
-    for body, init, name in [(drawn, x0, "random_gamma"), (carried, (jax.random.key(1, impl="rbg"), x0), "rbg")]:
+    for body, init, name in [(drawn, x0, "nextafter"), (carried, (jax.random.key(1, impl="rbg"), x0), "rbg")]:
         with warnings.catch_warnings(record=True) as w:
             warnings.simplefilter("always")
             got = lk.fori_loop(0, 3, body, init)
@@ -1682,6 +1683,25 @@ def test_lax_conv_with_channels_and_kernel_dilation(rng):
         return x.at[:, :, :8, :8].add(0.1 * y[:, :3, :8, :8])
     same(lk.fori_loop(0, 3, body, x0, fallback="error"), lax.fori_loop(0, 3, body, x0), exact=False,
          rtol=1e-5, atol=1e-6)
+
+
+def test_conv_with_a_wider_preferred_element_type(rng):
+    """int8 inputs summed into int32 (preferred_element_type) must not wrap at 8 bits: the
+    products and sums in the result's type, as XLA computes them; against lax and NumPy."""
+    x = jnp.asarray(rng.integers(-128, 128, (1, 1, 40), dtype=np.int8))
+    w = jnp.asarray(rng.integers(-128, 128, (1, 1, 5), dtype=np.int8))
+
+    def body(i, acc):
+        a = lax.conv_general_dilated(x, w, (1,), "SAME", preferred_element_type=jnp.int32)
+        b = jnp.convolve(x[0, 0], w[0, 0] + i.astype(jnp.int8), mode="full", preferred_element_type=jnp.int32)
+        return acc + a[0, 0] + b[2:-2]
+    acc0 = jnp.zeros(40, jnp.int32)
+    got = lk.fori_loop(0, 3, body, acc0, fallback="error")
+    same(got, lax.fori_loop(0, 3, body, acc0))
+    xs, ws = np.asarray(x[0, 0], np.int64), np.asarray(w[0, 0], np.int64)
+    want = sum(np.correlate(np.pad(xs, 2), ws, "valid") + np.convolve(xs, (ws + i + 128) % 256 - 128)[2:-2]
+               for i in range(3))
+    np.testing.assert_array_equal(np.asarray(got), want)
 
 
 @pytest.mark.parametrize("what, conv", [

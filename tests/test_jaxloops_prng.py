@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import loopkern as lk
-from refs import jax_x64, np_bits, np_fold_in, np_threefry
+from refs import jax_x64, np_bits, np_fold_in, np_gamma, np_split, np_threefry
 
 jax = pytest.importorskip("jax")
 jnp = jax.numpy
@@ -138,6 +138,18 @@ def test_a_key_chosen_by_lax_cond(rng):
         return x ^ jax.random.bits(k, x.shape, jnp.uint32), k1, k2
     init = (jnp.zeros(13, jnp.uint32), jax.random.key(1), jax.random.key(2))
     same(lk.fori_loop(0, 7, body, init, fallback="error"), lax.fori_loop(0, 7, body, init))
+
+
+def test_keys_gathered_and_scattered_at_computed_indices(rng):
+    """ks[idx] (a gather) and ks.at[j].set(k) (a scatter) of a key array: the same operation
+    on each of its words."""
+    def body(i, c):
+        x, ks = c
+        picked = ks[(jnp.arange(8) * 3 + i) % 8]
+        ks = ks.at[(i * 5) % 8].set(jax.random.fold_in(ks[0], i))
+        return x ^ jax.vmap(lambda k: jax.random.bits(k, (), jnp.uint32))(picked), ks
+    init = (jnp.zeros(8, jnp.uint32), jax.random.split(jax.random.key(int(rng.integers(2 ** 31))), 8))
+    same(lk.fori_loop(0, 6, body, init, fallback="error"), lax.fori_loop(0, 6, body, init))
 
 
 # ----------------------------------------------------------------- draws, as JAX users write them
@@ -297,6 +309,108 @@ def test_bitcast_of_int64_to_float64(rng):
     _same_floats(got, pats.view(np.float64), np.int64)
 
 
+# ----------------------------------------------------------------- gamma and the draws built on it
+def test_gamma_draws_against_numpy_and_lax(rng):
+    """jax.random.gamma (JAX's own sampler inlined: a vmapped while_loop per element, each
+    element's rejection loop running on its own, with a while_loop nested in it) for shape
+    parameters on both sides of 1, against an independent float64 NumPy run of Marsaglia and
+    Tsang's loop on the NumPy Threefry's bits (refs.np_gamma) and against lax."""
+    alphas = np.concatenate([[0.05, 0.3, 0.999, 1.0, 1.5], rng.uniform(0.1, 6.0, 43)]).astype(np.float32)
+    a = jnp.asarray(alphas)
+
+    def body(i, c):
+        x, k = c
+        k, s = jax.random.split(k)
+        return x + jax.random.gamma(s, a), k
+    seed = int(rng.integers(2 ** 31))
+    init = (jnp.zeros(alphas.size, jnp.float32), jax.random.key(seed))
+    got = lk.fori_loop(0, 3, body, init, fallback="error")
+    ref = lax.fori_loop(0, 3, body, init)
+    same(got[1], ref[1])
+    same(got[0], ref[0], exact=False, rtol=2e-5, atol=1e-6)
+    key, want = np.asarray(jax.random.key_data(init[1])), np.zeros(alphas.size)
+    for _ in range(3):
+        key, sub = np_split(key, 2)
+        want += np_gamma(sub, alphas.astype(np.float64), _erfinv_ref)
+    np.testing.assert_allclose(np.asarray(got[0], np.float64), want, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("draw", ["beta", "dirichlet", "chisquare", "t", "loggamma", "generalized_normal"])
+def test_draws_built_on_gamma(draw, rng):
+    shape = (40, 3)
+    alpha = jnp.asarray([0.4, 1.0, 2.5], jnp.float32)
+    draws = {"beta": lambda k: jax.random.beta(k, 0.5, alpha, shape),
+             "dirichlet": lambda k: jax.random.dirichlet(k, alpha, shape[:1]),
+             "chisquare": lambda k: jax.random.chisquare(k, alpha, shape),
+             "t": lambda k: jax.random.t(k, alpha + 2.0, shape),
+             "loggamma": lambda k: jax.random.loggamma(k, alpha, shape),
+             "generalized_normal": lambda k: jax.random.generalized_normal(k, 1.5, shape)}
+
+    def body(i, c):
+        x, k = c
+        k, s = jax.random.split(k)
+        return x + draws[draw](s), k
+    init = (jnp.zeros(shape, jnp.float32), jax.random.key(int(rng.integers(2 ** 31))))
+    got = lk.fori_loop(0, 3, body, init, fallback="error")
+    ref = lax.fori_loop(0, 3, body, init)
+    same(got[1], ref[1])
+    same(got[0], ref[0], exact=False, rtol=2e-5, atol=2e-5)
+    if draw == "dirichlet":     # each row of a draw sums to one
+        np.testing.assert_allclose(np.asarray(got[0]).sum(axis=1), 3.0, rtol=1e-5)
+
+
+def test_gamma_draws_in_float64(rng):
+    with jax_x64():
+        a = jnp.asarray(rng.uniform(0.2, 4.0, 30))
+
+        def body(i, c):
+            x, k = c
+            k, s = jax.random.split(k)
+            return x + jax.random.gamma(s, a, dtype=jnp.float64), k
+        init = (jnp.zeros(30, jnp.float64), jax.random.key(int(rng.integers(2 ** 31))))
+        got = lk.fori_loop(0, 2, body, init, fallback="error")
+        ref = lax.fori_loop(0, 2, body, init)
+    same(got[1], ref[1])
+    same(got[0], ref[0], exact=False, rtol=1e-12, atol=1e-14)
+
+
+def test_a_vmapped_while_loop_runs_each_element_to_its_own_condition(rng):
+    """A while_loop vmapped over a carry (one condition per element: XLA iterates while any
+    holds and keeps each element's carry once its own fails) runs per element: Collatz step
+    counts, bit for bit against lax and plain Python."""
+    x0 = rng.integers(1, 3000, 150).astype(np.int32)
+
+    def steps_to_one(n):
+        def step(c):
+            n, k = c
+            return jnp.where(n % 2 == 0, n // 2, 3 * n + 1), k + 1
+        return lax.while_loop(lambda c: c[0] != 1, step, (n, jnp.int32(0)))[1]
+
+    def body(i, c):
+        x, total = c
+        return x + 1, total + jax.vmap(steps_to_one)(x)
+    init = (jnp.asarray(x0), jnp.zeros(150, jnp.int32))
+    got = lk.fori_loop(0, 3, body, init, fallback="error")
+    same(got, lax.fori_loop(0, 3, body, init))
+
+    def collatz(n):
+        k = 0
+        while n != 1:
+            n, k = (n // 2 if n % 2 == 0 else 3 * n + 1), k + 1
+        return k
+    want = [sum(collatz(int(v) + i) for i in range(3)) for v in x0]
+    np.testing.assert_array_equal(np.asarray(got[1]), want)
+
+
+def test_a_vmapped_while_loop_over_rows_runs_the_lax_loop():
+    """Each row's loop reads its whole row (a max in its condition): not per element, and a
+    sequential loop of all rows would not stop each row on its own condition."""
+    def body(i, m):
+        return jax.vmap(lambda r: lax.while_loop(lambda r: jnp.max(r) < 10.0, lambda r: r + jnp.roll(r, 1), r))(m)
+    _falls_back(body, jnp.asarray(np.linspace(0.1, 1.0, 12, dtype=np.float32).reshape(3, 4)),
+                "one condition per element")
+
+
 # ----------------------------------------------------------------- what still runs the lax loop
 def _falls_back(body, init, match):
     with pytest.raises(lk.StepSyntaxError, match=match):
@@ -306,6 +420,7 @@ def _falls_back(body, init, match):
         got = lk.fori_loop(0, 3, body, init)
     assert any(issubclass(x.category, lk.JaxLoopWarning) for x in w)
     same(got, lax.fori_loop(0, 3, body, init))
+    return [str(x.message) for x in w if issubclass(x.category, lk.JaxLoopWarning)]
 
 
 def test_a_key_of_another_implementation_runs_the_lax_loop():
@@ -315,7 +430,9 @@ def test_a_key_of_another_implementation_runs_the_lax_loop():
         x, k = c
         k, s = jax.random.split(k)
         return x ^ jax.random.bits(s, x.shape, jnp.uint32), k
-    _falls_back(body, init, "rbg")
+    (msg,) = _falls_back(body, init, "rbg")
+    # the carry's key is where it comes from, not loopkern's wrapping of the body
+    assert "the loop's carry" in msg and "loops.py" not in msg, msg
 
 
 def test_64_bit_draws_with_x64(rng):

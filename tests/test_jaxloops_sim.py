@@ -690,6 +690,23 @@ def test_jax_random_uniform_and_normal_in_a_lowered_step(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_jax_random_gamma_in_a_lowered_step(backend):
+    """gamma draws (each element's rejection loop, and the loop nested in it, run by the
+    element's own thread to its own condition: a vmapped while_loop per element) of a
+    closed-over key folded with the index, against the same draws made by JAX."""
+    key = jax.random.PRNGKey(11)
+    alpha = jnp.asarray(np.linspace(0.2, 4.0, 45, dtype=np.float32))
+
+    def body(i, x):
+        return x + jax.random.gamma(jax.random.fold_in(key, i), alpha)
+    x0 = np.zeros(45, np.float32)
+    scope = dict(scope="grid") if backend == "cuda" else {}
+    got, _, _ = run_lowered(body, x0, 2, backend, threads=32, **scope)
+    ref = np.asarray(jax.lax.fori_loop(0, 2, body, jnp.asarray(x0)))
+    np.testing.assert_allclose(got, ref, rtol=2e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_convolve2d_heat_in_a_lowered_step(backend):
     """A 2-D heat step written with jax.scipy.signal.convolve2d (jaxloops/conv.py: the pad and the
     kernel's nine taps as slices), against float64 NumPy."""

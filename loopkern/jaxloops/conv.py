@@ -93,6 +93,17 @@ def lower_conv(e, ins, emit, where, consts: dict):
     dt = np.dtype(lhs.dtype)
     if dt != np.dtype(rhs.dtype):   # pragma: no cover - JAX promotes first
         refuse(f"an input of {dt} and a kernel of {rhs.dtype}")
+    weights = known_value(rhs, consts)
+    acc_dt = np.dtype(out_aval.dtype)
+    if acc_dt != dt:
+        # preferred_element_type: the products and their sum in the result's type, as XLA
+        # computes them (int8 inputs summed in int32 do not wrap at 8 bits)
+        if not np.can_cast(dt, acc_dt, "safe"):
+            refuse(f"a convolution of {dt} values with a result of {acc_dt} (preferred_element_type narrower "
+                   f"than the inputs)")
+        lhs, rhs = (emit("convert_element_type", {"new_dtype": acc_dt, "weak_type": False, "sharding": None},
+                         [v], tuple(v.shape), acc_dt, where) for v in (lhs, rhs))
+        dt = acc_dt
     out_sp = tuple(out_aval.shape[2:])
     rdil = tuple(int(d) for d in p["rhs_dilation"])
     pads = [(int(lo), int(hi)) for lo, hi in p["padding"]]
@@ -101,7 +112,6 @@ def lower_conv(e, ins, emit, where, consts: dict):
         shape = (n, c) + tuple(s + lo + hi for s, (lo, hi) in zip(lhs.shape[2:], pads))
         x = emit("pad", {"padding_config": ((0, 0, 0), (0, 0, 0)) + tuple((lo, hi, 0) for lo, hi in pads)},
                  [lhs, Lit(np.zeros((), dt))], shape, dt, where)
-    weights = known_value(rhs, consts)
     outs = []
     for oc in range(o):
         acc = None
@@ -121,8 +131,4 @@ def lower_conv(e, ins, emit, where, consts: dict):
                 term = emit("mul", {}, [win, w], (n, 1) + out_sp, dt, where)
                 acc = term if acc is None else emit("add", {}, [acc, term], (n, 1) + out_sp, dt, where)
         outs.append(acc)
-    out = outs[0] if o == 1 else emit("concatenate", {"dimension": 1}, outs, (n, o) + out_sp, dt, where)
-    if np.dtype(out_aval.dtype) != dt:
-        out = emit("convert_element_type", {"new_dtype": np.dtype(out_aval.dtype), "weak_type": False,
-                                            "sharding": None}, [out], tuple(out_aval.shape), out_aval.dtype, where)
-    return out
+    return outs[0] if o == 1 else emit("concatenate", {"dimension": 1}, outs, (n, o) + out_sp, dt, where)

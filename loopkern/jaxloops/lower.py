@@ -586,8 +586,15 @@ class Lowering:
                     try:
                         self.check_nested(e)
                         continue
-                    except Unsupported:
-                        pass
+                    except Unsupported as why:
+                        if e.params["test"] is not None and e.params["test"].shape:
+                            # a vmapped while_loop (one condition per element, XLA selecting each
+                            # element's new carry while its own condition holds) is each element's
+                            # own loop only when it runs per element
+                            raise Unsupported("while", e.where, f"a while_loop with one condition per element "
+                                                                f"(bool{list(e.params['test'].shape)}: a vmapped "
+                                                                f"while_loop) that cannot run per element: "
+                                                                f"{why.reason}") from None
                 if e.params["kind"] == "scan" and e.params["length"] <= UNROLL_MAX:
                     self.prog.eqns[pos:pos + 1] = self._unrolled(e, new_id)
                     changed = True
@@ -1453,6 +1460,11 @@ class Lowering:
         shapes = {c.shape for c in dep}
         if len(shapes) > 1:
             self.unsupported(e, f"a nested loop whose array carries differ in shape {_UNROLL_HINT}")
+        test = p.get("test")
+        if test is not None and test.shape and ({test.shape} != shapes or any(not c.shape for c in p["carries"])):
+            # each element's loop reads its own condition and carries
+            self.unsupported(e, f"a vmapped while_loop whose condition (bool{list(test.shape)}) is not of the shape "
+                                f"of each of its carries {_UNROLL_HINT}")
         for q in p["body"] + p["cond"]:
             if (q.prim in REDUCTIONS and q.ins[0].shape) or (q.prim == "dot_general" and not q.outs[0].shape) or (
                     q.prim in SCATTERS and self.computed_scatter(q)):
@@ -1461,10 +1473,11 @@ class Lowering:
             if any(isinstance(a, Var) and a in dep for a in q.ins):
                 if q.prim == "nested_loop":
                     self.check_nested(q, frozenset(a for a in q.ins if isinstance(a, Var) and a in dep))
-                if (q.prim not in ELEMENTWISE and q.prim != "nested_loop") or any(
-                        o.shape not in shapes for o in q.outs if o.shape):
+                elif not shapes or not _reads_own_element(q, dep, next(iter(shapes))):
                     self.unsupported(q, "inside a nested loop, an operation that reads other elements of an array "
                                         f"carry {_UNROLL_HINT}")
+                if q.prim == "nested_loop" and any(o.shape not in shapes for o in q.outs if o.shape):
+                    self.unsupported(q, f"a nested loop whose array carries differ in shape {_UNROLL_HINT}")
                 dep.update(q.outs)
         self.nested_checked.add((e, outer_dep))
 
@@ -1967,6 +1980,38 @@ def _defined(eqns) -> set:
         if e.prim == "nested_loop":
             out.update(e.params["carries"] + e.params["xs_vars"])
     return out
+
+
+def _reads_own_element(q: Eqn, dep, lead: tuple) -> bool:
+    """Whether the element at index ``(i, j)`` of each result of ``q`` reads, of each operand in
+    ``dep`` (the values computed from a per-element loop's array carries, whose shapes start with
+    the carries' shape ``lead``), only elements at ``(i, ...)``: the same index ``i`` of ``lead``.
+    So a loop running per element ``i`` may compute it: elementwise operations on operands of one
+    shape, and broadcasts, slices, squeezes, reshapes, transposes, reversals and concatenations
+    that keep the leading ``lead`` axes where they are (the words of ``jax.random.split(key, 3)``
+    taken apart, one element's key at a time)."""
+    r = len(lead)
+    operands = [a for a in q.ins if isinstance(a, Var) and a in dep]
+    if any(tuple(a.shape[:r]) != lead for a in operands) or any(tuple(o.shape[:r]) != lead for o in q.outs):
+        return False
+    p = q.params
+    if q.prim in ELEMENTWISE:
+        return all(a.shape == q.outs[0].shape for a in operands)
+    if q.prim == "broadcast_in_dim":
+        return tuple(p["broadcast_dimensions"][:r]) == tuple(range(r))
+    if q.prim == "slice":
+        strides = p.get("strides") or (1,) * len(q.outs[0].shape)
+        return (all(v == 0 for v in p["start_indices"][:r]) and tuple(p["limit_indices"][:r]) == lead
+                and all(v == 1 for v in strides[:r]))
+    if q.prim in ("squeeze", "rev"):
+        return all(d >= r for d in p["dimensions"])
+    if q.prim == "reshape":
+        return p.get("dimensions") in (None, ())
+    if q.prim == "transpose":
+        return tuple(p["permutation"][:r]) == tuple(range(r))
+    if q.prim == "concatenate":
+        return p["dimension"] >= r
+    return False
 
 
 class PhasedLoop:

@@ -3,17 +3,20 @@ JAX's PRNG primitives spelled in primitives the lowering already supports.
 
 A key of JAX's default implementation (``threefry2x32``; ``jax.random.key`` and the legacy
 ``jax.random.PRNGKey``) is two ``uint32`` words, so a key array of shape ``K`` becomes a
-``uint32`` value of shape ``K + (2,)`` (what ``jax.random.key_data`` returns), and
-``random_wrap``/``random_unwrap`` change nothing. ``random_bits``, ``random_split``,
-``random_fold_in`` and ``random_seed`` become the Threefry-2x32 hash (20 rounds of 32-bit
-adds, rotations and xors) of counters made from ``iota``, exactly as JAX defines them with
-``jax_threefry_partitionable`` on (its default since JAX 0.5): every element of a draw is a
-function of its key and its flat index alone, so the draw is elementwise and fuses into the
-phase that uses it, and the bits are those JAX draws, bit for bit.
+:class:`Keys`: two ``uint32`` values of shape ``K``, its first and its second words (the
+trace's inputs and outputs hold them stacked, as ``jax.random.key_data`` does:
+``random_wrap`` and ``random_unwrap`` split and stack them). ``random_bits``,
+``random_split``, ``random_fold_in`` and ``random_seed`` become the Threefry-2x32 hash (20
+rounds of 32-bit adds, rotations and xors) of counters made from ``iota``, exactly as JAX
+defines them with ``jax_threefry_partitionable`` on (its default since JAX 0.5): every element
+of a draw is a function of its key and its flat index alone, so the draw is elementwise and
+fuses into the phase that uses it, and the bits are those JAX draws, bit for bit.
 
-Shape-only operations on keys (slices, squeezes, reshapes, broadcasts, concatenation,
-``select_n`` of a ``lax.cond``, ``dynamic_slice``) get the trailing word axis added to their
-parameters; any other operation on a key array runs the ``jax.lax`` loop.
+An operation that only moves keys (slices, squeezes, reshapes, broadcasts, concatenation,
+``select_n`` of a ``lax.cond``, gathers, scatters, ``dynamic_slice``) is the same operation
+on each word, so keys stay elementwise values of their own shape: a nested loop can carry
+them per element (``jax.random.gamma``'s rejection loop). Any other operation on a key array
+runs the ``jax.lax`` loop.
 
 Only JAX is imported here (at call time); nothing is compiled.
 """
@@ -21,6 +24,7 @@ Only JAX is imported here (at call time); nothing is compiled.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -48,15 +52,42 @@ def key_impl(aval) -> str | None:
     return str(getattr(impl, "name", dtype))
 
 
-def key_data_shape(aval, where) -> tuple:
-    """The shape of the ``uint32`` words of a key array (its shape, then 2); Unsupported for a
-    key of another implementation than threefry2x32."""
+def check_impl(aval, where) -> tuple:
+    """The shape of the key array ``aval``; Unsupported for a key of another implementation
+    than threefry2x32."""
     impl = key_impl(aval)
     if impl != THREEFRY:
         raise Unsupported(f"values of type {aval.dtype}", where,
                           f"loopkern compiles jax.random's default {THREEFRY} keys; this key's implementation is "
                           f"{impl} (jax.random.key(seed, impl=...) or jax_default_prng_impl)")
-    return tuple(int(d) for d in aval.shape) + (2,)
+    return tuple(int(d) for d in aval.shape)
+
+
+@dataclass(frozen=True, eq=False)
+class Keys:
+    """A key array of ``shape`` as the trace holds it: its words ``w0`` and ``w1``, uint32
+    Vars of that shape."""
+    w0: object
+    w1: object
+    shape: tuple
+
+    @property
+    def words(self) -> tuple:
+        return (self.w0, self.w1)
+
+
+def flat(atoms) -> list:
+    """``atoms`` with every :class:`Keys` replaced by its two words."""
+    return [w for a in atoms for w in (a.words if isinstance(a, Keys) else (a,))]
+
+
+def unflat(avals, words) -> list:
+    """The inverse of :func:`flat` for values of ``avals`` (JAX avals; key arrays take two)."""
+    out, it = [], iter(words)
+    for aval in avals:
+        out.append(Keys(next(it), next(it), tuple(int(d) for d in aval.shape)) if key_impl(aval) is not None
+                   else next(it))
+    return out
 
 
 def _lit(v, dtype=U32):
@@ -100,9 +131,21 @@ class _Spell:
         return self.emit("broadcast_in_dim", {"shape": tuple(shape), "broadcast_dimensions": tuple(dims),
                                               "sharding": None}, [x], shape, x.dtype, self.where)
 
-    def word(self, keys, w):
-        """Word ``w`` (0 or 1) of every key in ``keys`` (uint32 of shape K + (2,)): shape K."""
-        return take(self.emit, keys, len(keys.shape) - 1, w, self.where)
+    def keys(self, w0, w1, shape) -> Keys:
+        """The :class:`Keys` of ``shape`` whose words are ``w0`` and ``w1`` (spread over it):
+        Vars, never literals, so that any operation moving keys applies to them."""
+        shape = tuple(shape)
+        w0, w1 = (self.convert(w, U32) if isinstance(w, Lit) and not shape else
+                  self.emit("broadcast_in_dim", {"shape": shape, "broadcast_dimensions": (), "sharding": None},
+                            [w], shape, U32, self.where) if isinstance(w, Lit) else self.broadcast(w, shape, ())
+                  for w in (w0, w1))
+        return Keys(w0, w1, shape)
+
+    def unpack(self, data) -> Keys:
+        """The :class:`Keys` whose words are stacked along the last axis of ``data``."""
+        axis = len(data.shape) - 1
+        return Keys(take(self.emit, data, axis, 0, self.where), take(self.emit, data, axis, 1, self.where),
+                    tuple(data.shape[:-1]))
 
     def stack(self, parts, shape):
         """The values ``parts`` (each of ``shape``) along a new last axis."""
@@ -141,12 +184,12 @@ class _Spell:
 
     def hashed(self, keys, shape):
         """Both output words of hashing every flat index over ``shape`` under each key of
-        ``keys`` (uint32 K + (2,)): arrays of K + shape."""
-        lead = tuple(keys.shape[:-1])
+        ``keys`` (:class:`Keys` of shape K): arrays of K + shape."""
+        lead = tuple(keys.shape)
         full = lead + tuple(shape)
         dims = tuple(range(len(lead)))
-        k1 = self.broadcast(self.word(keys, 0), full, dims)
-        k2 = self.broadcast(self.word(keys, 1), full, dims)
+        k1 = self.broadcast(keys.w0, full, dims)
+        k2 = self.broadcast(keys.w1, full, dims)
         return self.threefry(k1, k2, _lit(0), self.counters(lead, tuple(shape)))
 
 
@@ -167,7 +210,12 @@ def lower_prng(e, ins, emit, where) -> list:
         if impl != THREEFRY:
             raise Unsupported(name, where, f"a PRNG key of the {impl} implementation (loopkern compiles {THREEFRY}, "
                                            f"JAX's default)")
-    if name in ("random_wrap", "random_unwrap", "random_clone"):
+    if name == "random_wrap":
+        return [sp.unpack(ins[0])]
+    if name == "random_unwrap":
+        keys = ins[0]
+        return [sp.stack([sp.broadcast(w, keys.shape, ()) for w in keys.words], keys.shape)]
+    if name == "random_clone":
         return [ins[0]]
     if name == "random_seed":
         seed = ins[0]
@@ -177,27 +225,22 @@ def lower_prng(e, ins, emit, where) -> list:
         # JAX's threefry_seed: the high word is bits 32-63 (0 for a seed of 32 bits or fewer)
         hi = sp.convert(sp.op("shift_right_logical", seed, Lit(np.asarray(32, seed.dtype)), sp.shape_of(seed),
                               seed.dtype), U32) if bits == 64 else _lit(0)
-        lo = sp.convert(seed, U32)
-        shape = sp.shape_of(seed)
-        return [sp.stack([sp.broadcast(hi, shape, ()), lo], shape)]
+        return [sp.keys(hi, sp.convert(seed, U32), sp.shape_of(seed))]
     if name == "random_fold_in":
         keys, msgs = ins
-        lead = tuple(keys.shape[:-1])
-        k1, k2 = sp.word(keys, 0), sp.word(keys, 1)
-        o1, o2 = sp.threefry(k1, k2, _lit(0), msgs)
-        return [sp.stack([sp.broadcast(o1, lead, ()), sp.broadcast(o2, lead, ())], lead)]
+        o1, o2 = sp.threefry(keys.w0, keys.w1, _lit(0), msgs)
+        return [sp.keys(o1, o2, keys.shape)]
     if name == "random_split":
         _partitionable(where)
         keys = ins[0]
-        shape = tuple(keys.shape[:-1]) + tuple(e.params["shape"])
         o1, o2 = sp.hashed(keys, tuple(e.params["shape"]))
-        return [sp.stack([sp.broadcast(o1, shape, ()), sp.broadcast(o2, shape, ())], shape)]
+        return [sp.keys(o1, o2, tuple(keys.shape) + tuple(e.params["shape"]))]
     if name == "random_bits":
         _partitionable(where)
         keys = ins[0]
         width = int(e.params["bit_width"])
         o1, o2 = sp.hashed(keys, tuple(e.params["shape"]))
-        shape = tuple(keys.shape[:-1]) + tuple(e.params["shape"])
+        shape = tuple(keys.shape) + tuple(e.params["shape"])
         if width == 64:
             # the first word high, the second low (float64 draws with jax_enable_x64 on)
             u64 = np.dtype(np.uint64)
@@ -213,53 +256,54 @@ def lower_prng(e, ins, emit, where) -> list:
     raise AssertionError(name)      # pragma: no cover
 
 
-def on_keys(e, ins, emit, where):
-    """(params, ins) of the shape-only equation ``e`` that reads or makes key arrays, for the
-    keys' uint32 words (a trailing axis of 2); Unsupported for any other operation on keys."""
+def gamma_jaxpr(e, where):
+    """The ClosedJaxpr of JAX's own definition of the ``random_gamma`` equation ``e``: per
+    element, Marsaglia and Tsang's rejection loop (a ``while_loop`` drawing normals and uniforms
+    from the element's key), vmapped as XLA runs it on a GPU; the trace inlines it, so its
+    loops become nested loops of the body and its draws the hash above."""
+    import functools
+
+    import jax
+    try:
+        from jax._src.random.core import _gamma_impl
+    except ImportError:
+        try:
+            from jax._src.random import _gamma_impl
+        except ImportError:
+            raise Unsupported("random_gamma", where, "this JAX version's gamma sampler is not where loopkern "
+                                                     "looks for it (jax._src.random._gamma_impl)") from None
+    key, a = e.invars
+    check_impl(key.aval, where)
+    avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in (key, a)]
+    return jax.make_jaxpr(functools.partial(_gamma_impl, use_vmap=True, **e.params))(*avals)
+
+
+#: the operations that only move the elements of their operands: on keys, the same operation
+#: on each word
+MOVES = frozenset({"copy", "copy_p", "slice", "squeeze", "rev", "concatenate", "reshape", "broadcast_in_dim",
+                   "transpose", "select_n", "dynamic_slice", "dynamic_update_slice", "gather", "scatter",
+                   "expand_dims", "pad", "device_put", "sharding_constraint"})
+
+
+def on_keys(e, ins, emit, where) -> list:
+    """The results of the jaxpr equation ``e`` that reads or makes key arrays (:class:`Keys`
+    among ``ins``) when it only moves keys: the operation applied to each word; Unsupported
+    for any other operation on keys."""
     name = e.primitive.name
-    p = dict(e.params)
-    out = e.outvars[0].aval
-    if name in ("copy", "copy_p", "optimization_barrier"):
-        return p, ins
-    if name == "slice":
-        p["start_indices"] = tuple(p["start_indices"]) + (0,)
-        p["limit_indices"] = tuple(p["limit_indices"]) + (2,)
-        if p.get("strides") is not None:
-            p["strides"] = tuple(p["strides"]) + (1,)
-        return p, ins
-    if name == "squeeze":
-        nd = len(e.invars[0].aval.shape)
-        p["dimensions"] = tuple(d % nd for d in p["dimensions"])
-        return p, ins
-    if name in ("rev", "concatenate"):
-        return p, ins
-    if name == "reshape" and p.get("dimensions") in (None, ()):
-        p["new_sizes"] = tuple(p["new_sizes"]) + (2,)
-        return p, ins
-    if name == "broadcast_in_dim":
-        p["shape"] = tuple(p["shape"]) + (2,)
-        p["broadcast_dimensions"] = tuple(p["broadcast_dimensions"]) + (len(out.shape),)
-        return p, ins
-    if name == "transpose":
-        p["permutation"] = tuple(p["permutation"]) + (len(p["permutation"]),)
-        return p, ins
-    if name == "select_n":
-        pred = ins[0]
-        if getattr(pred, "shape", ()):
-            shape = tuple(pred.shape)
-            pred = _Spell(emit, where).broadcast(pred, shape + (2,), tuple(range(len(shape))))
-        return p, [pred] + list(ins[1:])
-    if name == "dynamic_slice":
-        p["slice_sizes"] = tuple(p["slice_sizes"]) + (2,)
-        zero = Lit(np.asarray(0, dtype=ins[1].dtype)) if len(ins) > 1 else Lit(np.asarray(0, np.int32))
-        return p, list(ins) + [zero]
-    if name == "dynamic_update_slice":
-        zero = Lit(np.asarray(0, dtype=ins[2].dtype)) if len(ins) > 2 else Lit(np.asarray(0, np.int32))
-        return p, list(ins) + [zero]
+    if name == "optimization_barrier":
+        return list(ins)
     if name.startswith("random_"):
         raise Unsupported(name, where, "a jax.random primitive loopkern does not compile (it compiles bits, split, "
-                                       "fold_in and key, and the draws built on them; gamma, beta and dirichlet "
-                                       "draw in a rejection loop per element)")
-    raise Unsupported(name, where, "this operation on PRNG keys (loopkern moves keys through slices, reshapes, "
-                                   "broadcasts, concatenation, cond and dynamic_slice; draw from them with "
-                                   "jax.random, or pass jax.random.key_data(keys) instead)")
+                                       "fold_in, key and gamma, and the draws built on them)")
+    outs = [o.aval for o in e.outvars]
+    if name not in MOVES or len(outs) != 1 or key_impl(outs[0]) is None:
+        raise Unsupported(name, where, "this operation on PRNG keys (loopkern moves keys through slices, reshapes, "
+                                       "broadcasts, concatenation, gathers, scatters, cond and dynamic_slice; draw "
+                                       "from them with jax.random, or pass jax.random.key_data(keys) instead)")
+    shape = check_impl(outs[0], where)
+    sp = _Spell(emit, where)
+    words = []
+    for w in (0, 1):
+        args = [a.words[w] if isinstance(a, Keys) else a for a in ins]
+        words.append(emit(name, dict(e.params), args, shape, U32, where))
+    return [Keys(words[0], words[1], shape)]

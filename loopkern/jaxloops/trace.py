@@ -9,6 +9,7 @@ Only JAX is imported here (at call time); nothing is compiled.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -93,12 +94,18 @@ class Where:
         return self.text
 
 
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+
+
 def _where(eqn):
     try:
         from jax._src import source_info_util
         text = source_info_util.summarize(eqn.source_info)
         frame = source_info_util.user_frame(eqn.source_info.traceback) if hasattr(
             source_info_util, "user_frame") else None
+        if frame is not None and frame.file_name.startswith(_PACKAGE):
+            # loopkern's own wrapping of the body (the carry's keys made keys again)
+            return Where("<carry>", 0, 0, "", "the loop's carry (or scan's xs)")
         if frame is not None:
             return Where(frame.file_name, int(frame.start_line), int(getattr(frame, "start_column", 0) or 0),
                          frame.function_name, text)
@@ -156,11 +163,13 @@ def flatten(closed) -> Program:
     from . import conv, prng
 
     def new_var(aval, where=None):
+        """A new Var of ``aval``'s shape and type; for a PRNG key array, the :class:`prng.Keys`
+        of two new Vars (its words)."""
         if prng.key_impl(aval) is not None:
-            # a PRNG key array: its uint32 words (jax.random.key_data), a trailing axis of 2
-            shape = prng.key_data_shape(aval, where if where is not None else "the loop's carry")
-            counter[0] += 1
-            return Var(shape, prng.U32, False, counter[0])
+            shape = prng.check_impl(aval, where if where is not None else "the loop's carry")
+            counter[0] += 2
+            return prng.Keys(Var(shape, prng.U32, False, counter[0] - 1), Var(shape, prng.U32, False, counter[0]),
+                             shape)
         try:
             dtype = np.dtype(aval.dtype)
         except TypeError:       # another of JAX's extended types
@@ -191,6 +200,12 @@ def flatten(closed) -> Program:
                     if type(o).__name__ != "DropVar":
                         env[o] = nv
                 continue
+            if name == "random_gamma":
+                # gamma and the draws built on it (beta, dirichlet, chisquare, t, loggamma):
+                # JAX's own sampler, inlined
+                outs = inline(prng.gamma_jaxpr(e, where), [atom(env, a) for a in e.invars], where)
+                env.update(zip(e.outvars, outs))
+                continue
             if name == "conv_general_dilated":
                 env[e.outvars[0]] = conv.lower_conv(e, [atom(env, a) for a in e.invars], emit, where, const_vals)
                 continue
@@ -201,7 +216,9 @@ def flatten(closed) -> Program:
                 x, axis = atom(env, e.invars[0]), int(e.params["axis"])
                 for k, o in enumerate(e.outvars):
                     if type(o).__name__ != "DropVar":
-                        env[o] = take(emit, x, axis, k, where)
+                        env[o] = (prng.Keys(*(take(emit, w, axis, k, where) for w in x.words),
+                                            tuple(n for d, n in enumerate(x.shape) if d != axis))
+                                  if isinstance(x, prng.Keys) else take(emit, x, axis, k, where))
                 continue
             if name in _CALLS and _CALLS[name] is not None and _CALLS[name] in e.params:
                 outs = inline(e.params[_CALLS[name]], [atom(env, a) for a in e.invars], where)
@@ -226,8 +243,9 @@ def flatten(closed) -> Program:
                         taken.append(inline(br, [atom(env, a) for a in e.invars[1:]], where))
                     finally:
                         guards.pop()
-                for k, nv in enumerate(results(e, env)):
-                    eq = Eqn("select_n", {}, [which] + [outs_of[k] for outs_of in taken], [nv], where)
+                picks = prng.flat(results(e, env))
+                for k, nv in enumerate(picks):
+                    eq = Eqn("select_n", {}, [which] + [prng.flat(outs_of)[k] for outs_of in taken], [nv], where)
                     nv.eqn = eq
                     sink[-1].append(eq)
                 continue
@@ -243,11 +261,13 @@ def flatten(closed) -> Program:
                 env.update(zip(e.outvars, outs))
                 continue
             ins = [atom(env, a) for a in e.invars]
-            params = dict(e.params)
             if any(prng.key_impl(v.aval) is not None for v in list(e.invars) + list(e.outvars)):
-                params, ins = prng.on_keys(e, ins, emit, where)
+                for o, nv in zip(e.outvars, prng.on_keys(e, ins, emit, where)):
+                    if type(o).__name__ != "DropVar":
+                        env[o] = nv
+                continue
             outs = results(e, env)
-            eq = Eqn(name, params, ins, outs, where)
+            eq = Eqn(name, dict(e.params), ins, outs, where)
             for nv in outs:
                 nv.eqn = eq
             sink[-1].append(eq)
@@ -299,6 +319,7 @@ def flatten(closed) -> Program:
         that stages, reductions and uses see them)."""
         name = e.primitive.name
         p = e.params
+        # (a key array is its two words throughout: the loop carries each word)
         ins = [atom(env, a) for a in e.invars]
         xs, xs_vars = [], []
         if name == "scan":
@@ -308,34 +329,37 @@ def flatten(closed) -> Program:
             nc, nk = counts
             consts_in, inits, xs = ins[:nc], ins[nc:nc + nk], ins[nc + nk:]
             inner = p["jaxpr"].jaxpr
-            xs_vars = [new_var(v.aval) for v in inner.invars[nc + nk:]]
+            xs_vars = prng.flat(new_var(v.aval) for v in inner.invars[nc + nk:])
         elif name == "while":
             cc, bc = p["cond_nconsts"], p["body_nconsts"]
             consts_in, inits = ins[:cc + bc], ins[cc + bc:]
         else:
             return False
-        carries = [new_var(v.aval) for v in e.outvars[:len(inits)]]
+        carry_avals = [v.aval for v in e.outvars[:len(inits)]]
+        carries = prng.flat(new_var(a) for a in carry_avals)
+        inits, xs = prng.flat(inits), prng.flat(xs)
         if name == "scan":
-            body, outs = sub_program(p["jaxpr"], consts_in, carries + xs_vars)
+            xs_avals = [v.aval for v in inner.invars[nc + nk:]]
+            body, outs = sub_program(p["jaxpr"], consts_in,
+                                     prng.unflat(carry_avals, carries) + prng.unflat(xs_avals, xs_vars))
             cond, test = [], None
         else:
             guard = guard_var(guards[-1]) if guards else None
-            body, outs = sub_program(p["body_jaxpr"], consts_in[cc:], carries)
-            cond, (test,) = sub_program(p["cond_jaxpr"], consts_in[:cc], carries)
-            if getattr(test, "shape", ()):
-                # a vmapped while_loop: one condition per batch element, each element's
-                # iterations running while its own holds (XLA selects per element)
-                raise Unsupported("while", where, f"a while_loop with one condition per element (bool{list(test.shape)}: "
-                                                  f"a vmapped while_loop)")
+            body, outs = sub_program(p["body_jaxpr"], consts_in[cc:], prng.unflat(carry_avals, carries))
+            cond, (test,) = sub_program(p["cond_jaxpr"], consts_in[:cc], prng.unflat(carry_avals, carries))
             if guard is not None:
                 # inside a cond's branch: no iteration where another branch is taken
                 sink.append(cond)
-                test = emit("and", {}, [test, guard], (), np.bool_, where)
+                if test.shape:      # (a vmapped while_loop's condition per element)
+                    guard = emit("broadcast_in_dim", {"shape": test.shape, "broadcast_dimensions": (),
+                                                      "sharding": None}, [guard], test.shape, np.bool_, where)
+                test = emit("and", {}, [test, guard], test.shape, np.bool_, where)
                 sink.pop()
         inside = set(carries) | set(xs_vars) | {o for q in body + cond for o in q.outs}
         read = [a for q in body + cond for a in q.ins] + outs + [test]
         captured = list(dict.fromkeys(a for a in read if isinstance(a, Var) and a not in inside))
-        res = results(e, env)
+        outs = prng.flat(outs)
+        res = prng.flat(results(e, env))
         eq = Eqn("nested_loop", {"kind": name, "length": p.get("length"), "carries": carries, "body": body,
                                  "outs": outs, "cond": cond, "test": test, "n_inits": len(inits),
                                  "xs_vars": xs_vars, "n_xs": len(xs), "n_ys": len(res) - len(inits),
@@ -347,6 +371,18 @@ def flatten(closed) -> Program:
         return True
 
     def _const(v, c):
+        if prng.key_impl(v.aval) is not None:
+            # a closed-over key array: its words stacked as one uint32 constant (the launch
+            # passes jax.random.key_data of it), split at the top of the program
+            shape = prng.check_impl(v.aval, "a closed-over value")
+            counter[0] += 1
+            nv = Var(shape + (2,), prng.U32, False, counter[0])
+            consts.append((nv, c))
+            sink.append(eqns)
+            try:
+                return prng._Spell(emit, "a closed-over value").unpack(nv)
+            finally:
+                sink.pop()
         nv = new_var(v.aval)
         consts.append((nv, c))
         const_vals[nv] = c
@@ -367,11 +403,17 @@ def flatten(closed) -> Program:
         env[v] = _const(v, c)
     invars = []
     for v in jaxpr.invars:
+        if prng.key_impl(v.aval) is not None:       # (the loops pass keys as their words)
+            raise Unsupported(f"values of type {v.aval.dtype}", "the loop's carry",
+                              "an input of PRNG keys (pass jax.random.key_data(keys))")
         nv = new_var(v.aval)
         env[v] = nv
         invars.append(nv)
     run(jaxpr, env)
     outs = [atom(env, o) for o in jaxpr.outvars]
+    if any(isinstance(o, prng.Keys) for o in outs):
+        raise Unsupported("random_wrap", "the loop's results", "a result of PRNG keys (return "
+                                                              "jax.random.key_data(keys))")
     prog = Program(invars, eqns, outs, consts)
     count_uses(prog)
     return prog

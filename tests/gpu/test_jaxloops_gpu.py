@@ -525,3 +525,28 @@ def test_float64_jax_random_draws_on_the_gpu(rng):
         np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(ref[1]))
         np.testing.assert_array_equal(np.asarray(jax.random.key_data(got[2])), np.asarray(jax.random.key_data(ref[2])))
         np.testing.assert_allclose(np.asarray(got[0]), np.asarray(ref[0]), rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("n", [300, 20011])
+def test_gamma_beta_and_dirichlet_draws_on_the_gpu(n, rng):
+    """jax.random.gamma (JAX's sampler inlined: each element's rejection loop, with a loop
+    nested in it, running on its own in the element's thread), beta and dirichlet built on it:
+    the carried key XLA's bit for bit, the draws XLA's to float32 rounding; gamma's mean near
+    its shape parameter."""
+    alpha = jnp.asarray(rng.uniform(0.2, 5.0, n).astype(np.float32))
+
+    def body(i, c):
+        g, b, d, k = c
+        k, s1, s2, s3 = jax.random.split(k, 4)
+        return (g + jax.random.gamma(s1, alpha), b + jax.random.beta(s2, 0.5, 2.0, (n,)),
+                d + jax.random.dirichlet(s3, jnp.asarray([0.3, 1.0, 4.0]), (n,)), k)
+    z = jnp.zeros(n, jnp.float32)
+    init = (z, z, jnp.zeros((n, 3), jnp.float32), jax.random.key(int(rng.integers(2 ** 31))))
+    got = jax.jit(lambda c: lk.fori_loop(0, 4, body, c, fallback="error"))(init)
+    ref = jax.lax.fori_loop(0, 4, body, init)
+    np.testing.assert_array_equal(np.asarray(jax.random.key_data(got[3])), np.asarray(jax.random.key_data(ref[3])))
+    for g, r in zip(got[:3], ref[:3]):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(np.asarray(got[2]).sum(axis=1), 4.0, rtol=1e-5)
+    if n > 10000:
+        assert abs(float(jnp.mean(got[0] / 4 - alpha))) < 0.05
