@@ -63,6 +63,9 @@ class Stencil:
             around or not (``up = i - 1 if i > 0 else n - 1``): name -> that constant. In a
             tile that holds the rows around its own (the halo across the wrap included), the
             row such a name indexes is the cell's row plus the constant.
+        min_rows: the fewest cells the swap pairs' arrays must have along the first dimension
+            for every parallel loop that names them to run inside them (tile mode runs each
+            loop's indices in the tiles only; ``lk.range(1, 5)`` needs 5).
     """
 
     ndim: int
@@ -75,6 +78,7 @@ class Stencil:
     irregular: dict = field(default_factory=dict, hash=False, compare=False)
     wraps: dict = field(default_factory=dict, hash=False, compare=False)
     row_shifts: dict = field(default_factory=dict, hash=False, compare=False)
+    min_rows: int = field(default=0, hash=False, compare=False)
 
 
 @dataclass(frozen=True)
@@ -118,6 +122,8 @@ class _Analysis:
         self._wrapped: set = set()       # the dimensions the access being read wraps
         self.lows: dict = {}             # dimension -> the parallel loop's first index, if a literal
         self.shifts: dict = {}           # alias name -> the offset sets its dimension-0 uses gave
+        self.loops: list = []            # the parallel loops (For nodes)
+        self.int_names: dict = {}        # name -> the integer literal it is bound to once, at the top
 
     def run(self):
         try:
@@ -163,6 +169,8 @@ class _Analysis:
             # (a name bound again elsewhere, n = n - 3, holds the extent only for a while)
             if extent is not None and self.bindings.get(st.targets[0].id) == 1:
                 self.extent_names[st.targets[0].id] = extent
+            if int_constant(st.value) is not None and self.bindings.get(st.targets[0].id) == 1:
+                self.int_names[st.targets[0].id] = int_constant(st.value)
         if isinstance(st, (ast.Assign, ast.AugAssign)):
             targets = st.targets if isinstance(st, ast.Assign) else [st.target]
             for tgt in flat_targets(targets):
@@ -195,6 +203,7 @@ class _Analysis:
         elif self.ndim != ndim:
             raise _Reject(f"parallel loops over {self.ndim} and {ndim} dimensions", st)
         self._expressions(st.iter, None, {})
+        self.loops.append(st)
         self.lows = _first_indices(st.iter, kind, ndim)
         loop = {t.id: k for k, t in enumerate(targets)}
         # neighbour indices named once at the top of the loop body (up = i - 1 if i > 0 else
@@ -424,6 +433,7 @@ class _Analysis:
         if not resident and self.need_resident:
             raise _Reject("no array can stay on chip (no swap pair, nor an array written only at its own cells)",
                           self.spec.step)
+        min_rows = self._loops_within_the_tiles() if self.need_resident else 0
         halo = [[0, 0] for _ in range(self.ndim)]
         offsets = {}
         for a in resident:
@@ -440,7 +450,84 @@ class _Analysis:
                        resident=frozenset(resident), offsets=offsets, reads=self._regular(self.reads),
                        writes=self._regular(self.writes), irregular=self._irregular(),
                        wraps={a: frozenset(d) for a, d in self.wraps.items()},
-                       row_shifts=self._row_shifts())
+                       row_shifts=self._row_shifts(), min_rows=min_rows)
+
+    def _loops_within_the_tiles(self) -> int:
+        """Each block of tile mode runs the indices of its own tile of the first dimension of
+        the swap pairs' arrays, in every parallel loop that names one of them (``codegen``'s
+        ``clip_of``): such a loop must run inside that extent, or its other indices would run
+        nowhere (their stores lost, silently). A bound that is a literal, or the extent plus a
+        literal, is checked; _Reject for any other. Returns the fewest cells the arrays must
+        have for every such loop to stay inside them (a literal stop of 5 needs 5)."""
+        names = {self.names[a] for a in self.swapped}
+        need = 0
+        for st in self.loops:
+            touched = sorted({n.id for n in ast.walk(st) if isinstance(n, ast.Name)} & names)
+            if not touched:
+                continue
+            got = self._rows_needed(st.iter)
+            if isinstance(got, str):
+                a = self.names[min(self.swapped)]
+                raise _Reject(f"this parallel loop reads or writes '{touched[0]}', kept on chip in tile mode, "
+                              f"and {got}; each block runs only the indices of its own tile of the first "
+                              f"dimension, so the loop must run inside [0, {a}.shape[0]): bound it by literals "
+                              f"and {a}.shape[0] plus or minus a literal, e.g. lk.range(1, {a}.shape[0] - 1)", st)
+            need = max(need, got)
+        return need
+
+    def _rows_needed(self, it) -> int | str:
+        """The fewest cells along the first dimension of the swap pairs' arrays for which the
+        first dimension of the parallel loop ``it`` (an ``lk.range``/``lk.grid`` call) runs
+        inside them, or what may take it outside (a string)."""
+        kind = marker_of(it)
+        if kind == "range":
+            args = list(it.args)
+        else:
+            first = it.args[0]
+            args = list(first.elts) if isinstance(first, ast.Tuple) else [first]
+        start, stop = (None, args[0]) if len(args) == 1 else (args[0], args[1])
+        step = self._int_value(args[2]) if len(args) > 2 else 1
+        if step is None and self._extent_minus(args[2]) is not None:
+            # lk.range(0, n, n - 1), the two boundary cells: a step of the extent minus a
+            # literal counts as positive (zero or negative only for arrays too short to have
+            # those boundaries)
+            step = 1
+        if step is None:
+            return "its step is neither a literal nor the arrays' extent minus a literal"
+        # counting up the indices lie in [start, stop), counting down in (stop, start]
+        low, high, floor, ceiling = (start, stop, 0, 0) if step > 0 else (stop, start, -1, -1)
+        need = 0
+        if low is not None:
+            v, less = self._int_value(low), self._extent_minus(low)
+            if v is not None and v < floor:
+                return f"its {'start' if step > 0 else 'stop'} is below {floor}"
+            if v is None and less is None:
+                return f"its {'start' if step > 0 else 'stop'} may be below {floor}"
+            if v is None:
+                need = max(need, floor - less)      # n + less >= floor
+        v, less = self._int_value(high), self._extent_minus(high)
+        if v is not None:
+            need = max(need, v - ceiling)           # v <= n + ceiling
+        elif less is None or less > ceiling:
+            return f"its {'stop' if step > 0 else 'start'} may lie beyond the arrays' extent"
+        return need
+
+    def _extent_minus(self, e) -> int | None:
+        """``c`` when ``e`` is the swap pairs' first extent plus the literal ``c`` (``n - 1``,
+        ``u.shape[0]``), else None."""
+        terms = _terms(e)
+        ext = [t for sg, t in terms or () if sg > 0 and any(self._extent(t, a, 0) for a in self.swapped)]
+        rest = [(sg, self._int_value(t)) for sg, t in terms or () if not any(t is x for x in ext)]
+        if len(ext) != 1 or any(v is None for _, v in rest):
+            return None
+        return sum(sg * v for sg, v in rest)
+
+    def _int_value(self, e) -> int | None:
+        """An integer literal, or a name bound once at the step's top level to one."""
+        c = int_constant(e)
+        if c is None and isinstance(e, ast.Name):
+            c = self.int_names.get(e.id)
+        return c
 
     def _row_shifts(self):
         shifts = {}

@@ -96,7 +96,6 @@ def columns_from_zero(t, u, v):
     # a negative offset from a loop that may start below it is a negative index, which wraps
     (back_from_zero, [("u", "v")], 1, ((1, 1),), (True,), {0, 1}),
     (back_from_two, [("u", "v")], 1, ((2, 1),), (False,), {0, 1}),
-    (back_from_a_name, [("u", "v")], 1, ((1, 0),), (True,), {0, 1}),
     (columns_from_zero, [("u", "v")], 2, ((1, 0), (1, 0)), (False, True), {0, 1}),
 ])
 def test_stencils_and_their_halos(fn, swap, ndim, halo, periodic, resident):
@@ -228,6 +227,39 @@ def extent_rebound(t, u, v):
         v[i] = u[(i + 1) % n]                  # wraps at n - 3, not at the array's extent
 
 
+def over_another_extent(t, u, v, w):
+    n = u.shape[0]
+    for i in lk.range(1, n - 1):
+        v[i] = u[i]
+    for j in lk.range(w.shape[0]):
+        w[j] = w[j] + u[j % n]                 # w may be longer than u: j past u's cells
+
+
+def guarded_past_the_extent(t, u, v, w):
+    n = u.shape[0]
+    for i in lk.range(1, n - 1):
+        v[i] = u[i]
+    for j in lk.range(n + 2):
+        w[j] = u[j] if j < n else 1.0
+
+
+def from_minus_three(t, u, v, w):
+    n = u.shape[0]
+    for i in lk.range(1, n - 1):
+        v[i] = u[i]
+    for j in lk.range(-3, n):
+        w[j + 3] = u[j] if j >= 0 else -1.0
+
+
+def grid_past_the_rows(t, u, v, w):
+    n = u.shape[0]
+    m = u.shape[1]
+    for i, j in lk.grid((1, n - 1), m):
+        v[i, j] = u[i, j]
+    for i, j in lk.grid(w.shape[0], m):
+        w[i, j] = u[i, j] if i < n else 1.0
+
+
 @pytest.mark.parametrize("fn,swap,reason", [
     (store_in_a_tuple, [("u", "v")], "written by the step and accessed away from the written cell"),
     (sequential_offset_rebound, [("u", "v")], "the variable 'd' of a sequential loop is assigned in its body"),
@@ -246,6 +278,13 @@ def extent_rebound(t, u, v):
     # a loop that starts below 0 writes a swapped array's last cells in Python; in tile mode
     # the block running that index holds only a copy of them
     (negative_start, [("u", "v")], "'v' is written at a negative index"),
+    # tile mode runs the indices of its tiles only, in a loop that names a swap pair's array:
+    # indices past the pair's extent (or below 0) would run nowhere
+    (over_another_extent, [("u", "v")], "its stop may lie beyond the arrays' extent"),
+    (guarded_past_the_extent, [("u", "v")], "its stop may lie beyond the arrays' extent"),
+    (from_minus_three, [("u", "v")], "its start is below 0"),
+    (back_from_a_name, [("u", "v")], "its start may be below 0"),
+    (grid_past_the_rows, [("u", "v")], "its stop may lie beyond the arrays' extent"),
 ])
 def test_what_is_not_a_stencil_says_why_and_where(fn, swap, reason):
     s = stencil_of(fn, swap)
@@ -347,3 +386,29 @@ def test_a_name_bound_once_to_the_index_plus_a_constant_is_followed():
     s = stencil_of(store_through_names, [("u", "v")])
     assert isinstance(s, Stencil), s
     assert s.halo == ((1, 0),) and s.periodic == (True,) and s.offsets["u"] == {(-1,), (0,)}
+
+
+def five_cells(t, u, v):
+    n = u.shape[0]
+    for i in lk.range(1, n - 1):
+        v[i] = 0.5 * (u[i - 1] + u[i + 1])
+    lk.sync()
+    for i in lk.range(2, 5):
+        v[i] = v[i] + 1.0
+
+
+def last_two_down(t, u, v):
+    n = u.shape[0]
+    for i in lk.range(1, n - 1):
+        v[i] = 0.5 * (u[i - 1] + u[i + 1])
+    lk.sync()
+    for i in lk.range(n - 1, n - 3, -1):
+        v[i] = v[i] + u[i]
+
+
+def test_the_cells_a_loops_literal_bounds_need():
+    """Bounds that are literals, or the extent plus a literal, are checked when the arrays are
+    known: min_rows is the fewest cells for which each loop stays inside the swap pair."""
+    assert stencil_of(five_cells, [("u", "v")]).min_rows == 5
+    assert stencil_of(last_two_down, [("u", "v")]).min_rows == 2      # n - 1 and n - 2: n >= 2
+    assert stencil_of(W.heat_step, [("u", "v")]).min_rows == 0         # lk.range(0, n, n - 1)

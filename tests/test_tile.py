@@ -473,6 +473,56 @@ def test_loops_past_the_pairs_extent_run_every_index_in_tile_mode(fn, shape, wsh
     np.testing.assert_array_equal(w.copy_to_host(), ref_w)
 
 
+def probe_cells_two_to_five(t, u, v, w):
+    n = u.shape[0]
+    for i in lk.range(1, n - 1):
+        v[i] = 0.5 * (u[i - 1] + u[i + 1])
+    for i in lk.range(2, 5):
+        w[i] = w[i] + u[i]
+
+
+def add_the_pair_modulo_its_length(t, u, v, w):
+    n = u.shape[0]
+    for i in lk.range(1, n - 1):
+        v[i] = 0.5 * (u[i - 1] + u[i + 1])
+    for j in lk.range(w.shape[0]):
+        w[j] = w[j] + u[j % n]
+
+
+def test_loops_naming_the_pair_past_its_extent_are_refused_in_tile_mode(rng):
+    """A loop that reads the pair kept on chip runs, in tile mode, the indices of the tiles only:
+    one that may run past them (over a longer array, reading u[j % n]) was silently cut short.
+    It is refused before anything runs; a literal bound is checked against the arrays given
+    (2..5 needs 5 cells); the grid scope runs both, against NumPy."""
+    from numba import cuda
+    k = lk.megakernel(add_the_pair_modulo_its_length, swap=[("u", "v")])
+    u0, w0 = rng.random(6), np.zeros(10)
+    u, v, w = cuda.to_device(u0), cuda.to_device(u0), cuda.to_device(w0)
+    with pytest.raises(lk.ArgumentError, match=r"scope='tile'.*its stop may lie beyond the arrays' extent"):
+        k(u, v, w, steps=1, backend="cuda", scope="tile")
+    np.testing.assert_array_equal(w.copy_to_host(), w0)         # nothing ran
+    k(u, v, w, steps=1, backend="cuda", scope="grid")
+    np.testing.assert_array_equal(w.copy_to_host(), u0[np.arange(10) % 6])
+
+    k = lk.megakernel(probe_cells_two_to_five, swap=[("u", "v")])
+    u0 = rng.random(4)
+    u, v, w = cuda.to_device(u0), cuda.to_device(u0), cuda.to_device(np.zeros(8))
+    with pytest.raises(lk.ArgumentError, match=r"runs up to index 4 of their first dimension, but 'u' has 4"):
+        k(u, v, w, steps=1, backend="cuda", scope="tile")
+    u0 = rng.random(9)
+    u, v, w = cuda.to_device(u0), cuda.to_device(u0), cuda.to_device(np.zeros(8))
+    run = k(u, v, w, steps=3, backend="cuda", scope="tile")
+    assert run.scope == "tile"
+    ref, got_w = u0.copy(), np.zeros(8)
+    for _ in range(3):
+        new = ref.copy()
+        new[1:-1] = 0.5 * (ref[:-2] + ref[2:])
+        got_w[2:5] += ref[2:5]
+        ref = new
+    np.testing.assert_allclose(u.copy_to_host(), ref, rtol=0, atol=1e-12)
+    np.testing.assert_allclose(w.copy_to_host(), got_w, rtol=0, atol=1e-12)
+
+
 def test_scope_auto_tries_tile_mode_for_stencils_on_a_gpu():
     from loopkern.dispatch.config import AUTO_TILE_MIN_ELEMENTS
 

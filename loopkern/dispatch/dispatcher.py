@@ -341,6 +341,11 @@ class Dispatcher:
                 raise ArgumentError(f"scope='{name}': the arrays kept on chip must all be {st.ndim}-D of one shape and "
                                     f"dtype; '{first.name}' is {first.dtype}{list(first.shape)} and '{a.name}' is "
                                     f"{a.dtype}{list(a.shape)}")
+        if first.shape[0] < st.min_rows:
+            raise ArgumentError(f"scope='{name}': a parallel loop of step '{spec.name}' that touches the arrays kept "
+                                f"on chip runs up to index {st.min_rows - 1} of their first dimension, but "
+                                f"'{first.name}' has {first.shape[0]} there (tile mode runs a loop's indices "
+                                f"inside the tiles only); use scope='grid'")
         # tiles are ranges of the first dimension: a "cell" is one element (1-D) or one row (2-D)
         row = math.prod(first.shape[1:])
         fused = not cluster and self.fused_steps
@@ -402,7 +407,7 @@ class Dispatcher:
             return False
         if shapes is not None:
             rows = [shapes[i][0] for pair in self.spec.swap for i in pair if shapes[i]]
-            if rows and max(st.halo[0]) * AUTO_TILE_HALO_SHARE > min(rows):
+            if rows and (max(st.halo[0]) * AUTO_TILE_HALO_SHARE > min(rows) or min(rows) < st.min_rows):
                 return False
         if st.ndim == 2:
             return work >= AUTO_TILE_2D_MIN_ELEMENTS
