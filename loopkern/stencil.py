@@ -164,13 +164,17 @@ class _Analysis:
             for s in st.body + st.orelse:
                 self._statement(s, loop, offsets)
             return
-        if isinstance(st, ast.Assign) and loop is None and len(st.targets) == 1 and isinstance(st.targets[0], ast.Name):
-            extent = _extent_of(st.value, self.arrays)
-            # (a name bound again elsewhere, n = n - 3, holds the extent only for a while)
-            if extent is not None and self.bindings.get(st.targets[0].id) == 1:
-                self.extent_names[st.targets[0].id] = extent
-            if int_constant(st.value) is not None and self.bindings.get(st.targets[0].id) == 1:
-                self.int_names[st.targets[0].id] = int_constant(st.value)
+        if isinstance(st, ast.Assign) and loop is None and len(st.targets) == 1:
+            for name, value in _named_values(st.targets[0], st.value, self.arrays):
+                # (a name bound again elsewhere, n = n - 3, holds the extent only for a while)
+                if self.bindings.get(name) != 1:
+                    continue
+                if isinstance(value, tuple):
+                    self.extent_names[name] = value
+                elif _extent_of(value, self.arrays) is not None:
+                    self.extent_names[name] = _extent_of(value, self.arrays)
+                elif int_constant(value) is not None:
+                    self.int_names[name] = int_constant(value)
         if isinstance(st, (ast.Assign, ast.AugAssign)):
             targets = st.targets if isinstance(st, ast.Assign) else [st.target]
             for tgt in flat_targets(targets):
@@ -211,12 +215,14 @@ class _Analysis:
         assigned = binding_counts(self.spec.step.body)
         self.aliases = {}
         for s in st.body:
-            if (isinstance(s, ast.Assign) and len(s.targets) == 1 and isinstance(s.targets[0], ast.Name)
-                    and assigned.get(s.targets[0].id) == 1 and s.targets[0].id not in loop
-                    # only loop variables, extents and arrays (a.shape[k]): nothing that can change
-                    and all(n.id in loop or n.id in self.extent_names or n.id in self.arrays
-                            for n in ast.walk(s.value) if isinstance(n, ast.Name))):
-                self.aliases[s.targets[0].id] = s.value
+            if not (isinstance(s, ast.Assign) and len(s.targets) == 1):
+                continue
+            for name, value in _named_values(s.targets[0], s.value, self.arrays):
+                if (isinstance(value, ast.expr) and assigned.get(name) == 1 and name not in loop
+                        # only loop variables, extents and arrays (a.shape[k]): nothing that can change
+                        and all(n.id in loop or n.id in self.extent_names or n.id in self.arrays
+                                for n in ast.walk(value) if isinstance(n, ast.Name))):
+                    self.aliases[name] = value
         for s in st.body + st.orelse:
             self._statement(s, loop, {})
         self.aliases = {}
@@ -571,6 +577,21 @@ def _literal_range(it):
     if not args or any(a is None for a in args) or len(args) > 3 or (len(args) == 3 and args[2] == 0):
         return None
     return list(range(*args))
+
+
+def _named_values(target, value, arrays) -> list:
+    """(name, value) for each name ``target`` binds: ``n = e``, ``n, m = e1, e2`` and
+    ``n, m = a.shape`` (whose values are (array index, dim) tuples)."""
+    if isinstance(target, ast.Name):
+        return [(target.id, value)]
+    if not isinstance(target, ast.Tuple) or not all(isinstance(t, ast.Name) for t in target.elts):
+        return []
+    if isinstance(value, ast.Tuple) and len(value.elts) == len(target.elts):
+        return [(t.id, v) for t, v in zip(target.elts, value.elts)]
+    if (isinstance(value, ast.Attribute) and value.attr == "shape" and isinstance(value.value, ast.Name)
+            and value.value.id in arrays):
+        return [(t.id, (arrays[value.value.id], k)) for k, t in enumerate(target.elts)]
+    return []
 
 
 def _extent_of(e, arrays):

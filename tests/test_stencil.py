@@ -58,6 +58,12 @@ def back_from_zero(t, u, v):
         v[i] = u[i - 1] + u[i + 1]      # u[-1] at i = 0: Python's last element
 
 
+def shape_unpacked(t, u, v):
+    n, m = u.shape
+    for i, j in lk.grid(n, m):
+        v[i, j] = u[(i + n - 1) % n, j]
+
+
 def back_from_two(t, u, v):
     n = u.shape[0]
     for i in lk.range(2, n - 1, 3):
@@ -90,6 +96,8 @@ def columns_from_zero(t, u, v):
     (wide, [("u", "v")], 1, ((2, 2),), (False,), {0, 1}),
     (one_sided, [("u", "v")], 1, ((0, 3),), (False,), {0, 1}),
     (W.life_step, [("a", "b")], 2, ((1, 1), (1, 1)), (True, True), {0, 1}),
+    (W.life_tuple_step, [("a", "b")], 2, ((1, 1), (1, 1)), (True, True), {0, 1}),
+    (shape_unpacked, [("u", "v")], 2, ((1, 0), (0, 0)), (True, False), {0, 1}),
     (periodic_2d, [("a", "b")], 2, ((1, 1), (2, 0)), (True, True), {0, 1}),
     (box_3x5, [("u", "v")], 2, ((1, 1), (2, 2)), (False, False), {0, 1}),
     (reads_itself_twice, [("u", "v")], 1, ((0, 0),), (False,), {0, 1, 2}),

@@ -197,10 +197,12 @@ def test_a_one_sided_wrapping_stencil_in_tile_mode(shape, blocks, rng):
 
 
 @pytest.mark.parametrize("blocks", [2, 5, None])
-def test_life_with_its_population_in_tile_mode(blocks, rng):
-    # the (i + di + n) % n form, a reduction over the grid and a store by one thread each step
+@pytest.mark.parametrize("fn", [W.life_step, W.life_tuple_step])
+def test_life_with_its_population_in_tile_mode(fn, blocks, rng):
+    # the (i + di + n) % n form (and examples/life.py's, names bound by tuple assignments), a
+    # reduction over the grid and a store by one thread each step
     cuda = _cuda()
-    k = lk.megakernel(W.life_step, swap=[("a", "b")])
+    k = lk.megakernel(fn, swap=[("a", "b")])
     a0 = (rng.random((203, 77)) < 0.4).astype(np.int32)
     steps = 157
     ref, pops = W.life_ref(a0, steps)
