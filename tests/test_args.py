@@ -26,6 +26,8 @@ def arrays(rng, n=32, dtype=np.float32):
 @pytest.mark.parametrize("call,fragment", [
     (lambda k, u, v: k(u, v, steps=3), "missing a required argument: 'alpha'"),
     (lambda k, u, v: k(u, v, 0.25, 1.0, steps=3), "too many positional arguments"),
+    (lambda k, u, v: k(u, v, alpah=0.25, steps=3), "unexpected keyword argument 'alpah' (did you mean 'alpha'?)"),
+    (lambda k, u, v: k(u, v, beta=0.25, steps=3), "unexpected keyword argument 'beta'; the step takes"),
     (lambda k, u, v: k(u, v, 0.25), "pass steps=N"),
     (lambda k, u, v: k(u, v, 0.25, steps=3, max_steps=4), "either steps= or max_steps="),
     (lambda k, u, v: k(u, v, 0.25, steps=-1), "steps=-1: must be >= 0"),

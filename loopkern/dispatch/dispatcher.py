@@ -111,6 +111,16 @@ class Dispatcher:
                 raise ArgumentError(f"{self.spec.name}{call}(): takes no {extra}= (an option of "
                                     f"{'kernel.jax' if extra in JAX_OPTIONS else 'calling the kernel directly'}); "
                                     f"its options are {', '.join(o + '=' for o in options)}") from None
+            known = {p.name for p in self.spec.params}
+            unknown = [k for k in kwargs if k not in known]
+            if unknown:
+                # a misspelt name: say so, not only that the real one is missing
+                import difflib
+                near = difflib.get_close_matches(unknown[0], sorted(known) + list(options), n=1)
+                raise ArgumentError(f"{self.spec.name}{call}(): got an unexpected keyword argument '{unknown[0]}'"
+                                    + (f" (did you mean '{near[0]}'?)" if near else "")
+                                    + f"; the step takes ({names}) after the step index '{self.spec.index_param}', "
+                                      f"plus the options {', '.join(o + '=' for o in options)}") from None
             raise ArgumentError(f"{self.spec.name}{call}(): {exc}; the step takes ({names}) after the step index "
                                 f"'{self.spec.index_param}', plus the options {', '.join(o + '=' for o in options)}"
                                 ) from None
