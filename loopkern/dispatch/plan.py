@@ -494,7 +494,9 @@ def refused_pairs(spec) -> list:
     out = []
     for i, j in spec.swap:
         a, b = spec.params[i].name, spec.params[j].name
-        out.append((i, j, f"swap pair ('{a}', '{b}'): the two arrays share memory; pass two separate buffers"))
+        out.append((i, j, f"swap pair ('{a}', '{b}'): the two arrays share memory (arrays whose address ranges "
+                                f"overlap count as sharing, interleaved views such as x[::2] and x[1::2] too); pass "
+                                f"two separate buffers"))
     for i, j in written_pairs(spec):
         a, b = spec.params[i].name, spec.params[j].name
         out.append((i, j, f"argument '{b}' shares memory with argument '{a}', which step '{spec.name}' writes: its "
