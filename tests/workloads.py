@@ -51,22 +51,6 @@ def jacobi_ref(u0, tol, max_steps):
 
 
 # ---------------------------------------------------------------- Game of Life (int, periodic)
-def _example(name):
-    """A module of examples/ (its main() guarded), loaded by path."""
-    import importlib.util
-    import pathlib
-    path = pathlib.Path(__file__).resolve().parent.parent / "examples" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(f"_lk_example_{name}", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-#: examples/life.py's step, spelled with tuple assignments (n, m = a.shape[0], a.shape[1];
-#: up, down = (i + n - 1) % n, (i + 1) % n): the function under its decorator
-life_tuple_step = _example("life").life.fn
-
-
 def life_step(t, a, b, pop):
     n = a.shape[0]
     m = a.shape[1]
@@ -820,3 +804,19 @@ def coupled_rings_ref(a0, c0, steps):
         up_a, dn_a = np.roll(a, 1, axis=0), np.roll(a, -1, axis=0)
         a, c = 0.5 * a + 0.25 * (up_c + dn_c), 0.4 * c + 0.3 * up_a + 0.2 * dn_a + 0.1 * np.roll(a, -1, axis=1)
     return a, c
+
+
+def _example(name):
+    """A module of examples/ (its main() guarded), loaded by path."""
+    import importlib.util
+    import pathlib
+    path = pathlib.Path(__file__).resolve().parent.parent / "examples" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"_lk_example_{name}", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+#: examples/life.py's step, spelled with tuple assignments (n, m = a.shape[0], a.shape[1];
+#: up, down = (i + n - 1) % n, (i + 1) % n): the function under its decorator
+life_tuple_step = _example("life").life.fn
