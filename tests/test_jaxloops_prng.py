@@ -359,6 +359,28 @@ def test_draws_built_on_gamma(draw, rng):
         np.testing.assert_allclose(np.asarray(got[0]).sum(axis=1), 3.0, rtol=1e-5)
 
 
+@pytest.mark.parametrize("lo, hi", [(-1.0, 2.0), (0.0, np.inf), (-np.inf, -0.5)])
+def test_truncated_normal_between_constant_bounds(lo, hi, rng):
+    """truncated_normal nudges its bounds inwards with nextafter, folded when they are
+    constants (NumPy's nextafter at lowering time): against lax, and every draw inside."""
+    def body(i, c):
+        x, y, k = c
+        k, s = jax.random.split(k)
+        d = jax.random.truncated_normal(s, lo, hi, x.shape)
+        return x + d, jnp.minimum(y, jnp.where((d > lo) & (d < hi), 1, 0)), k
+    init = (jnp.zeros(500, jnp.float32), jnp.ones(500, jnp.int32), jax.random.key(int(rng.integers(2 ** 31))))
+    got = lk.fori_loop(0, 4, body, init, fallback="error")
+    ref = lax.fori_loop(0, 4, body, init)
+    same(got[2], ref[2])
+    same(got[0], ref[0], exact=False, rtol=2e-5, atol=2e-5)
+    assert np.all(np.asarray(got[1]) == 1)
+
+
+def test_nextafter_of_run_time_values_runs_the_lax_loop():
+    (msg,) = _falls_back(lambda i, x: lax.nextafter(x, x + 1.0), jnp.ones(5, jnp.float32), "nextafter")
+    assert "known only at run time" in msg, msg
+
+
 def test_gamma_draws_in_float64(rng):
     with jax_x64():
         a = jnp.asarray(rng.uniform(0.2, 4.0, 30))

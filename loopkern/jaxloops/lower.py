@@ -1102,7 +1102,7 @@ class Lowering:
                      for d in range(len(a.shape))]), a.shape).astype(a.dtype)
             if e.prim == "concatenate":
                 return np.concatenate([np.atleast_1d(v) for v in vals], axis=p["dimension"]).astype(a.dtype)
-            if e.prim in ("convert_element_type", "reshape", "squeeze", "copy", "copy_p"):
+            if e.prim in ("convert_element_type", "reshape", "squeeze", "copy", "copy_p", "stop_gradient"):
                 return np.asarray(vals[0]).astype(a.dtype).reshape(a.shape)
             if e.prim in ("add", "sub", "mul"):
                 f = {"add": np.add, "sub": np.subtract, "mul": np.multiply}[e.prim]
@@ -2354,13 +2354,20 @@ def _square(L, e, out, idx, ctx, B):
 
 @rule("atan2", "pow", "nextafter")
 def _math2(L, e, out, idx, ctx, B):
+    if e.prim == "nextafter":
+        # folded when its operands are constants of one value each (jax.random.truncated_normal's
+        # bounds nudged inwards: nextafter(lower, inf)); NumPy's is IEEE's
+        vals = [L.const_value(a) for a in e.ins]
+        if all(v is not None and np.asarray(v).size and np.all(np.asarray(v) == np.asarray(v).flat[0])
+               for v in vals):
+            first = [np.asarray(v, out.dtype).flat[0] for v in vals]
+            return literal(np.nextafter(first[0], first[1]), out.dtype)
+        L.unsupported(e, "nextafter of values known only at run time (loopkern folds it for constants)")
     x, y = _args(L, e, idx, ctx, B)
     if e.prim == "pow":
         if e.ins[1].dtype.kind != "f":
             L.unsupported(e, "an integer exponent array")
         return cast(f"({x} ** {y})", out.dtype)
-    if e.prim == "nextafter":
-        L.unsupported(e)
     return cast(f"math.atan2({x}, {y})", out.dtype)
 
 
