@@ -922,6 +922,12 @@ class _Normalizer(ast.NodeTransformer):
                 if found and isinstance(module, types.ModuleType):
                     return self.reject(node, f"the module '{module.__name__}' has no function '{node.func.attr}' that "
                                              f"step code can call", "see the README's list of what step code may call")
+            if isinstance(node.func, ast.Attribute) and isinstance(base, ast.Attribute):
+                ok_base, owner = self._resolve_path(base)
+                if ok_base and isinstance(owner, dsl.Namespace):
+                    # lk.atomic.sub: name what the namespace has
+                    return self.reject(node, f"{owner.display} has no function '{node.func.attr}'",
+                                       f"it has {', '.join(owner.display + '.' + n for n in dir(owner))}")
             if isinstance(node.func, ast.Attribute):
                 return self.reject(node, f"method calls such as '{label}(...)' are not supported in step code",
                                    "use the allowed builtins, math.*, lk.* or a helper function")

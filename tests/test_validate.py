@@ -810,3 +810,11 @@ def test_a_lambda_inside_a_statement_is_refused_as_not_a_def():
     for step in [lambda t, u: None]:
         with pytest.raises(lk.StepSyntaxError, match="is not a plain 'def' function"):
             lk.megakernel(step)
+
+
+def test_a_missing_function_of_an_lk_namespace_names_those_it_has():
+    def step(t, a):
+        lk.atomic.sub(a, 0, 1.0)
+    with pytest.raises(lk.StepSyntaxError, match=r"lk\.atomic has no function 'sub'") as info:
+        lk.megakernel(step)
+    assert "it has lk.atomic.add, lk.atomic.max, lk.atomic.min" in str(info.value)
