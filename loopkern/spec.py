@@ -131,6 +131,9 @@ class ParamSpec:
         index_line: a line where the step indexes an array with the parameter's value, 0 if
             none: a float or a bool passed for it is refused (NumPy reads a bool index as a
             mask, Numba does not compile one).
+        shape_ndim: ``k + 1`` for the largest ``a.shape[k]`` (literal ``k``) the step reads of
+            it, 0 if none: an array of fewer dimensions has no such extent.
+        shape_line: the line of that read.
     """
 
     name: str
@@ -143,6 +146,8 @@ class ParamSpec:
     max_ndim_line: int = 0
     integer_line: int = 0
     index_line: int = 0
+    shape_ndim: int = 0
+    shape_line: int = 0
 
 
 @dataclass(frozen=True)

@@ -305,6 +305,7 @@ class _Normalizer(ast.NodeTransformer):
         self.array_uses: dict[str, ast.AST] = {}
         self.arity: dict[str, tuple[int, int]] = {}   # param -> (most indices used, line)
         self.fewest: dict[str, tuple[int, int]] = {}  # param -> (fewest indices used, line)
+        self.shape_dims: dict[str, tuple[int, int]] = {}  # param -> (k + 1 of the largest a.shape[k], line)
         self.grid_tuples: dict[str, int] = {}         # an lk.grid's single target name -> its dimensions
         self.float_locals: set[str] = set()            # locals assigned a float expression (see _floaty)
         self.written: set[str] = set()
@@ -713,6 +714,11 @@ class _Normalizer(ast.NodeTransformer):
 
     def visit_Subscript(self, node):
         if isinstance(node.value, ast.Attribute) and node.value.attr == "shape":
+            base, k = node.value.value, int_constant(node.slice)
+            if isinstance(base, ast.Name) and base.id in self.params and k is not None and k >= 0 \
+                    and k + 1 > self.shape_dims.get(base.id, (0, 0))[0]:
+                # an array of fewer dimensions has no such extent: refused at the call
+                self.shape_dims[base.id] = (k + 1, node.lineno)
             node.value = self.visit(node.value)
             node.slice = self._index(node.slice)
             return node
@@ -2168,7 +2174,9 @@ def validate_step(fn, swap=()) -> StepSpec:
         params=tuple(ParamSpec(p, k, norm.arity.get(p, (0, 0))[0], norm.arity.get(p, (0, 0))[1], p in norm.written,
                                p in norm.atomic, *norm.fewest.get(p, (0, 0)),
                                integer_line=norm.integer_uses[p].lineno if p in norm.integer_uses else 0,
-                               index_line=norm.index_uses[p].lineno if p in norm.index_uses else 0)
+                               index_line=norm.index_uses[p].lineno if p in norm.index_uses else 0,
+                               shape_ndim=norm.shape_dims.get(p, (0, 0))[0],
+                               shape_line=norm.shape_dims.get(p, (0, 0))[1])
                      for p, k in zip(params, kinds)), step=step,
         helpers=tuple(ctx.helpers.values()), returns_condition=bool(with_value), swap=tuple(swap_idx),
         uses_barrier=uses_barrier, parallel=parallel)

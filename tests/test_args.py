@@ -259,6 +259,25 @@ def test_too_few_dimensions_is_named(rng, backend):
         k(rng.random(6), np.zeros((2, 3)), steps=1, backend=backend)
 
 
+def reads_a_second_extent(t, a, b):
+    n = a.shape[1]
+    for i in lk.range(b.shape[0]):
+        b[i] = n
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_shape_the_array_lacks_is_named(rng, backend):
+    """a.shape[1] of a 1-D array: an ArgumentError naming it, before anything runs (it was
+    Numba's 'tuple index out of range' at compile time)."""
+    k = lk.megakernel(reads_a_second_extent)
+    b = np.zeros(3)
+    with pytest.raises(lk.ArgumentError, match=r"argument 'a': the step reads a.shape\[1\] .*got a 1-D"):
+        k(rng.random(6), b, steps=1, backend=backend)
+    assert not b.any()
+    k(np.ones((2, 5)), b, steps=1, backend=backend)
+    np.testing.assert_array_equal(b, 5.0)
+
+
 def one_index_step(t, u, v):
     for i in lk.range(u.shape[0]):
         v[i] = u[i] + 1.0

@@ -23,6 +23,9 @@ def check_array_use(p, shape, filename):
     if len(shape) < p.min_ndim:
         raise ArgumentError(f"argument '{p.name}': the step indexes it with {p.min_ndim} indices "
                             f"({filename}:{p.min_ndim_line}), got a {len(shape)}-D array of shape {tuple(shape)}")
+    if len(shape) < p.shape_ndim:
+        raise ArgumentError(f"argument '{p.name}': the step reads {p.name}.shape[{p.shape_ndim - 1}] "
+                            f"({filename}:{p.shape_line}), got a {len(shape)}-D array of shape {tuple(shape)}")
     if p.max_ndim and len(shape) > p.max_ndim:
         raise ArgumentError(f"argument '{p.name}': the step indexes it with {p.max_ndim} "
                             f"ind{'ex' if p.max_ndim == 1 else 'ices'} ({filename}:{p.max_ndim_line}), an element of "
