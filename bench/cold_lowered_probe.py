@@ -13,24 +13,16 @@ import sys
 import time
 
 t_start = time.perf_counter()
-os.environ["NUMBA_ENABLE_CUDASIM"] = "0"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.join(HERE, "..", "tests"), os.path.join(HERE, "..")]
+from bench.standin import use_stand_in_device  # noqa: E402
+
+use_stand_in_device()
 import numpy as np  # noqa: E402
 import jax  # noqa: E402
-import numba.cuda.api as _api  # noqa: E402
-import numba.cuda.dispatcher as _disp  # noqa: E402
 from numba import types  # noqa: E402
 
-
-class _Device:
-    compute_capability = (9, 0)
-    id = 0
-    name = b"stand-in for compiling only"
-
-
-_api.get_current_device = _disp.get_current_device = lambda: _Device()
 import loopkern  # noqa: E402,F401
 from numba import cuda  # noqa: E402
 t_import = time.perf_counter()

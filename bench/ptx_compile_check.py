@@ -6,34 +6,22 @@ unzipped: nvidia/cu13/lib/libnvvm.so.4).
 
     NVVM_SO=/path/libnvvm.so.4 JAX_PLATFORMS=cpu python bench/ptx_compile_check.py
 """
-import ctypes
 import os
 import sys
 
-if os.environ.get("NVVM_SO"):
-    ctypes.CDLL(os.environ["NVVM_SO"], mode=ctypes.RTLD_GLOBAL)     # before Numba looks for one
-os.environ["NUMBA_ENABLE_CUDASIM"] = "0"
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.join(HERE, "..", "tests"), os.path.join(HERE, "..")]
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+from bench.standin import use_stand_in_device  # noqa: E402
 
+use_stand_in_device()
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numba  # noqa: E402
-import numba.cuda.api as _api  # noqa: E402
-import numba.cuda.dispatcher as _disp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax import lax  # noqa: E402
 from numba import types, typeof  # noqa: E402
 
-
-class _StandIn:
-    compute_capability = (9, 0)
-    id = 0
-    name = b"stand-in sm_90"
-
-
-_api.get_current_device = _disp.get_current_device = lambda: _StandIn()
 import loopkern as lk  # noqa: E402
 import workloads as W  # noqa: E402
 from lowered_steps import lowered  # noqa: E402
