@@ -81,6 +81,12 @@ def flat(atoms) -> list:
     return [w for a in atoms for w in (a.words if isinstance(a, Keys) else (a,))]
 
 
+def unpack(data, emit, where) -> "Keys":
+    """The :class:`Keys` whose words are stacked along the last axis of the uint32 value
+    ``data`` (a closed-over key array's ``jax.random.key_data``)."""
+    return _Spell(emit, where).unpack(data)
+
+
 def unflat(avals, words) -> list:
     """The inverse of :func:`flat` for values of ``avals`` (JAX avals; key arrays take two)."""
     out, it = [], iter(words)

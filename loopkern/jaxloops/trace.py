@@ -380,7 +380,7 @@ def flatten(closed) -> Program:
             consts.append((nv, c))
             sink.append(eqns)
             try:
-                return prng._Spell(emit, "a closed-over value").unpack(nv)
+                return prng.unpack(nv, emit, "a closed-over value")
             finally:
                 sink.pop()
         nv = new_var(v.aval)
