@@ -50,6 +50,7 @@ BODIES = {
     "truncated_normal": (lambda i, x: x + jax.random.truncated_normal(jax.random.fold_in(KEY, i), -1.0, 2.0,
                                                                       x.shape), np.float32),
     "vmapped_while": (_collatz, np.int32),
+    "nextafter": (lambda i, x: lax.nextafter(x, x - 1.0), np.float32),
     "gamma": (lambda i, x: x + jax.random.gamma(jax.random.fold_in(KEY, i), ALPHA), np.float32),
 }
 

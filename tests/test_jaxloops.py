@@ -1299,20 +1299,20 @@ def test_fallback_warns_once_naming_the_primitive_and_line(rng):
 
 
 def test_random_draws_outside_the_subset_fall_back_and_the_warning_names_the_error_s_place(rng):
-    """jax.random compiles (tests/test_jaxloops_prng.py) except a few draws (truncated_normal
-    between bounds computed at run time: nextafter of them) and keys of other implementations
-    than threefry2x32: those fall back (with the warning, or StepSyntaxError for
-    fallback="error"), and the warning's file:line:col is the error's."""
+    """jax.random compiles (tests/test_jaxloops_prng.py) except a few draws (orthogonal: a qr
+    factorisation) and keys of other implementations than threefry2x32: those fall back (with
+    the warning, or StepSyntaxError for fallback="error"), and the warning's file:line:col is
+    the error's."""
     x0 = f32(rng, 8)
 
     def drawn(i, c):
-        return c + jax.random.truncated_normal(jax.random.fold_in(jax.random.PRNGKey(0), i), c[0] - 5.0, 2.0, (8,))
+        return c + jnp.sum(jax.random.orthogonal(jax.random.fold_in(jax.random.PRNGKey(0), i), 3))
 
     def carried(i, c):
         k, x = c
         k, sub = jax.random.split(k)
         return k, x + jax.random.normal(sub, x.shape)
-    for body, init, name in [(drawn, x0, "nextafter"), (carried, (jax.random.key(1, impl="rbg"), x0), "rbg")]:
+    for body, init, name in [(drawn, x0, "qr"), (carried, (jax.random.key(1, impl="rbg"), x0), "rbg")]:
         with warnings.catch_warnings(record=True) as w:
             warnings.simplefilter("always")
             got = lk.fori_loop(0, 3, body, init)

@@ -359,15 +359,17 @@ def test_draws_built_on_gamma(draw, rng):
         np.testing.assert_allclose(np.asarray(got[0]).sum(axis=1), 3.0, rtol=1e-5)
 
 
-@pytest.mark.parametrize("lo, hi", [(-1.0, 2.0), (0.0, np.inf), (-np.inf, -0.5)])
-def test_truncated_normal_between_constant_bounds(lo, hi, rng):
+@pytest.mark.parametrize("lo, hi", [(-1.0, 2.0), (0.0, np.inf), (-np.inf, -0.5), ("run time", 1.5)])
+def test_truncated_normal(lo, hi, rng):
     """truncated_normal nudges its bounds inwards with nextafter, folded when they are
-    constants (NumPy's nextafter at lowering time): against lax, and every draw inside."""
+    constants (NumPy's nextafter at lowering time), jl_nextafter when they are known at run
+    time only: against lax, and every draw inside its bounds."""
     def body(i, c):
         x, y, k = c
         k, s = jax.random.split(k)
-        d = jax.random.truncated_normal(s, lo, hi, x.shape)
-        return x + d, jnp.minimum(y, jnp.where((d > lo) & (d < hi), 1, 0)), k
+        low = lo if lo != "run time" else -0.25 * i.astype(jnp.float32) - 0.5
+        d = jax.random.truncated_normal(s, low, hi, x.shape)
+        return x + d, jnp.minimum(y, jnp.where((d > low) & (d < hi), 1, 0)), k
     init = (jnp.zeros(500, jnp.float32), jnp.ones(500, jnp.int32), jax.random.key(int(rng.integers(2 ** 31))))
     got = lk.fori_loop(0, 4, body, init, fallback="error")
     ref = lax.fori_loop(0, 4, body, init)
@@ -376,9 +378,29 @@ def test_truncated_normal_between_constant_bounds(lo, hi, rng):
     assert np.all(np.asarray(got[1]) == 1)
 
 
-def test_nextafter_of_run_time_values_runs_the_lax_loop():
-    (msg,) = _falls_back(lambda i, x: lax.nextafter(x, x + 1.0), jnp.ones(5, jnp.float32), "nextafter")
-    assert "known only at run time" in msg, msg
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_nextafter_of_run_time_values_against_numpy(dtype, rng):
+    """lax.nextafter of values known at run time (jl_nextafter: the spacing at x), bit for bit
+    against NumPy's IEEE nextafter: zeros, the smallest normal numbers (whose neighbours below
+    are subnormal), powers of two in both directions, the largest finite values, infinities,
+    NaNs and random values. (Subnormal operands: the simulator test of jl_nextafter, since the
+    CPU kernel inside JAX runs on an XLA thread that reads subnormal inputs as zeros.)"""
+    fi = np.finfo(dtype)
+    special = np.array([0.0, -0.0, fi.tiny, -fi.tiny, 2 * fi.tiny, 1.0, -1.0, 0.5, 2.0, fi.max, -fi.max,
+                        np.inf, -np.inf, np.nan, 3.0], dtype)
+    xs = np.concatenate([special, special, rng.standard_normal(40).astype(dtype)])
+    ys = np.concatenate([np.full(special.size, np.inf, dtype), np.full(special.size, -np.inf, dtype),
+                         rng.standard_normal(40).astype(dtype)])
+    ys[5], ys[7], ys[20] = xs[5], np.nan, xs[20]            # equal operands, a NaN direction
+
+    def body(i, c):
+        x, y, z = c
+        return x, y, lax.nextafter(x, y)
+    with (jax_x64() if dtype == np.float64 else _nothing()):
+        init = (jnp.asarray(xs), jnp.asarray(ys), jnp.zeros(xs.size, dtype))
+        got = np.asarray(lk.fori_loop(0, 1, body, init, fallback="error")[2])
+    # (a subnormal result may come back as the zero of its sign: _same_floats says why)
+    _same_floats(got, np.nextafter(xs, ys), np.uint32 if dtype == np.float32 else np.uint64)
 
 
 def test_gamma_draws_in_float64(rng):

@@ -707,6 +707,23 @@ def test_jax_random_gamma_in_a_lowered_step(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_nextafter_of_subnormals_and_around_them(backend):
+    """jl_nextafter run directly (no XLA thread flushing subnormals): subnormal operands and
+    results, float32, bit for bit against NumPy's IEEE nextafter."""
+    fi = np.finfo(np.float32)
+    rng = np.random.default_rng(9)
+    xs = np.concatenate([[0.0, -0.0, fi.smallest_subnormal, -fi.smallest_subnormal, fi.tiny, -fi.tiny,
+                          fi.tiny - fi.smallest_subnormal], rng.standard_normal(25) * fi.tiny]).astype(np.float32)
+    toward = np.where(np.arange(xs.size) % 2 == 0, np.inf, -np.inf).astype(np.float32)
+
+    def body(i, x):
+        return lax.nextafter(x, jnp.asarray(toward))
+    scope = dict(scope="grid") if backend == "cuda" else {}
+    got, _, _ = run_lowered(body, xs, 1, backend, threads=32, **scope)
+    np.testing.assert_array_equal(got.view(np.uint32), np.nextafter(xs, toward).view(np.uint32))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_convolve2d_heat_in_a_lowered_step(backend):
     """A 2-D heat step written with jax.scipy.signal.convolve2d (jaxloops/conv.py: the pad and the
     kernel's nine taps as slices), against float64 NumPy."""

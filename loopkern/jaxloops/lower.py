@@ -315,6 +315,37 @@ def jl_bits_f32(b):
     return np.float32(jl_from_fields(u >= 0x80000000, (u >> 23) & 0xFF, u & 0x7FFFFF, 255, 23, -149))
 
 
+def jl_nextafter(x, y, mbits, lowest):
+    # IEEE nextafter in a format of mbits mantissa bits whose smallest subnormal is 2**lowest,
+    # from the spacing at x (step code has no bit reinterpretation, nor frexp); in float64,
+    # where a float32 subnormal is a normal number
+    if x != x or y != y:
+        return x + y
+    if x == y:
+        return y
+    one = np.float64(1.0)
+    if x == 0:
+        tiny = math.ldexp(one, lowest)
+        return tiny if y > 0 else -tiny
+    a = np.float64(abs(x))
+    if a == math.inf:
+        return math.copysign(math.ldexp(np.float64(2.0) - math.ldexp(one, -mbits), 1 - lowest - mbits), x)
+    e = int(math.floor(math.log2(a)))
+    if math.ldexp(one, e) > a:          # (log2 rounded up across a power of two)
+        e -= 1
+    elif math.ldexp(one, e + 1) <= a:
+        e += 1
+    up = (y > x) == (x > 0)
+    k = e - mbits                       # the spacing in [2**e, 2**(e + 1))
+    if not up and a == math.ldexp(one, e):
+        k -= 1                          # below a power of two the spacing halves
+    # scaled to [1, 2) and back, so that no operand of the add is subnormal (a thread that
+    # reads subnormal operands as zeros, as XLA's CPU threads do, still gets it right)
+    m = math.ldexp(a, -e)
+    d = math.ldexp(one, max(k, lowest) - e)
+    return math.copysign(math.ldexp(m + d if up else m - d, e), x)
+
+
 def jl_bits_f64(b):
     # the float64 whose bits are the 64-bit integer b
     i = np.int64(b)
@@ -2362,8 +2393,12 @@ def _math2(L, e, out, idx, ctx, B):
                for v in vals):
             first = [np.asarray(v, out.dtype).flat[0] for v in vals]
             return literal(np.nextafter(first[0], first[1]), out.dtype)
-        L.unsupported(e, "nextafter of values known only at run time (loopkern folds it for constants)")
     x, y = _args(L, e, idx, ctx, B)
+    if e.prim == "nextafter":
+        if out.dtype not in (np.dtype(np.float32), np.dtype(np.float64)):
+            L.unsupported(e, f"nextafter of {out.dtype}")
+        fmt = (23, -149) if out.dtype == np.dtype(np.float32) else (52, -1074)
+        return cast(f"jl_nextafter({x}, {y}, {fmt[0]}, {fmt[1]})", out.dtype)
     if e.prim == "pow":
         if e.ins[1].dtype.kind != "f":
             L.unsupported(e, "an integer exponent array")
