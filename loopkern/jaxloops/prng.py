@@ -307,7 +307,6 @@ def on_keys(e, ins, emit, where) -> list:
                                        "broadcasts, concatenation, gathers, scatters, cond and dynamic_slice; draw "
                                        "from them with jax.random, or pass jax.random.key_data(keys) instead)")
     shape = check_impl(outs[0], where)
-    sp = _Spell(emit, where)
     words = []
     for w in (0, 1):
         args = [a.words[w] if isinstance(a, Keys) else a for a in ins]
